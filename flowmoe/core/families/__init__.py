@@ -1,0 +1,34 @@
+"""Registry of supported model families, looked up by `architectures` or `model_type`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flowmoe.core.errors import ConfigError
+from flowmoe.core.families import gpt_oss, mixtral, olmoe, qwen_moe
+from flowmoe.core.families.base import Family, TensorNames
+
+FAMILIES: tuple[Family, ...] = (mixtral.FAMILY, qwen_moe.QWEN2, qwen_moe.QWEN3, olmoe.FAMILY, gpt_oss.FAMILY)
+
+__all__ = ["FAMILIES", "Family", "TensorNames", "family_for_config", "family_named"]
+
+
+def supported() -> str:
+    return ", ".join(a for f in FAMILIES for a in f.architectures)
+
+
+def family_named(name: str) -> Family:
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise ConfigError(f"unknown model family {name!r}; supported: {', '.join(f.name for f in FAMILIES)}")
+
+
+def family_for_config(config: dict[str, Any], where: str = "config") -> Family:
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type")
+    for family in FAMILIES:
+        if any(a in family.architectures for a in archs) or model_type in family.model_types:
+            return family
+    found = ", ".join(archs) or model_type or "none given"
+    raise ConfigError(f"{where}: unsupported architecture {found}; supported: {supported()}")

@@ -1,0 +1,46 @@
+"""Turn a checkpoint folder or a preset name into a ready MoEModel."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from flowmoe.checkpoint import Checkpoint
+from flowmoe.core.errors import ConfigError
+from flowmoe.core.presets import PRESETS, preset
+from flowmoe.model import MoEModel
+from flowmoe.random_weights import RandomSource
+from flowmoe.tensor_map import TensorMap, TensorSource
+
+Progress = Callable[[int, int], None]
+
+
+def load_model(
+    source: str | Path,
+    dtype: str | None = None,
+    layers: int | None = None,
+    progress: Progress | None = None,
+) -> MoEModel:
+    """`source` is a checkpoint folder or a preset name (random weights at the real shapes).
+
+    `layers` cuts a preset to its first layers; `progress(done, total)` is called per layer."""
+    path = Path(source)
+    if path.is_dir():
+        ckpt = Checkpoint.open(path, dtype)
+        if layers is not None:
+            raise ConfigError("--layers applies to presets only; a checkpoint loads all its layers")
+        return _assemble(ckpt, ckpt.spec, progress)
+    if str(source) in PRESETS:
+        spec = preset(str(source), layers=layers, dtype=dtype)
+        return _assemble(RandomSource(spec), spec, progress)
+    raise ConfigError(f"{source}: neither a checkpoint folder nor a preset (presets: {', '.join(PRESETS)})")
+
+
+def _assemble(source: TensorSource, spec, progress: Progress | None) -> MoEModel:
+    tensor_map = TensorMap.for_spec(spec)
+    layers = []
+    for layer in range(spec.layers):
+        layers.append(tensor_map.load_layer(layer, source))
+        if progress is not None:
+            progress(layer + 1, spec.layers)
+    return MoEModel.build(spec, tensor_map.load_top(source, layers))

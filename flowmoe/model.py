@@ -1,0 +1,171 @@
+"""MoEModel: a decoder-only MoE transformer split into the steps the runtime schedules.
+
+Per layer and micro-batch: pre-attention (norm + QKV + rope), attention over
+the KV cache, post-attention (O projection + residual + norm), gate, one FFN
+per routed expert (plus shared or dense FFNs), and combine. Each step is a
+plain function of tensors, so it can run on any lane of any device; `forward_layer`
+composes them eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from attrs import define
+
+from flowmoe.core.spec import ModelSpec
+from flowmoe.kernels.attention import attend
+from flowmoe.kernels.experts import swiglu_ffn
+from flowmoe.kernels.kv_cache import KVCache
+from flowmoe.kernels.layout import TokenLayout
+from flowmoe.kernels.norm import rms_norm
+from flowmoe.kernels.rope import apply_rope, cos_sin, inverse_frequencies
+from flowmoe.kernels.router import Routing, route
+from flowmoe.weights import FFNWeights, ModelWeights
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+@define
+class MoEModel:
+    spec: ModelSpec
+    weights: ModelWeights
+    inv_freq: torch.Tensor  # [head_dim / 2]
+    rope_scaling: float
+
+    @classmethod
+    def build(cls, spec: ModelSpec, weights: ModelWeights) -> MoEModel:
+        inv_freq, scaling = inverse_frequencies(spec.rope, spec.attention.head_dim)
+        return cls(spec, weights, inv_freq, scaling)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights.embed.dtype
+
+    def new_cache(self, slots: int, capacity: int, device: torch.device | str = "cpu") -> KVCache:
+        a = self.spec.attention
+        return KVCache.allocate(self.spec.layers, slots, a.kv_heads, capacity, a.head_dim, self.dtype, device)
+
+    # ---- steps
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [T] int64 -> hidden [T, hidden]."""
+        return F.embedding(ids, self.weights.embed)
+
+    def rope(self, layout: TokenLayout, device: torch.device | str = "cpu") -> Rope:
+        """cos, sin: [T, head_dim] for this step's token positions (shared by all layers)."""
+        return cos_sin(self.inv_freq, self.rope_scaling, layout.positions.to(device), self.dtype)
+
+    def pre_attention(
+        self, layer: int, hidden: torch.Tensor, rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden: [T, hidden] -> q [T, H, D], k [T, KVH, D], v [T, KVH, D]."""
+        a, w = self.spec.attention, self.weights.layers[layer].attn
+        x = rms_norm(hidden, w.input_norm, self.spec.norm_eps)
+        qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, (H + 2 KVH) * D]
+        q, k, v = qkv.split([a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], dim=-1)
+        if a.qk_norm == "full":
+            q = rms_norm(q, w.q_norm, self.spec.norm_eps)
+            k = rms_norm(k, w.k_norm, self.spec.norm_eps)
+        if a.clip_qkv is not None:
+            q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+        tokens = hidden.shape[0]
+        q = q.reshape(tokens, a.heads, a.head_dim)
+        k = k.reshape(tokens, a.kv_heads, a.head_dim)
+        v = v.reshape(tokens, a.kv_heads, a.head_dim)
+        if a.qk_norm == "head":
+            q = rms_norm(q, w.q_norm, self.spec.norm_eps)
+            k = rms_norm(k, w.k_norm, self.spec.norm_eps)
+        cos, sin = rope
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        layout: TokenLayout,
+    ) -> torch.Tensor:
+        """Append k, v to the cache and attend: q [T, H, D] -> [T, H * D]."""
+        cache.write(layer, layout, k, v)
+        sinks = self.weights.layers[layer].attn.sinks
+        window = self.spec.attention.window(layer)
+        return attend(q, cache.keys[layer], cache.values[layer], layout, window, sinks)
+
+    def post_attention(
+        self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (hidden + O(attn_out) [T, hidden], its post-attention norm [T, hidden])."""
+        w = self.weights.layers[layer].attn
+        hidden = hidden + F.linear(attn_out, w.o, w.o_bias)
+        return hidden, rms_norm(hidden, w.post_norm, self.spec.norm_eps)
+
+    def gate(self, layer: int, x: torch.Tensor) -> Routing:
+        w = self.weights.layers[layer]
+        return route(x, w.router, w.router_bias, self.spec.moe)
+
+    def expert(self, x: torch.Tensor, routing: Routing, expert: int, ffn: FFNWeights) -> torch.Tensor:
+        """The scaled output of one routed expert for its tokens: [n_e, hidden]."""
+        rows = routing.tokens[expert]
+        out = swiglu_ffn(x[rows], ffn.gate_up, ffn.down, self.spec.moe, ffn.gate_up_bias, ffn.down_bias)
+        return out * routing.scales[expert][:, None].to(out.dtype)
+
+    def shared(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Shared expert (gated by a sigmoid when the family has one) or dense MLP: [T, hidden]."""
+        w = self.weights.layers[layer]
+        ffn = w.shared if w.shared is not None else w.dense
+        out = swiglu_ffn(x, ffn.gate_up, ffn.down, self.spec.moe, ffn.gate_up_bias, ffn.down_bias)
+        if w.shared_gate is not None:
+            out = torch.sigmoid(F.linear(x, w.shared_gate)) * out
+        return out
+
+    def combine(
+        self,
+        hidden: torch.Tensor,
+        routing: Routing | None,
+        outputs: dict[int, torch.Tensor],
+        shared: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """hidden + the expert outputs summed in ascending expert order (the same sum whatever
+        order the experts ran in) + the shared/dense output -> [T, hidden]."""
+        moe = torch.zeros_like(hidden)
+        if routing is not None:
+            for expert in routing.experts:
+                moe.index_add_(0, routing.tokens[expert], outputs[expert].to(moe.dtype))
+        if shared is not None:
+            moe = moe + shared
+        return hidden + moe
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, hidden] (each sequence's last token) -> [B, vocab] float32."""
+        x = rms_norm(hidden, self.weights.final_norm, self.spec.norm_eps)
+        return F.linear(x, self.weights.lm_head).float()
+
+    # ---- eager composition
+
+    def forward_layer(
+        self, layer: int, hidden: torch.Tensor, cache: KVCache, layout: TokenLayout, rope: Rope
+    ) -> torch.Tensor:
+        q, k, v = self.pre_attention(layer, hidden, rope)
+        attn_out = self.attention(layer, q, k, v, cache, layout)
+        hidden, x = self.post_attention(layer, hidden, attn_out)
+        if not self.spec.is_moe_layer(layer):
+            return self.combine(hidden, None, {}, self.shared(layer, x))
+        routing = self.gate(layer, x)
+        experts = self.weights.layers[layer].experts
+        outputs = {e: self.expert(x, routing, e, experts[e]) for e in routing.experts}
+        shared = self.shared(layer, x) if self.spec.moe.has_shared else None
+        return self.combine(hidden, routing, outputs, shared)
+
+    def forward(
+        self, ids: torch.Tensor, cache: KVCache, layout: TokenLayout, all_rows: bool = False
+    ) -> torch.Tensor:
+        """One eager step: ids [T] -> logits [B, vocab] of each sequence's last token
+        (or [T, vocab] of every token with `all_rows`)."""
+        hidden = self.embed(ids)
+        rope = self.rope(layout, hidden.device)
+        for layer in range(self.spec.layers):
+            hidden = self.forward_layer(layer, hidden, cache, layout, rope)
+        return self.logits(hidden if all_rows else hidden[layout.last_rows.to(hidden.device)])

@@ -1,0 +1,217 @@
+"""Which checkpoint tensors a layer needs, at which shapes, and how they become LayerWeights.
+
+The same map serves every weight source (a checkpoint folder, random weights of
+a preset): a source only answers `has(name)` and `get(name, shape)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from attrs import frozen
+
+from flowmoe.core.errors import CheckpointError
+from flowmoe.core.families import TensorNames, family_named
+from flowmoe.core.spec import ModelSpec
+from flowmoe.weights import AttentionWeights, FFNWeights, LayerWeights, ModelWeights
+
+Shape = tuple[int, ...]
+
+
+class TensorSource(Protocol):
+    def has(self, name: str) -> bool: ...
+
+    def get(self, name: str, shape: Shape) -> torch.Tensor: ...
+
+
+@frozen
+class MoELayout:
+    """How one layer's MoE block is stored: its name prefix and per-expert or fused experts."""
+
+    prefix: str
+    fused: bool
+
+
+@frozen
+class TensorMap:
+    spec: ModelSpec
+    names: TensorNames
+
+    @classmethod
+    def for_spec(cls, spec: ModelSpec) -> TensorMap:
+        return cls(spec, family_named(spec.family).names)
+
+    # ---- names and shapes
+
+    def top_level(self) -> dict[str, Shape]:
+        s = self.spec
+        out: dict[str, Shape] = {
+            "model.embed_tokens.weight": (s.vocab, s.hidden),
+            "model.norm.weight": (s.hidden,),
+        }
+        if not s.tie_embeddings:
+            out["lm_head.weight"] = (s.vocab, s.hidden)
+        return out
+
+    def moe_layout(self, layer: int, has: Callable[[str], bool]) -> MoELayout:
+        base = f"model.layers.{layer}."
+        for prefix in self.names.moe_prefixes:
+            if has(f"{base}{prefix}.{self.names.router}.weight"):
+                return MoELayout(prefix, has(f"{base}{prefix}.experts.gate_up_proj"))
+        wanted = f"{base}{self.names.moe_prefixes[0]}.{self.names.router}.weight"
+        raise CheckpointError(f"tensor {wanted} is missing (the router of layer {layer})")
+
+    def layer_tensors(self, layer: int, has: Callable[[str], bool]) -> dict[str, Shape]:
+        """Every tensor layer `layer` needs, with its expected shape."""
+        s, a = self.spec, self.spec.attention
+        base = f"model.layers.{layer}."
+        q, kv, hidden = a.heads * a.head_dim, a.kv_heads * a.head_dim, s.hidden
+        out: dict[str, Shape] = {
+            f"{base}input_layernorm.weight": (hidden,),
+            f"{base}post_attention_layernorm.weight": (hidden,),
+            f"{base}self_attn.q_proj.weight": (q, hidden),
+            f"{base}self_attn.k_proj.weight": (kv, hidden),
+            f"{base}self_attn.v_proj.weight": (kv, hidden),
+            f"{base}self_attn.o_proj.weight": (hidden, q),
+        }
+        if a.qkv_bias:
+            out |= {f"{base}self_attn.{p}_proj.bias": (n,) for p, n in (("q", q), ("k", kv), ("v", kv))}
+        if a.o_bias:
+            out[f"{base}self_attn.o_proj.bias"] = (hidden,)
+        if a.qk_norm != "none":
+            head = a.qk_norm == "head"
+            out[f"{base}self_attn.q_norm.weight"] = (a.head_dim,) if head else (q,)
+            out[f"{base}self_attn.k_norm.weight"] = (a.head_dim,) if head else (kv,)
+        if a.sinks:
+            out[f"{base}self_attn.sinks"] = (a.heads,)
+        if not s.is_moe_layer(layer):
+            return out | self._ffn(f"{base}mlp.", s.moe.dense_intermediate)
+        return out | self._moe_tensors(layer, self.moe_layout(layer, has))
+
+    def _ffn(self, prefix: str, inter: int) -> dict[str, Shape]:
+        h = self.spec.hidden
+        return {
+            f"{prefix}gate_proj.weight": (inter, h),
+            f"{prefix}up_proj.weight": (inter, h),
+            f"{prefix}down_proj.weight": (h, inter),
+        }
+
+    def _moe_tensors(self, layer: int, layout: MoELayout) -> dict[str, Shape]:
+        m, h = self.spec.moe, self.spec.hidden
+        p = f"model.layers.{layer}.{layout.prefix}."
+        out: dict[str, Shape] = {f"{p}{self.names.router}.weight": (m.experts, h)}
+        if m.router_bias:
+            out[f"{p}{self.names.router}.bias"] = (m.experts,)
+        inter = m.intermediate
+        if layout.fused:
+            interleaved = self.names.fused_gate_up == "interleaved_columns"
+            out[f"{p}experts.gate_up_proj"] = (
+                (m.experts, h, 2 * inter) if interleaved else (m.experts, 2 * inter, h)
+            )
+            out[f"{p}experts.down_proj"] = (m.experts, inter, h) if interleaved else (m.experts, h, inter)
+            if m.expert_bias:
+                out[f"{p}experts.gate_up_proj_bias"] = (m.experts, 2 * inter)
+                out[f"{p}experts.down_proj_bias"] = (m.experts, h)
+        else:
+            gate, up, down = self.names.expert_proj
+            for e in range(m.experts):
+                out |= {
+                    f"{p}experts.{e}.{gate}.weight": (inter, h),
+                    f"{p}experts.{e}.{up}.weight": (inter, h),
+                    f"{p}experts.{e}.{down}.weight": (h, inter),
+                }
+        if m.has_shared:
+            out |= self._ffn(f"{p}{self.names.shared_expert}.", m.shared_intermediate)
+            if m.shared_gate:
+                out[f"{p}{self.names.shared_gate}.weight"] = (1, h)
+        return out
+
+    # ---- assembly
+
+    def load_top(self, source: TensorSource, layers: list[LayerWeights]) -> ModelWeights:
+        shapes = self.top_level()
+        embed = source.get("model.embed_tokens.weight", shapes["model.embed_tokens.weight"])
+        head = embed if self.spec.tie_embeddings else source.get("lm_head.weight", shapes["lm_head.weight"])
+        return ModelWeights(embed, source.get("model.norm.weight", shapes["model.norm.weight"]), head, layers)
+
+    def load_layer(self, layer: int, source: TensorSource) -> LayerWeights:
+        shapes = self.layer_tensors(layer, source.has)
+
+        def get(name: str) -> torch.Tensor:
+            return source.get(name, shapes[name])
+
+        def opt(name: str) -> torch.Tensor | None:
+            return get(name) if name in shapes else None
+
+        base = f"model.layers.{layer}."
+        sa = f"{base}self_attn."
+        qkv = torch.cat([get(f"{sa}{p}_proj.weight") for p in "qkv"])
+        qkv_bias = (
+            torch.cat([get(f"{sa}{p}_proj.bias") for p in "qkv"]) if self.spec.attention.qkv_bias else None
+        )
+        attn = AttentionWeights(
+            input_norm=get(f"{base}input_layernorm.weight"),
+            qkv=qkv,
+            o=get(f"{sa}o_proj.weight"),
+            post_norm=get(f"{base}post_attention_layernorm.weight"),
+            qkv_bias=qkv_bias,
+            o_bias=opt(f"{sa}o_proj.bias"),
+            q_norm=opt(f"{sa}q_norm.weight"),
+            k_norm=opt(f"{sa}k_norm.weight"),
+            sinks=opt(f"{sa}sinks"),
+        )
+        if not self.spec.is_moe_layer(layer):
+            return LayerWeights(
+                attn=attn, dense=_ffn_from(get, f"{base}mlp.", ("gate_proj", "up_proj", "down_proj"))
+            )
+        layout = self.moe_layout(layer, source.has)
+        p = f"{base}{layout.prefix}."
+        m = self.spec.moe
+        experts = self._fused_experts(p, get, opt) if layout.fused else [
+            _ffn_from(get, f"{p}experts.{e}.", self.names.expert_proj) for e in range(m.experts)
+        ]  # fmt: skip
+        shared = _ffn_from(get, f"{p}{self.names.shared_expert}.", ("gate_proj", "up_proj", "down_proj")) if (
+            m.has_shared
+        ) else None  # fmt: skip
+        return LayerWeights(
+            attn=attn,
+            router=get(f"{p}{self.names.router}.weight"),
+            router_bias=opt(f"{p}{self.names.router}.bias"),
+            experts=experts,
+            shared=shared,
+            shared_gate=opt(f"{p}{self.names.shared_gate}.weight"),
+        )
+
+    def _fused_experts(
+        self,
+        p: str,
+        get: Callable[[str], torch.Tensor],
+        opt: Callable[[str], torch.Tensor | None],
+    ) -> list[FFNWeights]:
+        gate_up, down = get(f"{p}experts.gate_up_proj"), get(f"{p}experts.down_proj")
+        gate_up_bias, down_bias = opt(f"{p}experts.gate_up_proj_bias"), opt(f"{p}experts.down_proj_bias")
+        interleaved = self.names.fused_gate_up == "interleaved_columns"
+        experts = []
+        for e in range(self.spec.moe.experts):
+            gu, dn = gate_up[e], down[e]
+            gub = gate_up_bias[e] if gate_up_bias is not None else None
+            if interleaved:  # [H, 2I] columns g0 u0 g1 u1 ... -> [2I, H] gate rows then up rows
+                gu = torch.cat([gu[:, 0::2], gu[:, 1::2]], dim=1).t()
+                dn = dn.t()  # [I, H] -> [H, I]
+                gub = torch.cat([gub[0::2], gub[1::2]]) if gub is not None else None
+            experts.append(
+                FFNWeights(
+                    gu.contiguous(),
+                    dn.contiguous(),
+                    gub.contiguous() if gub is not None else None,
+                    down_bias[e].contiguous() if down_bias is not None else None,
+                )
+            )
+        return experts
+
+
+def _ffn_from(get: Callable[[str], torch.Tensor], prefix: str, proj: tuple[str, str, str]) -> FFNWeights:
+    gate, up, down = (get(f"{prefix}{n}.weight") for n in proj)
+    return FFNWeights(torch.cat([gate, up]), down)

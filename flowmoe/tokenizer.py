@@ -1,0 +1,47 @@
+"""The checkpoint's own tokenizer, read from tokenizer.json with the `tokenizers` library."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from attrs import frozen
+from tokenizers import Tokenizer
+
+from flowmoe.core.errors import ConfigError
+
+
+@frozen
+class TextCodec:
+    tokenizer: Tokenizer
+    eos_ids: frozenset[int]
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> TextCodec | None:
+        """None when the folder has no tokenizer.json (prompts must then give input_ids)."""
+        path = Path(folder) / "tokenizer.json"
+        if not path.is_file():
+            return None
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+            raise ConfigError(f"{path}: cannot read tokenizer ({exc})") from exc
+        return cls(tokenizer, frozenset(_config_eos(Path(folder), tokenizer)))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int] | tuple[int, ...]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _config_eos(folder: Path, tokenizer: Tokenizer) -> set[int]:
+    """eos ids named by tokenizer_config.json (as a token string), if any."""
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    token_id = tokenizer.token_to_id(eos) if isinstance(eos, str) else None
+    return {token_id} if token_id is not None else set()

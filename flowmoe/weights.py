@@ -1,0 +1,77 @@
+"""Weight containers in flowmoe's canonical layout, whatever layout the checkpoint used.
+
+Projections keep the nn.Linear convention ([out, in]). q, k and v are stacked
+into one [q + 2kv, hidden] matrix; an expert's gate and up projections are
+stacked into one [2I, hidden] matrix (gate rows first), so each costs one matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+from attrs import define, field
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@define
+class FFNWeights:
+    """One SwiGLU FFN: a routed expert, a shared expert or a dense MLP."""
+
+    gate_up: torch.Tensor  # [2I, hidden]
+    down: torch.Tensor  # [hidden, I]
+    gate_up_bias: torch.Tensor | None = None  # [2I]
+    down_bias: torch.Tensor | None = None  # [hidden]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.gate_up, self.down, self.gate_up_bias, self.down_bias)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.gate_up, self.down, self.gate_up_bias, self.down_bias) if t is not None]
+
+
+@define
+class AttentionWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2 KVH) * D, hidden]
+    o: torch.Tensor  # [hidden, H * D]
+    post_norm: torch.Tensor  # [hidden]
+    qkv_bias: torch.Tensor | None = None  # [(H + 2 KVH) * D]
+    o_bias: torch.Tensor | None = None  # [hidden]
+    q_norm: torch.Tensor | None = None  # [D] per head, or [H * D] over the projection
+    k_norm: torch.Tensor | None = None  # [D] or [KVH * D]
+    sinks: torch.Tensor | None = None  # [H]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(
+            self.input_norm, self.qkv, self.o, self.post_norm, self.qkv_bias, self.o_bias,
+            self.q_norm, self.k_norm, self.sinks,
+        )  # fmt: skip
+
+
+@define
+class LayerWeights:
+    attn: AttentionWeights
+    router: torch.Tensor | None = None  # [E, hidden]; None on a dense layer
+    router_bias: torch.Tensor | None = None  # [E]
+    experts: list[FFNWeights] = field(factory=list)
+    shared: FFNWeights | None = None
+    shared_gate: torch.Tensor | None = None  # [1, hidden]
+    dense: FFNWeights | None = None
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes of everything but the routed experts."""
+        extra = [f.nbytes for f in (self.shared, self.dense) if f is not None]
+        return self.attn.nbytes + _nbytes(self.router, self.router_bias, self.shared_gate) + sum(extra)
+
+
+@define
+class ModelWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    layers: list[LayerWeights]

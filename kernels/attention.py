@@ -1,0 +1,106 @@
+"""Causal grouped-query attention over a KV cache, with sliding windows and attention sinks."""
+
+from __future__ import annotations
+
+import torch
+
+from flowmoe.kernels.layout import TokenLayout
+
+
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layout: TokenLayout,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: [T, heads, D]; keys/values: [slots, kv_heads, capacity, D] already holding this step's
+    tokens -> [T, heads * D]. Sequences are attended one by one, or all at once when every
+    sequence has exactly one new token (decode)."""
+    if layout.is_decode:
+        return _decode(q, keys, values, layout, window, sinks)
+    outputs = []
+    for slot, start, count, past in zip(layout.slots, layout.starts, layout.counts, layout.past, strict=True):
+        length = past + count
+        out = _attend_one(
+            q[start : start + count],  # [n, H, D]
+            keys[slot, :, :length],  # [kvh, L, D]
+            values[slot, :, :length],
+            torch.arange(past, length, device=q.device),
+            window,
+            sinks,
+        )
+        outputs.append(out)
+    return torch.cat(outputs, dim=0)
+
+
+def _mask(q_pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+    """q_pos: [..., n] -> allowed: [..., n, L] (key j visible to a query at p if j <= p, p - j < window)."""
+    k_pos = torch.arange(length, device=q_pos.device)
+    allowed = k_pos <= q_pos[..., None]
+    if window is not None:
+        allowed &= k_pos > q_pos[..., None] - window
+    return allowed
+
+
+def _softmax_values(
+    scores: torch.Tensor, allowed: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """scores: [..., kvh, g, n, L] float32, v: [..., kvh, L, D] -> [..., kvh, g, n, D]."""
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.to(torch.float32).reshape(*([1] * (scores.dim() - 4)), v.shape[-3], -1, 1, 1)
+        sink = sink.expand(*scores.shape[:-1], 1)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v.unsqueeze(-3))
+
+
+def _attend_one(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """q: [n, H, D], k/v: [kvh, L, D] -> [n, H * D]."""
+    n, heads, dim = q.shape
+    kv_heads, length = k.shape[0], k.shape[1]
+    qg = q.transpose(0, 1).reshape(kv_heads, heads // kv_heads, n, dim)  # [kvh, g, n, D]
+    scores = torch.matmul(qg, k.unsqueeze(1).transpose(-1, -2)).float() * dim**-0.5  # [kvh, g, n, L]
+    out = _softmax_values(scores, _mask(q_pos, length, window), v, sinks)  # [kvh, g, n, D]
+    return out.reshape(heads, n, dim).transpose(0, 1).reshape(n, heads * dim)
+
+
+def _decode(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layout: TokenLayout,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """One query per sequence: q [B, H, D] -> [B, H * D], all sequences in one batched matmul."""
+    batch, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    length = max(layout.advanced())
+    k, v = _gather_slots(keys, layout.slots, length), _gather_slots(values, layout.slots, length)
+    qg = q.reshape(batch, kv_heads, heads // kv_heads, 1, dim)  # [B, kvh, g, 1, D]
+    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).float() * dim**-0.5  # [B, kvh, g, 1, L]
+    q_pos = layout.positions.to(q.device).reshape(batch, 1, 1, 1)
+    out = _softmax_values(scores, _mask(q_pos, length, window), v, sinks)  # [B, kvh, g, 1, D]
+    return out.reshape(batch, heads * dim)
+
+
+def _gather_slots(cache: torch.Tensor, slots: tuple[int, ...], length: int) -> torch.Tensor:
+    """cache: [S, kvh, C, D] -> [B, kvh, length, D]; a view when the slots are consecutive."""
+    first = slots[0]
+    if slots == tuple(range(first, first + len(slots))):
+        return cache[first : first + len(slots), :, :length]
+    index = torch.tensor(slots, device=cache.device)
+    return cache[:, :, :length].index_select(0, index)

@@ -1,0 +1,46 @@
+"""Per-micro-batch KV cache: one [slots, kv_heads, capacity, head_dim] tensor per layer for K and V."""
+
+from __future__ import annotations
+
+import torch
+from attrs import define
+
+from flowmoe.kernels.layout import TokenLayout
+
+
+@define
+class KVCache:
+    keys: list[torch.Tensor]  # per layer [slots, kv_heads, capacity, head_dim]
+    values: list[torch.Tensor]
+
+    @classmethod
+    def allocate(
+        cls,
+        layers: int,
+        slots: int,
+        kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> KVCache:
+        shape = (slots, kv_heads, capacity, head_dim)
+        return cls(
+            keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
+            values=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def write(self, layer: int, layout: TokenLayout, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [T, kv_heads, head_dim] written at each token's (slot, position)."""
+        positions = layout.positions.to(k.device)
+        slots = layout.token_slots.to(k.device)
+        self.keys[layer][slots, :, positions] = k
+        self.values[layer][slots, :, positions] = v

@@ -1,0 +1,50 @@
+"""TokenLayout: where the packed tokens of one step of a micro-batch come from.
+
+A step packs the new tokens of every sequence of a micro-batch into one
+[T, hidden] tensor with no padding: sequence i owns rows
+starts[i] : starts[i] + counts[i], lives in KV-cache slot slots[i] and has
+past[i] tokens cached before this step.
+"""
+
+from __future__ import annotations
+
+import torch
+from attrs import field, frozen
+
+
+@frozen
+class TokenLayout:
+    slots: tuple[int, ...]
+    counts: tuple[int, ...]
+    past: tuple[int, ...]
+    starts: tuple[int, ...] = field(init=False)
+    positions: torch.Tensor = field(init=False)  # [T] int64, position of each token in its sequence
+    token_slots: torch.Tensor = field(init=False)  # [T] int64, cache slot of each token
+
+    def __attrs_post_init__(self) -> None:
+        starts, total = [], 0
+        for count in self.counts:
+            starts.append(total)
+            total += count
+        object.__setattr__(self, "starts", tuple(starts))
+        positions = [p + j for p, c in zip(self.past, self.counts, strict=True) for j in range(c)]
+        token_slots = [s for s, c in zip(self.slots, self.counts, strict=True) for _ in range(c)]
+        object.__setattr__(self, "positions", torch.tensor(positions, dtype=torch.int64))
+        object.__setattr__(self, "token_slots", torch.tensor(token_slots, dtype=torch.int64))
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(c == 1 for c in self.counts)
+
+    @property
+    def last_rows(self) -> torch.Tensor:
+        """[B] int64: the row of each sequence's last token (the one that predicts the next)."""
+        return torch.tensor([s + c - 1 for s, c in zip(self.starts, self.counts, strict=True)])
+
+    def advanced(self) -> tuple[int, ...]:
+        """Cached lengths after this step."""
+        return tuple(p + c for p, c in zip(self.past, self.counts, strict=True))

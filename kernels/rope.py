@@ -1,0 +1,61 @@
+"""Rotary position embeddings (default, linear and YaRN frequencies), rotate-half convention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flowmoe.core.spec import RopeSpec
+
+
+def inverse_frequencies(rope: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:
+    """-> (inv_freq [head_dim/2] float32, attention scaling applied to cos/sin)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    pos_freqs = rope.theta**exponents  # [head_dim/2]
+    if rope.kind == "default":
+        return 1.0 / pos_freqs, 1.0
+    if rope.kind == "linear":
+        return 1.0 / (pos_freqs * rope.factor), 1.0
+    return _yarn(rope, head_dim, pos_freqs)
+
+
+def _yarn(rope: RopeSpec, dim: int, pos_freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
+    factor = rope.factor
+    scaling = rope.attention_factor
+    if scaling is None:
+        scaling = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return (
+            dim
+            * math.log(rope.original_max_positions / (rotations * 2 * math.pi))
+            / (2 * math.log(rope.theta))
+        )
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # [dim/2]
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(scaling)
+
+
+def cos_sin(
+    inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [T] int64 -> cos, sin: [T, head_dim]."""
+    freqs = positions[:, None].to(torch.float32) * inv_freq[None, :].to(positions.device)  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D], cos/sin: [T, D] -> [T, heads, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
