@@ -1,0 +1,1 @@
+"""Scheduler plugins (imported as `flowmoe.schedulers`): one scheduler per module, a registry by name."""

@@ -1,0 +1,1 @@
+"""Spans, Chrome trace writing and trace analysis (imported as `flowmoe.traces`)."""
