@@ -111,11 +111,12 @@ class Engine:
     sampling: SamplingParams = field(factory=SamplingParams)
     max_new_tokens: int = 32
     stop_ids: frozenset[int] = frozenset()
+    cache_device: torch.device = field(factory=lambda: torch.device("cpu"))
     stats: StepStats = field(factory=StepStats)
 
     def micro_batch(self, index: int, requests: Sequence[Request]) -> MicroBatch:
         capacity = max(len(r.input_ids) for r in requests) + self.max_new_tokens
-        cache = self.model.new_cache(len(requests), capacity)
+        cache = self.model.new_cache(len(requests), capacity, self.cache_device)
         slots = [Slot(r, i, self.sampling.generator(r.index)) for i, r in enumerate(requests)]
         return MicroBatch(index, cache, slots)
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import structlog
+import torch
 from attrs import define, field, frozen
 
 from flowmoe.engine import Engine, Request, Result, StepRunner, StepStats
@@ -68,7 +69,8 @@ async def run_job(
     output = JobLog.open(job.output)
     todo = [r for r in requests if r.id not in output.done]
     stop = frozenset(model.spec.eos_token_ids) | (codec.eos_ids if codec else frozenset())
-    engine = Engine(model, runner, job.sampling, job.max_new_tokens, stop)
+    cache_device = getattr(runner, "cache_device", torch.device("cpu"))
+    engine = Engine(model, runner, job.sampling, job.max_new_tokens, stop, cache_device)
     progress.started(len(todo))
     try:
         for start in range(0, len(todo), job.batch_size):

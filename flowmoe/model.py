@@ -21,7 +21,7 @@ from flowmoe.kernels.layout import TokenLayout
 from flowmoe.kernels.norm import rms_norm
 from flowmoe.kernels.rope import apply_rope, cos_sin, inverse_frequencies
 from flowmoe.kernels.router import Routing, route
-from flowmoe.weights import FFNWeights, ModelWeights
+from flowmoe.weights import FFNWeights, LayerWeights, ModelWeights
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -57,10 +57,12 @@ class MoEModel:
         return cos_sin(self.inv_freq, self.rope_scaling, layout.positions.to(device), self.dtype)
 
     def pre_attention(
-        self, layer: int, hidden: torch.Tensor, rope: Rope
+        self, layer: int, hidden: torch.Tensor, rope: Rope, lw: LayerWeights | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden: [T, hidden] -> q [T, H, D], k [T, KVH, D], v [T, KVH, D]."""
-        a, w = self.spec.attention, self.weights.layers[layer].attn
+        """hidden: [T, hidden] -> q [T, H, D], k [T, KVH, D], v [T, KVH, D].
+
+        `lw`: the layer's weights where they are resident (default: the model's own)."""
+        a, w = self.spec.attention, (lw or self.weights.layers[layer]).attn
         x = rms_norm(hidden, w.input_norm, self.spec.norm_eps)
         qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, (H + 2 KVH) * D]
         q, k, v = qkv.split([a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], dim=-1)
@@ -87,23 +89,24 @@ class MoEModel:
         v: torch.Tensor,
         cache: KVCache,
         layout: TokenLayout,
+        lw: LayerWeights | None = None,
     ) -> torch.Tensor:
         """Append k, v to the cache and attend: q [T, H, D] -> [T, H * D]."""
         cache.write(layer, layout, k, v)
-        sinks = self.weights.layers[layer].attn.sinks
+        sinks = (lw or self.weights.layers[layer]).attn.sinks
         window = self.spec.attention.window(layer)
         return attend(q, cache.keys[layer], cache.values[layer], layout, window, sinks)
 
     def post_attention(
-        self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor
+        self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor, lw: LayerWeights | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden + O(attn_out) [T, hidden], its post-attention norm [T, hidden])."""
-        w = self.weights.layers[layer].attn
+        w = (lw or self.weights.layers[layer]).attn
         hidden = hidden + F.linear(attn_out, w.o, w.o_bias)
         return hidden, rms_norm(hidden, w.post_norm, self.spec.norm_eps)
 
-    def gate(self, layer: int, x: torch.Tensor) -> Routing:
-        w = self.weights.layers[layer]
+    def gate(self, layer: int, x: torch.Tensor, lw: LayerWeights | None = None) -> Routing:
+        w = lw or self.weights.layers[layer]
         return route(x, w.router, w.router_bias, self.spec.moe)
 
     def expert(self, x: torch.Tensor, routing: Routing, expert: int, ffn: FFNWeights) -> torch.Tensor:
@@ -112,9 +115,9 @@ class MoEModel:
         out = swiglu_ffn(x[rows], ffn.gate_up, ffn.down, self.spec.moe, ffn.gate_up_bias, ffn.down_bias)
         return out * routing.scales[expert][:, None].to(out.dtype)
 
-    def shared(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def shared(self, layer: int, x: torch.Tensor, lw: LayerWeights | None = None) -> torch.Tensor:
         """Shared expert (gated by a sigmoid when the family has one) or dense MLP: [T, hidden]."""
-        w = self.weights.layers[layer]
+        w = lw or self.weights.layers[layer]
         ffn = w.shared if w.shared is not None else w.dense
         out = swiglu_ffn(x, ffn.gate_up, ffn.down, self.spec.moe, ffn.gate_up_bias, ffn.down_bias)
         if w.shared_gate is not None:
@@ -138,10 +141,13 @@ class MoEModel:
             moe = moe + shared
         return hidden + moe
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(
+        self, hidden: torch.Tensor, norm: torch.Tensor | None = None, head: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """hidden: [B, hidden] (each sequence's last token) -> [B, vocab] float32."""
-        x = rms_norm(hidden, self.weights.final_norm, self.spec.norm_eps)
-        return F.linear(x, self.weights.lm_head).float()
+        norm = self.weights.final_norm if norm is None else norm
+        x = rms_norm(hidden, norm, self.spec.norm_eps)
+        return F.linear(x, self.weights.lm_head if head is None else head).float()
 
     # ---- eager composition
 

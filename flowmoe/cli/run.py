@@ -1,0 +1,124 @@
+"""`flowmoe run`: a prompt file through a model with a scheduler, results appended to a JSONL file."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import uvloop
+from rich.table import Table
+
+from flowmoe.builtin import ensure_builtin
+from flowmoe.cli.ui import console, progress
+from flowmoe.core.errors import FlowmoeError
+from flowmoe.core.policy import Policy, parse_bytes
+from flowmoe.job import JobReport, JobSpec, run_job
+from flowmoe.job import Progress as JobProgress
+from flowmoe.loading import load_model
+from flowmoe.model import MoEModel
+from flowmoe.runtime import Runtime
+from flowmoe.sampling import SamplingParams
+from flowmoe.schedulers.registry import available
+from flowmoe.tokenizer import TextCodec
+from flowmoe.traces.chrome import write_chrome
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    run = sub.add_parser("run", help="generate completions for a JSONL prompt file")
+    run.add_argument("--model", help="checkpoint folder or preset (default: the built-in tiny model)")
+    run.add_argument("--prompts", required=True, type=Path, help="JSONL: {id, prompt} or {id, input_ids}")
+    run.add_argument("--output", required=True, type=Path, help="JSONL results, appended and resumable")
+    run.add_argument("--max-new-tokens", type=int, default=32)
+    run.add_argument("--scheduler", default="eager", help="scheduler plugin (see `flowmoe schedulers`)")
+    run.add_argument("--trace", type=Path, help="write a Chrome trace (open it in Perfetto)")
+    run.add_argument("--batch-size", type=int, default=16)
+    run.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    run.add_argument("--layers", type=int, help="cut a preset to its first LAYERS layers")
+    run.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    add_policy_flags(run)
+    mode = run.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
+    mode.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--seed", type=int, default=0)
+    run.set_defaults(handler=_run)
+
+
+def add_policy_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("policy")
+    group.add_argument("--gpu-memory", help="GPU memory budget, e.g. 16GiB (flowmoe's own accounting)")
+    group.add_argument("--micro-batches", type=int, default=1, help="micro-batches per batch")
+    group.add_argument("--attention-on", choices=("gpu", "cpu"), default="gpu")
+    group.add_argument("--cpu-threads", type=int, help="torch threads per op on the CPU")
+
+
+def policy_from(args: argparse.Namespace) -> Policy:
+    return Policy(
+        micro_batch_size=max(1, -(-args.batch_size // args.micro_batches)),
+        micro_batches=args.micro_batches,
+        attention_on=args.attention_on,
+        gpu_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None,
+        cpu_threads=args.cpu_threads,
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.scheduler not in available():
+        raise FlowmoeError(f"unknown scheduler {args.scheduler!r}; available: {', '.join(available())}")
+    if args.max_new_tokens < 1:
+        raise FlowmoeError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    sampling = SamplingParams(0.0 if args.greedy else args.temperature, args.top_p, args.top_k, args.seed)
+    policy = policy_from(args)
+    source = args.model or str(ensure_builtin())
+    model = load_with_progress(source, args.dtype, args.layers)
+    codec = TextCodec.from_folder(source) if Path(source).is_dir() else None
+    job = JobSpec(args.prompts, args.output, args.max_new_tokens, sampling, args.batch_size)
+    runtime = Runtime.create(model, args.scheduler, policy, args.device)
+    try:
+        with progress() as bar:
+            task = bar.add_task("generating", total=None)
+            hooks = JobProgress(
+                started=lambda total: bar.update(task, total=total),
+                finished=lambda _r: bar.advance(task),
+            )
+            report = uvloop.run(run_job(job, model, codec, runtime, hooks))
+    finally:
+        runtime.close()
+        if args.trace:
+            write_chrome(args.trace, [runtime.trace])
+            console.print(
+                f"trace: {args.trace} ({len(runtime.trace.spans)} nodes; open in https://ui.perfetto.dev)"
+            )
+    for error in report.bad_lines:
+        console.print(f"[yellow]skipped[/] {error}", soft_wrap=True)
+    console.print(summary_table(report, source, args.scheduler))
+    return 0
+
+
+def load_with_progress(source: str, dtype: str | None, layers: int | None) -> MoEModel:
+    with progress() as bar:
+        task = bar.add_task(f"loading {Path(source).name}", total=None)
+        return load_model(
+            source, dtype, layers, lambda done, total: bar.update(task, completed=done, total=total)
+        )
+
+
+def summary_table(report: JobReport, model: str, scheduler: str) -> Table:
+    stats = report.stats
+    table = Table(title=f"flowmoe run — {Path(model).name} — {scheduler}")
+    for column in (
+        "requests",
+        "skipped (done)",
+        "prompt tokens",
+        "generated",
+        "prefill s",
+        "decode s",
+        "tokens/s",
+    ):
+        table.add_column(column, justify="right")
+    table.add_row(
+        str(report.requests), str(report.skipped), str(stats.prompt_tokens), str(stats.generated_tokens),
+        f"{stats.prefill_seconds:.3f}", f"{stats.decode_seconds:.3f}", f"{stats.tokens_per_second:.1f}",
+    )  # fmt: skip
+    return table

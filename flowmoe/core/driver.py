@@ -1,0 +1,41 @@
+"""Drive a scheduler's plan through the executor: submit nodes, answer routing requests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from flowmoe.core.executor import Action, Executor
+from flowmoe.core.plan import ExpertCounts, RoutingRequest, TaskNode
+from flowmoe.core.scheduling import PlanStream
+
+ActionFor = Callable[[TaskNode], Action]
+Answer = Callable[[RoutingRequest], ExpertCounts]
+
+
+async def drive(plan: PlanStream, executor: Executor, action_for: ActionFor, answer: Answer) -> None:
+    """Feed `plan` to `executor` until it is exhausted and every node has run.
+
+    A routing request is answered once the node it names is done, from `answer`
+    (the gate's real output, or a routing trace). Any failure or cancellation
+    stops every lane from starting new work and waits for in-flight nodes before
+    it propagates, so what ran is fully recorded."""
+    reply: ExpertCounts | None = None
+    try:
+        while True:
+            try:
+                item = plan.send(reply)  # type: ignore[arg-type]
+            except StopIteration:
+                break
+            reply = None
+            if isinstance(item, TaskNode):
+                executor.submit(item, action_for(item))
+            else:
+                await executor.wait(item.after)
+                reply = answer(item)
+        await executor.drain()
+    except BaseException:
+        executor.cancel()
+        await executor.settle()
+        raise
+    finally:
+        plan.close()

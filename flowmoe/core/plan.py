@@ -1,0 +1,108 @@
+"""Task nodes: what runs, on which lane, after what. Nodes hold no tensors.
+
+A scheduler emits nodes in launch order and asks for a layer's routing when it
+needs it (a `RoutingRequest`), so it can be driven by a real run (the gate's
+output) or by a recorded routing trace alike.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from attrs import frozen
+
+
+class Lane(StrEnum):
+    """A per-device queue; nodes on one lane run one at a time in emission order."""
+
+    GPU_COMPUTE = "gpu.compute"
+    GPU_H2D = "gpu.h2d"
+    GPU_D2H = "gpu.d2h"
+    CPU_COMPUTE = "cpu.compute"
+    DISK_READ = "disk.read"
+
+    @property
+    def device(self) -> str:
+        return self.value.split(".", 1)[0]
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device == "gpu"
+
+
+class Op(StrEnum):
+    EMBED = "embed"  # token ids -> hidden
+    PRE_ATTN = "pre_attn"  # norm + QKV + rope
+    QKV_OFFLOAD = "qkv_offload"  # q, k, v: GPU -> CPU (attention on the CPU)
+    CPU_ATTN = "cpu_attn"
+    GPU_ATTN = "gpu_attn"
+    KV_LOAD = "kv_load"  # a micro-batch's KV cache: CPU -> GPU (FlexGen)
+    KV_STORE = "kv_store"  # the KV cache back: GPU -> CPU
+    HIDDEN_LOAD = "hidden_load"  # attention output: CPU -> GPU
+    POST_ATTN = "post_attn"  # O projection + residual + norm
+    GATE = "gate"  # router: top-k experts of each token
+    PREGATE = "pregate"  # next layer's router on this layer's hidden state (speculative)
+    EXPERT_FFN = "expert_ffn"  # one routed expert, on the lane's device
+    HIDDEN_OFFLOAD = "hidden_offload"  # activations GPU -> CPU for a CPU expert
+    EXPERT_LOAD = "expert_load"  # a CPU expert's output back to the GPU
+    SHARED_FFN = "shared_ffn"  # shared expert, or the dense MLP of a dense layer
+    COMBINE = "combine"  # residual + weighted expert outputs
+    PAGE_COPY = "page_copy"  # weights: CPU (pinned) -> GPU; expert -1 = a layer's dense weights
+    EVICT = "evict"  # free a GPU weight buffer
+    LM_HEAD = "lm_head"  # final norm + logits
+
+
+@frozen(slots=True)
+class TaskNode:
+    """One step of one layer for one micro-batch (and expert), with its cost figures."""
+
+    id: int
+    op: Op
+    lane: Lane
+    layer: int = -1
+    mb: int = -1
+    expert: int = -1
+    deps: tuple[int, ...] = ()
+    bytes: int = 0  # bytes moved (copies) or read (compute)
+    flops: int = 0
+
+    @property
+    def label(self) -> str:
+        """`op L3 mb1 e5`: the name used in traces, errors and profiler ranges."""
+        parts = [str(self.op)]
+        if self.layer >= 0:
+            parts.append(f"L{self.layer}")
+        if self.mb >= 0:
+            parts.append(f"mb{self.mb}")
+        if self.expert >= 0:
+            parts.append(f"e{self.expert}")
+        return " ".join(parts)
+
+
+@frozen
+class RoutingRequest:
+    """Yielded by a scheduler: 'how many tokens go to each expert at (layer, mb)?'
+
+    The driver answers once node `after` is done (the gate, or a pre-gate), with
+    `ExpertCounts`."""
+
+    layer: int
+    mb: int
+    after: int
+    speculative: bool = False  # a pre-gate's prediction rather than the gate's decision
+
+
+@frozen
+class ExpertCounts:
+    """The answer to a RoutingRequest: tokens routed to each expert with any, ascending."""
+
+    layer: int
+    mb: int
+    counts: tuple[tuple[int, int], ...]  # (expert, tokens)
+
+    @property
+    def experts(self) -> tuple[int, ...]:
+        return tuple(e for e, _ in self.counts)
+
+    def tokens(self, expert: int) -> int:
+        return dict(self.counts).get(expert, 0)

@@ -1,0 +1,172 @@
+"""The scheduler contract: what a scheduler is told about a step and how it emits nodes.
+
+A scheduler is pure: no torch, no asyncio. For each step it returns a plan, a
+generator that yields TaskNodes in launch order and RoutingRequests when it
+needs a layer's routing; the driver sends the ExpertCounts back into the
+generator. NodeFactory numbers nodes across a whole run and fills in each
+node's bytes and flops from the model spec, so every scheduler costs the same
+op the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Generator, Sequence
+from typing import ClassVar, Protocol
+
+from attrs import define, field, frozen
+
+from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
+from flowmoe.core.policy import Policy
+from flowmoe.core.spec import ModelSpec
+
+PlanStream = Generator[TaskNode | RoutingRequest, ExpertCounts | None, None]
+
+
+@frozen
+class MicroBatchShape:
+    """What one micro-batch brings to a step."""
+
+    index: int
+    sequences: int
+    tokens: int  # new tokens this step
+    kv_tokens: int  # tokens in its KV cache after this step (all sequences)
+    attended: int  # (query, key) pairs attention computes this step
+
+    @classmethod
+    def from_lengths(cls, index: int, counts: Sequence[int], past: Sequence[int]) -> MicroBatchShape:
+        kv = [p + c for p, c in zip(past, counts, strict=True)]
+        attended = sum(c * k for c, k in zip(counts, kv, strict=True))
+        return cls(index, len(counts), sum(counts), sum(kv), attended)
+
+
+@frozen
+class StepShape:
+    step: int
+    prefill: bool
+    micro_batches: tuple[MicroBatchShape, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(mb.tokens for mb in self.micro_batches)
+
+
+@frozen
+class Residency:
+    """Weights a scheduler keeps on the GPU from the start: dense parts of layers, and experts."""
+
+    dense: frozenset[int] = frozenset()
+    experts: frozenset[tuple[int, int]] = frozenset()
+
+    @classmethod
+    def everything(cls, spec: ModelSpec) -> Residency:
+        experts = {
+            (layer, e)
+            for layer in range(spec.layers)
+            if spec.is_moe_layer(layer)
+            for e in range(spec.moe.experts)
+        }
+        return cls(frozenset(range(spec.layers)), frozenset(experts))
+
+    @classmethod
+    def dense_only(cls, spec: ModelSpec) -> Residency:
+        return cls(frozenset(range(spec.layers)), frozenset())
+
+
+class Scheduler(Protocol):
+    name: ClassVar[str]
+    summary: ClassVar[str]
+
+    def __init__(self, context: SchedulerContext) -> None: ...
+
+    def residency(self) -> Residency:
+        """What is on the GPU before the first step."""
+        ...
+
+    def plan(self, step: StepShape) -> PlanStream:
+        """Nodes of one step (all layers, all micro-batches) in launch order."""
+        ...
+
+
+@frozen
+class SchedulerContext:
+    """What a scheduler is built with. `cost(node)` estimates seconds (the cost model, or a
+    calibrated profile); `popularity[layer][expert]` is a routing profile's token share."""
+
+    spec: ModelSpec
+    policy: Policy
+    factory: NodeFactory
+    cost: Callable[[TaskNode], float] | None = None
+    popularity: tuple[tuple[float, ...], ...] | None = None
+
+
+@define
+class NodeFactory:
+    """Makes the nodes of a run: unique ids, and bytes/flops of each op from the spec."""
+
+    spec: ModelSpec
+    _ids: itertools.count = field(factory=itertools.count)
+
+    def node(
+        self,
+        op: Op,
+        lane: Lane,
+        layer: int = -1,
+        mb: MicroBatchShape | None = None,
+        expert: int = -1,
+        deps: Sequence[int | None] = (),
+        tokens: int | None = None,
+    ) -> TaskNode:
+        """`tokens`: tokens an expert FFN processes (default: the micro-batch's tokens).
+        `None` deps are dropped, so optional producers can be passed as is."""
+        clean = tuple(dict.fromkeys(d for d in deps if d is not None))
+        n_bytes, flops = self._cost(op, layer, mb, expert, tokens)
+        return TaskNode(
+            next(self._ids), op, lane, layer, mb.index if mb else -1, expert, clean, n_bytes, flops
+        )
+
+    def _cost(
+        self, op: Op, layer: int, mb: MicroBatchShape | None, expert: int, tokens: int | None
+    ) -> tuple[int, int]:
+        """-> (bytes moved or read, flops): weights read once, activations per token."""
+        s, a, b = self.spec, self.spec.attention, self.spec.dtype_bytes
+        t = mb.tokens if mb else 0
+        q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+        if op in (Op.PAGE_COPY, Op.EVICT):
+            return (s.expert_bytes if expert >= 0 else s.layer_dense_bytes(layer)), 0
+        if op in (Op.EXPERT_FFN, Op.SHARED_FFN):
+            inter = s.moe.intermediate if op is Op.EXPERT_FFN else self._shared_inter(layer)
+            n = t if tokens is None else tokens
+            return 3 * s.hidden * inter * b + 2 * n * s.hidden * b, 6 * n * s.hidden * inter
+        if op in (Op.CPU_ATTN, Op.GPU_ATTN):
+            kv_tokens, attended = (mb.kv_tokens, mb.attended) if mb else (0, 0)
+            return kv_tokens * 2 * kv * b + 2 * t * q * b, 4 * attended * q
+        if op in (Op.KV_LOAD, Op.KV_STORE):
+            cached = (mb.kv_tokens if mb else 0) if op is Op.KV_LOAD else t
+            return cached * 2 * kv * b, 0
+        if op is Op.LM_HEAD:
+            rows = mb.sequences if mb else 0
+            return s.vocab * s.hidden * b + rows * s.hidden * b, 2 * rows * s.hidden * s.vocab
+        params = {
+            Op.PRE_ATTN: s.hidden * (q + 2 * kv),
+            Op.POST_ATTN: q * s.hidden,
+            Op.GATE: s.moe.experts * s.hidden,
+            Op.PREGATE: s.moe.experts * s.hidden,
+        }.get(op, 0)
+        activations = {
+            Op.EMBED: s.hidden,
+            Op.PRE_ATTN: s.hidden + q + 2 * kv,
+            Op.POST_ATTN: q + 2 * s.hidden,
+            Op.GATE: s.hidden,
+            Op.PREGATE: s.hidden,
+            Op.QKV_OFFLOAD: q + 2 * kv,
+            Op.HIDDEN_LOAD: q,
+            Op.HIDDEN_OFFLOAD: s.hidden,
+            Op.EXPERT_LOAD: s.hidden,
+            Op.COMBINE: s.hidden * (s.moe.top_k + 2),
+        }[op]
+        return params * b + t * activations * b, 2 * params * t
+
+    def _shared_inter(self, layer: int) -> int:
+        moe = self.spec.moe
+        return moe.shared_intermediate if self.spec.is_moe_layer(layer) else moe.dense_intermediate

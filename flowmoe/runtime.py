@@ -1,0 +1,107 @@
+"""The dataflow runtime as a StepRunner: a scheduler's plan, executed on real workers.
+
+Per step: the scheduler emits the nodes of every layer and micro-batch, the
+driver submits them to the executor with their actions bound to this step's
+tensors, routing requests are answered from the gates' real output, and the
+spans (and memory counters) go into the run's trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from attrs import define, field
+
+from flowmoe.actions import StepState
+from flowmoe.core.driver import drive
+from flowmoe.core.executor import Executor, Span, Worker
+from flowmoe.core.plan import Lane, Op
+from flowmoe.core.policy import Policy
+from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, Scheduler, SchedulerContext, StepShape
+from flowmoe.device_weights import Devices, DeviceWeights
+from flowmoe.devices.cuda import EventBook
+from flowmoe.devices.factory import make_workers
+from flowmoe.engine import StepInput
+from flowmoe.model import MoEModel
+from flowmoe.schedulers.registry import create
+from flowmoe.traces.trace import CounterSample, Trace
+
+
+def step_shape(step: int, inputs: Sequence[StepInput]) -> StepShape:
+    shapes = tuple(
+        MicroBatchShape.from_lengths(i.micro_batch, i.layout.counts, i.layout.past) for i in inputs
+    )
+    prefill = any(p == 0 for i in inputs for p in i.layout.past)
+    return StepShape(step, prefill, shapes)
+
+
+@define
+class Runtime:
+    model: MoEModel
+    scheduler: Scheduler
+    devices: Devices
+    weights: DeviceWeights
+    workers: dict[Lane, Worker]
+    events: EventBook | None
+    trace: Trace = field(factory=Trace)
+    steps: int = 0
+    _kv_bytes: int = 0
+
+    @classmethod
+    def create(
+        cls, model: MoEModel, scheduler: str, policy: Policy | None = None, device: str = "auto"
+    ) -> Runtime:
+        policy = policy or Policy()
+        context = SchedulerContext(model.spec, policy, NodeFactory(model.spec))
+        plugin = create(scheduler, context)
+        devices = Devices.detect(device)
+        weights = DeviceWeights(model, devices)
+        weights.setup(plugin.residency())
+        workers, events = make_workers(devices.gpu, policy.cpu_threads)
+        return cls(model, plugin, devices, weights, workers, events, Trace(name=scheduler))
+
+    @property
+    def kv_on_gpu(self) -> bool:
+        return self.scheduler.context.policy.attention_on == "gpu"  # type: ignore[attr-defined]
+
+    @property
+    def cache_device(self) -> torch.device:
+        return self.devices.gpu if self.kv_on_gpu else self.devices.cpu
+
+    async def __call__(self, model: MoEModel, inputs: Sequence[StepInput]) -> list[torch.Tensor]:
+        shape = step_shape(self.steps, inputs)
+        self.steps += 1
+        self._kv_bytes = sum(i.cache.nbytes for i in inputs)
+        state = StepState.create(model, inputs, self.devices, self.weights)
+        executor = Executor(self.workers, on_span=self._sample)
+        try:
+            await drive(self.scheduler.plan(shape), executor, state.action, state.expert_counts)
+        finally:
+            if self.devices.cuda:
+                torch.cuda.synchronize(self.devices.gpu)
+            spans = executor.spans
+            if self.events is not None:
+                spans = [self.events.retime(s) for s in spans]
+            self.trace.extend(spans)
+        return [state.logits[i.micro_batch] for i in inputs]
+
+    def _sample(self, span: Span) -> None:
+        """Memory counters after every node that changes them (and at each step's first node)."""
+        if span.node.op not in (Op.PAGE_COPY, Op.EVICT, Op.EMBED):
+            return
+        kv_device = "gpu" if self.kv_on_gpu else "cpu"
+        if self.devices.cuda:
+            gpu_bytes = torch.cuda.memory_allocated(self.devices.gpu)
+        else:
+            gpu_bytes = self.weights.nbytes + (self._kv_bytes if self.kv_on_gpu else 0)
+        self.trace.counters.extend([
+            CounterSample("gpu memory bytes", "gpu", span.end, gpu_bytes),
+            CounterSample("gpu weight bytes", "gpu", span.end, self.weights.nbytes),
+            CounterSample("gpu experts resident", "gpu", span.end, self.weights.resident_experts),
+            CounterSample("kv cache bytes", kv_device, span.end, self._kv_bytes),
+        ])  # fmt: skip
+
+    def close(self) -> None:
+        for worker in {id(w): w for w in self.workers.values()}.values():
+            worker.close()

@@ -1,0 +1,106 @@
+"""Chrome Trace Event JSON (opens in Perfetto and chrome://tracing).
+
+A process per device (per scheduler in a comparison), a named thread per lane,
+an `X` event per node with its args, flow arrows for cross-lane dependencies,
+and `C` counter tracks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from flowmoe.core.plan import Lane
+from flowmoe.traces.trace import Trace
+
+DEVICES = ("gpu", "cpu", "disk")
+LANES = tuple(Lane)
+
+
+def _us(seconds: float) -> float:
+    return round(seconds * 1e6, 3)
+
+
+def chrome_trace(traces: list[Trace]) -> dict[str, Any]:
+    """One process group per trace (stacked in Perfetto), all on one time origin."""
+    origin = min((t.origin for t in traces if t.spans or t.counters), default=0.0)
+    events: list[dict[str, Any]] = []
+    flow_id = 0
+    for group, trace in enumerate(traces):
+        prefix = f"{trace.name}: " if len(traces) > 1 else ""
+        pid_of = {device: 1 + group * len(DEVICES) + i for i, device in enumerate(DEVICES)}
+        for device, pid in pid_of.items():
+            events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                           "args": {"name": f"{prefix}{device}"}})  # fmt: skip
+            events.append(
+                {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}
+            )
+        for lane in LANES:
+            events.append({"ph": "M", "name": "thread_name", "pid": pid_of[lane.device], "tid": _tid(lane),
+                           "args": {"name": str(lane)}})  # fmt: skip
+        by_id = {s.node.id: s for s in trace.spans}
+        for span in trace.spans:
+            node = span.node
+            args = {
+                "id": node.id, "op": str(node.op), "layer": node.layer, "mb": node.mb, "expert": node.expert,
+                "bytes": node.bytes, "flops": node.flops, "deps": list(node.deps),
+                "queued_us": _us(span.queued - origin),
+            }  # fmt: skip
+            where = {"pid": pid_of[node.lane.device], "tid": _tid(node.lane)}
+            events.append({"name": node.label, "cat": str(node.op), "ph": "X", "ts": _us(span.start - origin),
+                           "dur": _us(span.end - span.start), **where, "args": args})  # fmt: skip
+            for dep in node.deps:
+                producer = by_id.get(dep)
+                if producer is None or producer.node.lane == node.lane:
+                    continue
+                flow_id += 1
+                source = {"pid": pid_of[producer.node.lane.device], "tid": _tid(producer.node.lane)}
+                common = {"name": "dep", "cat": "dep", "id": flow_id}
+                events.append({**common, "ph": "s", "ts": _us(producer.start - origin), **source})
+                events.append({**common, "ph": "f", "bp": "e", "ts": _us(span.start - origin), **where})
+        for sample in trace.counters:
+            at = {"pid": pid_of[sample.device], "tid": 0, "ts": _us(sample.time - origin)}
+            events.append({"ph": "C", "name": sample.name, **at, "args": {"value": sample.value}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _tid(lane: Lane) -> int:
+    return 1 + LANES.index(lane)
+
+
+def write_chrome(path: str | Path, traces: list[Trace]) -> Path:
+    """Write atomically: a temporary file beside the target, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(chrome_trace(traces), handle)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def validate_chrome(data: dict[str, Any]) -> list[str]:
+    """Problems with a trace's format: every X has name/ph/ts/dur/pid/tid, every flow both ends."""
+    problems = []
+    flows: dict[Any, set[str]] = {}
+    for i, event in enumerate(data.get("traceEvents", [])):
+        ph = event.get("ph")
+        if ph == "X":
+            missing = [k for k in ("name", "ph", "ts", "dur", "pid", "tid") if k not in event]
+            if missing:
+                problems.append(f"event {i}: X event without {', '.join(missing)}")
+            elif event["dur"] < 0:
+                problems.append(f"event {i}: negative duration")
+        elif ph in ("s", "f"):
+            flows.setdefault(event.get("id"), set()).add(ph)
+    problems += [
+        f"flow {fid}: only {''.join(sorted(ends))}" for fid, ends in flows.items() if ends != {"s", "f"}
+    ]
+    return problems
