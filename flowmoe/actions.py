@@ -17,6 +17,7 @@ from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.device_weights import Devices, DeviceWeights
 from flowmoe.engine import StepInput
+from flowmoe.kernels.kv_cache import read_kv, write_kv
 from flowmoe.kernels.router import Routing
 from flowmoe.model import MoEModel, Rope
 
@@ -32,6 +33,7 @@ class StepState:
     hidden: dict[int, torch.Tensor] = field(factory=dict)  # mb -> residual stream [T, hidden] (GPU)
     rope: dict[tuple[int, str], Rope] = field(factory=dict)  # (mb, device type) -> cos, sin
     qkv: dict[Key, tuple[torch.Tensor, ...]] = field(factory=dict)
+    kv_work: dict[Key, tuple[torch.Tensor, torch.Tensor]] = field(factory=dict)  # GPU copies of cache layers
     attn: dict[Key, torch.Tensor] = field(factory=dict)
     x: dict[Key, torch.Tensor] = field(factory=dict)  # post-attention norm (GPU)
     x_cpu: dict[Key, torch.Tensor] = field(factory=dict)
@@ -89,7 +91,23 @@ def _attention(s: StepState, n: TaskNode) -> None:
     step, key = s.inputs[n.mb], (n.layer, n.mb)
     q, k, v = s.qkv[key]
     lw = s.weights.layer(n.layer) if n.lane.on_gpu else s.model.weights.layers[n.layer]
-    s.attn[key] = s.model.attention(n.layer, q, k, v, step.cache, step.layout, lw)
+    kv = s.kv_work.get(key) or step.cache.layer(n.layer)
+    s.attn[key] = s.model.attention(n.layer, q, k, v, kv, step.layout, lw)
+
+
+def _kv_load(s: StepState, n: TaskNode) -> None:
+    """A micro-batch's cache layer (home: CPU) into a GPU working copy for GPU attention."""
+    keys, values = s.inputs[n.mb].cache.layer(n.layer)
+    s.kv_work[(n.layer, n.mb)] = (s.devices.to_gpu(keys), s.devices.to_gpu(values))
+
+
+def _kv_store(s: StepState, n: TaskNode) -> None:
+    """This step's new k, v from the GPU working copy back into the home cache."""
+    step, key = s.inputs[n.mb], (n.layer, n.mb)
+    home = step.cache.layer(n.layer)
+    work = s.kv_work.pop(key)
+    if work[0] is not home[0]:
+        write_kv(*home, step.layout, *read_kv(*work, step.layout))
 
 
 def _hidden_load(s: StepState, n: TaskNode) -> None:
@@ -152,7 +170,7 @@ def _combine(s: StepState, n: TaskNode) -> None:
 
 
 def _page_copy(s: StepState, n: TaskNode) -> None:
-    s.weights.load(n.layer, n.expert)
+    s.weights.load(n.layer, n.expert, n.part, n.parts)
 
 
 def _evict(s: StepState, n: TaskNode) -> None:
@@ -172,6 +190,8 @@ _HANDLERS: dict[Op, Callable[[StepState, TaskNode], None]] = {
     Op.CPU_ATTN: _attention,
     Op.GPU_ATTN: _attention,
     Op.HIDDEN_LOAD: _hidden_load,
+    Op.KV_LOAD: _kv_load,
+    Op.KV_STORE: _kv_store,
     Op.POST_ATTN: _post_attn,
     Op.GATE: _gate,
     Op.PREGATE: _pregate,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from attrs import define, field, fields, frozen
 
-from flowmoe.core.errors import FlowmoeError
+from flowmoe.core.errors import FlowmoeError, MemoryBudgetError
+from flowmoe.core.memory import gib
 from flowmoe.core.scheduling import Residency
 from flowmoe.model import MoEModel
 from flowmoe.weights import AttentionWeights, FFNWeights, LayerWeights
@@ -44,8 +45,12 @@ class Devices:
         return tensor.to(self.cpu, non_blocking=False)
 
 
+def _fields(ffn: FFNWeights) -> tuple[torch.Tensor | None, ...]:
+    return ffn.gate_up, ffn.down, ffn.gate_up_bias, ffn.down_bias
+
+
 def _ffn_to(devices: Devices, ffn: FFNWeights) -> FFNWeights:
-    return FFNWeights(*(devices.to_gpu(t) for t in (ffn.gate_up, ffn.down, ffn.gate_up_bias, ffn.down_bias)))
+    return FFNWeights(*(devices.to_gpu(t) for t in _fields(ffn)))
 
 
 def _dense_to(devices: Devices, lw: LayerWeights) -> LayerWeights:
@@ -63,17 +68,32 @@ def _dense_to(devices: Devices, lw: LayerWeights) -> LayerWeights:
     )
 
 
+def _copy_page(sources: list[torch.Tensor], targets: list[torch.Tensor], part: int, parts: int) -> None:
+    """Copy page `part` of `parts` equal slices of the concatenated elements of `sources`."""
+    total = sum(t.numel() for t in sources)
+    lo, hi = total * part // parts, total * (part + 1) // parts
+    offset = 0
+    for src, dst in zip(sources, targets, strict=True):
+        a, b = max(lo - offset, 0), min(hi - offset, src.numel())
+        if a < b:
+            dst.view(-1)[a:b].copy_(src.view(-1)[a:b], non_blocking=True)
+        offset += src.numel()
+
+
 @define
 class DeviceWeights:
     model: MoEModel
     devices: Devices
     _dense: dict[int, LayerWeights] = field(factory=dict)
     _experts: dict[tuple[int, int], FFNWeights] = field(factory=dict)
+    _partial: dict[tuple[int, int], tuple[FFNWeights, set[int]]] = field(factory=dict)
+    limit: int | None = None  # bytes of layer weights allowed on the GPU (set by setup)
     embed: torch.Tensor | None = None
     head: tuple[torch.Tensor, torch.Tensor] | None = None  # final norm, lm head
 
-    def setup(self, residency: Residency) -> None:
-        """Embedding and head always live on the GPU; then what the scheduler keeps resident."""
+    def setup(self, residency: Residency, buffer_bytes: int) -> None:
+        """Embedding and head always live on the GPU; then what the scheduler keeps resident.
+        From then on, weights copied in may exceed the resident set by `buffer_bytes` at most."""
         w = self.model.weights
         self.embed = self.devices.to_gpu(w.embed)
         self.head = (self.devices.to_gpu(w.final_norm), self.devices.to_gpu(w.lm_head))
@@ -81,20 +101,60 @@ class DeviceWeights:
             self.load(layer, -1)
         for layer, expert in sorted(residency.experts):
             self.load(layer, expert)
+        self.limit = self.nbytes + buffer_bytes
 
-    def load(self, layer: int, expert: int) -> None:
-        """PAGE_COPY: expert -1 is the layer's dense part (attention, router, shared/dense MLP)."""
+    def load(self, layer: int, expert: int, part: int = -1, parts: int = 1) -> None:
+        """PAGE_COPY: expert -1 is the layer's dense part (attention, router, shared/dense MLP).
+        With `part` >= 0 an expert arrives in `parts` pages and is resident after the last one."""
         source = self.model.weights.layers[layer]
+        self._check_room(layer, expert)
         if expert < 0:
             self._dense[layer] = _dense_to(self.devices, source)
-        else:
+        elif part < 0:
             self._experts[(layer, expert)] = _ffn_to(self.devices, source.experts[expert])
+        else:
+            self._load_page(layer, expert, part, parts)
+
+    def _load_page(self, layer: int, expert: int, part: int, parts: int) -> None:
+        key = (layer, expert)
+        ffn = self.model.weights.layers[layer].experts[expert]
+        if key not in self._partial:
+            if self.devices.cuda:
+                blank = [
+                    None if t is None else torch.empty_like(t, device=self.devices.gpu) for t in _fields(ffn)
+                ]
+                target = FFNWeights(*blank)
+            else:
+                target = ffn  # the "GPU" is the CPU: the resident copy is the tensor itself
+            self._partial[key] = (target, set())
+        target, done = self._partial[key]
+        if self.devices.cuda:
+            _copy_page(ffn.tensors(), target.tensors(), part, parts)
+        done.add(part)
+        if len(done) == parts:
+            self._experts[key] = target
+            del self._partial[key]
+
+    def _check_room(self, layer: int, expert: int) -> None:
+        if self.limit is None or (layer, expert) in self._experts or (expert < 0 and layer in self._dense):
+            return
+        if (layer, expert) in self._partial:
+            return
+        source = self.model.weights.layers[layer]
+        size = source.experts[expert].nbytes if expert >= 0 else source.dense_nbytes
+        if self.nbytes + size > self.limit:
+            what = f"expert {expert}" if expert >= 0 else "the dense part"
+            raise MemoryBudgetError(
+                f"copying {what} of layer {layer} would hold {gib(self.nbytes + size)} of weights on the GPU, "
+                f"over the scheduler's declared {gib(self.limit)}"
+            )
 
     def evict(self, layer: int, expert: int) -> None:
         if expert < 0:
             self._dense.pop(layer, None)
         else:
             self._experts.pop((layer, expert), None)
+            self._partial.pop((layer, expert), None)
 
     def layer(self, layer: int) -> LayerWeights:
         if layer not in self._dense:
@@ -113,4 +173,5 @@ class DeviceWeights:
     @property
     def nbytes(self) -> int:
         dense = sum(lw.dense_nbytes for lw in self._dense.values())
-        return dense + sum(f.nbytes for f in self._experts.values())
+        partial = sum(target.nbytes for target, _ in self._partial.values())
+        return dense + partial + sum(f.nbytes for f in self._experts.values())

@@ -71,6 +71,10 @@ async def run_job(
     stop = frozenset(model.spec.eos_token_ids) | (codec.eos_ids if codec else frozenset())
     cache_device = getattr(runner, "cache_device", torch.device("cpu"))
     engine = Engine(model, runner, job.sampling, job.max_new_tokens, stop, cache_device)
+    check = getattr(runner, "check_memory", None)
+    if check is not None and todo:
+        longest = sorted((len(r.input_ids) for r in todo), reverse=True)[: job.batch_size]
+        check(len(longest), longest[0] + job.max_new_tokens, sum(longest))
     progress.started(len(todo))
     try:
         for start in range(0, len(todo), job.batch_size):

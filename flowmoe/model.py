@@ -16,7 +16,7 @@ from attrs import define
 from flowmoe.core.spec import ModelSpec
 from flowmoe.kernels.attention import attend
 from flowmoe.kernels.experts import swiglu_ffn
-from flowmoe.kernels.kv_cache import KVCache
+from flowmoe.kernels.kv_cache import KVCache, write_kv
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.kernels.norm import rms_norm
 from flowmoe.kernels.rope import apply_rope, cos_sin, inverse_frequencies
@@ -87,15 +87,16 @@ class MoEModel:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        cache: KVCache,
+        kv: tuple[torch.Tensor, torch.Tensor],
         layout: TokenLayout,
         lw: LayerWeights | None = None,
     ) -> torch.Tensor:
-        """Append k, v to the cache and attend: q [T, H, D] -> [T, H * D]."""
-        cache.write(layer, layout, k, v)
+        """Append k, v to the layer's cache kv = (keys, values) and attend: q [T, H, D] -> [T, H * D]."""
+        keys, values = kv
+        write_kv(keys, values, layout, k, v)
         sinks = (lw or self.weights.layers[layer]).attn.sinks
         window = self.spec.attention.window(layer)
-        return attend(q, cache.keys[layer], cache.values[layer], layout, window, sinks)
+        return attend(q.to(keys.device), keys, values, layout, window, sinks)
 
     def post_attention(
         self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor, lw: LayerWeights | None = None
@@ -155,7 +156,7 @@ class MoEModel:
         self, layer: int, hidden: torch.Tensor, cache: KVCache, layout: TokenLayout, rope: Rope
     ) -> torch.Tensor:
         q, k, v = self.pre_attention(layer, hidden, rope)
-        attn_out = self.attention(layer, q, k, v, cache, layout)
+        attn_out = self.attention(layer, q, k, v, cache.layer(layer), layout)
         hidden, x = self.post_attention(layer, hidden, attn_out)
         if not self.spec.is_moe_layer(layer):
             return self.combine(hidden, None, {}, self.shared(layer, x))

@@ -16,6 +16,7 @@ from attrs import define, field
 from flowmoe.actions import StepState
 from flowmoe.core.driver import drive
 from flowmoe.core.executor import Executor, Span, Worker
+from flowmoe.core.memory import MemoryNeed, gpu_need
 from flowmoe.core.plan import Lane, Op
 from flowmoe.core.policy import Policy
 from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, Scheduler, SchedulerContext, StepShape
@@ -57,7 +58,7 @@ class Runtime:
         plugin = create(scheduler, context)
         devices = Devices.detect(device)
         weights = DeviceWeights(model, devices)
-        weights.setup(plugin.residency())
+        weights.setup(plugin.residency(), plugin.weight_buffer_bytes())
         workers, events = make_workers(devices.gpu, policy.cpu_threads)
         return cls(model, plugin, devices, weights, workers, events, Trace(name=scheduler))
 
@@ -68,6 +69,19 @@ class Runtime:
     @property
     def cache_device(self) -> torch.device:
         return self.devices.gpu if self.kv_on_gpu else self.devices.cpu
+
+    def check_memory(self, sequences: int, max_len: int, step_tokens: int) -> MemoryNeed:
+        """Fail before the run if this scheduler's policy cannot fit the GPU budget."""
+        spec, policy = self.model.spec, self.scheduler.context.policy  # type: ignore[attr-defined]
+        kv = sequences * max_len * spec.kv_bytes_per_token if self.kv_on_gpu else 0
+        need = gpu_need(
+            spec, self.scheduler.residency(), self.scheduler.weight_buffer_bytes(), kv, step_tokens, sequences
+        )
+        need.check(
+            policy.gpu_memory,
+            f"scheduler {self.scheduler.name} with {sequences} sequences of {max_len} tokens",
+        )
+        return need
 
     async def __call__(self, model: MoEModel, inputs: Sequence[StepInput]) -> list[torch.Tensor]:
         shape = step_shape(self.steps, inputs)

@@ -38,9 +38,25 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
-    def write(self, layer: int, layout: TokenLayout, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [T, kv_heads, head_dim] written at each token's (slot, position)."""
-        positions = layout.positions.to(k.device)
-        slots = layout.token_slots.to(k.device)
-        self.keys[layer][slots, :, positions] = k
-        self.values[layer][slots, :, positions] = v
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer], self.values[layer]
+
+
+def write_kv(
+    keys: torch.Tensor, values: torch.Tensor, layout: TokenLayout, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """k, v: [T, kv_heads, head_dim] written into keys/values [slots, kv_heads, capacity, head_dim]
+    at each token's (slot, position)."""
+    positions = layout.positions.to(keys.device)
+    slots = layout.token_slots.to(keys.device)
+    keys[slots, :, positions] = k.to(keys.device)
+    values[slots, :, positions] = v.to(values.device)
+
+
+def read_kv(
+    keys: torch.Tensor, values: torch.Tensor, layout: TokenLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's k, v back out of a cache layer: [T, kv_heads, head_dim] each."""
+    positions = layout.positions.to(keys.device)
+    slots = layout.token_slots.to(keys.device)
+    return keys[slots, :, positions], values[slots, :, positions]

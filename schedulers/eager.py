@@ -23,6 +23,9 @@ class EagerScheduler:
     def residency(self) -> Residency:
         return Residency.everything(self.context.spec)
 
+    def weight_buffer_bytes(self) -> int:
+        return 0
+
     def plan(self, step: StepShape) -> PlanStream:
         f, spec = self.context.factory, self.context.spec
         gpu = Lane.GPU_COMPUTE

@@ -65,6 +65,8 @@ class TaskNode:
     deps: tuple[int, ...] = ()
     bytes: int = 0  # bytes moved (copies) or read (compute)
     flops: int = 0
+    part: int = -1  # PAGE_COPY: page index within the expert (or dense part) being copied
+    parts: int = 1  # PAGE_COPY: pages that expert is copied in
 
     @property
     def label(self) -> str:
@@ -76,6 +78,8 @@ class TaskNode:
             parts.append(f"mb{self.mb}")
         if self.expert >= 0:
             parts.append(f"e{self.expert}")
+        if self.part >= 0:
+            parts.append(f"p{self.part}/{self.parts}")
         return " ".join(parts)
 
 

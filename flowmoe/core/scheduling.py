@@ -83,6 +83,10 @@ class Scheduler(Protocol):
         """What is on the GPU before the first step."""
         ...
 
+    def weight_buffer_bytes(self) -> int:
+        """The most weight bytes it has copied in beyond its residency at any moment."""
+        ...
+
     def plan(self, step: StepShape) -> PlanStream:
         """Nodes of one step (all layers, all micro-batches) in launch order."""
         ...

@@ -1,0 +1,75 @@
+"""GPU memory accounting: what a policy needs on the GPU, checked against the budget before a run.
+
+flowmoe does its own accounting (weights resident, weight buffers a scheduler
+pages through, KV cache kept on the GPU, activations of the largest step), so a
+T4-sized budget can be enforced on a much bigger GPU and a policy that cannot
+fit fails before the first token with what it would need.
+"""
+
+from __future__ import annotations
+
+from attrs import frozen
+
+from flowmoe.core.errors import MemoryBudgetError
+from flowmoe.core.scheduling import Residency
+from flowmoe.core.spec import ModelSpec
+
+
+def gib(n: float) -> str:
+    """Bytes for people: 1.50 GiB, 12.0 MiB, 300 KiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@frozen
+class MemoryNeed:
+    weights: int  # resident: embeddings, head, dense parts and experts the scheduler keeps
+    buffers: int  # weight buffers the scheduler copies pages and experts into
+    kv_cache: int  # KV cache kept on the GPU
+    activations: int  # the largest step's working set
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.buffers + self.kv_cache + self.activations
+
+    def describe(self) -> str:
+        return (
+            f"{gib(self.total)} (resident weights {gib(self.weights)}, weight buffers {gib(self.buffers)}, "
+            f"KV cache {gib(self.kv_cache)}, activations {gib(self.activations)})"
+        )
+
+    def check(self, budget: int | None, who: str) -> None:
+        if budget is not None and self.total > budget:
+            raise MemoryBudgetError(
+                f"{who} needs {self.describe()} of GPU memory, over the {gib(budget)} budget"
+            )
+
+
+def resident_bytes(spec: ModelSpec, residency: Residency) -> int:
+    """Embedding and head (always on the GPU) plus the dense parts and experts kept resident."""
+    dense = sum(spec.layer_dense_bytes(layer) for layer in residency.dense)
+    return spec.embedding_bytes + dense + len(residency.experts) * spec.expert_bytes
+
+
+def activation_bytes(spec: ModelSpec, tokens: int, sequences: int) -> int:
+    """Working set of one micro-batch step: hidden, q/k/v, FFN intermediates, logits (fp32)."""
+    a, m = spec.attention, spec.moe
+    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    inter = max(m.intermediate * m.top_k, m.shared_intermediate, m.dense_intermediate)
+    per_token = 4 * spec.hidden + q * 2 + 2 * kv + 2 * inter
+    return tokens * per_token * spec.dtype_bytes + sequences * spec.vocab * 4
+
+
+def gpu_need(
+    spec: ModelSpec,
+    residency: Residency,
+    buffers: int,
+    kv_on_gpu: int,
+    step_tokens: int,
+    sequences: int,
+) -> MemoryNeed:
+    return MemoryNeed(
+        resident_bytes(spec, residency), buffers, kv_on_gpu, activation_bytes(spec, step_tokens, sequences)
+    )
