@@ -145,8 +145,8 @@ class DeviceWeights:
         if self.nbytes + size > self.limit:
             what = f"expert {expert}" if expert >= 0 else "the dense part"
             raise MemoryBudgetError(
-                f"copying {what} of layer {layer} would hold {gib(self.nbytes + size)} of weights on the GPU, "
-                f"over the scheduler's declared {gib(self.limit)}"
+                f"copying {what} of layer {layer} would hold {gib(self.nbytes + size)} of weights on the GPU "
+                f"(over the scheduler's declared {gib(self.limit)})"
             )
 
     def evict(self, layer: int, expert: int) -> None:
