@@ -64,7 +64,7 @@ class Runtime:
 
     @property
     def kv_on_gpu(self) -> bool:
-        return self.scheduler.context.policy.attention_on == "gpu"  # type: ignore[attr-defined]
+        return self.scheduler.kv_on_gpu()
 
     @property
     def cache_device(self) -> torch.device:

@@ -26,6 +26,9 @@ class EagerScheduler:
     def weight_buffer_bytes(self) -> int:
         return 0
 
+    def kv_on_gpu(self) -> bool:
+        return True
+
     def plan(self, step: StepShape) -> PlanStream:
         f, spec = self.context.factory, self.context.spec
         gpu = Lane.GPU_COMPUTE

@@ -87,6 +87,10 @@ class Scheduler(Protocol):
         """The most weight bytes it has copied in beyond its residency at any moment."""
         ...
 
+    def kv_on_gpu(self) -> bool:
+        """Whether the KV cache lives on the GPU (else on the CPU, loaded or attended there)."""
+        ...
+
     def plan(self, step: StepShape) -> PlanStream:
         """Nodes of one step (all layers, all micro-batches) in launch order."""
         ...

@@ -1,0 +1,90 @@
+"""Shared fixtures for scheduler tests: a tiny spec, a fixed routing trace, a runtime harness."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import torch
+
+from flowmoe.core.plan import ExpertCounts
+from flowmoe.core.policy import Policy
+from flowmoe.core.routing_trace import RoutingTrace, lane_listing, replay
+from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, SchedulerContext, StepShape
+from flowmoe.core.spec import ModelSpec
+from flowmoe.engine import Engine, Request, Result, StepInput, eager_step
+from flowmoe.model import MoEModel
+from flowmoe.runtime import Runtime
+from flowmoe.schedulers.registry import create
+
+TINY_CONFIG = {
+    "architectures": ["MixtralForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+}  # fmt: skip
+GOLDEN_POLICY = Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.0, page_bytes=8192)
+
+
+def golden_steps() -> list[StepShape]:
+    """A prefill and a decode step of two micro-batches of two sequences."""
+    prefill = tuple(MicroBatchShape.from_lengths(i, [5, 3], [0, 0]) for i in range(2))
+    decode = tuple(MicroBatchShape.from_lengths(i, [1, 1], [5, 3]) for i in range(2))
+    return [StepShape(0, True, prefill), StepShape(1, False, decode)]
+
+
+def golden_trace() -> RoutingTrace:
+    """Expert choices that differ per layer and micro-batch, with a skew (expert 0 popular)."""
+    trace = RoutingTrace()
+    choices = {0: ((0, 4), (2, 3), (3, 1)), 1: ((0, 2), (1, 2)), 2: ((0, 3), (1, 1)), 3: ((1, 1), (3, 1))}
+    for step in (0, 1):
+        for layer in range(2):
+            for mb in range(2):
+                counts = choices[(layer * 2 + mb + step) % 4]
+                trace.record(step, ExpertCounts(layer, mb, counts))
+                trace.record(step, ExpertCounts(layer, mb, counts[::-1][:1] + counts[1:]), speculative=True)
+    return trace
+
+
+def golden_listing(name: str, policy: Policy = GOLDEN_POLICY) -> str:
+    spec = ModelSpec.from_hf(TINY_CONFIG)
+    scheduler = create(name, SchedulerContext(spec, policy, NodeFactory(spec)))
+    trace = golden_trace()
+    out = []
+    for step in golden_steps():
+        nodes = list(replay(scheduler.plan(step), lambda r, s=step.step: trace.answer(s, r)))
+        out.append(f"# step {step.step} ({'prefill' if step.prefill else 'decode'})\n{lane_listing(nodes)}")
+    return "\n".join(out)
+
+
+REQUESTS = [Request(str(i), tuple(range(3 + i, 3 + i + 4 + 2 * i)), i) for i in range(5)]
+
+
+def generate(model: MoEModel, runner, micro_batches: int = 2, new_tokens: int = 6):
+    """-> (results sorted by id, every step's logits per micro-batch)."""
+    logits: list[list[torch.Tensor]] = []
+
+    async def recording(m: MoEModel, inputs: Sequence[StepInput]) -> list[torch.Tensor]:
+        out = await runner(m, inputs)
+        logits.append([t.clone() for t in out])
+        return out
+
+    async def go() -> list[Result]:
+        engine = Engine(model, recording, max_new_tokens=new_tokens,
+                        cache_device=getattr(runner, "cache_device", torch.device("cpu")))  # fmt: skip
+        size = -(-len(REQUESTS) // micro_batches)
+        mbs = [engine.micro_batch(i, REQUESTS[i * size : (i + 1) * size]) for i in range(micro_batches)]
+        return [r async for r in engine.run_batch(mbs)]
+
+    return sorted(asyncio.run(go()), key=lambda r: r.id), logits
+
+
+def run_scheduler(model: MoEModel, name: str, policy: Policy | None = None):
+    runtime = Runtime.create(model, name, policy or Policy(micro_batch_size=3, micro_batches=2))
+    try:
+        return generate(model, runtime), runtime
+    finally:
+        runtime.close()
+
+
+def run_eager(model: MoEModel):
+    return generate(model, eager_step)

@@ -1,0 +1,53 @@
+"""Every registered scheduler computes the same function: same tokens, logits within 1e-5 of eager."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from flowmoe.loading import load_model
+from flowmoe.schedulers.registry import available
+from flowmoe.traces.chrome import chrome_trace, validate_chrome
+from tests.helpers import rel_err
+from tests.hf_models import hf_model, save_hf
+from tests.schedule_fixtures import golden_listing, run_eager, run_scheduler
+
+SCHEDULERS = sorted(available())
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    folder = save_hf(hf_model(request.param), tmp_path_factory.mktemp("contract") / request.param)
+    return load_model(folder)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return run_eager(model)
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_same_tokens_and_logits_as_eager(model, reference, name: str) -> None:
+    (results, logits), runtime = run_scheduler(model, name)
+    ref_results, ref_logits = reference
+    assert [r.output_ids for r in results] == [r.output_ids for r in ref_results]
+    assert len(logits) == len(ref_logits)
+    for step, (ours, ref) in enumerate(zip(logits, ref_logits, strict=True)):
+        for mb, (a, b) in enumerate(zip(ours, ref, strict=True)):
+            assert rel_err(a, b) <= 1e-5, f"step {step} mb {mb}"
+    assert not validate_chrome(chrome_trace([runtime.trace]))
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_golden_node_order(name: str) -> None:
+    """The per-lane node order on a tiny model and a fixed routing trace is reviewed in
+    tests/golden/NAME.txt (FLOWMOE_UPDATE_GOLDEN=1 rewrites it)."""
+
+    path = Path(__file__).parent / "golden" / f"{name}.txt"
+    listing = golden_listing(name)
+    if os.environ.get("FLOWMOE_UPDATE_GOLDEN"):
+        path.write_text(listing)
+    assert path.exists(), f"no golden snapshot for {name}: run with FLOWMOE_UPDATE_GOLDEN=1 and review {path}"
+    assert listing == path.read_text()
