@@ -124,14 +124,18 @@ class NodeFactory:
         expert: int = -1,
         deps: Sequence[int | None] = (),
         tokens: int | None = None,
+        part: int = -1,
+        parts: int = 1,
     ) -> TaskNode:
         """`tokens`: tokens an expert FFN processes (default: the micro-batch's tokens).
+        `part`/`parts`: a PAGE_COPY of page `part` of `parts` (its bytes are that page's share).
         `None` deps are dropped, so optional producers can be passed as is."""
         clean = tuple(dict.fromkeys(d for d in deps if d is not None))
         n_bytes, flops = self._cost(op, layer, mb, expert, tokens)
-        return TaskNode(
-            next(self._ids), op, lane, layer, mb.index if mb else -1, expert, clean, n_bytes, flops
-        )
+        if part >= 0:
+            n_bytes = n_bytes * (part + 1) // parts - n_bytes * part // parts
+        index = mb.index if mb else -1
+        return TaskNode(next(self._ids), op, lane, layer, index, expert, clean, n_bytes, flops, part, parts)
 
     def _cost(
         self, op: Op, layer: int, mb: MicroBatchShape | None, expert: int, tokens: int | None
