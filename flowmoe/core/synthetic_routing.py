@@ -1,0 +1,169 @@
+"""Synthetic routing traces: expert popularity skew and layer-to-layer correlation, from a seed.
+
+Each layer ranks its experts in a random order and gives the r-th most popular
+a weight 1 / r**skew (skew 0: uniform). A token picks its top-k experts at a
+layer one at a time: with probability `correlation` it follows its previous
+layer's expert through a fixed per-layer successor map (expert e at layer l-1
+leads to succ[l][e]), otherwise it draws from the popularity weights; a pick
+already taken is redrawn. Pre-gate predictions (for pre-gated schedulers) keep
+each true expert with probability `pregate_accuracy`, else name another one.
+
+Large micro-batches are routed from a sample of at most `max_tokens` tokens
+whose counts are scaled up to the real token count: the expert shares and which
+experts are hit keep their distribution, at a fraction of the sampling cost.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from attrs import frozen
+
+from flowmoe.core.errors import ConfigError
+from flowmoe.core.plan import ExpertCounts
+from flowmoe.core.routing_trace import RoutingTrace
+from flowmoe.core.scheduling import StepShape
+from flowmoe.core.spec import ModelSpec
+
+
+@frozen
+class RoutingModel:
+    skew: float = 1.0
+    correlation: float = 0.0
+    pregate_accuracy: float = 0.9
+    seed: int = 0
+    max_tokens: int = 256
+
+    def __attrs_post_init__(self) -> None:
+        if self.skew < 0:
+            raise ConfigError(f"--skew must be >= 0, got {self.skew}")
+        for name in ("correlation", "pregate_accuracy"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"{name.replace('_', '-')} must be in [0, 1], got {value}")
+        if self.max_tokens < 1:
+            raise ConfigError(f"max tokens must be at least 1, got {self.max_tokens}")
+
+
+class SyntheticRouting:
+    """Routing of one model under a RoutingModel; the tables depend only on the seed."""
+
+    def __init__(self, spec: ModelSpec, model: RoutingModel) -> None:
+        self.spec, self.model = spec, model
+        experts, rng = spec.moe.experts, random.Random(f"routing:{model.seed}")
+        self.weights: list[list[float]] = []
+        self.successor: list[list[int]] = []
+        for _layer in range(spec.layers):
+            order = list(range(experts))
+            rng.shuffle(order)
+            weights = [0.0] * experts
+            for rank, expert in enumerate(order):
+                weights[expert] = 1.0 / (rank + 1) ** model.skew
+            total = sum(weights)
+            self.weights.append([w / total for w in weights])
+            self.successor.append([rng.randrange(experts) for _ in range(experts)])
+
+    @classmethod
+    def observed(cls, spec: ModelSpec, recorded: RoutingTrace, model: RoutingModel) -> SyntheticRouting:
+        """Popularity measured from a recorded trace (per layer; layers it never saw stay
+        Zipf-skewed), the successor map and pre-gate noise from `model`."""
+        routing = cls(spec, model)
+        for layer, shares in enumerate(observed_popularity(spec, recorded)):
+            if shares is not None:
+                routing.weights[layer] = list(shares)
+        return routing
+
+    @property
+    def popularity(self) -> tuple[tuple[float, ...], ...]:
+        """Token share of each expert per layer (what a routing profile gives a scheduler)."""
+        return tuple(tuple(w) for w in self.weights)
+
+    def trace(self, steps: Sequence[StepShape]) -> RoutingTrace:
+        trace = RoutingTrace()
+        for step in steps:
+            rng = random.Random(f"routing:{self.model.seed}:{step.step}")
+            for mb in step.micro_batches:
+                if mb.tokens:
+                    self._route_micro_batch(trace, step.step, mb.index, mb.tokens, rng)
+        return trace
+
+    def _route_micro_batch(
+        self, trace: RoutingTrace, step: int, mb: int, tokens: int, rng: random.Random
+    ) -> None:
+        sampled = min(tokens, self.model.max_tokens)
+        previous: list[list[int]] | None = None
+        for layer in range(self.spec.layers):
+            if not self.spec.is_moe_layer(layer):
+                previous = None
+                continue
+            chosen = [self._pick(layer, prev, rng) for prev in (previous or [None] * sampled)]
+            trace.record(step, ExpertCounts(layer, mb, _scaled(chosen, tokens)))
+            if layer > 0:
+                guessed = [self._guess(picks, rng) for picks in chosen]
+                trace.record(step, ExpertCounts(layer, mb, _scaled(guessed, tokens)), speculative=True)
+            previous = chosen
+
+    def _pick(self, layer: int, previous: list[int] | None, rng: random.Random) -> list[int]:
+        k, weights = self.spec.moe.top_k, self.weights[layer]
+        picks: list[int] = []
+        for slot in range(k):
+            if previous is not None and rng.random() < self.model.correlation:
+                expert = self.successor[layer][previous[slot]]
+                if expert not in picks:
+                    picks.append(expert)
+                    continue
+            while True:
+                expert = rng.choices(range(len(weights)), weights)[0]
+                if expert not in picks:
+                    picks.append(expert)
+                    break
+        return picks
+
+    def _guess(self, picks: list[int], rng: random.Random) -> list[int]:
+        experts = self.spec.moe.experts
+        guess = [e for e in picks if rng.random() < self.model.pregate_accuracy]
+        while len(guess) < len(picks):
+            other = rng.randrange(experts)
+            if other not in guess:
+                guess.append(other)
+        return guess
+
+
+def _scaled(chosen: list[list[int]], tokens: int) -> tuple[tuple[int, int], ...]:
+    """Counts of the sampled tokens' picks scaled to `tokens` tokens (largest remainder),
+    every picked expert keeping at least one token."""
+    counts: dict[int, int] = {}
+    for picks in chosen:
+        for expert in picks:
+            counts[expert] = counts.get(expert, 0) + 1
+    scale = tokens / len(chosen)
+    if scale == 1:
+        return tuple(sorted(counts.items()))
+    exact = {e: c * scale for e, c in counts.items()}
+    whole = {e: max(1, int(v)) for e, v in exact.items()}
+    short = round(sum(exact.values())) - sum(whole.values())
+    for expert in sorted(exact, key=lambda e: whole[e] - exact[e])[: max(0, short)]:
+        whole[expert] += 1
+    return tuple(sorted((e, min(tokens, n)) for e, n in whole.items()))
+
+
+def observed_popularity(spec: ModelSpec, recorded: RoutingTrace) -> list[tuple[float, ...] | None]:
+    """Each layer's token share per expert in a recorded trace (None for a layer it lacks)."""
+    totals = [[0] * spec.moe.experts for _ in range(spec.layers)]
+    for answer in recorded.counts.values():
+        if not 0 <= answer.layer < spec.layers:
+            raise ConfigError(f"routing trace names layer {answer.layer}; the model has {spec.layers}")
+        for expert, tokens in answer.counts:
+            if not 0 <= expert < spec.moe.experts:
+                raise ConfigError(f"routing trace names expert {expert}; the model has {spec.moe.experts}")
+            totals[answer.layer][expert] += tokens
+    return [tuple(t / sum(row) for t in row) if sum(row) else None for row in totals]
+
+
+def routing_for(
+    spec: ModelSpec, steps: Sequence[StepShape], model: RoutingModel
+) -> tuple[RoutingTrace, tuple[tuple[float, ...], ...]]:
+    """A synthetic routing trace for `steps`, and the popularity profile it was drawn from."""
+    routing = SyntheticRouting(spec, model)
+    return routing.trace(steps), routing.popularity
