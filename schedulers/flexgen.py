@@ -1,0 +1,171 @@
+"""`flexgen`: FlexGen's zig-zag block schedule (Sheng et al., ICML 2023, Sec. 4.2 and Algorithm 1).
+
+FlexGen runs a *block* of N = μ × n sequences (n micro-batches, FlexGen's "GPU
+batches", of μ sequences) column by column: layer after layer, and within a
+layer over every micro-batch, so a layer's weights are loaded once per block and
+reused by all its micro-batches. Algorithm 1 ("block schedule with
+overlapping"), iteration (layer j, micro-batch k):
+
+    load_weight(j + 1)     the next layer's weights (FlexGen issues them at k = 0)
+    load_cache(j, k + 1)   the next micro-batch's KV cache (wrapping to layer j + 1)
+    compute(j, k)
+    store_cache(j, k)
+
+Here that is: the KV cache lives on the CPU (`kv_on_gpu` False; FlexGen's cache
+placement with no GPU share) and attention runs on the GPU, so each (layer,
+micro-batch) gets a KV_LOAD on `gpu.h2d` issued one iteration ahead, so it
+overlaps the compute of the micro-batch before, and a KV_STORE on `gpu.d2h`
+right after its attention (the only step that writes the cache). Weights: the
+dense part of every layer is resident, and `policy.weights_gpu_share` of each
+layer's experts (the lowest-numbered ones; FlexGen's static per-layer split, not
+routing-aware) stays resident too. The rest of layer j + 1's experts, all of them
+whether routed or not, since FlexGen knows nothing of routing, are copied in
+while layer j computes, into a double buffer of two layers (FlexGen's
+`weight_read_buf`), and evicted after layer j + 1's last micro-batch. Every
+routed expert's FFN runs on the GPU.
+
+FlexGen puts weight loads and cache loads on two CUDA streams that share the
+PCIe link; flowmoe has one `gpu.h2d` lane, so at k = 0 the cache load of the next
+micro-batch is queued first (it is small and needed first) and the weights of
+layer j + 1 after it. Layer 0's weights and its first cache load are issued when
+the step starts (FlexGen's prologue); FlexGen's wrap-around prefetch of the next
+step's layer 0 has no counterpart, since a plan covers one step. In a prefill
+step KV_LOAD brings an empty cache layer: it is the GPU working copy attention
+writes into.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from flowmoe.core.plan import Lane, Op, RoutingRequest
+from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
+
+
+class FlexGenScheduler:
+    name: ClassVar[str] = "flexgen"
+    summary: ClassVar[str] = (
+        "FlexGen zig-zag block schedule: KV cache on the CPU loaded a micro-batch ahead, "
+        "next layer's experts copied while this layer computes"
+    )
+
+    def __init__(self, context: SchedulerContext) -> None:
+        self.context = context
+        spec = context.spec
+        self.resident_per_layer = int(context.policy.weights_gpu_share * spec.moe.experts + 1e-9)
+
+    def offloaded(self, layer: int) -> range:
+        """The experts of `layer` that live on the CPU and are copied in for every block."""
+        spec = self.context.spec
+        if not spec.is_moe_layer(layer):
+            return range(0)
+        return range(self.resident_per_layer, spec.moe.experts)
+
+    def residency(self) -> Residency:
+        spec = self.context.spec
+        experts = {
+            (layer, e)
+            for layer in range(spec.layers)
+            if spec.is_moe_layer(layer)
+            for e in range(self.resident_per_layer)
+        }
+        return Residency(frozenset(range(spec.layers)), frozenset(experts))
+
+    def weight_buffer_bytes(self) -> int:
+        """Two consecutive layers of offloaded experts: the layer computing and the next."""
+        spec = self.context.spec
+        per_layer = [len(self.offloaded(layer)) * spec.expert_bytes for layer in range(spec.layers)]
+        return max(a + b for a, b in zip(per_layer, [*per_layer[1:], 0], strict=True))
+
+    def kv_on_gpu(self) -> bool:
+        return False
+
+    def plan(self, step: StepShape) -> PlanStream:
+        f, spec = self.context.factory, self.context.spec
+        mbs, layers = step.micro_batches, spec.layers
+        last: dict[int, int] = {}
+        for mb in mbs:
+            node = f.node(Op.EMBED, Lane.GPU_COMPUTE, mb=mb)
+            yield node
+            last[mb.index] = node.id
+        kv: dict[tuple[int, int], int] = {}  # (layer, mb) -> KV_LOAD id
+        copies: dict[int, dict[int, int]] = {}  # layer -> expert -> PAGE_COPY id
+        combines: dict[int, list[int]] = {}  # layer -> COMBINE ids
+        # prologue: the first micro-batch's cache and layer 0's weights
+        first = f.node(Op.KV_LOAD, Lane.GPU_H2D, 0, mbs[0])
+        yield first
+        kv[(0, mbs[0].index)] = first.id
+        copies[0] = yield from self._copy_layer(0)
+        for layer in range(layers):
+            combines[layer] = []
+            for k, mb in enumerate(mbs):
+                nxt = (layer, mbs[k + 1]) if k + 1 < len(mbs) else (layer + 1, mbs[0])
+                if nxt[0] < layers:
+                    load = f.node(Op.KV_LOAD, Lane.GPU_H2D, nxt[0], nxt[1])
+                    yield load
+                    kv[(nxt[0], nxt[1].index)] = load.id
+                if k == 0:
+                    if layer >= 1:
+                        yield from self._evict_layer(layer - 1, copies, combines)
+                    if layer + 1 < layers:
+                        copies[layer + 1] = yield from self._copy_layer(layer + 1)
+                before, load_id = last[mb.index], kv.pop((layer, mb.index))
+                combine = yield from self._compute(layer, mb, before, load_id, copies[layer])
+                combines[layer].append(combine)
+                last[mb.index] = combine
+        yield from self._evict_layer(layers - 1, copies, combines)
+        for mb in mbs:
+            yield f.node(Op.LM_HEAD, Lane.GPU_COMPUTE, mb=mb, deps=[last[mb.index]])
+
+    def _copy_layer(self, layer: int) -> PlanStream:
+        """PAGE_COPY of every offloaded expert of `layer` -> {expert: copy id}."""
+        out: dict[int, int] = {}
+        for expert in self.offloaded(layer):
+            copy = self.context.factory.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=expert)
+            yield copy
+            out[expert] = copy.id
+        return out
+
+    def _evict_layer(
+        self, layer: int, copies: dict[int, dict[int, int]], combines: dict[int, list[int]]
+    ) -> PlanStream:
+        """Free a layer's weight buffer after its last micro-batch (on the copy lane, ahead of the
+        copies that reuse it)."""
+        for expert in copies.pop(layer, {}):
+            yield self.context.factory.node(
+                Op.EVICT, Lane.GPU_H2D, layer, expert=expert, deps=combines[layer]
+            )
+        return None
+
+    def _compute(
+        self, layer: int, mb: MicroBatchShape, before: int, kv_load: int, copies: dict[int, int]
+    ) -> PlanStream:
+        """compute(j, k) with store_cache(j, k) after the attention. Returns the COMBINE id."""
+        f, spec = self.context.factory, self.context.spec
+        gpu = Lane.GPU_COMPUTE
+        pre = f.node(Op.PRE_ATTN, gpu, layer, mb, deps=[before])
+        attn = f.node(Op.GPU_ATTN, gpu, layer, mb, deps=[pre.id, kv_load])
+        store = f.node(Op.KV_STORE, Lane.GPU_D2H, layer, mb, deps=[attn.id])
+        post = f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id])
+        yield pre
+        yield attn
+        yield store
+        yield post
+        parts: list[int] = []
+        if spec.is_moe_layer(layer):
+            gate = f.node(Op.GATE, gpu, layer, mb, deps=[post.id])
+            yield gate
+            counts = yield RoutingRequest(layer, mb.index, gate.id)
+            for expert, tokens in counts.counts:
+                ffn = f.node(
+                    Op.EXPERT_FFN, gpu, layer, mb, expert, deps=[gate.id, copies.get(expert)], tokens=tokens
+                )
+                yield ffn
+                parts.append(ffn.id)
+        if not spec.is_moe_layer(layer) or spec.moe.has_shared:
+            shared = f.node(Op.SHARED_FFN, gpu, layer, mb, deps=[post.id])
+            yield shared
+            parts.append(shared.id)
+        combine = f.node(Op.COMBINE, gpu, layer, mb, deps=[post.id, *parts])
+        yield combine
+        return combine.id

@@ -1,0 +1,186 @@
+"""`pre-gated`: Pre-gated MoE (Hwang et al., ISCA 2024): experts of block N+1 chosen during block N.
+
+In Pre-gated MoE each MoE block N carries a *pre-gate* that, from the same input
+as block N's gate, selects the experts of block N+1; those experts are migrated
+to the GPU while block N's experts execute, so only the activated experts (not
+all of the next block's, as in "MoE-Prefetch") cross PCIe, and the copy is off
+the critical path (Sec. IV-A, the pre-gate function; Sec. IV-B, the system that
+overlaps expert migration of block N+1 with the execution of block N). The first
+MoE block has no predecessor, so its experts are fetched on demand.
+
+Checkpoints carry no trained pre-gate, so flowmoe's PREGATE applies layer l+1's
+own router to layer l's post-attention hidden state (the input of layer l's
+gate), and `RoutingRequest(l+1, mb, after=pregate, speculative=True)` returns
+its choice. Per layer l and micro-batch: POST_ATTN, GATE of layer l, PREGATE of
+layer l+1 (both on the GPU), then the expert FFNs of layer l, whose weights were
+prefetched during layer l-1 where the prediction was right and are fetched on
+demand (after layer l's real gate) where it was wrong; then the predicted
+experts of layer l+1 are copied on `gpu.h2d`, overlapping the rest of layer l.
+
+The dense part of every layer is resident. An expert brought in for a layer
+(predicted for any micro-batch, or fetched on a miss) serves every micro-batch
+of that layer and is evicted once the layer's last micro-batch has gated, after
+the FFNs that read it (mispredicted experts nobody used right after their copy).
+The buffer therefore holds at most two layers' experts: the layer computing and
+the one being prefetched (2 × top-k experts at batch size 1, as in the paper; up
+to every expert of both layers for a large batch).
+
+Hit rate: for each micro-batch and layer that had a prediction (every MoE layer
+after the first), `hits` counts routed experts the pre-gate predicted for that
+micro-batch and `misses` the routed experts it did not; both add up over every
+step the scheduler plans. `hit_rate` is hits / (hits + misses), and `report()`
+returns them as a dict of floats for a front end (the CLI) to print after a run.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
+from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
+
+
+class PreGatedScheduler:
+    name: ClassVar[str] = "pre-gated"
+    summary: ClassVar[str] = (
+        "Pre-gated MoE: next layer's router on this layer's hidden state picks the experts to prefetch; "
+        "mispredictions fetched on demand"
+    )
+
+    def __init__(self, context: SchedulerContext) -> None:
+        self.context = context
+        self.hits = 0  # routed experts the pre-gate predicted (per layer and micro-batch)
+        self.misses = 0  # routed experts it did not predict (fetched on demand, unless already in)
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of routed experts the pre-gate predicted; 0.0 before any prediction was checked."""
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def report(self) -> dict[str, float]:
+        """Counters for a front end to print after a run."""
+        return {
+            "pregate_hits": float(self.hits),
+            "pregate_misses": float(self.misses),
+            "pregate_hit_rate": self.hit_rate,
+        }
+
+    def residency(self) -> Residency:
+        return Residency.dense_only(self.context.spec)
+
+    def weight_buffer_bytes(self) -> int:
+        """Two consecutive layers of experts at most: the layer computing and the one prefetched."""
+        spec = self.context.spec
+        per_layer = [spec.layer_expert_bytes(layer) for layer in range(spec.layers)]
+        return max(a + b for a, b in zip(per_layer, [*per_layer[1:], 0], strict=True))
+
+    def kv_on_gpu(self) -> bool:
+        return True
+
+    def _pregated(self, layer: int) -> bool:
+        """Whether layer `layer` + 1 is an MoE layer whose experts layer `layer` predicts."""
+        spec = self.context.spec
+        return layer + 1 < spec.layers and spec.is_moe_layer(layer + 1)
+
+    def plan(self, step: StepShape) -> PlanStream:
+        f, spec = self.context.factory, self.context.spec
+        gpu = Lane.GPU_COMPUTE
+        last: dict[int, int] = {}
+        for mb in step.micro_batches:
+            node = f.node(Op.EMBED, gpu, mb=mb)
+            yield node
+            last[mb.index] = node.id
+        # per layer, expert -> the PAGE_COPY that brings it in, and the FFNs that read it
+        held: dict[int, dict[int, int]] = {layer: {} for layer in range(spec.layers)}
+        readers: dict[int, dict[int, list[int]]] = {layer: {} for layer in range(spec.layers)}
+        predicted: dict[tuple[int, int], frozenset[int]] = {}  # (layer, mb) -> pre-gate's experts
+        for layer in range(spec.layers):
+            for mb in step.micro_batches:
+                pre = f.node(Op.PRE_ATTN, gpu, layer, mb, deps=[last[mb.index]])
+                attn = f.node(Op.GPU_ATTN, gpu, layer, mb, deps=[pre.id])
+                post = f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id])
+                yield pre
+                yield attn
+                yield post
+                gate = f.node(Op.GATE, gpu, layer, mb, deps=[post.id]) if spec.is_moe_layer(layer) else None
+                pregate = (
+                    f.node(Op.PREGATE, gpu, layer + 1, mb, deps=[post.id]) if self._pregated(layer) else None
+                )
+                parts: list[int] = []
+                if gate is not None:
+                    yield gate
+                if pregate is not None:
+                    yield pregate
+                if gate is not None:
+                    counts = yield RoutingRequest(layer, mb.index, gate.id)
+                    self._score(counts, predicted.pop((layer, mb.index), None))
+                    parts = yield from self._experts(counts, mb, gate.id, held[layer], readers[layer])
+                if not spec.is_moe_layer(layer) or spec.moe.has_shared:
+                    shared = f.node(Op.SHARED_FFN, gpu, layer, mb, deps=[post.id])
+                    yield shared
+                    parts.append(shared.id)
+                combine = f.node(Op.COMBINE, gpu, layer, mb, deps=[post.id, *parts])
+                yield combine
+                last[mb.index] = combine.id
+                if pregate is not None:
+                    guess = yield RoutingRequest(layer + 1, mb.index, pregate.id, speculative=True)
+                    experts = frozenset(guess.experts)
+                    predicted[(layer + 1, mb.index)] = experts
+                    yield from self._prefetch(layer + 1, sorted(experts), mb, pregate, held[layer + 1])
+            yield from self._evict(layer, held.pop(layer), readers.pop(layer))
+        for mb in step.micro_batches:
+            yield f.node(Op.LM_HEAD, gpu, mb=mb, deps=[last[mb.index]])
+
+    def _score(self, counts: ExpertCounts, guess: frozenset[int] | None) -> None:
+        if guess is None:  # the first MoE layer: nothing predicted it
+            return
+        routed = set(counts.experts)
+        self.hits += len(routed & guess)
+        self.misses += len(routed - guess)
+
+    def _experts(
+        self,
+        counts: ExpertCounts,
+        mb: MicroBatchShape,
+        gate: int,
+        held: dict[int, int],
+        readers: dict[int, list[int]],
+    ) -> PlanStream:
+        """FFN of each routed expert, after its prefetch, or after an on-demand copy where no
+        micro-batch's prediction (and no earlier miss) brought it in. Returns the FFN ids."""
+        f = self.context.factory
+        ffns: list[int] = []
+        for expert, tokens in counts.counts:
+            if expert not in held:
+                copy = f.node(Op.PAGE_COPY, Lane.GPU_H2D, counts.layer, mb, expert, deps=[gate])
+                yield copy
+                held[expert] = copy.id
+            ffn = f.node(
+                Op.EXPERT_FFN, Lane.GPU_COMPUTE, counts.layer, mb, expert, deps=[gate, held[expert]],
+                tokens=tokens,
+            )  # fmt: skip
+            yield ffn
+            readers.setdefault(expert, []).append(ffn.id)
+            ffns.append(ffn.id)
+        return ffns
+
+    def _prefetch(
+        self, layer: int, experts: list[int], mb: MicroBatchShape, pregate: TaskNode, held: dict[int, int]
+    ) -> PlanStream:
+        """Copy the predicted experts of `layer` not already on their way."""
+        for expert in experts:
+            if expert not in held:
+                copy = self.context.factory.node(
+                    Op.PAGE_COPY, Lane.GPU_H2D, layer, mb, expert, deps=[pregate.id]
+                )
+                yield copy
+                held[expert] = copy.id
+        return None
+
+    def _evict(self, layer: int, held: dict[int, int], readers: dict[int, list[int]]) -> PlanStream:
+        """Free every expert of `layer` after the FFNs that read it (or its copy, if none did)."""
+        for expert in sorted(held):
+            deps = readers.get(expert) or [held[expert]]
+            yield self.context.factory.node(Op.EVICT, Lane.GPU_H2D, layer, expert=expert, deps=deps)
+        return None
