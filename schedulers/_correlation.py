@@ -1,0 +1,66 @@
+"""Klotski's expert correlation table: which experts of the next MoE layer follow those of this one.
+
+Routing reaches a scheduler as token counts per (layer, micro-batch), not per
+token, so a pair (a in layer l, b in the next MoE layer) seen in one
+micro-batch adds the tokens the two would share if independent within it,
+c_a * c_b / tokens. A profile (`popularity`) seeds every row of a layer with
+the next layer's popularity; the table keeps learning from every routing it
+sees, the first ones being the warm-up.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from attrs import define, field
+
+from flowmoe.core.plan import ExpertCounts
+
+
+@define
+class CorrelationTable:
+    layers: list[int]  # the MoE layers, in order
+    experts: int
+    _table: dict[int, list[list[float]]] = field(factory=dict)  # layer -> [a][b] toward the next MoE layer
+    _seen: dict[int, list[float]] = field(factory=dict)  # layer -> tokens per expert so far
+
+    @classmethod
+    def seeded(
+        cls, layers: list[int], experts: int, popularity: Sequence[Sequence[float]] | None
+    ) -> CorrelationTable:
+        table = cls(layers, experts)
+        for layer in layers:
+            row = list(popularity[layer]) if popularity is not None else [0.0] * experts
+            table._seen[layer] = row
+        for here, after in itertools.pairwise(layers):
+            table._table[here] = [list(table._seen[after]) for _ in range(experts)]
+        return table
+
+    def learn(self, before: Sequence[ExpertCounts], after: Sequence[ExpertCounts]) -> None:
+        """Routing of the same micro-batches at a MoE layer (`before`, may be empty) and the next."""
+        for answer in after:
+            for e, n in answer.counts:
+                self._seen[answer.layer][e] += n
+        for a_counts, b_counts in zip(before, after, strict=False) if before else ():
+            rows = self._table[a_counts.layer]
+            tokens = max(1, sum(n for _, n in a_counts.counts))
+            for a, na in a_counts.counts:
+                for b, nb in b_counts.counts:
+                    rows[a][b] += na * nb / tokens
+
+    def hot(self, layer: int, before: Sequence[ExpertCounts], k: int, among: Sequence[int]) -> list[int]:
+        """The k experts of `layer` (from `among`) most likely to follow the routing `before` of the
+        previous MoE layer (by popularity if there is none); ties to the lower id."""
+        score = dict.fromkeys(among, 0.0)
+        if before:
+            rows = self._table[before[0].layer]
+            for answer in before:
+                for a, na in answer.counts:
+                    total = sum(rows[a]) or 1.0
+                    for b in among:
+                        score[b] += na * rows[a][b] / total
+        else:
+            for b in among:
+                score[b] = self._seen[layer][b]
+        return sorted(sorted(among, key=lambda b: (-score[b], b))[:k])

@@ -1,0 +1,153 @@
+"""`fiddler`: Fiddler's CPU-GPU orchestration of experts (Kamahori et al., 2024, §3).
+
+Placement (§3, expert placement from a popularity profile): the most popular
+experts of the whole model, `weights_gpu_share` of all of them, live on the GPU
+(by `popularity`, else uniform: expert 0 of every layer first, then expert 1,
+...). Everything else but the experts stays on the GPU, KV cache included.
+
+Execution (§3, CPU or GPU per expert from a latency model): an expert that is
+not resident either runs on the CPU, where its weights are, with the
+activations moving instead (HIDDEN_OFFLOAD, EXPERT_FFN on cpu.compute,
+EXPERT_LOAD), or has its weights copied to the GPU and runs there (PAGE_COPY,
+EXPERT_FFN on the GPU, EVICT). The latency model is calibrated once at start-up
+from the cost function: the smallest token count n for which copy + GPU time
+beats CPU time (activation transfers included); an expert given fewer tokens
+than that runs on the CPU. Copied experts go through a buffer of top_k slots.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
+from flowmoe.core.scheduling import (
+    MicroBatchShape,
+    NodeFactory,
+    PlanStream,
+    Residency,
+    SchedulerContext,
+    StepShape,
+)
+from flowmoe.schedulers._layer_nodes import (
+    Cost,
+    cpu_experts,
+    embeddings,
+    gpu_attention,
+    latency_model,
+    layer_tail,
+    lm_heads,
+    moe_layers,
+    popularity_ranking,
+)
+
+MAX_TOKENS = 1 << 24  # beyond this many tokens an expert is never worth copying: always the CPU
+
+
+class FiddlerScheduler:
+    name: ClassVar[str] = "fiddler"
+    summary: ClassVar[str] = (
+        "Fiddler: popular experts resident; each other expert on the CPU or copied in, by a latency model"
+    )
+
+    def __init__(self, context: SchedulerContext) -> None:
+        self.context = context
+        spec = context.spec
+        ranked = popularity_ranking(spec, context.popularity)
+        self.resident = frozenset(ranked[: round(context.policy.weights_gpu_share * len(ranked))])
+        self.threshold = self._calibrate(latency_model(context))
+        kept = [sum(1 for layer, _ in self.resident if layer == m) for m in moe_layers(spec)]
+        missing = max((spec.moe.experts - k for k in kept), default=0)
+        self.slots = min(spec.moe.top_k, missing) if self.threshold is not None else 0
+
+    def residency(self) -> Residency:
+        return Residency(Residency.dense_only(self.context.spec).dense, self.resident)
+
+    def weight_buffer_bytes(self) -> int:
+        return self.slots * self.context.spec.expert_bytes
+
+    def kv_on_gpu(self) -> bool:
+        return True
+
+    def on_cpu(self, tokens: int) -> bool:
+        """The latency model's choice for a non-resident expert given `tokens` tokens."""
+        return self.threshold is None or tokens < self.threshold
+
+    def _calibrate(self, cost: Cost) -> int | None:
+        """Smallest n (tokens) with copy + GPU time <= CPU time, or None if none up to MAX_TOKENS."""
+
+        def gpu_wins(n: int) -> bool:
+            probe, mb = NodeFactory(self.context.spec), MicroBatchShape(0, n, n, n, n)
+            cpu = sum(cost(node) for node in cpu_experts(probe, 0, mb, 0, [(0, n)]))
+            copy = cost(probe.node(Op.PAGE_COPY, Lane.GPU_H2D, 0, expert=0))
+            return copy + cost(probe.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, 0, mb, 0, tokens=n)) <= cpu
+
+        high = 1
+        while not gpu_wins(high):
+            if high >= MAX_TOKENS:
+                return None
+            high *= 2
+        low = high // 2  # gpu_wins(low) is false (or low == 0)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (low, mid) if gpu_wins(mid) else (mid, high)
+        return high
+
+    def plan(self, step: StepShape) -> PlanStream:
+        f, spec = self.context.factory, self.context.spec
+        nodes, last = embeddings(f, step)
+        yield from nodes
+        evicts: list[int] = []  # EVICT of each copy so far, in order
+        for layer in range(spec.layers):
+            for mb in step.micro_batches:
+                attention = gpu_attention(f, layer, mb, last[mb.index])
+                yield from attention
+                post, outputs = attention[-1].id, []
+                if spec.is_moe_layer(layer):
+                    gate = f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[post])
+                    yield gate
+                    counts = yield RoutingRequest(layer, mb.index, gate.id)
+                    outputs = yield from self._experts(layer, mb, gate.id, counts, evicts)
+                tail = layer_tail(f, spec, layer, mb, post, outputs)
+                yield from tail
+                last[mb.index] = tail[-1].id
+        yield from lm_heads(f, step, last)
+
+    def _experts(
+        self, layer: int, mb: MicroBatchShape, gate: int, counts: ExpertCounts, evicts: list[int]
+    ) -> PlanStream:
+        """The first `slots` copies (h2d), the CPU experts, then the GPU ones, each copy after the
+        first `slots` issued once the eviction it reuses the slot of is. -> the outputs' last nodes."""
+        f, gpu = self.context.factory, Lane.GPU_COMPUTE
+        cpu = [(e, n) for e, n in counts.counts if (layer, e) not in self.resident and self.on_cpu(n)]
+        on_gpu = [(e, n) for e, n in counts.counts if (e, n) not in cpu]
+        copied = [e for e, _ in on_gpu if (layer, e) not in self.resident]
+        base, copies = len(evicts), {}  # every earlier copy has its EVICT in `evicts`, in order
+
+        def copy(i: int) -> TaskNode:
+            reuse = base + i - self.slots
+            node = f.node(
+                Op.PAGE_COPY,
+                Lane.GPU_H2D,
+                layer,
+                expert=copied[i],
+                deps=[evicts[reuse]] if reuse >= 0 else [],
+            )
+            copies[copied[i]] = node.id
+            return node
+
+        yield from (copy(i) for i in range(min(self.slots, len(copied))))
+        on_cpu = cpu_experts(f, layer, mb, gate, cpu)
+        yield from on_cpu
+        outputs = [on_cpu[-1].id] if on_cpu else []
+        for e, n in on_gpu:
+            ffn = f.node(Op.EXPERT_FFN, gpu, layer, mb, e, deps=[gate, copies.get(e)], tokens=n)
+            yield ffn
+            outputs.append(ffn.id)
+            if e in copies:
+                evict = f.node(Op.EVICT, gpu, layer, expert=e, deps=[ffn.id])
+                evicts.append(evict.id)
+                yield evict
+                following = copied.index(e) + self.slots
+                if following < len(copied):
+                    yield copy(following)
+        return outputs
