@@ -8,7 +8,7 @@ spans (and memory counters) go into the run's trace.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from attrs import define, field
@@ -17,7 +17,7 @@ from flowmoe.actions import StepState
 from flowmoe.core.driver import drive
 from flowmoe.core.executor import Executor, Span, Worker
 from flowmoe.core.memory import MemoryNeed, gpu_need
-from flowmoe.core.plan import Lane, Op
+from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, Scheduler, SchedulerContext, StepShape
 from flowmoe.device_weights import Devices, DeviceWeights
@@ -51,10 +51,16 @@ class Runtime:
 
     @classmethod
     def create(
-        cls, model: MoEModel, scheduler: str, policy: Policy | None = None, device: str = "auto"
+        cls,
+        model: MoEModel,
+        scheduler: str,
+        policy: Policy | None = None,
+        device: str = "auto",
+        cost: Callable[[TaskNode], float] | None = None,
     ) -> Runtime:
+        """`cost`: the latency model the scheduler plans with (a hardware profile's roofline)."""
         policy = policy or Policy()
-        context = SchedulerContext(model.spec, policy, NodeFactory(model.spec))
+        context = SchedulerContext(model.spec, policy, NodeFactory(model.spec), cost)
         plugin = create(scheduler, context)
         devices = Devices.detect(device)
         weights = DeviceWeights(model, devices)
