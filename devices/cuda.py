@@ -11,7 +11,6 @@ one anchor event, then mapped onto the host clock.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -73,15 +72,12 @@ class CudaStreamWorker:
         return self._streams[lane]
 
     def start(self, node: TaskNode, action: Action, finish: Finish) -> None:
-        loop = asyncio.get_running_loop()
         pool = self._pools.get(node.lane)
         if pool is None:
             pool = self._pools[node.lane] = ThreadPoolExecutor(1, thread_name_prefix=f"flowmoe-{node.lane}")
-        pool.submit(self._launch, loop, node, action, finish)
+        pool.submit(self._launch, node, action, finish)
 
-    def _launch(
-        self, loop: asyncio.AbstractEventLoop, node: TaskNode, action: Action, finish: Finish
-    ) -> None:
+    def _launch(self, node: TaskNode, action: Action, finish: Finish) -> None:
         start = time.perf_counter()
         error: BaseException | None = None
         try:
@@ -97,7 +93,7 @@ class CudaStreamWorker:
             self._events.put(node.id, begin, end, stream)
         except BaseException as exc:  # reported through the executor, which names the node
             error = exc
-        loop.call_soon_threadsafe(finish, start, time.perf_counter(), error)
+        finish(start, time.perf_counter(), error)
 
     def close(self) -> None:
         for pool in self._pools.values():

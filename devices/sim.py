@@ -28,8 +28,9 @@ class SimWorker:
     def start(self, node: TaskNode, action: Action, finish: Finish) -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()
-        end = now + max(0.0, self._cost(node))
-        loop.call_at(end, finish, now, end, None)
+        # The span ends when the loop's clock says so (it may land a rounding error short of
+        # now + cost), so that what starts next never appears to start before this ends.
+        loop.call_at(now + max(0.0, self._cost(node)), lambda: finish(now, loop.time(), None))
 
     def close(self) -> None:
         pass

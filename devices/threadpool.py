@@ -8,7 +8,6 @@ number of threads each torch op may use inside itself is configurable
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,13 +34,12 @@ class ThreadPoolWorker:
         self._pools: dict[Lane, ThreadPoolExecutor] = {}
 
     def start(self, node: TaskNode, action: Action, finish: Finish) -> None:
-        loop = asyncio.get_running_loop()
         pool = self._pools.get(node.lane)
         if pool is None:
             pool = self._pools[node.lane] = ThreadPoolExecutor(1, thread_name_prefix=f"flowmoe-{node.lane}")
-        pool.submit(self._run, loop, node, action, finish)
+        pool.submit(self._run, node, action, finish)
 
-    def _run(self, loop: asyncio.AbstractEventLoop, node: TaskNode, action: Action, finish: Finish) -> None:
+    def _run(self, node: TaskNode, action: Action, finish: Finish) -> None:
         start = time.perf_counter()
         error: BaseException | None = None
         try:
@@ -57,7 +55,7 @@ class ThreadPoolWorker:
         except BaseException as exc:  # reported through the executor, which names the node
             error = exc
         end = time.perf_counter()
-        loop.call_soon_threadsafe(finish, start, end, error)
+        finish(start, end, error)
 
     def close(self) -> None:
         for pool in self._pools.values():

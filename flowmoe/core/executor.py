@@ -2,10 +2,12 @@
 
 Nodes arrive as a stream (`submit`) while the run is in progress, because a
 scheduler learns a layer's routing only after its gate ran. The executor is
-callback driven: a worker is told to start a node and calls back when it has
+callback driven: a worker is told to start a node and calls `finish` when it has
 finished (or, for a CUDA stream, when it is enqueued behind its producers'
-events). Everything here runs on the asyncio loop thread; workers hop threads
-themselves.
+events). `finish` may be called from any thread: the worker thread that ran a
+node starts whatever that released right there, so a lane's next node follows
+without a round trip through the event loop; the loop is only woken for the
+futures someone awaits (`wait`, `drain`).
 
 Failures never hang: a dependency that never arrives, a cycle, or lane order
 and dependencies waiting on each other are reported with the nodes involved; the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -42,11 +45,14 @@ class Span:
 
 
 class Worker(Protocol):
-    """Runs nodes of the lanes it serves; calls `finish(start, end, error)` on the loop thread."""
+    """Runs nodes of the lanes it serves and calls `finish(start, end, error)` from any thread."""
 
     def start(self, node: TaskNode, action: Action, finish: Finish) -> None: ...
 
     def close(self) -> None: ...
+
+
+Start = tuple[TaskNode, Action]
 
 
 class Executor:
@@ -59,8 +65,11 @@ class Executor:
         """`clock` must be the clock the workers time spans with (the loop's for a simulation)."""
         self._workers = dict(workers)
         self._clock = clock
-        self._queued: dict[int, float] = {}
         self._on_span = on_span
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._queued: dict[int, float] = {}
         self._queues: dict[Lane, deque[int]] = {lane: deque() for lane in self._workers}
         self._busy: set[Lane] = set()
         self._nodes: dict[int, TaskNode] = {}
@@ -74,111 +83,141 @@ class Executor:
         self._stopped = False
         self.spans: list[Span] = []
 
-    # ---- feeding
+    # ---- feeding (loop thread)
 
     def submit(self, node: TaskNode, action: Action = None) -> None:
         """Queue a node on its lane; it may depend on nodes not submitted yet."""
-        if self._stopped:
-            raise self._error or asyncio.CancelledError()
+        self._bind_loop()
+        with self._lock:
+            if self._stopped:
+                raise self._error or asyncio.CancelledError()
+            self._validate(node)
+            self._nodes[node.id] = node
+            self._actions[node.id] = action
+            self._queued[node.id] = self._clock()
+            unmet = 0
+            for dep in node.deps:
+                if dep not in self._done:
+                    unmet += 1
+                    self._dependents.setdefault(dep, []).append(node.id)
+            self._unmet[node.id] = unmet
+            self._queues[node.lane].append(node.id)
+            start = self._take(node.lane)
+        if start is not None:
+            self._start(start)
+
+    def submit_all(self, nodes: Iterable[TaskNode], actions: Mapping[int, Action] | None = None) -> None:
+        for node in nodes:
+            self.submit(node, (actions or {}).get(node.id))
+
+    def _validate(self, node: TaskNode) -> None:
         if node.id in self._nodes:
             raise PlanError(f"node {node.id} ({node.label}) submitted twice")
         if node.lane not in self._workers:
             raise PlanError(f"node {node.id} ({node.label}) is on lane {node.lane}, which has no worker")
         if node.id in node.deps:
             raise PlanError(f"dependency cycle: {node.id} ({node.label}) depends on itself")
-        self._nodes[node.id] = node
-        self._actions[node.id] = action
-        self._queued[node.id] = self._clock()
-        unmet = 0
-        for dep in node.deps:
-            if dep not in self._done:
-                unmet += 1
-                self._dependents.setdefault(dep, []).append(node.id)
-        self._unmet[node.id] = unmet
-        self._queues[node.lane].append(node.id)
-        self._try_start(node.lane)
 
-    def submit_all(self, nodes: Iterable[TaskNode], actions: Mapping[int, Action] | None = None) -> None:
-        for node in nodes:
-            self.submit(node, (actions or {}).get(node.id))
+    def _bind_loop(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._loop_thread = threading.get_ident()
 
-    # ---- waiting
+    # ---- waiting (loop thread)
 
     async def wait(self, node_id: int) -> None:
         """Until node `node_id` is done (host-visible), or the run fails."""
-        if node_id in self._done:
-            return
-        if self._error is not None:
-            raise self._error
-        future = self._futures.get(node_id)
-        if future is None:
-            future = self._futures[node_id] = asyncio.get_running_loop().create_future()
-        self._check_stuck()
+        self._bind_loop()
+        with self._lock:
+            if node_id in self._done:
+                return
+            if self._error is not None:
+                raise self._error
+            future = self._futures.get(node_id)
+            if future is None:
+                future = self._futures[node_id] = self._loop.create_future()  # type: ignore[union-attr]
+            self._check_stuck()
         await future
 
     async def drain(self) -> None:
         """Until every submitted node is done; raises the run's failure, if any."""
+        self._bind_loop()
         while True:
-            if self._error is not None and not self._busy:
-                raise self._error
-            if self._stopped and not self._busy:
-                raise asyncio.CancelledError()
-            if len(self._done) == len(self._nodes) and not self._busy:
-                return
-            self._idle = asyncio.get_running_loop().create_future()
-            self._check_stuck()
-            await self._idle
+            with self._lock:
+                if self._error is not None and not self._busy:
+                    raise self._error
+                if self._stopped and not self._busy:
+                    raise asyncio.CancelledError()
+                if len(self._done) == len(self._nodes) and not self._busy:
+                    return
+                self._idle = idle = self._loop.create_future()  # type: ignore[union-attr]
+                self._check_stuck()
+            await idle
 
     async def settle(self) -> None:
         """Until no lane is running anything (never raises); for cleanup after a failure."""
-        while self._busy:
-            self._idle = asyncio.get_running_loop().create_future()
-            await self._idle
+        self._bind_loop()
+        while True:
+            with self._lock:
+                if not self._busy:
+                    return
+                self._idle = idle = self._loop.create_future()  # type: ignore[union-attr]
+            await idle
 
     def cancel(self) -> None:
         """Stop starting nodes (in-flight ones finish); drain then raises CancelledError."""
-        self._stopped = True
-        self._fail_waiters(asyncio.CancelledError())
+        with self._lock:
+            self._stopped = True
+            self._fail_waiters(asyncio.CancelledError())
 
     @property
     def pending(self) -> int:
         return len(self._nodes) - len(self._done)
 
-    # ---- internals
+    # ---- running (any thread)
 
-    def _try_start(self, lane: Lane) -> None:
+    def _take(self, lane: Lane) -> Start | None:
+        """Under the lock: the lane's head if it may start now (the lane is then busy)."""
         if lane in self._busy or self._stopped:
-            return
+            return None
         queue = self._queues[lane]
         if not queue or self._unmet[queue[0]]:
-            return
+            return None
         node_id = queue.popleft()
         self._busy.add(lane)
-        node = self._nodes[node_id]
-        self._workers[lane].start(
-            node, self._actions.pop(node_id), lambda s, e, err: self._finish(node, s, e, err)
-        )
+        return self._nodes[node_id], self._actions.pop(node_id)
+
+    def _start(self, start: Start) -> None:
+        node, action = start
+        self._workers[node.lane].start(node, action, lambda s, e, err: self._finish(node, s, e, err))
 
     def _finish(self, node: TaskNode, start: float, end: float, error: BaseException | None) -> None:
-        self._busy.discard(node.lane)
-        if error is not None:
-            self._fail(node, error)
-        else:
-            self._done.add(node.id)
-            span = Span(node, start, end, self._queued.pop(node.id))
-            self.spans.append(span)
-            if self._on_span is not None:
-                self._on_span(span)
-            future = self._futures.pop(node.id, None)
-            if future is not None and not future.done():
-                future.set_result(None)
-            for dependent in self._dependents.pop(node.id, ()):
-                self._unmet[dependent] -= 1
-                if self._unmet[dependent] == 0:
-                    self._try_start(self._nodes[dependent].lane)
-            self._try_start(node.lane)
-        self._wake()
-        self._check_stuck()
+        starts: list[Start] = []
+        span = None
+        with self._lock:
+            self._busy.discard(node.lane)
+            if error is not None:
+                self._fail(node, error)
+            else:
+                self._done.add(node.id)
+                span = Span(node, start, end, self._queued.pop(node.id))
+                self.spans.append(span)
+                future = self._futures.pop(node.id, None)
+                if future is not None:
+                    self._resolve(future, None)
+                lanes = {node.lane}
+                for dependent in self._dependents.pop(node.id, ()):
+                    self._unmet[dependent] -= 1
+                    if self._unmet[dependent] == 0:
+                        lanes.add(self._nodes[dependent].lane)
+                starts = [s for s in map(self._take, lanes) if s is not None]
+            if not self._busy or self._error is not None:
+                self._wake()
+            self._check_stuck()
+        if span is not None and self._on_span is not None:
+            self._on_span(span)
+        for start_next in starts:
+            self._start(start_next)
 
     def _fail(self, node: TaskNode, error: BaseException) -> None:
         if self._error is None:
@@ -189,20 +228,34 @@ class Executor:
             self._stopped = True
             self._fail_waiters(failure)
 
+    # ---- notifying the loop (under the lock)
+
+    def _resolve(self, future: asyncio.Future[None], error: BaseException | None) -> None:
+        def settle() -> None:
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(None)
+
+        if threading.get_ident() == self._loop_thread:
+            settle()
+        else:
+            self._loop.call_soon_threadsafe(settle)  # type: ignore[union-attr]
+
     def _fail_waiters(self, error: BaseException) -> None:
         for future in self._futures.values():
-            if not future.done():
-                future.set_exception(error)
+            self._resolve(future, error)
         self._futures.clear()
         self._wake()
 
     def _wake(self) -> None:
-        if self._idle is not None and not self._idle.done():
-            self._idle.set_result(None)
+        if self._idle is not None:
+            self._resolve(self._idle, None)
+            self._idle = None
+
+    # ---- never hang
 
     def _check_stuck(self) -> None:
-        """Nothing runs, someone waits, and no queue head can start: report why, never hang."""
-        waiting = bool(self._futures) or (self._idle is not None and not self._idle.done())
+        """Nothing runs, someone waits, and no queue head can start: report why."""
+        waiting = bool(self._futures) or self._idle is not None
         if self._busy or self._stopped or not waiting:
             return
         heads = [q[0] for q in self._queues.values() if q]
@@ -211,11 +264,11 @@ class Executor:
         if not heads:
             unknown = sorted(set(self._futures) - set(self._nodes))
             if unknown:
-                self._raise_plan_error(f"waiting for node {unknown[0]}, which was never submitted")
+                self._plan_error(f"waiting for node {unknown[0]}, which was never submitted")
             return
-        self._raise_plan_error(self._describe_block(heads[0]))
+        self._plan_error(self._describe_block(heads[0]))
 
-    def _raise_plan_error(self, message: str) -> None:
+    def _plan_error(self, message: str) -> None:
         self._error = PlanError(message)
         self._stopped = True
         self._fail_waiters(self._error)
@@ -235,19 +288,14 @@ class Executor:
         cycle = [*path[seen[current] :], current]
         named = " -> ".join(f"{n} ({self._nodes[n].label} on {self._nodes[n].lane})" for n in cycle)
         only_deps = all(b in self._nodes[a].deps for a, b in itertools.pairwise(cycle))
-        kind = (
-            "dependency cycle" if only_deps else "deadlock (lane order and dependencies wait on each other)"
-        )
-        return f"{kind}: {named}"
-
-    def _is_head(self, node_id: int) -> bool:
-        queue = self._queues[self._nodes[node_id].lane]
-        return bool(queue) and queue[0] == node_id
+        if only_deps:
+            return f"dependency cycle: {named}"
+        return f"deadlock (lane order and dependencies wait on each other): {named}"
 
     def _blocker(self, node_id: int) -> int:
         """What a pending node waits for: its first unmet dependency if it heads its lane,
         otherwise the node ahead of it on its lane."""
-        if self._is_head(node_id):
-            return next(d for d in self._nodes[node_id].deps if d not in self._done)
         queue = self._queues[self._nodes[node_id].lane]
+        if queue and queue[0] == node_id:
+            return next(d for d in self._nodes[node_id].deps if d not in self._done)
         return queue[queue.index(node_id) - 1]

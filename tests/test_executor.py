@@ -1,0 +1,203 @@
+"""The executor keeps dependency order and lane order for any DAG, on every worker, and never hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flowmoe.core.errors import NodeFailed, PlanError
+from flowmoe.core.executor import Executor, Span
+from flowmoe.core.plan import Lane, Op, TaskNode
+from flowmoe.devices.inline import InlineWorker
+from flowmoe.devices.sim import SimWorker, run_virtual
+from flowmoe.devices.threadpool import ThreadPoolWorker
+
+LANES = list(Lane)
+
+
+@st.composite
+def dags(draw: st.DrawFn, max_nodes: int = 40) -> list[TaskNode]:
+    """Random DAGs in emission order: each node on a random lane, deps on earlier nodes."""
+    count = draw(st.integers(1, max_nodes))
+    nodes = []
+    for i in range(count):
+        deps = draw(st.lists(st.integers(0, i - 1), max_size=3, unique=True)) if i else []
+        lane = draw(st.sampled_from(LANES))
+        nodes.append(TaskNode(i, Op.EXPERT_FFN, lane, layer=i % 3, mb=i % 2, expert=i, deps=tuple(deps)))
+    return nodes
+
+
+def check_order(nodes: list[TaskNode], spans: list[Span]) -> None:
+    """Every node ran once, after its deps ended; each lane ran its nodes in emission order, one at a time."""
+    by_id = {s.node.id: s for s in spans}
+    assert sorted(by_id) == [n.id for n in nodes]
+    for node in nodes:
+        for dep in node.deps:
+            assert by_id[dep].end <= by_id[node.id].start, f"{node.id} started before dep {dep} ended"
+    for lane in LANES:
+        on_lane = [by_id[n.id] for n in nodes if n.lane is lane]
+        for prev, nxt in itertools.pairwise(on_lane):
+            assert prev.end <= nxt.start, f"lane {lane}: {nxt.node.id} overlapped or overtook {prev.node.id}"
+
+
+async def run_all(nodes: list[TaskNode], worker, actions=None, clock=time.perf_counter) -> list[Span]:
+    executor = Executor(dict.fromkeys(Lane, worker), clock=clock)
+    for node in nodes:
+        executor.submit(node, (actions or {}).get(node.id))
+    await executor.drain()
+    return executor.spans
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dags())
+def test_thread_pool_worker_keeps_order(nodes: list[TaskNode]) -> None:
+    rng = random.Random(len(nodes))
+    delays = {n.id: rng.random() * 2e-4 for n in nodes}
+    actions = {n.id: (lambda d=delays[n.id]: time.sleep(d)) for n in nodes}
+    worker = ThreadPoolWorker()
+    try:
+        spans = asyncio.run(run_all(nodes, worker, actions))
+    finally:
+        worker.close()
+    check_order(nodes, spans)
+
+
+@settings(max_examples=60, deadline=None)
+@given(dags(max_nodes=80), st.randoms(use_true_random=False))
+def test_sim_worker_keeps_order(nodes: list[TaskNode], rng: random.Random) -> None:
+    costs = {n.id: rng.choice([0.0, 1e-3, 2.5e-3, 1.0]) for n in nodes}
+
+    async def go() -> list[Span]:
+        loop = asyncio.get_running_loop()
+        return await run_all(nodes, SimWorker(lambda n: costs[n.id]), clock=loop.time)
+
+    spans = run_virtual(go())
+    check_order(nodes, spans)
+    for span in spans:
+        assert span.end - span.start == pytest.approx(costs[span.node.id])
+
+
+@settings(max_examples=60, deadline=None)
+@given(dags(max_nodes=80))
+def test_inline_worker_keeps_order(nodes: list[TaskNode]) -> None:
+    check_order(nodes, asyncio.run(run_all(nodes, InlineWorker())))
+
+
+def test_sim_overlap_is_real_time_saving() -> None:
+    """Two independent lanes overlap on the virtual clock: makespan is the longer lane."""
+    nodes = [TaskNode(0, Op.PAGE_COPY, Lane.GPU_H2D), TaskNode(1, Op.GPU_ATTN, Lane.GPU_COMPUTE)]
+    costs = {0: 3.0, 1: 2.0}
+
+    async def go() -> list[Span]:
+        return await run_all(nodes, SimWorker(lambda n: costs[n.id]), clock=asyncio.get_running_loop().time)
+
+    spans = run_virtual(go())
+    assert max(s.end for s in spans) == pytest.approx(3.0)
+
+
+def _node(i: int, lane: Lane, deps: tuple[int, ...] = (), op: Op = Op.GATE) -> TaskNode:
+    return TaskNode(i, op, lane, layer=1, mb=0, deps=deps)
+
+
+def test_forward_references_resolve() -> None:
+    """A node may name a dependency submitted after it."""
+    nodes = [_node(0, Lane.GPU_COMPUTE, (1,)), _node(1, Lane.CPU_COMPUTE)]
+    spans = asyncio.run(run_all(nodes, InlineWorker()))
+    assert [s.node.id for s in spans] == [1, 0]
+
+
+def test_dependency_cycle_is_reported() -> None:
+    nodes = [_node(0, Lane.GPU_COMPUTE, (1,)), _node(1, Lane.CPU_COMPUTE, (0,))]
+    with pytest.raises(PlanError, match=r"dependency cycle: 0 \(gate L1 mb0 on gpu.compute\) -> 1 .* -> 0"):
+        asyncio.run(run_all(nodes, InlineWorker()))
+
+
+def test_lane_order_deadlock_is_reported() -> None:
+    """Node 0 waits for 2, which sits behind 1 on its lane; 1 waits for 0."""
+    nodes = [_node(0, Lane.GPU_COMPUTE, (2,)), _node(1, Lane.CPU_COMPUTE, (0,)), _node(2, Lane.CPU_COMPUTE)]
+    with pytest.raises(PlanError, match=r"deadlock \(lane order and dependencies wait on each other\)"):
+        asyncio.run(run_all(nodes, InlineWorker()))
+
+
+def test_unknown_dependency_is_reported() -> None:
+    nodes = [_node(0, Lane.GPU_COMPUTE), _node(1, Lane.GPU_COMPUTE, (0, 7))]
+    with pytest.raises(PlanError, match=r"node 1 \(gate L1 mb0\) depends on unknown node 7"):
+        asyncio.run(run_all(nodes, InlineWorker()))
+
+
+def test_submit_errors() -> None:
+    async def go() -> None:
+        executor = Executor({Lane.GPU_COMPUTE: InlineWorker()})
+        executor.submit(_node(0, Lane.GPU_COMPUTE))
+        with pytest.raises(PlanError, match="submitted twice"):
+            executor.submit(_node(0, Lane.GPU_COMPUTE))
+        with pytest.raises(PlanError, match=r"lane cpu\.compute, which has no worker"):
+            executor.submit(_node(1, Lane.CPU_COMPUTE))
+        with pytest.raises(PlanError, match="depends on itself"):
+            executor.submit(_node(2, Lane.GPU_COMPUTE, (2,)))
+        await executor.drain()
+
+    asyncio.run(go())
+
+
+def test_failure_names_the_node_and_stops_every_lane() -> None:
+    ran: list[int] = []
+    lock = threading.Lock()
+
+    def work(i: int) -> None:
+        time.sleep(0.002)
+        with lock:
+            ran.append(i)
+
+    def boom() -> None:
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    nodes = [TaskNode(i, Op.PRE_ATTN, Lane.GPU_COMPUTE, layer=i, mb=0) for i in range(5)]
+    nodes.append(TaskNode(5, Op.EXPERT_FFN, Lane.CPU_COMPUTE, layer=3, mb=1, expert=6))
+    nodes += [TaskNode(6 + i, Op.COMBINE, Lane.CPU_COMPUTE, layer=3, mb=1, deps=(5,)) for i in range(3)]
+    actions = {n.id: (lambda i=n.id: work(i)) for n in nodes}
+    actions[5] = boom
+    worker = ThreadPoolWorker()
+    try:
+        with pytest.raises(NodeFailed) as info:
+            asyncio.run(run_all(nodes, worker, actions))
+    finally:
+        worker.close()
+    message = str(info.value)
+    expected = "expert_ffn L3 mb1 e6 on cpu.compute (node 5) failed: RuntimeError: CUDA out of memory"
+    assert message.startswith(expected)
+    assert not {6, 7, 8} & set(ran)  # nothing after the failure on its lane
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_cancel_stops_new_work_and_keeps_spans() -> None:
+    async def go() -> Executor:
+        executor = Executor({Lane.GPU_COMPUTE: ThreadPoolWorker()})
+        for i in range(50):
+            node = TaskNode(i, Op.GPU_ATTN, Lane.GPU_COMPUTE, deps=(i - 1,) if i else ())
+            executor.submit(node, lambda: time.sleep(0.002))
+        await asyncio.sleep(0.02)
+        executor.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await executor.drain()
+        return executor
+
+    executor = asyncio.run(go())
+    assert 0 < len(executor.spans) < 50
+    assert executor.pending == 50 - len(executor.spans)
+
+
+def test_waiting_for_a_node_never_submitted_is_reported() -> None:
+    async def go() -> None:
+        executor = Executor({Lane.GPU_COMPUTE: InlineWorker()})
+        await executor.wait(3)
+
+    with pytest.raises(PlanError, match="waiting for node 3, which was never submitted"):
+        asyncio.run(go())
