@@ -1,33 +1,174 @@
-"""Run a scheduler's plans on the SimWorker under a virtual clock, routing from a trace."""
+"""Simulate schedulers on the SimWorker under a virtual clock: single plans, or a whole workload batch.
+
+`simulate` runs given steps' plans back to back, routing from a trace. A
+workload simulation builds a batch of N = μ x micro-batches requests sampled
+from the workload, runs its prefill and decode steps through the real
+scheduler with the roofline cost of a hardware spec, and reports throughput as
+the papers define it: generated tokens / (prefill + decode time). Decode steps
+change slowly (one more key per step), so only `decode_samples` of them
+(first, last and evenly between) are simulated and the others interpolated
+linearly; `decode_samples=0` simulates every step.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from attrs import Factory, evolve, frozen
+
+from flowmoe.core.cost import RooflineCost
 from flowmoe.core.driver import drive
+from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.executor import Executor, Span
+from flowmoe.core.hardware import HardwareSpec
+from flowmoe.core.memory import MemoryNeed, gpu_need
 from flowmoe.core.plan import Lane, TaskNode
+from flowmoe.core.policy import Policy
 from flowmoe.core.routing_trace import RoutingTrace
-from flowmoe.core.scheduling import Scheduler, StepShape
+from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, Scheduler, SchedulerContext, StepShape
+from flowmoe.core.spec import ModelSpec
+from flowmoe.core.synthetic_routing import RoutingModel, SyntheticRouting, observed_popularity
+from flowmoe.core.workloads import Workload
 from flowmoe.devices.sim import SimWorker, run_virtual
+from flowmoe.schedulers.registry import create
+from flowmoe.sim_report import SimulationResult, StepRun, interpolate, lane_totals
+from flowmoe.traces.trace import Trace
+
+
+def run_steps(
+    scheduler: Scheduler, steps: Sequence[StepShape], trace: RoutingTrace, cost: Callable[[TaskNode], float]
+) -> list[StepRun]:
+    """Every step's plan through one executor per step, back to back on one virtual clock."""
+
+    async def run() -> list[StepRun]:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        worker = SimWorker(cost)
+        runs: list[StepRun] = []
+        for step in steps:
+            executor = Executor(dict.fromkeys(Lane, worker), clock=loop.time)
+            answer = lambda request, s=step.step: trace.answer(s, request)  # noqa: E731
+            started = loop.time()
+            await drive(scheduler.plan(step), executor, lambda _node: None, answer)
+            runs.append(StepRun(step, started, loop.time(), tuple(executor.spans)))
+        return runs
+
+    return run_virtual(run())
 
 
 def simulate(
     scheduler: Scheduler, steps: Sequence[StepShape], trace: RoutingTrace, cost: Callable[[TaskNode], float]
 ) -> list[Span]:
-    """Every step's plan through one executor per step, back to back on one virtual clock."""
+    return [span for run in run_steps(scheduler, steps, trace, cost) for span in run.spans]
 
-    async def run() -> list[Span]:
-        import asyncio
 
-        loop = asyncio.get_running_loop()
-        worker = SimWorker(cost)
-        spans: list[Span] = []
-        for step in steps:
-            executor = Executor(dict.fromkeys(Lane, worker), clock=loop.time)
-            answer = lambda request, s=step.step: trace.answer(s, request)  # noqa: E731
-            await drive(scheduler.plan(step), executor, lambda _node: None, answer)
-            spans.extend(executor.spans)
-        return spans
+@frozen
+class Setup:
+    """What a workload simulation runs: model, hardware, workload, policy and routing."""
 
-    return run_virtual(run())
+    spec: ModelSpec
+    hardware: HardwareSpec
+    workload: Workload
+    policy: Policy
+    routing: RoutingModel = Factory(RoutingModel)
+    recorded: RoutingTrace | None = None  # a routing trace from a real run, replayed or resampled
+    decode_samples: int = 4
+    seed: int = 0
+
+    @property
+    def budget(self) -> int:
+        return self.policy.gpu_memory if self.policy.gpu_memory is not None else self.hardware.gpu_memory
+
+
+def batch_steps(prompts: Sequence[int], gen: int, micro_batch: int) -> list[StepShape]:
+    """Prefill (step 0) and the gen - 1 decode steps of one batch in micro-batches of `micro_batch`."""
+    groups = [list(prompts[i : i + micro_batch]) for i in range(0, len(prompts), micro_batch)]
+    prefill = tuple(MicroBatchShape.from_lengths(i, g, [0] * len(g)) for i, g in enumerate(groups))
+    steps = [StepShape(0, True, prefill)]
+    for j in range(1, gen):
+        shapes = tuple(
+            MicroBatchShape.from_lengths(i, [1] * len(g), [p + j - 1 for p in g])
+            for i, g in enumerate(groups)
+        )
+        steps.append(StepShape(j, False, shapes))
+    return steps
+
+
+def sampled(count: int, samples: int) -> list[int]:
+    """Indices 0..count-1 to simulate: all, or `samples` evenly spread including both ends."""
+    if samples <= 0 or samples >= count:
+        return list(range(count))
+    if samples == 1:
+        return [0]
+    return sorted({round(i * (count - 1) / (samples - 1)) for i in range(samples)})
+
+
+class Simulation:
+    """One setup's batch, steps and routing, shared by every scheduler simulated on it."""
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+        spec, policy = setup.spec, setup.policy
+        self.prompts = setup.workload.sample(policy.batch_size, setup.seed)
+        steps = batch_steps(self.prompts, setup.workload.gen_len, policy.micro_batch_size)
+        decode = steps[1:]
+        self.steps = [steps[0], *(decode[i] for i in sampled(len(decode), setup.decode_samples))]
+        self.decode_count = len(decode)
+        self.trace, self.popularity = self._routing(spec)
+        self.policy = policy if policy.gpu_memory is not None else evolve(policy, gpu_memory=setup.budget)
+
+    def _routing(self, spec: ModelSpec) -> tuple[RoutingTrace, tuple[tuple[float, ...], ...]]:
+        setup, uniform = self.setup, tuple(1 / spec.moe.experts for _ in range(spec.moe.experts))
+        if setup.recorded is None:
+            routing = SyntheticRouting(spec, setup.routing)
+            return routing.trace(self.steps), routing.popularity
+        seen = tuple(shares or uniform for shares in observed_popularity(spec, setup.recorded))
+        if _covers(setup.recorded, spec, self.steps):
+            return setup.recorded, seen
+        return SyntheticRouting.observed(spec, setup.recorded, setup.routing).trace(self.steps), seen
+
+    def run(self, name: str) -> SimulationResult:
+        setup = self.setup
+        context = SchedulerContext(setup.spec, self.policy, NodeFactory(setup.spec),
+                                   cost=RooflineCost(setup.hardware), popularity=self.popularity)  # fmt: skip
+        scheduler = create(name, context)
+        need = self._memory(scheduler)
+        generated = len(self.prompts) * setup.workload.gen_len
+        base = SimulationResult(name, setup.policy, len(self.prompts), sum(self.prompts), generated, need)
+        if need.total > setup.budget:
+            return evolve(base, error=f"needs {need.describe()}, over the {setup.budget / 2**30:.1f} GiB GPU")
+        try:
+            runs = run_steps(scheduler, self.steps, self.trace, RooflineCost(setup.hardware))
+        except FlowmoeError as exc:
+            return evolve(base, error=str(exc))
+        prefill, decode = runs[0], runs[1:]
+        indices = [s.step.step - 1 for s in decode]
+        lanes = lane_totals(prefill, decode, indices, self.decode_count)
+        decode_s = interpolate([r.seconds for r in decode], indices, self.decode_count)
+        spans = [span for r in runs for span in r.spans]
+        return evolve(base, prefill_seconds=prefill.seconds, decode_seconds=decode_s, lanes=lanes,
+                      trace=Trace(name=name, spans=spans), simulated_steps=len(runs))  # fmt: skip
+
+    def _memory(self, scheduler: Scheduler) -> MemoryNeed:
+        spec, n = self.setup.spec, len(self.prompts)
+        longest = max(self.prompts) + self.setup.workload.gen_len
+        kv = n * longest * spec.kv_bytes_per_token if scheduler.kv_on_gpu() else 0
+        tokens = max(mb.tokens for mb in self.steps[0].micro_batches)
+        return gpu_need(spec, scheduler.residency(), scheduler.weight_buffer_bytes(), kv, tokens,
+                        self.policy.micro_batch_size)  # fmt: skip
+
+
+def _covers(trace: RoutingTrace, spec: ModelSpec, steps: Sequence[StepShape]) -> bool:
+    return all(
+        (step.step, layer, mb.index) in trace.counts
+        for step in steps
+        for mb in step.micro_batches
+        for layer in range(spec.layers)
+        if spec.is_moe_layer(layer)
+    )
+
+
+def simulate_workload(setup: Setup, schedulers: Sequence[str]) -> list[SimulationResult]:
+    simulation = Simulation(setup)
+    return [simulation.run(name) for name in schedulers]

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 import structlog
 
-from flowmoe.cli import info, run, trace
+from flowmoe.cli import calibrate, info, plan, run, simulate, trace
 from flowmoe.core.errors import FlowmoeError
 
-COMMANDS = (run, info, trace)
+COMMANDS = (run, info, trace, plan, simulate, calibrate)
 
 
 def configure_logging(json_logs: bool, verbose: bool) -> None:

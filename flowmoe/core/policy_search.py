@@ -13,6 +13,7 @@ accounting and its usable fractions (86% of GPU memory, 80% of CPU memory).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from attrs import evolve, frozen
@@ -97,7 +98,7 @@ def _fit_share(spec: ModelSpec, hw: HardwareSpec, policy: Policy, prompt: int, g
     gpu_budget, cpu_budget = GPU_USABLE * hw.gpu_memory, CPU_USABLE * hw.cpu_memory
     high = 1.0 if g1 <= gpu_budget else (gpu_budget - g0) / (g1 - g0) if g1 != g0 else -1.0
     low = 0.0 if c0 <= cpu_budget else (c0 - cpu_budget) / (c0 - c1) if c0 != c1 else 2.0
-    share = int(min(1.0, high) * 100) / 100
+    share = math.floor(min(1.0, high) * 100) / 100
     return share if share >= max(0.0, low) else None
 
 

@@ -1,0 +1,39 @@
+"""`flowmoe calibrate`: measure this machine and save a hardware profile for --hardware PATH."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.table import Table
+
+from flowmoe.cli.ui import console, out
+from flowmoe.core.hardware import save_profile
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    calibrate = sub.add_parser(
+        "calibrate", help="measure this machine's flop/s and bandwidths into a profile"
+    )
+    calibrate.add_argument("--output", type=Path, default=Path("hardware.json"), help="profile JSON to write")
+    calibrate.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
+    calibrate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    calibrate.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu: ignore CUDA")
+    calibrate.set_defaults(handler=_calibrate)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from flowmoe.calibrate import calibrate
+
+    with console.status("calibrating") as status:
+        spec, measurements = calibrate(args.quick, args.dtype, lambda step: status.update(step), args.device)
+    save_profile(spec, args.output)
+    table = Table(title=f"calibration of {spec.name}")
+    for column in ("measurement", "value", "unit"):
+        table.add_column(column, justify="right")
+    for m in measurements:
+        table.add_row(m.name, f"{m.value:.3g}", m.unit)
+    table.caption = spec.source
+    out.print(table)
+    out.print(f"profile: {args.output} (use it with --hardware {args.output})")
+    return 0

@@ -1,0 +1,153 @@
+"""`flowmoe plan`: the HRM policy search for a model, hardware and workload (MoE-Lightning's planner)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from flowmoe.cli.ui import out
+from flowmoe.core.errors import ConfigError
+from flowmoe.core.hardware import HardwareSpec, hardware
+from flowmoe.core.hrm import balance_point
+from flowmoe.core.memory import gib
+from flowmoe.core.policy_search import CPU_USABLE, GPU_USABLE, Candidate, PlanResult, search
+from flowmoe.core.presets import PRESETS, preset
+from flowmoe.core.spec import ModelSpec
+from flowmoe.core.workloads import WORKLOADS, Workload, workload
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser("plan", help="search the policy (N, μ, placements, resident shares) with the HRM")
+    add_setup_flags(plan)
+    plan.add_argument("--attention-on", choices=("gpu", "cpu"), help="fix where attention runs")
+    plan.add_argument("--ffn-on", choices=("gpu", "cpu"), help="fix where the MoE FFN runs")
+    plan.add_argument("--max-batch", type=int, default=8192, help="largest batch size N to consider")
+    plan.add_argument("--plot", type=Path, help="write a roofline figure (.png, .svg or .pdf)")
+    plan.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    plan.set_defaults(handler=_plan)
+
+
+def add_setup_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help=f"preset ({', '.join(PRESETS)}) or checkpoint folder")
+    parser.add_argument("--layers", type=int, help="cut the model to its first LAYERS layers")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "--hardware", default="t4", help="hardware preset or a profile from `flowmoe calibrate`"
+    )
+    parser.add_argument("--workload", default="mtbench", help=f"{', '.join(WORKLOADS)} or fixed:PROMPT:GEN")
+    parser.add_argument("--gen-len", type=int, help="generation length (default: the workload's)")
+
+
+def spec_from(args: argparse.Namespace) -> ModelSpec:
+    path = Path(args.model)
+    if not path.is_dir():
+        return preset(args.model, layers=args.layers, dtype=args.dtype)
+    spec = ModelSpec.from_hf(path)
+    if args.layers is not None:
+        if args.layers < 1:
+            raise ConfigError(f"--layers must be at least 1, got {args.layers}")
+        spec = spec.with_layers(args.layers)
+    return spec.with_dtype(args.dtype) if args.dtype else spec
+
+
+def workload_from(args: argparse.Namespace) -> Workload:
+    work = workload(args.workload)
+    return work.with_gen_len(args.gen_len) if args.gen_len is not None else work
+
+
+def _plan(args: argparse.Namespace) -> int:
+    spec, hw, work = spec_from(args), hardware(args.hardware), workload_from(args)
+    if args.max_batch < 1:
+        raise ConfigError(f"--max-batch must be at least 1, got {args.max_batch}")
+    attention = (args.attention_on,) if args.attention_on else ("gpu", "cpu")
+    ffn = (args.ffn_on,) if args.ffn_on else ("gpu", "cpu")
+    result = search(spec, hw, work, attention=attention, ffn=ffn, max_batch=args.max_batch)
+    context = result.best.prompt + max(1, result.best.gen // 2)
+    balance = balance_point(spec, hw, result.best.policy, context)
+    if args.plot:
+        from flowmoe.roofline_plot import plot_roofline
+
+        plot_roofline(spec, hw, result.best.policy, context, args.plot)
+    if args.json:
+        print(json.dumps(plan_json(spec, hw, work, result, balance)))
+        return 0
+    out.print(policy_table(spec, hw, work, result.best))
+    out.print(times_table(spec, result.best))
+    out.print(placements_table(result))
+    out.print(
+        f"turning points: P1 = {result.p1:.1f} flop/B (CPU peak / link), P2 = {result.p2:.1f} flop/B "
+        f"(FFN kernel at μ={result.best.policy.micro_batch_size} / link); the chosen FFN sits at "
+        f"{result.ffn_link_intensity:.1f} flop/B on the link; balance point N = {balance} "
+        f"(smallest batch no longer bound by the CPU->GPU link); {result.searched} policies searched"
+    )
+    if args.plot:
+        out.print(f"roofline: {args.plot}")
+    return 0
+
+
+def policy_table(spec: ModelSpec, hw: HardwareSpec, work: Workload, best: Candidate) -> Table:
+    p = best.policy
+    table = Table(title=f"plan: {spec.name} on {hw.name}, {work.name} (prompt {best.prompt}, gen {best.gen})")
+    for column in ("N", "μ", "micro-batches", "attention", "MoE FFN", "weights on GPU", "KV on GPU",
+                   "tokens/s", "bound by"):  # fmt: skip
+        table.add_column(column, justify="right")
+    shares = f"{p.weights_gpu_share:.0%}", f"{p.kv_gpu_share:.0%}"
+    table.add_row(str(p.batch_size), str(p.micro_batch_size), str(p.micro_batches), p.attention_on, p.ffn_on,
+                  *shares, f"{best.throughput:.1f}", best.bound)  # fmt: skip
+    table.caption = (
+        f"GPU memory {gib(best.gpu_bytes)} of {gib(GPU_USABLE * hw.gpu_memory)} usable; "
+        f"CPU memory {gib(best.cpu_bytes)} of {gib(CPU_USABLE * hw.cpu_memory)} usable"
+    )
+    return table
+
+
+def times_table(spec: ModelSpec, best: Candidate) -> Table:
+    table = Table(
+        title="predicted time per layer (ms): each resource's busy time; the layer takes the largest"
+    )
+    for column in ("phase", "GPU", "CPU", "CPU->GPU", "GPU->CPU", "layer", "bound by"):
+        table.add_column(column, justify="right")
+    for name, times in (("prefill", best.prefill), ("decode step", best.decode)):
+        b = times.busy
+        cells = [b.gpu, b.cpu, b.h2d, b.d2h, times.seconds]
+        table.add_row(name, *(f"{1e3 * v / spec.layers:.2f}" for v in cells), times.bound)
+    return table
+
+
+def placements_table(result: PlanResult) -> Table:
+    table = Table(title="best policy per placement")
+    for column in ("attention", "MoE FFN", "N", "μ", "weights on GPU", "tokens/s", "bound by"):
+        table.add_column(column, justify="right")
+    for c in result.per_placement:
+        p = c.policy
+        table.add_row(p.attention_on, p.ffn_on, str(p.batch_size), str(p.micro_batch_size),
+                      f"{p.weights_gpu_share:.0%}", f"{c.throughput:.1f}", c.bound)  # fmt: skip
+    return table
+
+
+def plan_json(
+    spec: ModelSpec, hw: HardwareSpec, work: Workload, result: PlanResult, balance: int
+) -> dict[str, Any]:
+    def candidate(c: Candidate) -> dict[str, Any]:
+        p = c.policy
+        return {
+            "batch_size": p.batch_size, "micro_batch_size": p.micro_batch_size,
+            "micro_batches": p.micro_batches, "attention_on": p.attention_on, "ffn_on": p.ffn_on,
+            "weights_gpu_share": p.weights_gpu_share, "kv_gpu_share": p.kv_gpu_share,
+            "throughput_tokens_per_second": c.throughput, "bound": c.bound,
+            "prefill_seconds": c.prefill.seconds, "decode_step_seconds": c.decode.seconds,
+            "decode_layer_seconds": c.decode.seconds / spec.layers,
+            "gpu_bytes": c.gpu_bytes, "cpu_bytes": c.cpu_bytes,
+        }  # fmt: skip
+
+    return {
+        "model": spec.name, "hardware": hw.name, "workload": work.name, "prompt": result.best.prompt,
+        "gen": result.best.gen, "best": candidate(result.best),
+        "per_placement": [candidate(c) for c in result.per_placement], "p1": result.p1, "p2": result.p2,
+        "ffn_link_intensity": result.ffn_link_intensity, "balance_point": balance,
+        "searched": result.searched,
+    }  # fmt: skip
