@@ -17,8 +17,9 @@ from flowmoe.actions import StepState
 from flowmoe.core.driver import drive
 from flowmoe.core.executor import Executor, Span, Worker
 from flowmoe.core.memory import MemoryNeed, gpu_need
-from flowmoe.core.plan import Lane, Op, TaskNode
+from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.policy import Policy
+from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, Scheduler, SchedulerContext, StepShape
 from flowmoe.device_weights import Devices, DeviceWeights
 from flowmoe.devices.cuda import EventBook
@@ -47,6 +48,7 @@ class Runtime:
     events: EventBook | None
     trace: Trace = field(factory=Trace)
     steps: int = 0
+    routing: RoutingTrace | None = None  # when set, every gate's (and pre-gate's) answer is recorded
     _kv_bytes: int = 0
 
     @classmethod
@@ -96,7 +98,7 @@ class Runtime:
         state = StepState.create(model, inputs, self.devices, self.weights)
         executor = Executor(self.workers, on_span=self._sample)
         try:
-            await drive(self.scheduler.plan(shape), executor, state.action, state.expert_counts)
+            await drive(self.scheduler.plan(shape), executor, state.action, self._answer(shape.step, state))
         finally:
             if self.devices.cuda:
                 torch.cuda.synchronize(self.devices.gpu)
@@ -105,6 +107,19 @@ class Runtime:
                 spans = [self.events.retime(s) for s in spans]
             self.trace.extend(spans)
         return [state.logits[i.micro_batch] for i in inputs]
+
+    def _answer(self, step: int, state: StepState) -> Callable[[RoutingRequest], ExpertCounts]:
+        """Routing answers from the gates' output, recorded into `routing` when one is attached."""
+        routing = self.routing
+        if routing is None:
+            return state.expert_counts
+
+        def answer(request: RoutingRequest) -> ExpertCounts:
+            counts = state.expert_counts(request)
+            routing.record(step, counts, request.speculative)
+            return counts
+
+        return answer
 
     def _sample(self, span: Span) -> None:
         """Memory counters after every node that changes them (and at each step's first node)."""

@@ -10,8 +10,11 @@ from rich.table import Table
 
 from flowmoe.builtin import ensure_builtin
 from flowmoe.cli.ui import console, progress
+from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import FlowmoeError
+from flowmoe.core.hardware import hardware
 from flowmoe.core.policy import Policy, parse_bytes
+from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.job import JobReport, JobSpec, run_job
 from flowmoe.job import Progress as JobProgress
 from flowmoe.loading import load_model
@@ -31,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--max-new-tokens", type=int, default=32)
     run.add_argument("--scheduler", default="eager", help="scheduler plugin (see `flowmoe schedulers`)")
     run.add_argument("--trace", type=Path, help="write a Chrome trace (open it in Perfetto)")
+    run.add_argument("--record-routing", type=Path, help="write the gates' expert counts (flowmoe simulate)")
+    run.add_argument("--hardware", help="preset or calibrated profile the scheduler's latency model uses")
     run.add_argument("--batch-size", type=int, default=16)
     run.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     run.add_argument("--layers", type=int, help="cut a preset to its first LAYERS layers")
@@ -74,7 +79,9 @@ def _run(args: argparse.Namespace) -> int:
     model = load_with_progress(source, args.dtype, args.layers)
     codec = TextCodec.from_folder(source) if Path(source).is_dir() else None
     job = JobSpec(args.prompts, args.output, args.max_new_tokens, sampling, args.batch_size)
-    runtime = Runtime.create(model, args.scheduler, policy, args.device)
+    cost = RooflineCost(hardware(args.hardware)) if args.hardware else None
+    runtime = Runtime.create(model, args.scheduler, policy, args.device, cost)
+    runtime.routing = RoutingTrace() if args.record_routing else None
     try:
         with progress() as bar:
             task = bar.add_task("generating", total=None)
@@ -85,6 +92,8 @@ def _run(args: argparse.Namespace) -> int:
             report = uvloop.run(run_job(job, model, codec, runtime, hooks))
     finally:
         runtime.close()
+        if runtime.routing is not None:
+            runtime.routing.save(args.record_routing)
         if args.trace:
             write_chrome(args.trace, [runtime.trace])
             console.print(
