@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
+
 import torch
 from attrs import frozen
 
@@ -27,12 +30,23 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self, request_index: int) -> torch.Generator | None:
-        """A generator of its own for each request, so a request's tokens do not depend on
-        which other requests share its batch."""
+    def generator(self, request_id: str) -> torch.Generator | None:
+        """A generator of its own for each request, seeded from --seed and the request's id, so
+        its tokens depend neither on which requests share its batch nor on its place in the file
+        (a resumed job draws the same tokens)."""
         if self.greedy:
             return None
-        return torch.Generator().manual_seed(self.seed * 1_000_003 + request_index)
+        digest = hashlib.blake2b(f"{self.seed}:{request_id}".encode(), digest_size=8).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def sample_rows(
+    logits: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator | None]
+) -> list[int]:
+    """logits: [B, vocab] float32, one generator per row -> B next-token ids."""
+    if params.greedy:
+        return torch.argmax(logits, dim=-1).tolist()
+    return [sample(row, params, g) for row, g in zip(logits, generators, strict=True)]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

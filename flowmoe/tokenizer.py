@@ -28,11 +28,26 @@ class TextCodec:
             raise ConfigError(f"{path}: cannot read tokenizer ({exc})") from exc
         return cls(tokenizer, frozenset(_config_eos(Path(folder), tokenizer)))
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text -> ids; a rendered chat template carries its own special tokens (add none)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int] | tuple[int, ...]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+@frozen
+class StopStrings:
+    """`--stop` strings, looked for in the decoded text of an output as it grows."""
+
+    codec: TextCodec
+    strings: tuple[str, ...]
+
+    def cut(self, ids: list[int] | tuple[int, ...]) -> str | None:
+        """The output's text cut before the earliest stop string in it, or None when there is none."""
+        text = self.codec.decode(ids)
+        found = [i for i in (text.find(s) for s in self.strings) if i >= 0]
+        return text[: min(found)] if found else None
 
 
 def _config_eos(folder: Path, tokenizer: Tokenizer) -> set[int]:
