@@ -1,4 +1,5 @@
-"""Prompt files: JSON Lines of {"id": ..., "prompt": "text"} or {"id": ..., "input_ids": [...]}.
+"""Prompt files: JSON Lines of {"id": ..., "prompt": "text"}, {"id": ..., "input_ids": [...]}
+or {"id": ..., "messages": [{"role": ..., "content": ...}, ...]} (rendered by the chat template).
 
 Each bad line is reported with its line number and skipped, so one typo does
 not sink a job of thousands of prompts; a file with no usable line is an error.
@@ -22,6 +23,7 @@ class PromptLine:
     line: int
     prompt: str | None
     input_ids: tuple[int, ...] | None
+    messages: tuple[dict[str, str], ...] | None = None
 
 
 @frozen
@@ -30,7 +32,7 @@ class PromptFile:
     errors: tuple[str, ...]  # one "FILE:LINE: what is wrong" per bad line
 
 
-def read_prompts(path: str | Path, vocab: int, can_tokenize: bool) -> PromptFile:
+def read_prompts(path: str | Path, vocab: int, can_tokenize: bool, can_chat: bool = False) -> PromptFile:
     path = Path(path)
     if not path.is_file():
         raise PromptFileError(f"{path}: prompt file not found")
@@ -46,7 +48,7 @@ def read_prompts(path: str | Path, vocab: int, can_tokenize: bool) -> PromptFile
         if not text.strip():
             continue
         try:
-            prompt = _parse(json.loads(text), number, vocab, can_tokenize)
+            prompt = _parse(json.loads(text), number, vocab, can_tokenize, can_chat)
             if prompt.id in seen:
                 raise PromptFileError(f"duplicate id {prompt.id!r}")
             seen.add(prompt.id)
@@ -61,7 +63,7 @@ def read_prompts(path: str | Path, vocab: int, can_tokenize: bool) -> PromptFile
     return PromptFile(tuple(prompts), tuple(errors))
 
 
-def _parse(obj: Any, number: int, vocab: int, can_tokenize: bool) -> PromptLine:
+def _parse(obj: Any, number: int, vocab: int, can_tokenize: bool, can_chat: bool) -> PromptLine:
     if not isinstance(obj, dict):
         raise PromptFileError(f"expected a JSON object, got {type(obj).__name__}")
     if "id" not in obj:
@@ -69,11 +71,13 @@ def _parse(obj: Any, number: int, vocab: int, can_tokenize: bool) -> PromptLine:
     ident = obj["id"]
     if not isinstance(ident, str | int) or isinstance(ident, bool):
         raise PromptFileError('"id" must be a string or an integer')
-    has_text, has_ids = "prompt" in obj, "input_ids" in obj
-    if has_text == has_ids:
-        raise PromptFileError('give exactly one of "prompt" and "input_ids"')
-    if has_text:
+    given = [key for key in ("prompt", "input_ids", "messages") if key in obj]
+    if len(given) != 1:
+        raise PromptFileError('give exactly one of "prompt" and "input_ids" (or "messages")')
+    if given[0] == "prompt":
         return PromptLine(str(ident), number, _text(obj["prompt"], can_tokenize), None)
+    if given[0] == "messages":
+        return PromptLine(str(ident), number, None, None, _messages(obj["messages"], can_chat))
     return PromptLine(str(ident), number, None, _ids(obj["input_ids"], vocab))
 
 
@@ -92,4 +96,16 @@ def _ids(value: Any, vocab: int) -> tuple[int, ...]:
     bad = [t for t in value if not valid(t)]
     if bad:
         raise PromptFileError(f'"input_ids" holds {bad[0]!r}, not a token id in [0, {vocab})')
+    return tuple(value)
+
+
+def _messages(value: Any, can_chat: bool) -> tuple[dict[str, str], ...]:
+    if not isinstance(value, list) or not value:
+        raise PromptFileError('"messages" must be a non-empty list of {"role": ..., "content": ...}')
+    for position, message in enumerate(value):
+        if not (isinstance(message, dict) and set(message) == {"role", "content"}
+                and all(isinstance(v, str) for v in message.values())):  # fmt: skip
+            raise PromptFileError(f'"messages"[{position}] must be {{"role": "...", "content": "..."}}')
+    if not can_chat:
+        raise PromptFileError('"messages" needs a chat template beside the model (tokenizer_config.json)')
     return tuple(value)

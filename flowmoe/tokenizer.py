@@ -1,4 +1,5 @@
-"""The checkpoint's own tokenizer, read from tokenizer.json with the `tokenizers` library."""
+"""The checkpoint's own tokenizer, read from tokenizer.json with the `tokenizers` library,
+and its chat template when it has one."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from attrs import frozen
 from tokenizers import Tokenizer
 
+from flowmoe.chat import ChatTemplate, Message
 from flowmoe.core.errors import ConfigError
 
 
@@ -15,6 +17,7 @@ from flowmoe.core.errors import ConfigError
 class TextCodec:
     tokenizer: Tokenizer
     eos_ids: frozenset[int]
+    chat: ChatTemplate | None = None
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> TextCodec | None:
@@ -26,11 +29,18 @@ class TextCodec:
             tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception on malformed files
             raise ConfigError(f"{path}: cannot read tokenizer ({exc})") from exc
-        return cls(tokenizer, frozenset(_config_eos(Path(folder), tokenizer)))
+        eos = frozenset(_config_eos(Path(folder), tokenizer))
+        return cls(tokenizer, eos, ChatTemplate.from_folder(folder))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text -> ids; a rendered chat template carries its own special tokens (add none)."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(self, messages: list[Message] | tuple[Message, ...]) -> list[int]:
+        """A conversation through the chat template, then the tokenizer (PromptFileError if the
+        template rejects it)."""
+        assert self.chat is not None, "the model has no chat template"
+        return self.encode(self.chat.render(messages), add_special_tokens=False)
 
     def decode(self, ids: list[int] | tuple[int, ...]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -1,4 +1,4 @@
-"""`python -m flowmoe.cli`: the same as the `flowmoe` command."""
+"""`python -m flowmoe.cli ...`: the `flowmoe` command without its installed script."""
 
 import sys
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import uvloop
+from rich.progress import Progress, ProgressColumn, Task, TaskID, TextColumn
 from rich.table import Table
+from rich.text import Text
 
 from flowmoe.builtin import ensure_builtin
 from flowmoe.cli.ui import console, progress
@@ -29,7 +32,9 @@ from flowmoe.traces.chrome import write_chrome
 def register(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="generate completions for a JSONL prompt file")
     run.add_argument("--model", help="checkpoint folder or preset (default: the built-in tiny model)")
-    run.add_argument("--prompts", required=True, type=Path, help="JSONL: {id, prompt} or {id, input_ids}")
+    run.add_argument(
+        "--prompts", required=True, type=Path, help="JSONL: {id, prompt}, {id, input_ids} or {id, messages}"
+    )
     run.add_argument("--output", required=True, type=Path, help="JSONL results, appended and resumable")
     run.add_argument("--max-new-tokens", type=int, default=32)
     run.add_argument("--scheduler", default="eager", help="scheduler plugin (see `flowmoe schedulers`)")
@@ -47,6 +52,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
+    run.add_argument("--chat", action="store_true", help="render each prompt with the chat template")
+    run.add_argument(
+        "--kv-budget", help="KV cache per micro-batch: tokens (slots × capacity), or a size such as 64MiB"
+    )
     run.set_defaults(handler=_run)
 
 
@@ -78,16 +88,17 @@ def _run(args: argparse.Namespace) -> int:
     source = args.model or str(ensure_builtin())
     model = load_with_progress(source, args.dtype, args.layers)
     codec = TextCodec.from_folder(source) if Path(source).is_dir() else None
-    job = JobSpec(args.prompts, args.output, args.max_new_tokens, sampling, args.batch_size)
+    job = job_from(args, model, sampling)
     cost = RooflineCost(hardware(args.hardware)) if args.hardware else None
     runtime = Runtime.create(model, args.scheduler, policy, args.device, cost)
     runtime.routing = RoutingTrace() if args.record_routing else None
     try:
-        with progress() as bar:
-            task = bar.add_task("generating", total=None)
+        with progress(TextColumn("{task.fields[tokens]} tokens"), TokenRateColumn()) as bar:
+            task = bar.add_task("generating", total=None, tokens=0)
             hooks = JobProgress(
                 started=lambda total: bar.update(task, total=total),
                 finished=lambda _r: bar.advance(task),
+                generated=token_counter(bar, task),
             )
             report = uvloop.run(run_job(job, model, codec, runtime, hooks))
     finally:
@@ -103,6 +114,47 @@ def _run(args: argparse.Namespace) -> int:
         console.print(f"[yellow]skipped[/] {error}", soft_wrap=True)
     console.print(summary_table(report, source, args.scheduler))
     return 0
+
+
+def job_from(args: argparse.Namespace, model: MoEModel, sampling: SamplingParams) -> JobSpec:
+    if args.batch_size < 1:
+        raise FlowmoeError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if any(not s for s in args.stop):
+        raise FlowmoeError("--stop must not be empty")
+    budget = kv_budget_tokens(args.kv_budget, model) if args.kv_budget else None
+    return JobSpec(args.prompts, args.output, args.max_new_tokens, sampling, args.batch_size,
+                   args.micro_batches, budget, tuple(args.stop), args.chat)  # fmt: skip
+
+
+def kv_budget_tokens(text: str, model: MoEModel) -> int:
+    """--kv-budget as tokens: a plain number is tokens, a size is bytes of KV cache."""
+    if text.strip().isdigit():
+        return int(text)
+    tokens = parse_bytes(text) // model.spec.kv_bytes_per_token
+    if tokens < 1:
+        raise FlowmoeError(f"--kv-budget {text} holds no token ({model.spec.kv_bytes_per_token} bytes each)")
+    return tokens
+
+
+def token_counter(bar: Progress, task: TaskID) -> Callable[[int], None]:
+    """Adds each step's generated tokens to the bar's `tokens` field."""
+    total = 0
+
+    def add(tokens: int) -> None:
+        nonlocal total
+        total += tokens
+        bar.update(task, tokens=total)
+
+    return add
+
+
+class TokenRateColumn(ProgressColumn):
+    """Generated tokens per second since the bar started."""
+
+    def render(self, task: Task) -> Text:
+        elapsed = task.elapsed or 0.0
+        rate = task.fields.get("tokens", 0) / elapsed if elapsed > 0 else 0.0
+        return Text(f"{rate:.1f} tok/s")
 
 
 def load_with_progress(source: str, dtype: str | None, layers: int | None) -> MoEModel:
