@@ -19,9 +19,10 @@ from flowmoe.engine import eager_step
 from flowmoe.loading import load_model
 from flowmoe.runtime import Runtime
 from flowmoe.schedulers.registry import create
+from flowmoe.simulate import simulate
 from tests.helpers import rel_err
 from tests.hf_models import hf_model, save_hf
-from tests.schedule_fixtures import generate
+from tests.schedule_fixtures import TINY_CONFIG, generate
 
 T4 = RooflineCost(hardware("t4"))
 MIXTRAL = preset("mixtral-8x7b", layers=4)
@@ -105,3 +106,167 @@ def test_same_tokens_as_eager_with_weights_offloaded(model, reference, case: str
     lanes = {(s.node.op, s.node.lane) for s in runtime.trace.spans}
     assert (Op.PAGE_COPY, Lane.GPU_H2D) in lanes or case == "fiddler-cpu"
     assert ((Op.EXPERT_FFN, Lane.CPU_COMPUTE) in lanes) == (case in ("fiddler-cpu", "lru-cache"))
+
+
+# ---- cgopipe: CPU attention two micro-batches ahead, the next layer's pages between hidden loads
+
+
+def test_cgopipe_runs_cpu_attention_two_ahead_and_pages_between_hidden_loads() -> None:
+    policy = Policy(micro_batch_size=256, micro_batches=4, attention_on="cpu", weights_gpu_share=0.75)
+    step = decode_step(4, 256, 512)
+    spans = simulate(scheduler("cgopipe", MIXTRAL, policy), [step], uniform_trace(MIXTRAL, [step]), T4)
+    for layer in range(1, MIXTRAL.layers):  # layer 0 fills the pipeline while its weights arrive
+        for j in range(2):
+            attn = window(spans_of(spans, Op.CPU_ATTN, layer, j + 2))
+            ffn = window(spans_of(spans, Op.EXPERT_FFN, layer, j))
+            assert attn[0] < ffn[1] and ffn[0] < attn[1], (layer, j, attn, ffn)
+    h2d = sorted((s for s in spans if s.node.lane is Lane.GPU_H2D), key=lambda s: s.start)
+    for layer in range(1, MIXTRAL.layers):
+        pages = [i for i, s in enumerate(h2d) if s.node.op is Op.PAGE_COPY and s.node.layer == layer]
+        assert len(pages) == 2 * -(-MIXTRAL.expert_bytes // policy.page_bytes)  # 2 of 8 experts paged
+        between = [s.node for s in h2d[pages[0] : pages[-1]] if s.node.op is Op.HIDDEN_LOAD]
+        assert len(between) == 3  # one chunk of pages after each of 4 hidden loads
+    assert not spans_of(spans, Op.GPU_ATTN) and len(spans_of(spans, Op.CPU_ATTN)) == 16
+
+
+# ---- klotski: hot experts prefetched before the gate and computed first, the planner's n
+
+
+def shifting_trace(spec: ModelSpec, step: StepShape) -> RoutingTrace:
+    """Micro-batch j at layer l routes to experts l+j, l+j+1, l+j+2 (mod E): each layer's group
+    needs 6 of 8 experts, more than the K hot ones."""
+    trace, tokens = RoutingTrace(), step.micro_batches[0].tokens
+    for layer in range(spec.layers):
+        for mb in step.micro_batches:
+            experts = sorted((layer + mb.index + i) % spec.moe.experts for i in range(3))
+            trace.record(
+                step.step, ExpertCounts(layer, mb.index, tuple((e, tokens * 2 // 3) for e in experts))
+            )
+    return trace
+
+
+def test_klotski_prefetches_hot_experts_before_the_gate_and_computes_them_first() -> None:
+    """A routing profile seeds the correlation table: hot experts of layer l are l+2 and l+3."""
+    policy = Policy(micro_batch_size=64, micro_batches=4, weights_gpu_share=0.0, group_size=4)
+    step = decode_step(4, 64, 512)
+    trace = shifting_trace(MIXTRAL, step)
+    profile = tuple(
+        tuple(sum(trace.counts[(0, layer, mb)].tokens(e) for mb in range(4)) / 512 for e in range(8))
+        for layer in range(MIXTRAL.layers)
+    )
+    klotski = scheduler("klotski", MIXTRAL, policy, popularity=profile)
+    spans = simulate(klotski, [step], trace, T4)
+    for layer in range(MIXTRAL.layers):
+        gates = spans_of(spans, Op.GATE, layer)
+        copies = spans_of(spans, Op.PAGE_COPY, layer)
+        hot = {s.node.expert for s in copies if s.queued < min(g.start for g in gates)}
+        cold = [s for s in copies if s.node.expert not in hot]
+        assert hot == {(layer + 2) % 8, (layer + 3) % 8} and cold
+        assert all(s.queued >= min(g.end for g in gates) for s in cold)  # issued after a gate
+        ffns = spans_of(spans, Op.EXPERT_FFN, layer)
+        hot_ffns = [s.start for s in ffns if s.node.expert in hot]
+        cold_ffns = [s.start for s in ffns if s.node.expert not in hot]
+        assert hot_ffns and max(hot_ffns) < min(cold_ffns), layer
+        assert len({s.node.mb for s in ffns}) == 4  # the whole group in one layer pass
+        assert len(spans_of(spans, Op.EVICT, layer)) == len(copies)
+
+
+def test_klotski_learns_which_experts_follow_which() -> None:
+    """Layer l always routes to the same pair; after a warm-up step the prefetched hot experts
+    of every layer are exactly that pair, so nothing is copied after a gate any more."""
+    pairs = {0: (5, 6), 1: (2, 7), 2: (3, 4), 3: (1, 6)}
+    steps = [decode_step(2, 8, 64, step=s) for s in range(2)]
+    trace = RoutingTrace()
+    for step in steps:
+        for layer, pair in pairs.items():
+            for mb in range(2):
+                trace.record(step.step, ExpertCounts(layer, mb, tuple((e, 8) for e in pair)))
+    policy = Policy(micro_batch_size=8, micro_batches=2, weights_gpu_share=0.0, group_size=2)
+    spans = simulate(scheduler("klotski", MIXTRAL, policy), steps, trace, T4)
+    second = [s for s in spans if s.start >= max(s.end for s in spans_of(spans, Op.LM_HEAD)[:2])]
+    for layer, pair in pairs.items():
+        gate = min(s.start for s in spans_of(second, Op.GATE, layer))
+        copies = spans_of(second, Op.PAGE_COPY, layer)
+        assert sorted(s.node.expert for s in copies) == list(pair)
+        assert all(s.queued < gate for s in copies)
+
+
+@pytest.mark.parametrize(("h2d", "expected"), [(1e12, 1), (200e9, 5), (12e9, 8)])
+def test_klotski_planner_picks_the_smallest_group_that_hides_the_copies(h2d: float, expected: int) -> None:
+    """Mixtral decode, 64 sequences per micro-batch on a T4 roofline: a group's attention block is
+    0.737 ms per micro-batch and an expert's FFN 1.112 ms; one expert copies in 0.36 ms at 1 TB/s,
+    1.77 ms at 200 GB/s (n >= 2 x 1.77 / 0.737 -> 5), 29.4 ms at 12 GB/s (no n <= 8 hides it)."""
+    cost = RooflineCost(evolve(hardware("t4"), h2d_bandwidth=h2d))
+    policy = Policy(micro_batch_size=64, micro_batches=8, weights_gpu_share=0.0, hot_experts=2)
+    step = decode_step(8, 64, 512)
+    assert scheduler("klotski", MIXTRAL, policy, cost=cost).group_size(step) == expected
+    assert scheduler("klotski", MIXTRAL, evolve(policy, group_size=3), cost=cost).group_size(step) == 3
+
+
+# ---- fiddler: popular experts on the GPU, the others where the latency model says
+
+
+SKEWED = tuple((0.4, 0.3, 0.1, 0.05, 0.05, 0.04, 0.03, 0.03) for _ in range(MIXTRAL.layers))
+FAST_CPU = evolve(hardware("t4"), name="fast-cpu", cpu_flops=10e12, cpu_bandwidth=200e9, h2d_bandwidth=2e9)
+SLOW_CPU = evolve(hardware("t4"), name="slow-cpu", cpu_flops=0.2e12, cpu_bandwidth=5e9, h2d_bandwidth=64e9)
+
+
+@pytest.mark.parametrize(("hw", "rare_lane"), [(FAST_CPU, Lane.CPU_COMPUTE), (SLOW_CPU, Lane.GPU_COMPUTE)])
+def test_fiddler_places_popular_experts_and_prices_the_rest(hw, rare_lane: Lane) -> None:
+    cost = RooflineCost(hw)
+    policy = Policy(micro_batch_size=8, micro_batches=2, weights_gpu_share=0.25)
+    fiddler = scheduler("fiddler", MIXTRAL, policy, cost=cost, popularity=SKEWED)
+    assert fiddler.residency().experts == {(layer, e) for layer in range(MIXTRAL.layers) for e in (0, 1)}
+    step = decode_step(2, 8, 256)
+    spans = simulate(fiddler, [step], uniform_trace(MIXTRAL, [step]), cost)
+    ffns = spans_of(spans, Op.EXPERT_FFN)
+    assert {s.node.lane for s in ffns if s.node.expert in (0, 1)} == {Lane.GPU_COMPUTE}
+    assert {s.node.lane for s in ffns if s.node.expert >= 2} == {rare_lane}
+    copied = {(s.node.layer, s.node.expert) for s in spans_of(spans, Op.PAGE_COPY)}
+    rare = {(layer, e) for layer in range(MIXTRAL.layers) for e in range(2, 8)}
+    assert copied == (rare if rare_lane is Lane.GPU_COMPUTE else set())
+
+
+def test_fiddler_latency_model_sends_big_token_counts_to_the_gpu() -> None:
+    """Even where the CPU wins for a decode step, enough tokens make copy + GPU the faster path."""
+    fiddler = scheduler("fiddler", MIXTRAL, Policy(weights_gpu_share=0.25), cost=RooflineCost(FAST_CPU))
+    assert fiddler.threshold is not None
+    assert fiddler.on_cpu(fiddler.threshold - 1) and not fiddler.on_cpu(fiddler.threshold)
+    assert 16 < fiddler.threshold < 100_000
+
+
+# ---- lru-cache: set-associative LRU hits and misses, misses on the CPU
+
+
+def test_lru_cache_counts_hits_and_misses_of_a_two_set_two_way_cache() -> None:
+    """4 slots, 2 ways -> 2 sets; expert e of layer l goes to set (4l + e) mod 2 = e mod 2.
+
+    step 0  L0 mb0 {0,2}: miss, miss                 set0 [L0e0 L0e2]
+            L0 mb1 {0,1}: hit, miss                  set0 [L0e2 L0e0]  set1 [L0e1]
+            L1 mb0 {1,3}: miss, miss (evict L0e1)    set1 [L1e1 L1e3]
+            L1 mb1 {1,3}: hit, hit                   set1 [L1e1 L1e3]
+    step 1  L0 mb0 {0,1}: hit, miss (evict L1e1)     set0 [L0e2 L0e0]  set1 [L1e3 L0e1]
+            L0 mb1 {0,2}: hit, hit                   set0 [L0e0 L0e2]
+            L1 mb0 {1,3}: miss (evict L1e3), miss (evict L0e1)        set1 [L1e1 L1e3]
+            L1 mb1 {0,3}: miss (evict L0e0), hit     set0 [L0e2 L1e0]  set1 [L1e1 L1e3]
+    -> 7 hits, 9 misses; evictions L0e1, L1e1, L1e3, L0e1, L0e0."""
+    routes = {
+        (0, 0, 0): (0, 2), (0, 0, 1): (0, 1), (0, 1, 0): (1, 3), (0, 1, 1): (1, 3),
+        (1, 0, 0): (0, 1), (1, 0, 1): (0, 2), (1, 1, 0): (1, 3), (1, 1, 1): (0, 3),
+    }  # fmt: skip
+    trace = RoutingTrace()
+    for (step, layer, mb), experts in routes.items():
+        trace.record(step, ExpertCounts(layer, mb, tuple((e, 2) for e in experts)))
+    spec = ModelSpec.from_hf(TINY_CONFIG)
+    cache = scheduler("lru-cache", spec, Policy(micro_batch_size=2, micro_batches=2, expert_cache_slots=4,
+                                               cache_ways=2))  # fmt: skip
+    spans = simulate(cache, [decode_step(2, 2, 4, step=s) for s in range(2)], trace, T4)
+    assert cache.report() == {"hits": 7.0, "misses": 9.0, "hit_rate": 7 / 16}
+    ffns = spans_of(spans, Op.EXPERT_FFN)
+    assert sum(s.node.lane is Lane.CPU_COMPUTE for s in ffns) == 9
+    assert sum(s.node.lane is Lane.GPU_COMPUTE for s in ffns) == 7
+    assert len(spans_of(spans, Op.PAGE_COPY)) == 9
+    evicted = [
+        (s.node.layer, s.node.expert) for s in sorted(spans_of(spans, Op.EVICT), key=lambda s: s.node.id)
+    ]
+    assert evicted == [(0, 1), (1, 1), (1, 3), (0, 1), (0, 0)]
