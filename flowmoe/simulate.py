@@ -151,9 +151,10 @@ class Simulation:
                       trace=Trace(name=name, spans=spans), simulated_steps=len(runs))  # fmt: skip
 
     def _memory(self, scheduler: Scheduler) -> MemoryNeed:
-        spec, n = self.setup.spec, len(self.prompts)
-        longest = max(self.prompts) + self.setup.workload.gen_len
-        kv = n * longest * spec.kv_bytes_per_token if scheduler.kv_on_gpu() else 0
+        spec, mu, gen = self.setup.spec, self.policy.micro_batch_size, self.setup.workload.gen_len
+        groups = [self.prompts[i : i + mu] for i in range(0, len(self.prompts), mu)]
+        slots = sum(len(g) * (max(g) + gen) for g in groups)  # the engine sizes each micro-batch's cache
+        kv = slots * spec.kv_bytes_per_token if scheduler.kv_on_gpu() else 0
         tokens = max(mb.tokens for mb in self.steps[0].micro_batches)
         return gpu_need(spec, scheduler.residency(), scheduler.weight_buffer_bytes(), kv, tokens,
                         self.policy.micro_batch_size)  # fmt: skip

@@ -125,6 +125,9 @@ def _report(args: argparse.Namespace, setup: Setup, names: list[str]) -> int:
         print(json.dumps(results_json(setup, results)))
         return 0
     out.print(results_table(setup, results))
+    for r in results:
+        if r.error is not None:
+            out.print(f"[yellow]{r.scheduler}[/]: {r.error}", soft_wrap=True)
     if len(results) == 1 and results[0].error is None:
         out.print(lanes_table(results[0]))
     if args.trace and traces:
@@ -143,7 +146,7 @@ def results_table(setup: Setup, results: list[SimulationResult]) -> Table:
     best = max((r.throughput for r in results), default=0.0)
     for r in sorted(results, key=lambda r: -r.throughput):
         if r.error is not None:
-            table.add_row(r.scheduler, "-", "-", "-", "-", *("-" for _ in LANES), f"[yellow]{r.error}[/]")
+            table.add_row(r.scheduler, "-", "-", "-", "-", *("-" for _ in LANES), "[yellow]see below[/]")
             continue
         util = {lane.lane: r.utilisation(lane) for lane in r.lanes}
         busiest = max(r.lanes, key=lambda lane: lane.busy_seconds).lane
