@@ -12,26 +12,33 @@ overlapping"), iteration (layer j, micro-batch k):
     store_cache(j, k)
 
 Here that is: the KV cache lives on the CPU (`kv_on_gpu` False; FlexGen's cache
-placement with no GPU share) and attention runs on the GPU, so each (layer,
-micro-batch) gets a KV_LOAD on `gpu.h2d` issued one iteration ahead, so it
-overlaps the compute of the micro-batch before, and a KV_STORE on `gpu.d2h`
-right after its attention (the only step that writes the cache). Weights: the
-dense part of every layer is resident, and `policy.weights_gpu_share` of each
-layer's experts (the lowest-numbered ones; FlexGen's static per-layer split, not
-routing-aware) stays resident too. The rest of layer j + 1's experts, all of them
-whether routed or not, since FlexGen knows nothing of routing, are copied in
-while layer j computes, into a double buffer of two layers (FlexGen's
-`weight_read_buf`), and evicted after layer j + 1's last micro-batch. Every
-routed expert's FFN runs on the GPU.
+placement with no GPU share) and attention runs on the GPU. Each (layer,
+micro-batch) gets a KV_LOAD on `gpu.h2d` issued one iteration ahead and held
+until the compute of the micro-batch before has begun (its PRE_ATTN), so it
+overlaps that compute and about two micro-batches' cache layers are on the GPU
+at once (FlexGen's cache double buffer), and a KV_STORE on `gpu.d2h` right after
+its attention (the only step that writes the cache). Weights: the dense part of
+every layer is resident, and `policy.weights_gpu_share` of each layer's experts
+(the lowest-numbered ones: FlexGen's static per-layer split, not routing-aware)
+stays resident too. The rest of layer j + 1's experts, every one whether routed
+or not, since FlexGen knows nothing of routing, are copied in while layer j
+computes, into a double buffer of two layers (FlexGen's `weight_read_buf`), and
+evicted after layer j + 1's last micro-batch. Every routed expert's FFN runs on
+the GPU.
 
-FlexGen puts weight loads and cache loads on two CUDA streams that share the
-PCIe link; flowmoe has one `gpu.h2d` lane, so at k = 0 the cache load of the next
-micro-batch is queued first (it is small and needed first) and the weights of
-layer j + 1 after it. Layer 0's weights and its first cache load are issued when
-the step starts (FlexGen's prologue); FlexGen's wrap-around prefetch of the next
-step's layer 0 has no counterpart, since a plan covers one step. In a prefill
-step KV_LOAD brings an empty cache layer: it is the GPU working copy attention
-writes into.
+FlexGen issues weight and cache loads on two CUDA streams that share one PCIe
+link (one copy engine); flowmoe has one `gpu.h2d` lane, so where both are issued
+the cache load goes first (it is small, and the next micro-batch waits for it)
+and the weights after it. The prologue is the first micro-batch's cache load;
+layer 0's weights follow the second cache load. FlexGen's wrap-around prefetch
+of the next step's layer 0 has no counterpart, since a plan covers one step. On
+one lane, a cache load issued at k >= 1 queues behind the next layer's weights
+issued at k = 0: when those copies outlast the compute of micro-batch k - 1 (an
+I/O-bound step), micro-batch k computes during the weight copy and its
+successor's cache load follows the weights instead of overlapping it (FlexGen's
+per-iteration synchronisation would instead hold micro-batch k back). In a
+prefill step KV_LOAD brings an empty cache layer: the GPU working copy that
+attention writes into.
 """
 
 from __future__ import annotations
@@ -91,26 +98,30 @@ class FlexGenScheduler:
         kv: dict[tuple[int, int], int] = {}  # (layer, mb) -> KV_LOAD id
         copies: dict[int, dict[int, int]] = {}  # layer -> expert -> PAGE_COPY id
         combines: dict[int, list[int]] = {}  # layer -> COMBINE ids
-        # prologue: the first micro-batch's cache and layer 0's weights
+        # prologue: the first micro-batch's cache (layer 0's weights follow the next cache load)
         first = f.node(Op.KV_LOAD, Lane.GPU_H2D, 0, mbs[0])
         yield first
         kv[(0, mbs[0].index)] = first.id
-        copies[0] = yield from self._copy_layer(0)
         for layer in range(layers):
             combines[layer] = []
             for k, mb in enumerate(mbs):
+                pre = f.node(Op.PRE_ATTN, Lane.GPU_COMPUTE, layer, mb, deps=[last[mb.index]])
+                yield pre
                 nxt = (layer, mbs[k + 1]) if k + 1 < len(mbs) else (layer + 1, mbs[0])
-                if nxt[0] < layers:
-                    load = f.node(Op.KV_LOAD, Lane.GPU_H2D, nxt[0], nxt[1])
+                if nxt[0] < layers:  # load_cache(j, k + 1), once compute(j, k) has begun
+                    load = f.node(Op.KV_LOAD, Lane.GPU_H2D, nxt[0], nxt[1], deps=[pre.id])
                     yield load
                     kv[(nxt[0], nxt[1].index)] = load.id
-                if k == 0:
-                    if layer >= 1:
+                if k == 0:  # load_weight(j + 1), behind the cache load on the one copy lane
+                    if layer == 0:
+                        copies[0] = yield from self._copy_layer(0)
+                    else:
                         yield from self._evict_layer(layer - 1, copies, combines)
                     if layer + 1 < layers:
                         copies[layer + 1] = yield from self._copy_layer(layer + 1)
-                before, load_id = last[mb.index], kv.pop((layer, mb.index))
-                combine = yield from self._compute(layer, mb, before, load_id, copies[layer])
+                combine = yield from self._compute(
+                    layer, mb, pre.id, kv.pop((layer, mb.index)), copies[layer]
+                )
                 combines[layer].append(combine)
                 last[mb.index] = combine
         yield from self._evict_layer(layers - 1, copies, combines)
@@ -138,16 +149,15 @@ class FlexGenScheduler:
         return None
 
     def _compute(
-        self, layer: int, mb: MicroBatchShape, before: int, kv_load: int, copies: dict[int, int]
+        self, layer: int, mb: MicroBatchShape, pre: int, kv_load: int, copies: dict[int, int]
     ) -> PlanStream:
-        """compute(j, k) with store_cache(j, k) after the attention. Returns the COMBINE id."""
+        """compute(j, k) after its PRE_ATTN, with store_cache(j, k) after the attention.
+        Returns the COMBINE id."""
         f, spec = self.context.factory, self.context.spec
         gpu = Lane.GPU_COMPUTE
-        pre = f.node(Op.PRE_ATTN, gpu, layer, mb, deps=[before])
-        attn = f.node(Op.GPU_ATTN, gpu, layer, mb, deps=[pre.id, kv_load])
+        attn = f.node(Op.GPU_ATTN, gpu, layer, mb, deps=[pre, kv_load])
         store = f.node(Op.KV_STORE, Lane.GPU_D2H, layer, mb, deps=[attn.id])
         post = f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id])
-        yield pre
         yield attn
         yield store
         yield post
