@@ -105,7 +105,7 @@ def _kv_store(s: StepState, n: TaskNode) -> None:
     """This step's new k, v from the GPU working copy back into the home cache."""
     step, key = s.inputs[n.mb], (n.layer, n.mb)
     home = step.cache.layer(n.layer)
-    work = s.kv_work.pop(key)
+    work = s.kv_work[key]  # kept until the step ends: the copy back may still be reading it
     if work[0] is not home[0]:
         write_kv(*home, step.layout, *read_kv(*work, step.layout))
 

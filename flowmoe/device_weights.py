@@ -68,6 +68,12 @@ def _dense_to(devices: Devices, lw: LayerWeights) -> LayerWeights:
     )
 
 
+def _layer_tensors(lw: LayerWeights) -> list[torch.Tensor]:
+    attn = [getattr(lw.attn, f.name) for f in fields(AttentionWeights)]
+    ffns = [t for ffn in (lw.shared, lw.dense) if ffn is not None for t in ffn.tensors()]
+    return [t for t in (*attn, lw.router, lw.router_bias, lw.shared_gate, *ffns) if t is not None]
+
+
 def _copy_page(sources: list[torch.Tensor], targets: list[torch.Tensor], part: int, parts: int) -> None:
     """Copy page `part` of `parts` equal slices of the concatenated elements of `sources`."""
     total = sum(t.numel() for t in sources)
@@ -78,6 +84,15 @@ def _copy_page(sources: list[torch.Tensor], targets: list[torch.Tensor], part: i
         if a < b:
             dst.view(-1)[a:b].copy_(src.view(-1)[a:b], non_blocking=True)
         offset += src.numel()
+
+
+def pin_experts(model: MoEModel) -> None:
+    """Page-lock the CPU copies of every expert, so H2D copies run asynchronously at full link
+    speed (a CUDA-only step; the papers' pinned staging area is the weights themselves)."""
+    for lw in model.weights.layers:
+        lw.experts = [
+            FFNWeights(*(None if t is None else t.pin_memory() for t in _fields(f))) for f in lw.experts
+        ]
 
 
 @define
@@ -150,11 +165,19 @@ class DeviceWeights:
             )
 
     def evict(self, layer: int, expert: int) -> None:
+        """EVICT, launched on the lane that used the weights last: on CUDA their memory is only
+        reused once that lane's stream has finished with them (record_stream)."""
         if expert < 0:
-            self._dense.pop(layer, None)
+            dropped = self._dense.pop(layer, None)
+            tensors = [] if dropped is None else [t for t in _layer_tensors(dropped)]
         else:
-            self._experts.pop((layer, expert), None)
-            self._partial.pop((layer, expert), None)
+            ffn = self._experts.pop((layer, expert), None)
+            partial = self._partial.pop((layer, expert), None)
+            tensors = [*(ffn.tensors() if ffn else []), *(partial[0].tensors() if partial else [])]
+        if self.devices.cuda:
+            stream = torch.cuda.current_stream(self.devices.gpu)
+            for tensor in tensors:
+                tensor.record_stream(stream)
 
     def layer(self, layer: int) -> LayerWeights:
         if layer not in self._dense:

@@ -111,10 +111,11 @@ class MoEModel:
         return route(x, w.router, w.router_bias, self.spec.moe)
 
     def expert(self, x: torch.Tensor, routing: Routing, expert: int, ffn: FFNWeights) -> torch.Tensor:
-        """The scaled output of one routed expert for its tokens: [n_e, hidden]."""
-        rows = routing.tokens[expert]
+        """The scaled output of one routed expert for its tokens: [n_e, hidden], on x's device
+        (the routing may live on another device when the expert runs on the CPU)."""
+        rows = routing.tokens[expert].to(x.device)
         out = swiglu_ffn(x[rows], ffn.gate_up, ffn.down, self.spec.moe, ffn.gate_up_bias, ffn.down_bias)
-        return out * routing.scales[expert][:, None].to(out.dtype)
+        return out * routing.scales[expert].to(x.device)[:, None].to(out.dtype)
 
     def shared(self, layer: int, x: torch.Tensor, lw: LayerWeights | None = None) -> torch.Tensor:
         """Shared expert (gated by a sigmoid when the family has one) or dense MLP: [T, hidden]."""

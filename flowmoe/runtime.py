@@ -21,7 +21,7 @@ from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, Scheduler, SchedulerContext, StepShape
-from flowmoe.device_weights import Devices, DeviceWeights
+from flowmoe.device_weights import Devices, DeviceWeights, pin_experts
 from flowmoe.devices.cuda import EventBook
 from flowmoe.devices.factory import make_workers
 from flowmoe.engine import StepInput
@@ -65,6 +65,8 @@ class Runtime:
         context = SchedulerContext(model.spec, policy, NodeFactory(model.spec), cost)
         plugin = create(scheduler, context)
         devices = Devices.detect(device)
+        if devices.cuda:
+            pin_experts(model)
         weights = DeviceWeights(model, devices)
         weights.setup(plugin.residency(), plugin.weight_buffer_bytes())
         workers, events = make_workers(devices.gpu, policy.cpu_threads)
