@@ -90,6 +90,8 @@ class FlexGenScheduler:
     def plan(self, step: StepShape) -> PlanStream:
         f, spec = self.context.factory, self.context.spec
         mbs, layers = step.micro_batches, spec.layers
+        if not mbs:
+            return
         last: dict[int, int] = {}
         for mb in mbs:
             node = f.node(Op.EMBED, Lane.GPU_COMPUTE, mb=mb)

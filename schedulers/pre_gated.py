@@ -59,7 +59,8 @@ class PreGatedScheduler:
         return self.hits / total if total else 0.0
 
     def report(self) -> dict[str, float]:
-        """Counters for a front end to print after a run."""
+        """For a front end to print after a run: `pregate_hits`, `pregate_misses` (counts, over
+        every step this instance planned) and `pregate_hit_rate` (hits / (hits + misses))."""
         return {
             "pregate_hits": float(self.hits),
             "pregate_misses": float(self.misses),

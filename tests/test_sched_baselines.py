@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Iterable
 
 import pytest
+from attrs import evolve
 
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import FlowmoeError, MemoryBudgetError
@@ -317,9 +318,7 @@ def test_pre_gated_counts_duplicate_predictions_once() -> None:
 
 
 def test_dense_layers_and_shared_experts_copy_no_weights_for_dense_layers() -> None:
-    spec = preset("qwen1.5-moe-a2.7b", layers=3).with_layers(3)
-    from attrs import evolve
-
+    spec = preset("qwen1.5-moe-a2.7b", layers=3)  # a shared expert in every MoE layer
     spec = evolve(spec, moe=evolve(spec.moe, dense_layers=(1,)))
     steps = [prefill(2, 16), decode(2, 16)]
     trace = RoutingTrace()
@@ -358,7 +357,7 @@ def test_too_small_a_budget_fails_the_memory_check_with_what_it_needs(tiny_model
     finally:
         runtime.close()
     for budget, fits in ((need.total, True), (need.total - 1, False)):
-        runtime = Runtime.create(tiny_model, name, Policy(**{**_fields(policy), "gpu_memory": budget}), "cpu")
+        runtime = Runtime.create(tiny_model, name, evolve(policy, gpu_memory=budget), "cpu")
         try:
             if fits:
                 runtime.check_memory(4, 64, 32)
@@ -370,12 +369,6 @@ def test_too_small_a_budget_fails_the_memory_check_with_what_it_needs(tiny_model
             assert "weight buffers" in message
         finally:
             runtime.close()
-
-
-def _fields(policy: Policy) -> dict[str, object]:
-    from attrs import asdict
-
-    return asdict(policy)
 
 
 @pytest.mark.parametrize("name", MINE)
