@@ -23,11 +23,15 @@ import torch
 from attrs import evolve, frozen
 
 from flowmoe.core.cost import RooflineCost
+from flowmoe.core.executor import Span
 from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.plan import Lane
+from flowmoe.core.policy import Policy
+from flowmoe.core.spec import ModelSpec
+from flowmoe.model import MoEModel
 
 Report = Callable[[str], None]
-COMPUTE = (Lane.GPU_COMPUTE, Lane.CPU_COMPUTE)
+Curve = tuple[tuple[float, float], ...]
 
 
 @frozen
@@ -51,20 +55,23 @@ def timed(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lam
     return statistics.median(times)
 
 
-def matmul_rates(
-    device: torch.device, dtype: torch.dtype, quick: bool, sync: Callable[[], None]
-) -> tuple[float, float]:
-    """(flop/s at prefill size, weight bytes/s at decode size) of x @ w."""
-    k = n = 2048 if quick else 4096
-    w = torch.randn(k, n, device=device, dtype=dtype)
-    big, small = (
-        torch.randn(512, k, device=device, dtype=dtype),
-        torch.randn(8, k, device=device, dtype=dtype),
-    )
-    repeats = 5 if quick else 20
-    prefill = timed(lambda: big @ w, repeats, sync)
-    decode = timed(lambda: small @ w, repeats, sync)
-    return 2 * 512 * k * n / prefill, w.numel() * w.element_size() / decode
+def matmul_curve(
+    device: torch.device, dtype: torch.dtype, shape: tuple[int, int], quick: bool, sync: Callable[[], None]
+) -> Curve:
+    """The measured roofline: (intensity, flop/s) of x[M, K] @ w[N, K].T as M grows from 1 to 512."""
+    k, n = shape
+    w = torch.randn(n, k, device=device, dtype=dtype)
+    size = w.element_size()
+    points = []
+    for rows in ROWS:
+        x = torch.randn(rows, k, device=device, dtype=dtype)
+        seconds = timed(lambda x=x: torch.nn.functional.linear(x, w), 3 if quick else 10, sync)
+        flops, n_bytes = 2 * rows * k * n, (k * n + rows * k + rows * n) * size
+        points.append((flops / n_bytes, flops / seconds))
+    return tuple(points)
+
+
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def copy_bandwidth(device: torch.device, quick: bool, sync: Callable[[], None]) -> float:
@@ -74,18 +81,34 @@ def copy_bandwidth(device: torch.device, quick: bool, sync: Callable[[], None]) 
     return 2 * a.numel() * 4 / timed(lambda: a.copy_(b), 5 if quick else 10, sync)
 
 
-def attention_flops(device: torch.device, dtype: torch.dtype, quick: bool, sync: Callable[[], None]) -> float:
-    """flowmoe's attention kernel on decode steps: 16 sequences attending 512 keys."""
+def attention_curve(
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int],
+    quick: bool,
+    sync: Callable[[], None],
+) -> Curve:
+    """flowmoe's attention kernel as (intensity, flop/s) points, counted as the scheduler's nodes
+    count them: a decode step (16 sequences, one query each over 256 (512) keys) and prefills of
+    one sequence of growing length. `shape` = (query heads, kv heads, head dim)."""
     from flowmoe.kernels.attention import attend
     from flowmoe.kernels.layout import TokenLayout
 
-    seqs, context, heads, kv_heads, dim = 16, 256 if quick else 512, 16, 4, 128
-    layout = TokenLayout(tuple(range(seqs)), (1,) * seqs, (context - 1,) * seqs)
-    q = torch.randn(seqs, heads, dim, device=device, dtype=dtype)
-    keys = torch.randn(seqs, kv_heads, context, dim, device=device, dtype=dtype)
-    values = torch.randn_like(keys)
-    seconds = timed(lambda: attend(q, keys, values, layout), 5 if quick else 20, sync)
-    return 4 * seqs * context * heads * dim / seconds
+    heads, kv_heads, dim = shape
+    size, repeats = torch.empty((), dtype=dtype).element_size(), 3 if quick else 10
+    cases = [(16, 1, 256 if quick else 512)] + [(1, n, n) for n in ((32, 256) if quick else (32, 128, 512))]
+    points = []
+    for seqs, new, context in cases:
+        layout = TokenLayout(tuple(range(seqs)), (new,) * seqs, (context - new,) * seqs)
+        q = torch.randn(seqs * new, heads, dim, device=device, dtype=dtype)
+        keys = torch.randn(seqs, kv_heads, context, dim, device=device, dtype=dtype)
+        values = torch.randn_like(keys)
+        seconds = timed(lambda q=q, k=keys, v=values, lay=layout: attend(q, k, v, lay), repeats, sync)
+        attended = seqs * (new * (context - new) + new * (new + 1) // 2)
+        flops = 4 * attended * heads * dim
+        n_bytes = (seqs * context * 2 * kv_heads * dim + 2 * seqs * new * heads * dim) * size
+        points.append((flops / n_bytes, flops / seconds))
+    return tuple(sorted(points))
 
 
 def link_rates(quick: bool) -> dict[str, float]:
@@ -125,82 +148,137 @@ def dispatch_overhead(quick: bool) -> float:
 
 
 def op_overheads(spec: HardwareSpec, device: str, quick: bool) -> tuple[tuple[str, float], ...]:
-    """Median span of each op of the built-in tiny model run through the runtime (eager), minus the
-    roofline time of its work: the fixed cost of dispatching that op, for both compute lanes."""
+    """The built-in tiny model through the runtime under every registered scheduler: the median
+    span of each `lane/op` minus the roofline time of its work is that op's fixed cost there."""
     from flowmoe.builtin import ensure_builtin
-    from flowmoe.core.policy import Policy
-    from flowmoe.engine import Engine, Request
     from flowmoe.loading import load_model
+    from flowmoe.schedulers.registry import available
+
+    model, cost = load_model(ensure_builtin()), RooflineCost(spec)
+    spent: dict[str, list[float]] = defaultdict(list)
+    for name in available():
+        for span in _tiny_run(model, name, device, 4 if quick else 12):
+            node = span.node
+            work = cost(node) - cost.fixed(node.lane, node.op)
+            spent[f"{node.lane}/{node.op}"].append(max(0.0, span.end - span.start - work))
+    return tuple(sorted((key, statistics.median(v)) for key, v in spent.items()))
+
+
+def _tiny_run(model: MoEModel, scheduler: str, device: str, new_tokens: int) -> list[Span]:
+    from flowmoe.engine import Engine, Request
     from flowmoe.runtime import Runtime
 
-    model = load_model(ensure_builtin())
-    runtime = Runtime.create(model, "eager", Policy(micro_batch_size=4), device)
+    policy = Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.0)
+    runtime = Runtime.create(model, scheduler, policy, device)
     requests = [Request(str(i), tuple(range(3, 19 + 4 * i)), i) for i in range(4)]
-    engine = Engine(model, runtime, max_new_tokens=4 if quick else 12, cache_device=runtime.cache_device)
+    engine = Engine(model, runtime, max_new_tokens=new_tokens, cache_device=runtime.cache_device)
 
     async def go() -> None:
-        async for _ in engine.run_batch([engine.micro_batch(0, requests)]):
+        mbs = [engine.micro_batch(0, requests[:2]), engine.micro_batch(1, requests[2:])]
+        async for _ in engine.run_batch(mbs):
             pass
 
     try:
         asyncio.run(go())
     finally:
         runtime.close()
-    cost, spent = RooflineCost(spec), defaultdict(list)
-    for span in runtime.trace.spans:
-        node = span.node
-        work = cost(node) - cost.fixed(node.lane, node.op)
-        spent[str(node.op)].append(max(0.0, span.end - span.start - work))
-    lanes = [Lane.GPU_COMPUTE] if torch.cuda.is_available() and device != "cpu" else list(COMPUTE)
-    found = {f"{lane}/{op}": statistics.median(v) for op, v in spent.items() for lane in lanes}
-    if "gpu_attn" in spent and Lane.CPU_COMPUTE in lanes:
-        found["cpu.compute/cpu_attn"] = statistics.median(spent["gpu_attn"])
-    return tuple(sorted(found.items()))
+    return runtime.trace.spans
 
 
-def calibrate(quick: bool = False, dtype: str = "float32", report: Report = lambda _step: None,
-              device: str = "auto") -> tuple[HardwareSpec, list[Measurement]]:  # fmt: skip
+@frozen
+class Shapes:
+    """The kernel shapes measured: a matmul (in, out) and attention (heads, kv heads, head dim).
+    Defaults are a 4096-wide projection and Mixtral's attention; `Shapes.of(spec)` takes a
+    model's (its expert's gate-up projection)."""
+
+    matmul: tuple[int, int] = (4096, 4096)
+    attention: tuple[int, int, int] = (32, 8, 128)
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> Shapes:
+        a = spec.attention
+        return cls((spec.hidden, 2 * spec.moe.intermediate), (a.heads, a.kv_heads, a.head_dim))
+
+
+def calibrate(
+    quick: bool = False,
+    dtype: str = "float32",
+    report: Report = lambda _step: None,
+    device: str = "auto",
+    shapes: Shapes | None = None,
+) -> tuple[HardwareSpec, list[Measurement]]:
     """Measure this machine; `report(step)` is told what is being measured."""
-    dt, cpu = DTYPES[dtype], torch.device("cpu")
-    report("CPU matmul (prefill and decode sizes)")
-    cpu_flops, cpu_bandwidth = matmul_rates(cpu, dt, quick, _nosync)
-    report("CPU stream copy")
-    stream = copy_bandwidth(cpu, quick, _nosync)
-    report("CPU attention")
-    cpu_attention = attention_flops(cpu, dt, quick, _nosync)
-    report("dispatch of a node")
-    dispatch = dispatch_overhead(quick)
+    dt, shapes = DTYPES[dtype], shapes or Shapes()
+    matmul = (min(shapes.matmul[0], 2048), min(shapes.matmul[1], 4096)) if quick else shapes.matmul
+    report("CPU matmul roofline (1 to 512 rows) and attention")
+    cpu_curve, cpu_attention = _device(torch.device("cpu"), dt, matmul, shapes, quick)
+    report("CPU stream copy, dispatch of a node")
+    stream, dispatch = copy_bandwidth(torch.device("cpu"), quick, _nosync), dispatch_overhead(quick)
     cuda = torch.cuda.is_available() and device != "cpu"
-    gpu = _gpu_figures(dt, quick) if cuda else {"gpu_flops": cpu_flops, "gpu_bandwidth": cpu_bandwidth,
-                                                "gpu_attention_flops": cpu_attention}  # fmt: skip
+    report("GPU matmul roofline, attention and host links" if cuda else "host copies")
+    gpu_curve, gpu_attention = (
+        _device(torch.device("cuda"), dt, matmul, shapes, quick) if cuda else (cpu_curve, cpu_attention)
+    )
     links = link_rates(quick) if cuda else _host_copies(quick)
     where = "CUDA" if cuda else "no CUDA: gpu.* lanes on the CPU"
     spec = HardwareSpec(
-        name=f"calibrated-{os.uname().nodename}", gpu_memory=_gpu_memory(cuda), cpu_flops=cpu_flops,
-        cpu_bandwidth=cpu_bandwidth, cpu_memory=_memory_bytes(), cpu_attention_flops=cpu_attention,
-        gpu_launch=dispatch, cpu_launch=dispatch, copy_latency=dispatch, **gpu, **links,
-        source=f"flowmoe calibrate ({dtype}, {torch.get_num_threads()} torch threads, {where})",
+        f"calibrated-{os.uname().nodename}", _peak(gpu_curve), _memory_roof(gpu_curve), _gpu_memory(cuda),
+        _peak(cpu_curve), _memory_roof(cpu_curve), _memory_bytes(), gpu_attention_roofline=gpu_attention,
+        cpu_attention_roofline=cpu_attention, gpu_roofline=gpu_curve, cpu_roofline=cpu_curve,
+        gpu_launch=dispatch, cpu_launch=dispatch, copy_latency=dispatch, **links,
+        source=f"flowmoe calibrate ({dtype}, matmul {matmul}, {torch.get_num_threads()} threads, {where})",
     )  # fmt: skip
     report("op dispatch costs (tiny model through the runtime)")
     spec = evolve(spec, op_overhead=op_overheads(spec, device, quick))
     return spec, _measurements(spec, stream, cuda, links)
 
 
+def _device(
+    where: torch.device, dtype: torch.dtype, matmul: tuple[int, int], shapes: Shapes, quick: bool
+) -> tuple[Curve, Curve]:
+    sync = torch.cuda.synchronize if where.type == "cuda" else _nosync
+    return matmul_curve(where, dtype, matmul, quick, sync), attention_curve(
+        where, dtype, shapes.attention, quick, sync
+    )
+
+
+def _peak(curve: Curve) -> float:
+    return max(f for _i, f in curve)
+
+
+def _memory_roof(curve: Curve) -> float:
+    """Bytes/s of the one-row matmul: weights streamed at the lowest intensity."""
+    intensity, flops = min(curve)
+    return flops / intensity
+
+
 def _measurements(
     spec: HardwareSpec, stream: float, cuda: bool, links: dict[str, float]
 ) -> list[Measurement]:
     found = [
-        Measurement("CPU matmul, prefill size", spec.cpu_flops / 1e9, "GFLOP/s"),
-        Measurement("CPU matmul, decode size (weights read)", spec.cpu_bandwidth / 1e9, "GB/s"),
+        *(
+            Measurement(f"CPU matmul, {rows} rows", f / 1e9, "GFLOP/s")
+            for rows, (_i, f) in zip(ROWS, spec.cpu_roofline, strict=True)
+        ),
+        Measurement("CPU matmul, 1 row (weights read)", spec.cpu_bandwidth / 1e9, "GB/s"),
         Measurement("CPU stream copy (read + write)", stream / 1e9, "GB/s"),
-        Measurement("CPU attention (decode)", (spec.cpu_attention_flops or 0) / 1e9, "GFLOP/s"),
+        *(
+            Measurement(f"CPU attention at {i:.2g} flop/B", f / 1e9, "GFLOP/s")
+            for i, f in spec.cpu_attention_roofline
+        ),
         Measurement("node dispatch (no-op)", spec.copy_latency * 1e6, "µs"),
     ]
     if cuda:
         found += [
-            Measurement("GPU matmul, prefill size", spec.gpu_flops / 1e9, "GFLOP/s"),
-            Measurement("GPU matmul, decode size (weights read)", spec.gpu_bandwidth / 1e9, "GB/s"),
-            Measurement("GPU attention (decode)", (spec.gpu_attention_flops or 0) / 1e9, "GFLOP/s"),
+            *(
+                Measurement(f"GPU matmul, {rows} rows", f / 1e9, "GFLOP/s")
+                for rows, (_i, f) in zip(ROWS, spec.gpu_roofline, strict=True)
+            ),
+            Measurement("GPU matmul, 1 row (weights read)", spec.gpu_bandwidth / 1e9, "GB/s"),
+            *(
+                Measurement(f"GPU attention at {i:.2g} flop/B", f / 1e9, "GFLOP/s")
+                for i, f in spec.gpu_attention_roofline
+            ),
         ]
     return found + [Measurement(name.replace("_", " "), value / 1e9, "GB/s") for name, value in links.items()]
 
@@ -210,16 +288,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def _nosync() -> None:
     pass
-
-
-def _gpu_figures(dtype: torch.dtype, quick: bool) -> dict[str, float]:
-    gpu, sync = torch.device("cuda"), torch.cuda.synchronize
-    flops, bandwidth = matmul_rates(gpu, dtype, quick, sync)
-    return {
-        "gpu_flops": flops,
-        "gpu_bandwidth": bandwidth,
-        "gpu_attention_flops": attention_flops(gpu, dtype, quick, sync),
-    }
 
 
 def _gpu_memory(cuda: bool) -> int:

@@ -33,7 +33,10 @@ def test_presets_are_sourced_and_sane() -> None:
 
 def test_profile_round_trip(tmp_path: Path) -> None:
     spec = evolve(
-        PRESETS["l4"], name="mine", op_overhead=(("gpu.compute/expert_ffn", 1e-5),), cpu_attention_flops=1e9
+        PRESETS["l4"],
+        name="mine",
+        op_overhead=(("gpu.compute/expert_ffn", 1e-5),),
+        cpu_roofline=((0.5, 1e9), (8.0, 2e9)),
     )
     path = save_profile(spec, tmp_path / "sub" / "hw.json")
     assert hardware(str(path)) == spec == load_profile(path)
@@ -71,25 +74,36 @@ def test_missing_field_and_bad_json(tmp_path: Path) -> None:
         hardware("v100")
 
 
-def test_cost_uses_measured_overheads_and_attention_throughput() -> None:
+def test_cost_uses_measured_rooflines_and_overheads() -> None:
     base = PRESETS["t4"]
-    spec = evolve(base, op_overhead=(("cpu.compute/cpu_attn", 0.5),), cpu_attention_flops=base.cpu_flops / 10)
-    attn = TaskNode(0, Op.CPU_ATTN, Lane.CPU_COMPUTE, bytes=1, flops=int(1e12))
-    ffn = TaskNode(1, Op.EXPERT_FFN, Lane.CPU_COMPUTE, bytes=1, flops=int(1e12))
-    assert RooflineCost(spec)(attn) == pytest.approx(0.5 + 1e12 / (base.cpu_flops / 10))
-    assert RooflineCost(spec)(ffn) == pytest.approx(base.cpu_launch + 1e12 / base.cpu_flops)
+    curve = ((1.0, 1e9), (100.0, 1e11))  # 1 GFLOP/s at 1 flop/B, 100 GFLOP/s at 100 flop/B
+    spec = evolve(base, op_overhead=(("cpu.compute/cpu_attn", 0.5),), cpu_roofline=curve,
+                  cpu_attention_roofline=((1.0, 1e8),))  # fmt: skip
+    cost = RooflineCost(spec)
+
+    def seconds(op: Op, flops: float, n_bytes: float) -> float:
+        return cost(TaskNode(0, op, Lane.CPU_COMPUTE, bytes=int(n_bytes), flops=int(flops)))
+
+    launch = base.cpu_launch
+    assert seconds(Op.EXPERT_FFN, 1e10, 1e9) == pytest.approx(launch + 1.0)  # 10 flop/B: 10 GFLOP/s
+    assert seconds(Op.EXPERT_FFN, 1e12, 1e9) == pytest.approx(launch + 10.0)  # flat above the last point
+    assert seconds(Op.EXPERT_FFN, 5e8, 1e9) == pytest.approx(launch + 1.0)  # below: 1e9 B at 1 GB/s
+    assert seconds(Op.CPU_ATTN, 1e8, 1e8) == pytest.approx(0.5 + 1.0)  # attention has a roofline of its own
     copy = TaskNode(2, Op.PAGE_COPY, Lane.GPU_H2D, bytes=12 * 10**9)
-    assert RooflineCost(spec)(copy) == pytest.approx(base.copy_latency + 1.0)
+    assert cost(copy) == pytest.approx(base.copy_latency + 1.0)
+    plain = RooflineCost(base)(TaskNode(1, Op.EXPERT_FFN, Lane.GPU_COMPUTE, bytes=1, flops=int(65e12)))
+    assert plain == pytest.approx(base.gpu_launch + 1.0)  # presets: the ideal roofline
 
 
 def test_calibrate_writes_a_profile_commands_take(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "machine.json"
     assert main(["calibrate", "--quick", "--device", "cpu", "--output", str(path)]) == 0
     spec = hardware(str(path))
-    assert spec.cpu_flops > 0 and spec.cpu_bandwidth > 0 and spec.cpu_attention_flops
+    assert spec.cpu_flops > 0 and spec.cpu_bandwidth > 0
+    assert len(spec.cpu_roofline) == 10 and len(spec.cpu_attention_roofline) == 3
     assert spec.gpu_flops == spec.cpu_flops  # no CUDA asked for: the gpu.* lanes run on the CPU
     overheads = dict(spec.op_overhead)
-    assert {"gpu.compute/expert_ffn", "cpu.compute/expert_ffn", "cpu.compute/cpu_attn"} <= set(overheads)
+    assert {"gpu.compute/expert_ffn", "gpu.compute/gpu_attn", "gpu.h2d/page_copy"} <= set(overheads)
     assert all(v >= 0 for v in overheads.values())
     assert "calibration of" in capsys.readouterr().out
     model = ["--model", "olmoe-1b-7b", "--layers", "1", "--workload", "fixed:8:2", "--hardware", str(path)]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from flowmoe.cli.plan import spec_from
 from flowmoe.cli.ui import console, out
 from flowmoe.core.hardware import save_profile
 
@@ -19,14 +20,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     calibrate.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
     calibrate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     calibrate.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu: ignore CUDA")
+    calibrate.add_argument(
+        "--model", help="measure the matmul and attention shapes of this preset or checkpoint"
+    )
     calibrate.set_defaults(handler=_calibrate)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from flowmoe.calibrate import calibrate
+    from flowmoe.calibrate import Shapes, calibrate
 
+    shapes = (
+        Shapes.of(spec_from(argparse.Namespace(model=args.model, layers=None, dtype=None)))
+        if args.model
+        else None
+    )
     with console.status("calibrating") as status:
-        spec, measurements = calibrate(args.quick, args.dtype, lambda step: status.update(step), args.device)
+        spec, measurements = calibrate(
+            args.quick, args.dtype, lambda step: status.update(step), args.device, shapes
+        )
     save_profile(spec, args.output)
     table = Table(title=f"calibration of {spec.name}")
     for column in ("measurement", "value", "unit"):

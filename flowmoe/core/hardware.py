@@ -26,8 +26,10 @@ class HardwareSpec:
     """Throughput in flop/s and bytes/s, memory in bytes, fixed costs in seconds.
 
     Presets hold peak (datasheet) figures; a calibrated profile holds what real kernels
-    reached. `*_attention_flops` is the throughput of the attention kernel when it differs
-    from the matmul roof; `op_overhead` maps `device/op` (e.g. `cpu/expert_ffn`) to a
+    reached. `*_roofline` is a measured roofline: (intensity in flop/B, flop/s) points of
+    matmuls at growing row counts, which replaces min(peak, bandwidth * intensity) where
+    present; `*_attention_roofline` is the same for the attention kernel (decode and
+    prefill shapes); `op_overhead` maps `lane/op` (e.g. `cpu.compute/expert_ffn`) to a
     measured fixed cost that replaces the generic launch cost of that op."""
 
     name: str
@@ -43,10 +45,12 @@ class HardwareSpec:
     gpu_launch: float = 10e-6  # fixed cost of a GPU node (kernel launches)
     cpu_launch: float = 20e-6  # fixed cost of a CPU node (op dispatch)
     copy_latency: float = 10e-6
-    gpu_attention_flops: float | None = None
-    cpu_attention_flops: float | None = None
     h2d_pageable_bandwidth: float | None = None
     d2h_pageable_bandwidth: float | None = None
+    gpu_roofline: tuple[tuple[float, float], ...] = ()
+    cpu_roofline: tuple[tuple[float, float], ...] = ()
+    gpu_attention_roofline: tuple[tuple[float, float], ...] = ()
+    cpu_attention_roofline: tuple[tuple[float, float], ...] = ()
     op_overhead: tuple[tuple[str, float], ...] = ()
     source: str = ""
 
@@ -172,6 +176,8 @@ def from_json(data: dict[str, Any], where: str) -> HardwareSpec:
                 raise ConfigError(f"{where}: field {name!r} must be a string")
         elif name == "op_overhead":
             values[name] = _overheads(value, where)
+        elif name.endswith("_roofline"):
+            values[name] = _curve(value, name, where)
         elif value is not None and (
             not isinstance(value, int | float) or isinstance(value, bool) or value < 0
         ):
@@ -179,6 +185,16 @@ def from_json(data: dict[str, Any], where: str) -> HardwareSpec:
     for name in ("gpu_memory", "cpu_memory"):
         values[name] = int(values[name])
     return HardwareSpec(**values)
+
+
+def _curve(value: Any, name: str, where: str) -> tuple[tuple[float, float], ...]:
+    ok = isinstance(value, list) and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(x, int | float) and x > 0 for x in p)
+        for p in value
+    )
+    if not ok:
+        raise ConfigError(f"{where}: field {name!r} must list [flop per byte, flop/s] pairs, both positive")
+    return tuple(sorted((float(i), float(f)) for i, f in value))
 
 
 def _overheads(value: Any, where: str) -> tuple[tuple[str, float], ...]:
