@@ -6,7 +6,12 @@ MoE-Lightning (Cao et al., ASPLOS 2025), Mixtral-8x7B:
   DeepSpeed-Zero, MoE-Lightning(p) and MoE-Lightning, copied from the artifact's plotting script
   (github.com/caoshiyi/artifacts, plots/main_results/plot_e2e_bar_all.py);
 - HELM synthetic reasoning (gen 50) and summarization (gen 64): MoE-Lightning's throughput from the
-  artifact's result logs (benchmarks/helm/helm{1,2}_moel_{T4,L4}.jsonl); no baseline figures there.
+  artifact's result logs (benchmarks/helm/helm{1,2}_moel_{T4,L4}.jsonl, prompts padded to 256 and
+  1984 tokens as those logs record); no baseline figures there.
+
+FlexGen pads every prompt to the longest (418 tokens on MTBench), and so do DeepSpeed-Zero (batches
+padded to their longest prompt) and MoE-Lightning(p); those stand-ins run on the padded workload
+(`fixed:418:GEN`), MoE-Lightning and every other scheduler on the real length distribution.
 
 Policies: cgopipe gets the HRM plan (`flowmoe plan`, N capped at the ~3,100 MTBench requests the
 artifact's runs processed); flexgen gets the artifact's FlexGen policy (gbs x num-gb, weight share
@@ -68,7 +73,9 @@ FLEXGEN = {
     ("l4", "reasoning"): (64, 33, 14), ("l4", "summarization"): (8, 36, 12),
 }  # fmt: skip
 # Our schedulers standing in for the systems in the paper's figure (approximations, see RESULTS.md).
-STAND_INS = {"cgopipe": "MoE-Lightning", "flexgen": "FlexGen", "prefetch-all": "DeepSpeed-Zero"}
+STAND_INS = {"cgopipe": "MoE-Lightning", "cgopipe (padded)": "MoE-Lightning(p)", "flexgen": "FlexGen",
+             "prefetch-all": "DeepSpeed-Zero"}  # fmt: skip
+PADDED = ("flexgen", "prefetch-all", "cgopipe (padded)")
 BATCHES = (4, 16, 64, 256, 1024)
 
 
@@ -77,6 +84,7 @@ class Case:
     name: str
     hardware: str
     work: str
+    padded: str  # the same workload with every prompt padded to the longest
     gen: int
     paper: dict[str, float]  # system -> tokens/s
     flexgen_key: object
@@ -89,25 +97,24 @@ def cases(quick: bool) -> list[Case]:
             if quick and gen not in (32, 256):
                 continue
             paper = {system: figures[i] for system, figures in PAPER_MTBENCH[hw].items()}
-            out.append(Case(f"MTBench gen {gen} @ {hw}", hw, "mtbench", gen, paper, (hw, gen)))
+            padded = f"fixed:{workload('mtbench').prompt.maximum}:{gen}"
+            out.append(Case(f"MTBench gen {gen} @ {hw}", hw, "mtbench", padded, gen, paper, (hw, gen)))
         for work, gen in (("reasoning", 50), ("summarization", 64)):
             paper = {"MoE-Lightning": PAPER_HELM[(hw, work)]}
-            out.append(Case(f"HELM {work} @ {hw}", hw, work, gen, paper, (hw, work)))
+            padded = f"fixed:{workload(work).prompt.maximum}:{gen}"
+            out.append(Case(f"HELM {work} @ {hw}", hw, padded, padded, gen, paper, (hw, work)))
     return out
 
 
-def setup_for(case: Case, policy: Policy, samples: int) -> Setup:
+def setup_for(case: Case, work_name: str, policy: Policy, samples: int) -> Setup:
     spec, hw = preset("mixtral-8x7b"), hardware(case.hardware)
-    work, routing = workload(case.work).with_gen_len(case.gen), RoutingModel(skew=0.5, correlation=0.3)
+    work, routing = workload(work_name).with_gen_len(case.gen), RoutingModel(skew=0.5, correlation=0.3)
     return Setup(spec, hw, work, policy, routing, decode_samples=samples)
 
 
-def candidates(name: str, case: Case) -> list[Policy]:
-    spec, hw, work = (
-        preset("mixtral-8x7b"),
-        hardware(case.hardware),
-        workload(case.work).with_gen_len(case.gen),
-    )
+def candidates(name: str, case: Case, work_name: str) -> list[Policy]:
+    spec, hw = preset("mixtral-8x7b"), hardware(case.hardware)
+    work = workload(work_name).with_gen_len(case.gen)
     if name == "cgopipe":
         return [search(spec, hw, work, max_batch=MTBENCH_REQUESTS).best.policy]
     if name == "flexgen":
@@ -122,10 +129,11 @@ def candidates(name: str, case: Case) -> list[Policy]:
 
 def best_result(name: str, case: Case, samples: int) -> SimulationResult:
     """The best of the first three candidates that fit (quick simulations), simulated again fully."""
+    scheduler, work = name.split(" ")[0], case.padded if name in PADDED else case.work
     fitting: list[SimulationResult] = []
     first: SimulationResult | None = None
-    for policy in candidates(name, case):
-        result = Simulation(setup_for(case, policy, 2)).run(name)
+    for policy in candidates(scheduler, case, work):
+        result = Simulation(setup_for(case, work, policy, 2)).run(scheduler)
         first = first or result
         if result.error is None:
             fitting.append(result)
@@ -135,11 +143,12 @@ def best_result(name: str, case: Case, samples: int) -> SimulationResult:
         assert first is not None
         return first
     choice = max(fitting, key=lambda r: r.throughput).policy
-    return Simulation(setup_for(case, choice, samples)).run(name)
+    return Simulation(setup_for(case, work, choice, samples)).run(scheduler)
 
 
 def run_case(case: Case, samples: int) -> dict[str, Any]:
-    results = {name: best_result(name, case, samples) for name in available()}
+    extra = ["cgopipe (padded)"] if case.work != case.padded and "cgopipe" in available() else []
+    results = {name: best_result(name, case, samples) for name in [*available(), *extra]}
     return {"case": case.name, "hardware": case.hardware, "workload": case.work, "gen": case.gen,
             "paper": case.paper, "simulated": {n: r.to_json() for n, r in results.items()}}  # fmt: skip
 
@@ -173,24 +182,29 @@ def case_table(row: dict[str, Any]) -> Table:
     return t
 
 
+PAIRS = (("cgopipe", "flexgen"), ("cgopipe (padded)", "flexgen"), ("flexgen", "prefetch-all"),
+         ("cgopipe", "cgopipe (padded)"))  # fmt: skip
+
+
+def ratios(row: dict[str, Any]) -> list[dict[str, Any]]:
+    sim = {n: r["throughput_tokens_per_second"] for n, r in row["simulated"].items()}
+    out = []
+    for a, b in PAIRS:
+        pa, pb = STAND_INS[a], STAND_INS[b]
+        paper = row["paper"]
+        if sim.get(a) and sim.get(b) and pa in paper and pb in paper:
+            out.append({"case": row["case"], "ratio": f"{a} / {b}", "paper_ratio": f"{pa} / {pb}",
+                        "simulated": sim[a] / sim[b], "paper": paper[pa] / paper[pb]})  # fmt: skip
+    return out
+
+
 def ratio_table(rows: list[dict[str, Any]]) -> Table:
-    t = Table(title="ratios: simulated vs paper")
-    pairs = (
-        ("cgopipe", "flexgen", "MoE-Lightning", "FlexGen"),
-        ("flexgen", "prefetch-all", "FlexGen", "DeepSpeed-Zero"),
-    )
-    for column in (
-        "case",
-        *(f"{a}/{b} sim" for a, b, *_ in pairs),
-        *(f"{c}/{d} paper" for *_, c, d in pairs),
-    ):
+    t = Table(title="throughput ratios: simulated vs the paper's")
+    for column in ("case", "simulated ratio", "sim", "paper ratio", "paper"):
         t.add_column(column, justify="right")
     for row in rows:
-        sim = {n: r["throughput_tokens_per_second"] for n, r in row["simulated"].items()}
-        cells = [f"{sim[a] / sim[b]:.2f}" if sim.get(a) and sim.get(b) else "-" for a, b, *_ in pairs]
-        paper = row["paper"]
-        cells += [f"{paper[c] / paper[d]:.2f}" if c in paper and d in paper else "-" for *_, c, d in pairs]
-        t.add_row(row["case"], *cells)
+        for r in ratios(row):
+            t.add_row(r["case"], r["ratio"], f"{r['simulated']:.2f}", r["paper_ratio"], f"{r['paper']:.2f}")
     return t
 
 
@@ -243,11 +257,12 @@ def main() -> None:
         with console.status(f"{case.name}: {', '.join(available())}"):
             rows.append(run_case(case, args.decode_samples))
         console.print(case_table(rows[-1]))
-    console.print(ratio_table([r for r in rows if len(r["paper"]) > 1]))
+    console.print(ratio_table(rows))
     with console.status("Klotski ablation"):
         ablation = klotski_ablation(args.decode_samples)
     console.print(klotski_table(ablation))
     data = {"schedulers": list(available()), "decode_samples": args.decode_samples, "cases": rows,
+            "ratios": [r for row in rows for r in ratios(row)],
             "klotski_ablation": ablation, "wall_seconds": time.time() - started}  # fmt: skip
     tmp = f"{OUT}.tmp"
     with open(tmp, "w") as handle:
