@@ -141,20 +141,31 @@ def results_table(setup: Setup, results: list[SimulationResult]) -> Table:
              f"N={p.batch_size} (μ={p.micro_batch_size} x {p.micro_batches}), attention {p.attention_on}, "
              f"FFN {p.ffn_on}")  # fmt: skip
     table = Table(title=title)
-    for column in ("scheduler", "tokens/s", "vs best", "prefill s", "decode s", *LANES, "busiest"):
+    for column in (
+        "scheduler",
+        "tokens/s",
+        "vs best",
+        "prefill s",
+        "decode s",
+        *LANES,
+        "busiest",
+        "its bubbles s",
+    ):
         table.add_column(column, justify="right")
     best = max((r.throughput for r in results), default=0.0)
     for r in sorted(results, key=lambda r: -r.throughput):
         if r.error is not None:
-            table.add_row(r.scheduler, "-", "-", "-", "-", *("-" for _ in LANES), "[yellow]see below[/]")
+            table.add_row(r.scheduler, "-", "-", "-", "-", *("-" for _ in LANES), "[yellow]see below[/]", "-")
             continue
         util = {lane.lane: r.utilisation(lane) for lane in r.lanes}
-        busiest = max(r.lanes, key=lambda lane: lane.busy_seconds).lane
+        busiest = max(r.lanes, key=lambda lane: lane.busy_seconds)
         table.add_row(r.scheduler, f"{r.throughput:.1f}", f"{r.throughput / best:.2f}" if best else "-",
                       f"{r.prefill_seconds:.1f}", f"{r.decode_seconds:.1f}",
-                      *(f"{util[lane]:.0%}" if lane in util else "-" for lane in LANES), busiest)  # fmt: skip
+                      *(f"{util[lane]:.0%}" if lane in util else "-" for lane in LANES), busiest.lane,
+                      f"{busiest.bubble_seconds:.2f}")  # fmt: skip
     table.caption = (
-        "utilisation = lane busy time / (prefill + decode); throughput = generated tokens / that time"
+        "utilisation = lane busy time / (prefill + decode); throughput = generated tokens / that time; "
+        "bubbles = time the busiest lane sat idle with its next node queued, waiting on dependencies"
     )
     return table
 
