@@ -96,8 +96,11 @@ def _attention(s: StepState, n: TaskNode) -> None:
 
 
 def _kv_load(s: StepState, n: TaskNode) -> None:
-    """A micro-batch's cache layer (home: CPU) into a GPU working copy for GPU attention."""
-    keys, values = s.inputs[n.mb].cache.layer(n.layer)
+    """A micro-batch's cache layer (home: CPU) into a GPU working copy for GPU attention: only the
+    positions this step's attention reads, up to the longest sequence after the step."""
+    step = s.inputs[n.mb]
+    length = max(step.layout.advanced())
+    keys, values = (t[:, :, :length] for t in step.cache.layer(n.layer))
     s.kv_work[(n.layer, n.mb)] = (s.devices.to_gpu(keys), s.devices.to_gpu(values))
 
 

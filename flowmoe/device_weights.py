@@ -122,6 +122,9 @@ class DeviceWeights:
         """PAGE_COPY: expert -1 is the layer's dense part (attention, router, shared/dense MLP).
         With `part` >= 0 an expert arrives in `parts` pages and is resident after the last one."""
         source = self.model.weights.layers[layer]
+        if (layer, expert) in self._experts or (expert < 0 and layer in self._dense):
+            what = f"expert {expert}" if expert >= 0 else "the dense part"
+            raise FlowmoeError(f"{what} of layer {layer} is copied to the GPU while already resident there")
         self._check_room(layer, expert)
         if expert < 0:
             self._dense[layer] = _dense_to(self.devices, source)
@@ -151,7 +154,7 @@ class DeviceWeights:
             del self._partial[key]
 
     def _check_room(self, layer: int, expert: int) -> None:
-        if self.limit is None or (layer, expert) in self._experts or (expert < 0 and layer in self._dense):
+        if self.limit is None:
             return
         if (layer, expert) in self._partial:
             return

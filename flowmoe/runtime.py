@@ -83,7 +83,9 @@ class Runtime:
     def check_memory(self, sequences: int, max_len: int, step_tokens: int) -> MemoryNeed:
         """Fail before the run if this scheduler's policy cannot fit the GPU budget."""
         spec, policy = self.model.spec, self.scheduler.context.policy  # type: ignore[attr-defined]
-        kv = sequences * max_len * spec.kv_bytes_per_token if self.kv_on_gpu else 0
+        kv = sequences * max_len * spec.kv_bytes_per_token
+        if not self.kv_on_gpu:  # cache on the CPU: at most two layers' working copies (KV_LOAD) on the GPU
+            kv = 2 * kv // spec.layers
         need = gpu_need(
             spec, self.scheduler.residency(), self.scheduler.weight_buffer_bytes(), kv, step_tokens, sequences
         )

@@ -41,7 +41,8 @@ def golden_trace() -> RoutingTrace:
             for mb in range(2):
                 counts = choices[(layer * 2 + mb + step) % 4]
                 trace.record(step, ExpertCounts(layer, mb, counts))
-                trace.record(step, ExpertCounts(layer, mb, counts[::-1][:1] + counts[1:]), speculative=True)
+                predicted = choices[(layer * 2 + mb + step + 1) % 4]  # a pre-gate's guess: partly right
+                trace.record(step, ExpertCounts(layer, mb, predicted), speculative=True)
     return trace
 
 
