@@ -247,6 +247,37 @@ def klotski_table(data: dict[str, Any]) -> Table:
     return t
 
 
+DERATE = {"gpu_flops": 0.4, "h2d_bandwidth": 0.5, "cpu_flops": 0.5, "cpu_bandwidth": 0.5}
+
+
+def sensitivity() -> list[dict[str, Any]]:
+    """The HRM plan's throughput (MTBench) at datasheet figures and at derated ones (GPU at 40% of
+    its tensor peak, link and CPU at half), next to MoE-Lightning's measured throughput."""
+    spec, rows = preset("mixtral-8x7b"), []
+    for name in ("t4", "l4"):
+        peak = hardware(name)
+        derated = evolve(peak, **{k: getattr(peak, k) * f for k, f in DERATE.items()})
+        for i, gen in enumerate(GENS):
+            work = workload("mtbench").with_gen_len(gen)
+            rows.append({"hardware": name, "gen": gen, "paper": PAPER_MTBENCH[name]["MoE-Lightning"][i],
+                         **{label: search(spec, hw, work, max_batch=MTBENCH_REQUESTS).best.throughput
+                            for label, hw in (("peak", peak), ("derated", derated))}})  # fmt: skip
+    return rows
+
+
+def sensitivity_table(rows: list[dict[str, Any]]) -> Table:
+    t = Table(
+        title="HRM plan throughput at datasheet vs derated hardware, and MoE-Lightning's measured (MTBench)"
+    )
+    for column in ("hardware", "gen", "HRM peak", "HRM derated", "paper", "peak / paper", "derated / paper"):
+        t.add_column(column, justify="right")
+    for r in rows:
+        figures = [f"{r[k]:.1f}" for k in ("peak", "derated", "paper")]
+        t.add_row(r["hardware"], str(r["gen"]), *figures, f"{r['peak'] / r['paper']:.2f}",
+                  f"{r['derated'] / r['paper']:.2f}")  # fmt: skip
+    return t
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="generation lengths 32 and 256 only")
@@ -261,9 +292,12 @@ def main() -> None:
     with console.status("Klotski ablation"):
         ablation = klotski_ablation(args.decode_samples)
     console.print(klotski_table(ablation))
+    derated = sensitivity()
+    console.print(sensitivity_table(derated))
     data = {"schedulers": list(available()), "decode_samples": args.decode_samples, "cases": rows,
             "ratios": [r for row in rows for r in ratios(row)],
-            "klotski_ablation": ablation, "wall_seconds": time.time() - started}  # fmt: skip
+            "klotski_ablation": ablation, "sensitivity": derated, "derate": DERATE,
+            "wall_seconds": time.time() - started}  # fmt: skip
     tmp = f"{OUT}.tmp"
     with open(tmp, "w") as handle:
         json.dump(data, handle, indent=2)
