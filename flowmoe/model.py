@@ -18,6 +18,7 @@ from flowmoe.kernels.attention import attend
 from flowmoe.kernels.experts import swiglu_ffn
 from flowmoe.kernels.kv_cache import KVCache, write_kv
 from flowmoe.kernels.layout import TokenLayout
+from flowmoe.kernels.linear import linear
 from flowmoe.kernels.norm import rms_norm
 from flowmoe.kernels.rope import apply_rope, cos_sin, inverse_frequencies
 from flowmoe.kernels.router import Routing, route
@@ -64,7 +65,7 @@ class MoEModel:
         `lw`: the layer's weights where they are resident (default: the model's own)."""
         a, w = self.spec.attention, (lw or self.weights.layers[layer]).attn
         x = rms_norm(hidden, w.input_norm, self.spec.norm_eps)
-        qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, (H + 2 KVH) * D]
+        qkv = linear(x, w.qkv, w.qkv_bias)  # [T, (H + 2 KVH) * D]
         q, k, v = qkv.split([a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], dim=-1)
         if a.qk_norm == "full":
             q = rms_norm(q, w.q_norm, self.spec.norm_eps)
@@ -103,7 +104,7 @@ class MoEModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden + O(attn_out) [T, hidden], its post-attention norm [T, hidden])."""
         w = (lw or self.weights.layers[layer]).attn
-        hidden = hidden + F.linear(attn_out, w.o, w.o_bias)
+        hidden = hidden + linear(attn_out, w.o, w.o_bias)
         return hidden, rms_norm(hidden, w.post_norm, self.spec.norm_eps)
 
     def gate(self, layer: int, x: torch.Tensor, lw: LayerWeights | None = None) -> Routing:
@@ -149,7 +150,7 @@ class MoEModel:
         """hidden: [B, hidden] (each sequence's last token) -> [B, vocab] float32."""
         norm = self.weights.final_norm if norm is None else norm
         x = rms_norm(hidden, norm, self.spec.norm_eps)
-        return F.linear(x, self.weights.lm_head if head is None else head).float()
+        return linear(x, self.weights.lm_head if head is None else head).float()
 
     # ---- eager composition
 

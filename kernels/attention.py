@@ -45,15 +45,16 @@ def _mask(q_pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
 
 
 def _softmax_values(
-    scores: torch.Tensor, allowed: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
+    scores: torch.Tensor, allowed: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None
 ) -> torch.Tensor:
-    """scores: [..., kvh, g, n, L] float32, v: [..., kvh, L, D] -> [..., kvh, g, n, D]."""
+    """scores: [..., kvh, a, b, L] float32 (a × b: the group's query heads × queries, in either
+    order), v: [..., kvh, L, D], sink: the heads' sink logits shaped to broadcast as [..., kvh, a, b, 1]
+    -> [..., kvh, a, b, D]."""
     scores = scores.masked_fill(~allowed, float("-inf"))
-    if sinks is None:
+    if sink is None:
         probs = torch.softmax(scores, dim=-1)
     else:
-        sink = sinks.to(torch.float32).reshape(*([1] * (scores.dim() - 4)), v.shape[-3], -1, 1, 1)
-        sink = sink.expand(*scores.shape[:-1], 1)
+        sink = sink.to(torch.float32).expand(*scores.shape[:-1], 1)
         combined = torch.cat([scores, sink], dim=-1)
         combined = combined - combined.amax(dim=-1, keepdim=True)
         probs = torch.softmax(combined, dim=-1)[..., :-1]
@@ -73,7 +74,8 @@ def _attend_one(
     kv_heads, length = k.shape[0], k.shape[1]
     qg = q.transpose(0, 1).reshape(kv_heads, heads // kv_heads, n, dim)  # [kvh, g, n, D]
     scores = torch.matmul(qg, k.unsqueeze(1).transpose(-1, -2)).float() * dim**-0.5  # [kvh, g, n, L]
-    out = _softmax_values(scores, _mask(q_pos, length, window), v, sinks)  # [kvh, g, n, D]
+    sink = sinks.reshape(kv_heads, -1, 1, 1) if sinks is not None else None  # [kvh, g, 1, 1]
+    out = _softmax_values(scores, _mask(q_pos, length, window), v, sink)  # [kvh, g, n, D]
     return out.reshape(heads, n, dim).transpose(0, 1).reshape(n, heads * dim)
 
 
@@ -85,15 +87,18 @@ def _decode(
     window: int | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One query per sequence: q [B, H, D] -> [B, H * D], all sequences in one batched matmul."""
+    """One query per sequence: q [B, H, D] -> [B, H * D], all sequences in one batched matmul.
+    A group's g query heads stand in the queries' place, so K and V are read as they lie in the
+    cache (one [g, D] @ [D, L] product per sequence and KV head, no copy of K or V per head)."""
     batch, heads, dim = q.shape
     kv_heads = keys.shape[1]
     length = max(layout.advanced())
     k, v = _gather_slots(keys, layout.slots, length), _gather_slots(values, layout.slots, length)
-    qg = q.reshape(batch, kv_heads, heads // kv_heads, 1, dim)  # [B, kvh, g, 1, D]
-    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).float() * dim**-0.5  # [B, kvh, g, 1, L]
+    qg = q.reshape(batch, kv_heads, 1, heads // kv_heads, dim)  # [B, kvh, 1, g, D]
+    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).float() * dim**-0.5  # [B, kvh, 1, g, L]
     q_pos = layout.positions.to(q.device).reshape(batch, 1, 1, 1)
-    out = _softmax_values(scores, _mask(q_pos, length, window), v, sinks)  # [B, kvh, g, 1, D]
+    sink = sinks.reshape(kv_heads, 1, -1, 1) if sinks is not None else None  # [kvh, 1, g, 1]
+    out = _softmax_values(scores, _mask(q_pos, length, window), v, sink)  # [B, kvh, 1, g, D]
     return out.reshape(batch, heads * dim)
 
 

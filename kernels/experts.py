@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from flowmoe.core.spec import MoESpec
+from flowmoe.kernels.linear import linear
 
 
 def swiglu_ffn(
@@ -17,7 +18,7 @@ def swiglu_ffn(
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [n, hidden], gate_up: [2I, hidden] (gate rows, then up rows), down: [hidden, I] -> [n, hidden]."""
-    h = F.linear(x, gate_up, gate_up_bias)  # [n, 2I]
+    h = linear(x, gate_up, gate_up_bias)  # [n, 2I]
     gate, up = h.chunk(2, dim=-1)  # [n, I] each
     if moe.activation == "clamped_swiglu":
         gate = gate.clamp(max=moe.swiglu_limit)
@@ -25,4 +26,4 @@ def swiglu_ffn(
         act = (up + 1) * (gate * torch.sigmoid(gate * moe.swiglu_alpha))
     else:
         act = F.silu(gate) * up
-    return F.linear(act, down, down_bias)  # [n, hidden]
+    return linear(act, down, down_bias)  # [n, hidden]
