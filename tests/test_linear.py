@@ -1,0 +1,57 @@
+"""kernels.linear: the CPU's fast GEMM forms compute what F.linear computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flowmoe.kernels import linear as kernel
+from tests.helpers import rel_err
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 256, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_matches_f_linear(rows: int, bias: bool) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=generator)
+    weight = torch.randn(200, 96, generator=generator)
+    b = torch.randn(200, generator=generator) if bias else None
+    out = kernel.linear(x, weight, b)
+    assert out.shape == (rows, 200)
+    assert rel_err(out, F.linear(x, weight, b)) < 1e-6
+    # an input that is itself a transposed view (what an elementwise op on a few-row output gives)
+    assert rel_err(kernel.linear(x.t().contiguous().t(), weight, b), F.linear(x, weight, b)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [4, 64])
+def test_half_precision_rounds_like_f_linear(dtype: torch.dtype, rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 128, generator=generator).to(dtype)
+    weight = (torch.randn(64, 128, generator=generator) * 0.1).to(dtype)
+    b = torch.randn(64, generator=generator).to(dtype)
+    out = kernel.linear(x, weight, b)
+    exact = F.linear(x.double(), weight.double(), b.double())
+    assert out.dtype == dtype
+    # both accumulate in fp32 and round the product once: within an ulp or two of the exact product
+    ulp = {torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]
+    assert rel_err(out, exact) <= 3 * ulp
+    assert rel_err(out, F.linear(x, weight, b)) <= 3 * ulp
+
+
+def test_widening_only_where_half_precision_is_emulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[torch.dtype] = []
+    real = F.linear
+
+    def spy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append(x.dtype)
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(kernel.F, "linear", spy)
+    x, weight = torch.randn(300, 32).bfloat16(), torch.randn(16, 32).bfloat16()
+    kernel.linear(x, weight)  # widened, the fp32 product of 300 rows is F.linear's
+    assert calls == ([torch.float32] if kernel._emulated(torch.bfloat16) else [torch.bfloat16])
+    calls.clear()
+    kernel.linear(x[:4], weight)  # a few rows: widening the weight would cost more than it saves
+    assert calls == [torch.bfloat16]
