@@ -3,6 +3,7 @@ an uninterrupted run: nothing lost, nothing duplicated, no torn line; bad lines 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -13,24 +14,19 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from flowmoe.builtin import ensure_builtin
 from flowmoe.cli import main
+from flowmoe.cli.run import kv_budget_tokens
+from flowmoe.core.errors import FlowmoeError
+from flowmoe.engine import StepInput
+from flowmoe.job import JobSpec, run_job
+from flowmoe.loading import load_model
+from flowmoe.model import MoEModel
+from flowmoe.tokenizer import TextCodec
 
-WORDS = (
-    "the",
-    "experts",
-    "of",
-    "a",
-    "mixture",
-    "route",
-    "each",
-    "token",
-    "to",
-    "two",
-    "feed",
-    "forward",
-    "blocks",
-)
+WORDS = ("the", "experts", "of", "a", "mixture", "route", "each", "token", "to", "two", "feed")  # fmt: skip
 BAD_LINES = {  # line number -> (text, what the report says)
     17: ("{not json", "not valid JSON"),
     60: ('{"prompt": "no id"}', 'missing "id"'),
@@ -131,3 +127,47 @@ def test_ctrl_c_leaves_a_valid_file(job, tmp_path: Path) -> None:
     assert all(reference[key] == value for key, value in partial.items())
     assert main(_args(prompts, out)) == 0
     assert _results(out) == reference
+
+
+def test_kv_budget_and_stop_strings_in_a_job(tmp_path: Path) -> None:
+    """A stand-in model (next token = last + 1) through run_job: stop strings cut the written text,
+    a prompt too long for the KV budget is reported by line, and every cache stays in the budget."""
+    folder = ensure_builtin()
+    model, codec = load_model(folder), TextCodec.from_folder(folder)
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"id": "abc", "prompt": "a"}, {"id": "digits", "prompt": "0"},
+             {"id": "long", "prompt": "x" * 40}, {"id": "upper", "prompt": "K"}]  # fmt: skip
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    caches: list[int] = []
+
+    async def successor(m: MoEModel, inputs: list[StepInput]) -> list[torch.Tensor]:
+        out = []
+        for step in inputs:
+            caches.append(step.cache.keys[0].shape[0] * step.cache.capacity)
+            last = step.ids[step.layout.last_rows]  # [B]
+            logits = torch.zeros(len(last), m.spec.vocab)  # [B, vocab]
+            logits[torch.arange(len(last)), last + 1] = 1.0
+            out.append(logits)
+        return out
+
+    budget = kv_budget_tokens("30", model)
+    job = JobSpec(prompts, tmp_path / "out.jsonl", max_new_tokens=6, batch_size=4, micro_batches=2,
+                  kv_budget=budget, stop=("de", "45"))  # fmt: skip
+    report = asyncio.run(run_job(job, model, codec, successor))
+    rows = {row["id"]: row for row in map(json.loads, job.output.read_text().splitlines())}
+    assert (rows["abc"]["text"], rows["abc"]["finish_reason"]) == ("bc", "stop")
+    assert codec.decode(rows["abc"]["output_ids"]) == "bcde"
+    assert (rows["digits"]["text"], rows["digits"]["finish_reason"]) == ("123", "stop")
+    assert (rows["upper"]["text"], rows["upper"]["finish_reason"]) == ("LMNOPQ", "length")
+    assert "long" not in rows and len(report.bad_lines) == 1
+    assert report.bad_lines[0].startswith(f"{prompts}:3: request 'long': 40 prompt + 6 new tokens exceed")
+    assert caches and max(caches) <= 30
+
+
+def test_kv_budget_flag() -> None:
+    model = load_model(ensure_builtin())
+    per_token = model.spec.kv_bytes_per_token
+    assert kv_budget_tokens("4096", model) == 4096
+    assert kv_budget_tokens("1MiB", model) == 2**20 // per_token
+    with pytest.raises(FlowmoeError, match=f"--kv-budget 1KiB holds no token \\({per_token} bytes each\\)"):
+        kv_budget_tokens("1KiB", model)
