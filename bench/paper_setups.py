@@ -76,7 +76,7 @@ FLEXGEN = {
 STAND_INS = {"cgopipe": "MoE-Lightning", "cgopipe (padded)": "MoE-Lightning(p)", "flexgen": "FlexGen",
              "prefetch-all": "DeepSpeed-Zero"}  # fmt: skip
 PADDED = ("flexgen", "prefetch-all", "cgopipe (padded)")
-BATCHES = (4, 16, 64, 256, 1024)
+BATCHES = (4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
 @frozen

@@ -166,8 +166,12 @@ def main() -> None:
     parser.add_argument("--gen-len", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3, help="measured batches per scheduler (median)")
     parser.add_argument("--quick", action="store_true", help="quick calibration")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per op, calibration and runs alike"
+    )
     args = parser.parse_args()
     load_before = os.getloadavg()
+    torch.set_num_threads(args.threads)
     with console.status("calibrating this machine"):
         shapes = Shapes.of(preset(args.model)) if args.model in PRESETS else None
         hw, _measured = calibrate(quick=args.quick, device="cpu", shapes=shapes)
@@ -176,9 +180,7 @@ def main() -> None:
         model = load_model(args.model, "float32", args.layers)
     prompts = workload("mtbench").sample(args.batch_size, seed=0)
     mu = -(-args.batch_size // args.micro_batches)
-    policy = Policy(
-        micro_batch_size=mu, micro_batches=args.micro_batches, attention_on="cpu", weights_gpu_share=0.0
-    )
+    policy = Policy(mu, args.micro_batches, "cpu", weights_gpu_share=0.0, cpu_threads=args.threads)
     results = []
     for name in args.schedulers.split(","):
         with console.status(f"{name}: real run, then simulation"):
@@ -186,7 +188,7 @@ def main() -> None:
         console.print(table(results[-1]))
     data = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "load_before": load_before,
+                    "torch_threads": args.threads, "load_before": load_before,
                     "load_after": os.getloadavg()},
         "model": args.model, "layers": args.layers, "prompts": prompts, "gen_len": args.gen_len,
         "policy": {"micro_batch_size": mu, "micro_batches": args.micro_batches},

@@ -13,6 +13,7 @@ what the runtime really does there (nothing).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import statistics
 import time
@@ -58,19 +59,26 @@ def timed(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lam
 def matmul_curve(
     device: torch.device, dtype: torch.dtype, shape: tuple[int, int], quick: bool, sync: Callable[[], None]
 ) -> Curve:
-    """The measured roofline: (intensity, flop/s) of x[M, K] @ w[N, K].T as M grows from 1 to 512."""
+    """The measured roofline: (intensity, flop/s) of x[M, K] @ w[N, K].T as M grows from 1 to 512.
+    Successive calls use different weight matrices (COLD_BYTES in all), so weights come from
+    memory, not cache, as a layer's experts do."""
     k, n = shape
-    w = torch.randn(n, k, device=device, dtype=dtype)
-    size = w.element_size()
+    size = torch.empty((), dtype=dtype).element_size()
+    copies = max(1, -(-(COLD_BYTES // (4 if quick else 1)) // (k * n * size)))
+    weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(copies)]
     points = []
     for rows in ROWS:
         x = torch.randn(rows, k, device=device, dtype=dtype)
-        seconds = timed(lambda x=x: torch.nn.functional.linear(x, w), 3 if quick else 10, sync)
+        turn = itertools.cycle(weights)
+        seconds = timed(
+            lambda x=x, turn=turn: torch.nn.functional.linear(x, next(turn)), 3 if quick else 10, sync
+        )
         flops, n_bytes = 2 * rows * k * n, (k * n + rows * k + rows * n) * size
         points.append((flops / n_bytes, flops / seconds))
     return tuple(points)
 
 
+COLD_BYTES = 256 * 2**20
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from flowmoe.cli.plan import spec_from
 from flowmoe.cli.ui import console, out
+from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.hardware import save_profile
 
 
@@ -23,11 +24,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     calibrate.add_argument(
         "--model", help="measure the matmul and attention shapes of this preset or checkpoint"
     )
+    calibrate.add_argument("--threads", type=int, help="torch threads per op (match the runs' --cpu-threads)")
     calibrate.set_defaults(handler=_calibrate)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    import torch
+
     from flowmoe.calibrate import Shapes, calibrate
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise FlowmoeError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
 
     shapes = (
         Shapes.of(spec_from(argparse.Namespace(model=args.model, layers=None, dtype=None)))
