@@ -59,9 +59,11 @@ def timed(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lam
 def matmul_curve(
     device: torch.device, dtype: torch.dtype, shape: tuple[int, int], quick: bool, sync: Callable[[], None]
 ) -> Curve:
-    """The measured roofline: (intensity, flop/s) of x[M, K] @ w[N, K].T as M grows from 1 to 512.
-    Successive calls use different weight matrices (COLD_BYTES in all), so weights come from
-    memory, not cache, as a layer's experts do."""
+    """The measured roofline: (intensity, flop/s) of flowmoe's projection kernel, x[M, K] against
+    w[N, K], as M grows from 1 to 512. Successive calls use different weight matrices (COLD_BYTES
+    in all), so weights come from memory, not cache, as a layer's experts do."""
+    from flowmoe.kernels.linear import linear
+
     k, n = shape
     size = torch.empty((), dtype=dtype).element_size()
     copies = max(1, -(-(COLD_BYTES // (4 if quick else 1)) // (k * n * size)))
@@ -70,9 +72,7 @@ def matmul_curve(
     for rows in ROWS:
         x = torch.randn(rows, k, device=device, dtype=dtype)
         turn = itertools.cycle(weights)
-        seconds = timed(
-            lambda x=x, turn=turn: torch.nn.functional.linear(x, next(turn)), 3 if quick else 10, sync
-        )
+        seconds = timed(lambda x=x, turn=turn: linear(x, next(turn)), 3 if quick else 10, sync)
         flops, n_bytes = 2 * rows * k * n, (k * n + rows * k + rows * n) * size
         points.append((flops / n_bytes, flops / seconds))
     return tuple(points)
