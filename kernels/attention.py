@@ -16,14 +16,22 @@ def attend(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, D]; keys/values: [slots, kv_heads, capacity, D] already holding this step's
-    tokens -> [T, heads * D]. Sequences are attended one by one, or all at once when every
-    sequence has exactly one new token (decode)."""
+    tokens -> [T, heads * D]. Sequences with one new token (decode) are attended all at once;
+    the others (a prefill, alone or sharing the step with decodes) one by one."""
     if layout.is_decode:
         return _decode(q, keys, values, layout, window, sinks)
-    outputs = []
-    for slot, start, count, past in zip(layout.slots, layout.starts, layout.counts, layout.past, strict=True):
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, H * D]
+    decoding = [i for i, count in enumerate(layout.counts) if count == 1]
+    if len(decoding) > 1:
+        rows = torch.tensor([layout.starts[i] for i in decoding], device=q.device)
+        single = TokenLayout(tuple(layout.slots[i] for i in decoding), (1,) * len(decoding),
+                             tuple(layout.past[i] for i in decoding))  # fmt: skip
+        out[rows] = _decode(q[rows], keys, values, single, window, sinks)
+    alone = [i for i in range(len(layout.counts)) if len(decoding) < 2 or i not in decoding]
+    for i in alone:
+        slot, start, count, past = layout.slots[i], layout.starts[i], layout.counts[i], layout.past[i]
         length = past + count
-        out = _attend_one(
+        out[start : start + count] = _attend_one(
             q[start : start + count],  # [n, H, D]
             keys[slot, :, :length],  # [kvh, L, D]
             values[slot, :, :length],
@@ -31,8 +39,7 @@ def attend(
             window,
             sinks,
         )
-        outputs.append(out)
-    return torch.cat(outputs, dim=0)
+    return out
 
 
 def _mask(q_pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:

@@ -16,6 +16,8 @@ from flowmoe.batching import BatchLimits, Opening, Request, longest_first, plan_
 from flowmoe.builtin import ensure_builtin
 from flowmoe.core.errors import ConfigError
 from flowmoe.engine import Engine, Result, StepInput, eager_step
+from flowmoe.kernels.attention import attend
+from flowmoe.kernels.layout import TokenLayout
 from flowmoe.loading import load_model
 from flowmoe.model import MoEModel
 from flowmoe.sampling import SamplingParams
@@ -203,3 +205,21 @@ def test_eos_and_stop_strings_end_requests_and_free_their_slots(tiny: MoEModel) 
     assert (steps[0].layout.slots, steps[0].layout.past) == ((0, 1, 2), (0, 0, 0))
     assert (steps[4].layout.slots, steps[4].layout.past) == ((0, 2, 1), (4, 4, 0))
     assert steps[5].layout.slots == (2, 1)  # EOS freed slot 0 in step 4; nobody is left to take it
+
+
+@pytest.mark.parametrize(("window", "sinks"), [(None, None), (3, torch.tensor([0.5, -1.0, 2.0, 0.0]))])
+def test_mixed_step_attention_is_each_sequence_alone(window: int | None, sinks: torch.Tensor | None) -> None:
+    """A refilled slot's prefill shares a step with decodes: decodes are attended together, the
+    prefill alone; each row is what attending its sequence alone gives."""
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(4, 2, 12, 8, generator=generator) for _ in range(2))  # [slots, kvh, C, D]
+    layout = TokenLayout(slots=(3, 0, 2, 1), counts=(1, 5, 1, 1), past=(6, 0, 9, 2))
+    q = torch.randn(layout.tokens, 4, 8, generator=generator)  # [T, H, D]
+    mixed = attend(q, keys, values, layout, window, sinks)
+    for i, (slot, start, count, past) in enumerate(
+        zip(layout.slots, layout.starts, layout.counts, layout.past, strict=True)
+    ):
+        alone = attend(
+            q[start : start + count], keys, values, TokenLayout((slot,), (count,), (past,)), window, sinks
+        )
+        assert torch.allclose(mixed[start : start + count], alone, atol=1e-6), f"sequence {i}"
