@@ -41,6 +41,36 @@ from flowmoe.loading import load_model
 from flowmoe.runtime import Runtime
 
 HERE = Path(__file__).parent
+NOTES = """
+Where the difference comes from (profiled with torch.profiler, one decode step and one prefill):
+
+* **Prefill without padding.** flowmoe packs the prompts into one [tokens, hidden] step; `generate`
+  computes every left-padded position. Prefill is compute-bound (both reach ~57 GFLOP/s on one
+  core), so its cost follows the token counts above.
+* **Decode is GEMM-bound on few rows.** A decode step of 16 sequences gives each expert 2-7 rows.
+  MKL's kernel for `x @ w.T` with that few rows is slow on this AMD CPU (a [4096, 1024] fp32
+  weight against 4 rows: 3.1 ms on one thread, 3.3 ms on two; memory alone allows ~1.2 ms).
+  transformers calls exactly that (nn.Linear, and its grouped_mm fallback loops the same product
+  per expert). flowmoe's `kernels/linear.py` asks for the same product as `(w @ x.T).T`, which MKL
+  runs with its weight-streaming kernel: 2.4 ms on one thread, 1.2 ms on two. This is the
+  reason the gain grows with threads: transformers' decode does not speed up with a second core,
+  flowmoe's does.
+* **bf16 without AVX512-BF16.** This CPU has no native bf16 matmul; PyTorch emulates it at
+  ~6 GFLOP/s. For 32 rows and more (prefill) flowmoe widens both operands to fp32, multiplies and
+  rounds the product back once (4x faster); decode keeps the bf16 product.
+* **fp32, one thread: 1.3x, under the 1.5x target.** Decode is ~85% of the time there, and on one
+  core the transposed form gains only ~1.3x per expert GEMM; closing the rest needs a faster
+  small-row GEMM than MKL offers on this CPU (oneDNN with pre-packed weights measured 10-18%
+  better, at the cost of a second copy of every expert).
+* **The runtime runner** runs the same kernels through the dataflow executor (~115 nodes a
+  step); the gap to `eager_step` is the executor's per-node cost, which is being worked on.
+* **bf16 agreement.** With random weights, bf16 logits of the top tokens often differ by less
+  than one bf16 rounding step, so any change of summation order flips some greedy tokens:
+  transformers' own two experts implementations agree on as few sequences with each other as
+  flowmoe does with either. In fp32 every sequence is identical.
+* The machine is shared with other jobs, and a two-thread run slows down badly when another
+  process holds a core; the best of the interleaved repeats is the figure to compare.
+"""
 SECTION = "## vs transformers (CPU)"
 console = Console(width=None if sys.stdout.isatty() else 150)
 Tokens = list[list[int]]
@@ -224,6 +254,7 @@ def write_results(path: Path, rows: list[dict], meta: dict) -> None:
             f"| {r['identical_sequences']}/{meta['batch']} "
             f"| {r['token_agreement']:.1%} |"
         )
+    lines += ["", NOTES.strip()]
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     block = "\n".join(lines) + "\n"
     pattern = re.compile(re.escape(SECTION) + r"\n.*?(?=\n## |\Z)", re.S)
