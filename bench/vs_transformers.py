@@ -58,7 +58,7 @@ Where the difference comes from (profiled with torch.profiler, one decode step a
 * **bf16 without AVX512-BF16.** This CPU has no native bf16 matmul; PyTorch emulates it at
   ~6 GFLOP/s. For 32 rows and more (prefill) flowmoe widens both operands to fp32, multiplies and
   rounds the product back once (4x faster); decode keeps the bf16 product.
-* **fp32, one thread: 1.3x, under the 1.5x target.** Decode is ~85% of the time there, and on one
+* **fp32, one thread: 1.3x, under the 1.5x target.** Decode is ~70% of the time there, and on one
   core the transposed form gains only ~1.3x per expert GEMM; closing the rest needs a faster
   small-row GEMM than MKL offers on this CPU (oneDNN with pre-packed weights measured 10-18%
   better, at the cost of a second copy of every expert).
@@ -94,6 +94,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a small model and batch (checks the script)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave the JSON and RESULTS.md")
+    parser.add_argument("--from-json", action="store_true", help="rewrite RESULTS.md from the last JSON only")
     args = parser.parse_args()
     if args.quick:
         args.hidden, args.intermediate, args.layers, args.vocab = 256, 256, 2, 512
@@ -271,6 +272,11 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def main() -> None:
     args = arguments()
+    if args.from_json:
+        saved = json.loads((HERE / "vs_transformers.json").read_text())
+        console.print(table(saved["rows"], saved["meta"]))
+        write_results(HERE / "RESULTS.md", saved["rows"], saved["meta"])
+        return
     import transformers
 
     batch = prompts(args)

@@ -6,7 +6,9 @@ that no micro-batch can take is deferred to the next batch. A micro-batch's KV
 cache is one [slots, capacity] rectangle per layer, so its cost is slots ×
 capacity tokens, where capacity is its longest prompt plus the new tokens; the
 budget bounds that product. Prompts are packed without padding, so the planner
-balances the prefill work (prompt tokens) across micro-batches.
+balances the prefill work (prompt tokens) across micro-batches. While a batch runs,
+a slot freed by a finished sequence takes the longest waiting request its cache
+holds (`refill_slots`), and a drained micro-batch is planned anew.
 """
 
 from __future__ import annotations

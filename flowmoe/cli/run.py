@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--trace", type=Path, help="write a Chrome trace (open it in Perfetto)")
     run.add_argument("--record-routing", type=Path, help="write the gates' expert counts (flowmoe simulate)")
     run.add_argument("--hardware", help="preset or calibrated profile the scheduler's latency model uses")
-    run.add_argument("--batch-size", type=int, default=16)
+    run.add_argument("--batch-size", type=int, default=16, help="sequences in flight, over all micro-batches")
     run.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     run.add_argument("--layers", type=int, help="cut a preset to its first LAYERS layers")
     run.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
