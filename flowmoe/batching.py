@@ -139,15 +139,12 @@ def refill_slots(
     load = [o.load for o in openings]
     kept: list[Request] = []
     for position, request in enumerate(queue):
-        if not any(free):
+        need = limits.need(request)
+        allowed = [i for i, o in enumerate(openings) if free[i] and limits.slots_for(need) <= o.slots]
+        if not allowed:  # no free slot, or only where shorter requests (later ones) would not go either
             kept.extend(queue[position:])
             break
-        need = limits.need(request)
-        fits = [
-            i
-            for i, o in enumerate(openings)
-            if free[i] and need <= o.capacity and limits.slots_for(need) <= o.slots
-        ]
+        fits = [i for i in allowed if need <= openings[i].capacity]
         if not fits:
             kept.append(request)
             continue
