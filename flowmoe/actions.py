@@ -57,10 +57,17 @@ class StepState:
     # ---- binding
 
     def action(self, node: TaskNode) -> Callable[[], None]:
+        """The node's work, in inference mode (thread-local, so set on whichever lane thread runs it):
+        no autograd bookkeeping on any op."""
         handler = _HANDLERS.get(node.op)
         if handler is None:
             raise FlowmoeError(f"no action for op {node.op}")
-        return lambda: handler(self, node)
+
+        def run() -> None:
+            with torch.inference_mode():
+                handler(self, node)
+
+        return run
 
     def _rope(self, mb: int, device: torch.device) -> Rope:
         key = (mb, device.type)
