@@ -1,5 +1,11 @@
 from __future__ import annotations
 
+import os
+
+# One OpenMP thread per process (subprocesses inherit it): on a small shared CI machine a second
+# OpenMP thread per op makes the suite several times slower whenever another process is busy.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from pathlib import Path
 
 import pytest

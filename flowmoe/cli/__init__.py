@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import structlog
 
 from flowmoe.cli import calibrate, info, plan, run, simulate, trace
+from flowmoe.cli.ui import console
 from flowmoe.core.errors import FlowmoeError
 
 COMMANDS = (run, info, trace, plan, simulate, calibrate)
@@ -28,8 +29,18 @@ def configure_logging(json_logs: bool, verbose: bool) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=ConsoleFile()),
     )
+
+
+class ConsoleFile:
+    """stderr through the rich console, so log lines print above a live progress bar."""
+
+    def write(self, text: str) -> None:
+        console.out(text, end="", highlight=False)
+
+    def flush(self) -> None:
+        console.file.flush()
 
 
 def parser() -> argparse.ArgumentParser:

@@ -61,10 +61,27 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_policy_flags(parser: argparse.ArgumentParser) -> None:
+    """The Policy knobs (flowmoe/core/policy.py); `flowmoe plan` suggests values for a setup."""
     group = parser.add_argument_group("policy")
     group.add_argument("--gpu-memory", help="GPU memory budget, e.g. 16GiB (flowmoe's own accounting)")
     group.add_argument("--micro-batches", type=int, default=1, help="micro-batches per batch")
     group.add_argument("--attention-on", choices=("gpu", "cpu"), default="gpu")
+    group.add_argument("--ffn-on", choices=("gpu", "cpu"), default="gpu")
+    group.add_argument(
+        "--weights-gpu-share", type=float, default=1.0, help="share of experts kept on the GPU"
+    )
+    group.add_argument(
+        "--kv-gpu-share", type=float, default=1.0, help="share of the KV cache kept on the GPU"
+    )
+    group.add_argument(
+        "--expert-cache-slots", type=int, default=0, help="lru-cache: experts the GPU cache holds"
+    )
+    group.add_argument("--cache-ways", type=int, default=4, help="lru-cache: associativity")
+    group.add_argument("--group-size", type=int, default=0, help="klotski: micro-batches per group (0: plan)")
+    group.add_argument(
+        "--hot-experts", type=int, default=0, help="klotski: hot experts prefetched (0: top-k)"
+    )
+    group.add_argument("--page-size", default="16MiB", help="cgopipe: weight page size")
     group.add_argument("--cpu-threads", type=int, help="torch threads per op on the CPU")
 
 
@@ -73,6 +90,14 @@ def policy_from(args: argparse.Namespace) -> Policy:
         micro_batch_size=max(1, -(-args.batch_size // args.micro_batches)),
         micro_batches=args.micro_batches,
         attention_on=args.attention_on,
+        ffn_on=args.ffn_on,
+        weights_gpu_share=args.weights_gpu_share,
+        kv_gpu_share=args.kv_gpu_share,
+        expert_cache_slots=args.expert_cache_slots,
+        cache_ways=args.cache_ways,
+        group_size=args.group_size,
+        hot_experts=args.hot_experts,
+        page_bytes=parse_bytes(args.page_size),
         gpu_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None,
         cpu_threads=args.cpu_threads,
     )
@@ -113,6 +138,10 @@ def _run(args: argparse.Namespace) -> int:
     for error in report.bad_lines:
         console.print(f"[yellow]skipped[/] {error}", soft_wrap=True)
     console.print(summary_table(report, source, args.scheduler))
+    scheduler_report = getattr(runtime.scheduler, "report", None)
+    if scheduler_report is not None:  # e.g. pre-gated's prediction hit rate, lru-cache's hits
+        figures = ", ".join(f"{k} {v:.3g}" for k, v in scheduler_report().items())
+        console.print(f"{args.scheduler}: {figures}")
     return 0
 
 
