@@ -116,7 +116,7 @@ class MoEModel:
         (the routing may live on another device when the expert runs on the CPU)."""
         rows = routing.tokens[expert].to(x.device)
         out = swiglu_ffn(x[rows], ffn.gate_up, ffn.down, self.spec.moe, ffn.gate_up_bias, ffn.down_bias)
-        return out * routing.scales[expert].to(x.device)[:, None].to(out.dtype)
+        return out * routing.scales[expert].to(x.device)[:, None]  # float32 scales give a float32 product
 
     def shared(self, layer: int, x: torch.Tensor, lw: LayerWeights | None = None) -> torch.Tensor:
         """Shared expert (gated by a sigmoid when the family has one) or dense MLP: [T, hidden]."""

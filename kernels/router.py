@@ -34,7 +34,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, moe:
         weights, indices = torch.topk(probs, moe.top_k, dim=-1)  # [T, k]
         if moe.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        if not moe.combine_fp32:
+            weights = weights.to(x.dtype)
     return group_by_expert(indices, weights, moe.experts)
 
 

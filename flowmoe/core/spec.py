@@ -63,6 +63,7 @@ class MoESpec:
     intermediate: int
     router: RouterKind = "softmax_topk"
     norm_topk: bool = True
+    combine_fp32: bool = False  # combine weights stay float32 (Mixtral), else the model's dtype
     router_bias: bool = False
     expert_bias: bool = False
     activation: Activation = "silu"

@@ -32,6 +32,7 @@ def parse(config: dict[str, Any], name: str) -> ModelSpec:
             intermediate=int(config["intermediate_size"]),
             router="softmax_topk",
             norm_topk=True,
+            combine_fp32=True,
         ),
     )
 
