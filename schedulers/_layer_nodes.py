@@ -1,20 +1,22 @@
-"""Node builders the pipeline schedulers share (cgopipe, klotski, fiddler, lru-cache).
+"""Node builders every scheduler shares.
 
 The pieces every plan has in the same shape whatever the schedule: embeddings,
 attention on the GPU, a layer's tail (shared expert or dense MLP, then combine),
-experts computed on the CPU next to their weights, the LM head; plus the latency
-model a scheduler prices its choices with and the popularity ranking of experts.
+experts computed on the CPU next to their weights, the LM head, and the whole
+model-order walk the simplest schedules differ from only in their experts; plus
+the latency model a scheduler prices its choices with and the popularity
+ranking of experts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import hardware
-from flowmoe.core.plan import Lane, Op, TaskNode
-from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, SchedulerContext, StepShape
+from flowmoe.core.plan import Lane, Op, RoutingRequest, TaskNode
+from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, PlanStream, SchedulerContext, StepShape
 from flowmoe.core.spec import ModelSpec
 
 Cost = Callable[[TaskNode], float]
@@ -29,6 +31,11 @@ def latency_model(context: SchedulerContext) -> Cost:
 def needs_shared(spec: ModelSpec, layer: int) -> bool:
     """SHARED_FFN runs on dense layers (their MLP) and on MoE layers of families with shared experts."""
     return not spec.is_moe_layer(layer) or spec.moe.has_shared
+
+
+def two_layers_bytes(per_layer: Sequence[int]) -> int:
+    """The most any two consecutive layers hold: the buffer of a layer computing and the next copying."""
+    return max((a + b for a, b in zip(per_layer, [*per_layer[1:], 0], strict=True)), default=0)
 
 
 def moe_layers(spec: ModelSpec) -> list[int]:
@@ -74,6 +81,66 @@ def cpu_experts(
     ]
     load = f.node(Op.EXPERT_LOAD, Lane.GPU_H2D, layer, mb, deps=[ffn.id for ffn in ffns])
     return [offload, *ffns, load]
+
+
+def gate_and_route(f: NodeFactory, layer: int, mb: MicroBatchShape, post: int) -> PlanStream:
+    """GATE after POST_ATTN, then the routing request; returns (gate id, ExpertCounts)."""
+    gate = f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[post])
+    yield gate
+    counts = yield RoutingRequest(layer, mb.index, gate.id)
+    return gate.id, counts
+
+
+def copied_experts(
+    f: NodeFactory, layer: int, mb: MicroBatchShape, post: int, copies: Mapping[int, int]
+) -> PlanStream:
+    """GATE, then every routed expert's FFN on the GPU, each after the PAGE_COPY that brought it
+    in (`copies`: expert -> copy id; none for a resident expert). Returns the FFN ids."""
+    gate, counts = yield from gate_and_route(f, layer, mb, post)
+    ffns = [
+        f.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, e, deps=[gate, copies.get(e)], tokens=n)
+        for e, n in counts.counts
+    ]
+    yield from ffns
+    return [ffn.id for ffn in ffns]
+
+
+def copy_experts(
+    f: NodeFactory, layer: int, experts: Iterable[int]
+) -> Generator[TaskNode, None, dict[int, int]]:
+    """PAGE_COPY of each expert of `layer` -> {expert: copy id}."""
+    copies: dict[int, int] = {}
+    for expert in experts:
+        copy = f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=expert)
+        yield copy
+        copies[expert] = copy.id
+    return copies
+
+
+def evict_experts(f: NodeFactory, layer: int, experts: Iterable[int], after: Sequence[int]) -> list[TaskNode]:
+    """EVICT each expert once every node of `after` (the layer's combines) is done; on the copy lane,
+    ahead of the copies that reuse the buffer."""
+    return [f.node(Op.EVICT, Lane.GPU_H2D, layer, expert=expert, deps=after) for expert in experts]
+
+
+ExpertsPlan = Callable[[int, MicroBatchShape, int], PlanStream]
+
+
+def model_order(f: NodeFactory, spec: ModelSpec, step: StepShape, experts: ExpertsPlan) -> PlanStream:
+    """Layer after layer, micro-batch after micro-batch, on the GPU, in model order;
+    `experts(layer, mb, post)` plans an MoE layer's experts and returns their output nodes."""
+    nodes, last = embeddings(f, step)
+    yield from nodes
+    for layer in range(spec.layers):
+        for mb in step.micro_batches:
+            attention = gpu_attention(f, layer, mb, last[mb.index])
+            yield from attention
+            post = attention[-1].id
+            outputs = (yield from experts(layer, mb, post)) if spec.is_moe_layer(layer) else []
+            tail = layer_tail(f, spec, layer, mb, post, outputs)
+            yield from tail
+            last[mb.index] = tail[-1].id
+    yield from lm_heads(f, step, last)
 
 
 def lm_heads(f: NodeFactory, step: StepShape, last: dict[int, int]) -> list[TaskNode]:

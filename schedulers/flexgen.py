@@ -45,8 +45,17 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from flowmoe.core.plan import Lane, Op, RoutingRequest
+from flowmoe.core.plan import Lane, Op
 from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
+from flowmoe.schedulers._layer_nodes import (
+    copied_experts,
+    copy_experts,
+    embeddings,
+    evict_experts,
+    layer_tail,
+    lm_heads,
+    two_layers_bytes,
+)
 
 
 class FlexGenScheduler:
@@ -81,8 +90,9 @@ class FlexGenScheduler:
     def weight_buffer_bytes(self) -> int:
         """Two consecutive layers of offloaded experts: the layer computing and the next."""
         spec = self.context.spec
-        per_layer = [len(self.offloaded(layer)) * spec.expert_bytes for layer in range(spec.layers)]
-        return max(a + b for a, b in zip(per_layer, [*per_layer[1:], 0], strict=True))
+        return two_layers_bytes(
+            [len(self.offloaded(layer)) * spec.expert_bytes for layer in range(spec.layers)]
+        )
 
     def kv_on_gpu(self) -> bool:
         return False
@@ -92,11 +102,8 @@ class FlexGenScheduler:
         mbs, layers = step.micro_batches, spec.layers
         if not mbs:
             return
-        last: dict[int, int] = {}
-        for mb in mbs:
-            node = f.node(Op.EMBED, Lane.GPU_COMPUTE, mb=mb)
-            yield node
-            last[mb.index] = node.id
+        nodes, last = embeddings(f, step)
+        yield from nodes
         kv: dict[tuple[int, int], int] = {}  # (layer, mb) -> KV_LOAD id
         copies: dict[int, dict[int, int]] = {}  # layer -> expert -> PAGE_COPY id
         combines: dict[int, list[int]] = {}  # layer -> COMBINE ids
@@ -116,39 +123,18 @@ class FlexGenScheduler:
                     kv[(nxt[0], nxt[1].index)] = load.id
                 if k == 0:  # load_weight(j + 1), behind the cache load on the one copy lane
                     if layer == 0:
-                        copies[0] = yield from self._copy_layer(0)
+                        copies[0] = yield from copy_experts(f, 0, self.offloaded(0))
                     else:
-                        yield from self._evict_layer(layer - 1, copies, combines)
+                        yield from evict_experts(f, layer - 1, copies.pop(layer - 1), combines[layer - 1])
                     if layer + 1 < layers:
-                        copies[layer + 1] = yield from self._copy_layer(layer + 1)
+                        copies[layer + 1] = yield from copy_experts(f, layer + 1, self.offloaded(layer + 1))
                 combine = yield from self._compute(
                     layer, mb, pre.id, kv.pop((layer, mb.index)), copies[layer]
                 )
                 combines[layer].append(combine)
                 last[mb.index] = combine
-        yield from self._evict_layer(layers - 1, copies, combines)
-        for mb in mbs:
-            yield f.node(Op.LM_HEAD, Lane.GPU_COMPUTE, mb=mb, deps=[last[mb.index]])
-
-    def _copy_layer(self, layer: int) -> PlanStream:
-        """PAGE_COPY of every offloaded expert of `layer` -> {expert: copy id}."""
-        out: dict[int, int] = {}
-        for expert in self.offloaded(layer):
-            copy = self.context.factory.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=expert)
-            yield copy
-            out[expert] = copy.id
-        return out
-
-    def _evict_layer(
-        self, layer: int, copies: dict[int, dict[int, int]], combines: dict[int, list[int]]
-    ) -> PlanStream:
-        """Free a layer's weight buffer after its last micro-batch (on the copy lane, ahead of the
-        copies that reuse it)."""
-        for expert in copies.pop(layer, {}):
-            yield self.context.factory.node(
-                Op.EVICT, Lane.GPU_H2D, layer, expert=expert, deps=combines[layer]
-            )
-        return None
+        yield from evict_experts(f, layers - 1, copies.pop(layers - 1), combines[layers - 1])
+        yield from lm_heads(f, step, last)
 
     def _compute(
         self, layer: int, mb: MicroBatchShape, pre: int, kv_load: int, copies: dict[int, int]
@@ -163,21 +149,9 @@ class FlexGenScheduler:
         yield attn
         yield store
         yield post
-        parts: list[int] = []
-        if spec.is_moe_layer(layer):
-            gate = f.node(Op.GATE, gpu, layer, mb, deps=[post.id])
-            yield gate
-            counts = yield RoutingRequest(layer, mb.index, gate.id)
-            for expert, tokens in counts.counts:
-                ffn = f.node(
-                    Op.EXPERT_FFN, gpu, layer, mb, expert, deps=[gate.id, copies.get(expert)], tokens=tokens
-                )
-                yield ffn
-                parts.append(ffn.id)
-        if not spec.is_moe_layer(layer) or spec.moe.has_shared:
-            shared = f.node(Op.SHARED_FFN, gpu, layer, mb, deps=[post.id])
-            yield shared
-            parts.append(shared.id)
-        combine = f.node(Op.COMBINE, gpu, layer, mb, deps=[post.id, *parts])
-        yield combine
-        return combine.id
+        outputs = (
+            (yield from copied_experts(f, layer, mb, post.id, copies)) if spec.is_moe_layer(layer) else []
+        )
+        tail = layer_tail(f, spec, layer, mb, post.id, outputs)
+        yield from tail
+        return tail[-1].id

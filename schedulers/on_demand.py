@@ -23,8 +23,9 @@ from __future__ import annotations
 from collections import deque
 from typing import ClassVar
 
-from flowmoe.core.plan import Lane, Op, RoutingRequest, TaskNode
+from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
+from flowmoe.schedulers._layer_nodes import gate_and_route, model_order
 
 SLOTS = 2  # experts the GPU buffer holds: the one computing and the next one copying
 
@@ -52,49 +53,21 @@ class OnDemandScheduler:
         return True
 
     def plan(self, step: StepShape) -> PlanStream:
-        f, spec = self.context.factory, self.context.spec
-        gpu = Lane.GPU_COMPUTE
-        last: dict[int, int] = {}
-        for mb in step.micro_batches:
-            node = f.node(Op.EMBED, gpu, mb=mb)
-            yield node
-            last[mb.index] = node.id
-        for layer in range(spec.layers):
-            for mb in step.micro_batches:
-                pre = f.node(Op.PRE_ATTN, gpu, layer, mb, deps=[last[mb.index]])
-                attn = f.node(Op.GPU_ATTN, gpu, layer, mb, deps=[pre.id])
-                post = f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id])
-                yield pre
-                yield attn
-                yield post
-                parts: list[int] = []
-                if spec.is_moe_layer(layer):
-                    parts = yield from self._experts(layer, mb, post.id)
-                if not spec.is_moe_layer(layer) or spec.moe.has_shared:
-                    shared = f.node(Op.SHARED_FFN, gpu, layer, mb, deps=[post.id])
-                    yield shared
-                    parts.append(shared.id)
-                combine = f.node(Op.COMBINE, gpu, layer, mb, deps=[post.id, *parts])
-                yield combine
-                last[mb.index] = combine.id
-        for mb in step.micro_batches:
-            yield f.node(Op.LM_HEAD, gpu, mb=mb, deps=[last[mb.index]])
+        return model_order(self.context.factory, self.context.spec, step, self._experts)
 
     def _experts(self, layer: int, mb: MicroBatchShape, post: int) -> PlanStream:
         """Gate, then per routed expert: copy, FFN, evict, through a ring of `slots` buffers.
         Returns the FFN node ids."""
         f = self.context.factory
-        gate = f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[post])
-        yield gate
-        counts = yield RoutingRequest(layer, mb.index, gate.id)
+        gate, counts = yield from gate_and_route(f, layer, mb, post)
         in_use: deque[TaskNode] = deque()  # FFNs whose expert still holds a slot, oldest first
         ffns: list[int] = []
         for expert, tokens in counts.counts:
             if len(in_use) == self.slots:
                 yield self._evict(in_use.popleft(), mb)
-            copy = f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, mb, expert, deps=[gate.id])
+            copy = f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, mb, expert, deps=[gate])
             ffn = f.node(
-                Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, expert, deps=[gate.id, copy.id], tokens=tokens
+                Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, expert, deps=[gate, copy.id], tokens=tokens
             )
             yield copy
             yield ffn

@@ -38,6 +38,7 @@ from typing import ClassVar
 
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
+from flowmoe.schedulers._layer_nodes import embeddings, gpu_attention, layer_tail, lm_heads, two_layers_bytes
 
 
 class PreGatedScheduler:
@@ -73,8 +74,7 @@ class PreGatedScheduler:
     def weight_buffer_bytes(self) -> int:
         """Two consecutive layers of experts at most: the layer computing and the one prefetched."""
         spec = self.context.spec
-        per_layer = [spec.layer_expert_bytes(layer) for layer in range(spec.layers)]
-        return max(a + b for a, b in zip(per_layer, [*per_layer[1:], 0], strict=True))
+        return two_layers_bytes([spec.layer_expert_bytes(layer) for layer in range(spec.layers)])
 
     def kv_on_gpu(self) -> bool:
         return True
@@ -87,23 +87,17 @@ class PreGatedScheduler:
     def plan(self, step: StepShape) -> PlanStream:
         f, spec = self.context.factory, self.context.spec
         gpu = Lane.GPU_COMPUTE
-        last: dict[int, int] = {}
-        for mb in step.micro_batches:
-            node = f.node(Op.EMBED, gpu, mb=mb)
-            yield node
-            last[mb.index] = node.id
+        nodes, last = embeddings(f, step)
+        yield from nodes
         # per layer, expert -> the PAGE_COPY that brings it in, and the FFNs that read it
         held: dict[int, dict[int, int]] = {layer: {} for layer in range(spec.layers)}
         readers: dict[int, dict[int, list[int]]] = {layer: {} for layer in range(spec.layers)}
         predicted: dict[tuple[int, int], frozenset[int]] = {}  # (layer, mb) -> pre-gate's experts
         for layer in range(spec.layers):
             for mb in step.micro_batches:
-                pre = f.node(Op.PRE_ATTN, gpu, layer, mb, deps=[last[mb.index]])
-                attn = f.node(Op.GPU_ATTN, gpu, layer, mb, deps=[pre.id])
-                post = f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id])
-                yield pre
-                yield attn
-                yield post
+                attention = gpu_attention(f, layer, mb, last[mb.index])
+                yield from attention
+                post = attention[-1]
                 gate = f.node(Op.GATE, gpu, layer, mb, deps=[post.id]) if spec.is_moe_layer(layer) else None
                 pregate = (
                     f.node(Op.PREGATE, gpu, layer + 1, mb, deps=[post.id]) if self._pregated(layer) else None
@@ -117,21 +111,16 @@ class PreGatedScheduler:
                     counts = yield RoutingRequest(layer, mb.index, gate.id)
                     self._score(counts, predicted.pop((layer, mb.index), None))
                     parts = yield from self._experts(counts, mb, gate.id, held[layer], readers[layer])
-                if not spec.is_moe_layer(layer) or spec.moe.has_shared:
-                    shared = f.node(Op.SHARED_FFN, gpu, layer, mb, deps=[post.id])
-                    yield shared
-                    parts.append(shared.id)
-                combine = f.node(Op.COMBINE, gpu, layer, mb, deps=[post.id, *parts])
-                yield combine
-                last[mb.index] = combine.id
+                tail = layer_tail(f, spec, layer, mb, post.id, parts)
+                yield from tail
+                last[mb.index] = tail[-1].id
                 if pregate is not None:
                     guess = yield RoutingRequest(layer + 1, mb.index, pregate.id, speculative=True)
                     experts = frozenset(guess.experts)
                     predicted[(layer + 1, mb.index)] = experts
                     yield from self._prefetch(layer + 1, sorted(experts), mb, pregate, held[layer + 1])
             yield from self._evict(layer, held.pop(layer), readers.pop(layer))
-        for mb in step.micro_batches:
-            yield f.node(Op.LM_HEAD, gpu, mb=mb, deps=[last[mb.index]])
+        yield from lm_heads(f, step, last)
 
     def _score(self, counts: ExpertCounts, guess: frozenset[int] | None) -> None:
         if guess is None:  # the first MoE layer: nothing predicted it

@@ -22,8 +22,17 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from flowmoe.core.plan import Lane, Op, RoutingRequest
 from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
+from flowmoe.schedulers._layer_nodes import (
+    copied_experts,
+    copy_experts,
+    embeddings,
+    evict_experts,
+    gpu_attention,
+    layer_tail,
+    lm_heads,
+    two_layers_bytes,
+)
 
 
 class PrefetchAllScheduler:
@@ -39,82 +48,44 @@ class PrefetchAllScheduler:
     def weight_buffer_bytes(self) -> int:
         """Two consecutive layers of experts: the layer computing and the one being copied."""
         spec = self.context.spec
-        per_layer = [spec.layer_expert_bytes(layer) for layer in range(spec.layers)]
-        return max(a + b for a, b in zip(per_layer, [*per_layer[1:], 0], strict=True))
+        return two_layers_bytes([spec.layer_expert_bytes(layer) for layer in range(spec.layers)])
 
     def kv_on_gpu(self) -> bool:
         return True
 
     def plan(self, step: StepShape) -> PlanStream:
         f, spec = self.context.factory, self.context.spec
-        gpu = Lane.GPU_COMPUTE
-        last: dict[int, int] = {}
-        for mb in step.micro_batches:
-            node = f.node(Op.EMBED, gpu, mb=mb)
-            yield node
-            last[mb.index] = node.id
+        nodes, last = embeddings(f, step)
+        yield from nodes
         copies: dict[int, dict[int, int]] = {}  # layer -> expert -> PAGE_COPY id
         combines: dict[int, list[int]] = {}  # layer -> COMBINE ids of its micro-batches
-        copies[0] = yield from self._copy_layer(0)
+        copies[0] = yield from copy_experts(f, 0, self._experts(0))
         for layer in range(spec.layers):
             if layer >= 1:
-                yield from self._evict_layer(layer - 1, copies, combines)
+                yield from evict_experts(f, layer - 1, copies.pop(layer - 1), combines[layer - 1])
             if layer + 1 < spec.layers:
-                copies[layer + 1] = yield from self._copy_layer(layer + 1)
+                copies[layer + 1] = yield from copy_experts(f, layer + 1, self._experts(layer + 1))
             combines[layer] = []
             for mb in step.micro_batches:
                 combine = yield from self._layer(layer, mb, last[mb.index], copies[layer])
                 combines[layer].append(combine)
                 last[mb.index] = combine
-        yield from self._evict_layer(spec.layers - 1, copies, combines)
-        for mb in step.micro_batches:
-            yield f.node(Op.LM_HEAD, gpu, mb=mb, deps=[last[mb.index]])
+        yield from evict_experts(f, spec.layers - 1, copies.pop(spec.layers - 1), combines[spec.layers - 1])
+        yield from lm_heads(f, step, last)
 
-    def _copy_layer(self, layer: int) -> PlanStream:
-        """PAGE_COPY of every expert of `layer` (none for a dense layer) -> {expert: copy id}."""
-        spec, f = self.context.spec, self.context.factory
-        out: dict[int, int] = {}
-        if spec.is_moe_layer(layer):
-            for expert in range(spec.moe.experts):
-                copy = f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=expert)
-                yield copy
-                out[expert] = copy.id
-        return out
-
-    def _evict_layer(
-        self, layer: int, copies: dict[int, dict[int, int]], combines: dict[int, list[int]]
-    ) -> PlanStream:
-        f = self.context.factory
-        for expert in copies.pop(layer, {}):
-            yield f.node(Op.EVICT, Lane.GPU_H2D, layer, expert=expert, deps=combines[layer])
-        return None
+    def _experts(self, layer: int) -> range:
+        """Every expert of an MoE layer (none of a dense one)."""
+        spec = self.context.spec
+        return range(spec.moe.experts) if spec.is_moe_layer(layer) else range(0)
 
     def _layer(self, layer: int, mb: MicroBatchShape, before: int, copies: dict[int, int]) -> PlanStream:
         """One micro-batch through one layer; the routed experts' FFNs wait for their copies.
         Returns the COMBINE id."""
         f, spec = self.context.factory, self.context.spec
-        gpu = Lane.GPU_COMPUTE
-        pre = f.node(Op.PRE_ATTN, gpu, layer, mb, deps=[before])
-        attn = f.node(Op.GPU_ATTN, gpu, layer, mb, deps=[pre.id])
-        post = f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id])
-        yield pre
-        yield attn
-        yield post
-        parts: list[int] = []
-        if spec.is_moe_layer(layer):
-            gate = f.node(Op.GATE, gpu, layer, mb, deps=[post.id])
-            yield gate
-            counts = yield RoutingRequest(layer, mb.index, gate.id)
-            for expert, tokens in counts.counts:
-                ffn = f.node(
-                    Op.EXPERT_FFN, gpu, layer, mb, expert, deps=[gate.id, copies[expert]], tokens=tokens
-                )
-                yield ffn
-                parts.append(ffn.id)
-        if not spec.is_moe_layer(layer) or spec.moe.has_shared:
-            shared = f.node(Op.SHARED_FFN, gpu, layer, mb, deps=[post.id])
-            yield shared
-            parts.append(shared.id)
-        combine = f.node(Op.COMBINE, gpu, layer, mb, deps=[post.id, *parts])
-        yield combine
-        return combine.id
+        attention = gpu_attention(f, layer, mb, before)
+        yield from attention
+        post = attention[-1].id
+        outputs = (yield from copied_experts(f, layer, mb, post, copies)) if spec.is_moe_layer(layer) else []
+        tail = layer_tail(f, spec, layer, mb, post, outputs)
+        yield from tail
+        return tail[-1].id
