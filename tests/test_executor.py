@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -201,3 +202,31 @@ def test_waiting_for_a_node_never_submitted_is_reported() -> None:
 
     with pytest.raises(PlanError, match="waiting for node 3, which was never submitted"):
         asyncio.run(go())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dags())
+def test_cuda_stream_worker_keeps_order_on_the_gpu(nodes: list[TaskNode]) -> None:
+    """On CUDA, node times are the GPU's own (CUDA events): dependency and lane order hold there."""
+    from flowmoe.devices.factory import make_workers
+
+    device = torch.device("cuda")
+    workers, events = make_workers(device)
+    actions = {n.id: (lambda: torch.cuda._sleep(20_000)) if n.lane.on_gpu else (lambda: time.sleep(1e-4))
+               for n in nodes}  # fmt: skip
+
+    async def go() -> list[Span]:
+        executor = Executor(workers)
+        for node in nodes:
+            executor.submit(node, actions[node.id])
+        await executor.drain()
+        return executor.spans
+
+    try:
+        spans = asyncio.run(go())
+        torch.cuda.synchronize()
+        check_order(nodes, [events.retime(s) for s in spans])
+    finally:
+        for worker in {id(w): w for w in workers.values()}.values():
+            worker.close()

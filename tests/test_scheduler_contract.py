@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from flowmoe.core.errors import ConfigError
 from flowmoe.loading import load_model
 from flowmoe.schedulers.registry import available
 from flowmoe.traces.chrome import chrome_trace, validate_chrome
@@ -51,3 +52,34 @@ def test_golden_node_order(name: str) -> None:
         path.write_text(listing)
     assert path.exists(), f"no golden snapshot for {name}: run with FLOWMOE_UPDATE_GOLDEN=1 and review {path}"
     assert listing == path.read_text()
+
+
+def test_third_party_scheduler_registers_by_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A package adds a scheduler under the `flowmoe.schedulers` entry-point group; a plugin may not
+    shadow a built-in name."""
+    from importlib.metadata import EntryPoint
+
+    from flowmoe.core.policy import Policy
+    from flowmoe.core.scheduling import NodeFactory, SchedulerContext
+    from flowmoe.core.spec import ModelSpec
+    from flowmoe.schedulers import registry
+    from flowmoe.schedulers.eager import EagerScheduler
+    from tests.schedule_fixtures import TINY_CONFIG
+
+    class Mine(EagerScheduler):
+        name = "mine"
+
+    found = [
+        EntryPoint("mine", f"{__name__}:Mine", registry.ENTRY_POINT_GROUP),
+        EntryPoint("eager", f"{__name__}:Mine", registry.ENTRY_POINT_GROUP),
+    ]
+    monkeypatch.setitem(globals(), "Mine", Mine)
+    monkeypatch.setattr(
+        registry, "entry_points", lambda group: found if group == registry.ENTRY_POINT_GROUP else []
+    )
+    assert registry.available()["mine"] is Mine
+    assert registry.available()["eager"] is EagerScheduler
+    spec = ModelSpec.from_hf(TINY_CONFIG)
+    assert isinstance(registry.create("mine", SchedulerContext(spec, Policy(), NodeFactory(spec))), Mine)
+    with pytest.raises(ConfigError, match=r"unknown scheduler 'nope'; available: .*mine"):
+        registry.create("nope", SchedulerContext(spec, Policy(), NodeFactory(spec)))
