@@ -19,6 +19,7 @@ from attrs import frozen
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from flowmoe.core.errors import ConfigError, PromptFileError
+from flowmoe.core.jsonfile import read_json_object
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -59,15 +60,7 @@ class ChatTemplate:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return config
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _config_template(config: dict[str, Any], folder: Path) -> str | None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from rich.table import Table
 
 from flowmoe.cli.ui import out
 from flowmoe.core.errors import FlowmoeError
+from flowmoe.core.jsonfile import read_json_object
 from flowmoe.traces.summary import TraceSummary, summarize
 
 
@@ -22,13 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def load_trace(path: Path) -> dict:
-    if not path.is_file():
-        raise FlowmoeError(f"{path}: trace file not found")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise FlowmoeError(f"{path}: not a JSON trace ({exc.msg} at line {exc.lineno})") from exc
-    if not isinstance(data, dict) or "traceEvents" not in data:
+    data = read_json_object(path)
+    if "traceEvents" not in data:
         raise FlowmoeError(f"{path}: no traceEvents; not a Chrome trace")
     return data
 

@@ -16,6 +16,7 @@ from typing import Any
 from attrs import NOTHING, asdict, evolve, fields, frozen
 
 from flowmoe.core.errors import ConfigError
+from flowmoe.core.jsonfile import read_json_object
 
 GiB = 2**30
 PROFILE_FORMAT = "flowmoe-hardware/1"
@@ -152,11 +153,8 @@ def save_profile(spec: HardwareSpec, path: str | Path) -> Path:
 
 
 def load_profile(path: str | Path) -> HardwareSpec:
-    try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
-    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+    data = read_json_object(Path(path))
+    if data.get("format") != PROFILE_FORMAT:
         raise ConfigError(f"{path}: not a flowmoe hardware profile (expected format {PROFILE_FORMAT!r})")
     return from_json(data, str(path))
 

@@ -7,13 +7,13 @@ checkpoint, the schedulers and the cost model read its sizes.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 from attrs import evolve, field, frozen
 
 from flowmoe.core.errors import ConfigError
+from flowmoe.core.jsonfile import read_json_object
 
 QKNorm = Literal["none", "head", "full"]
 RouterKind = Literal["softmax_topk", "topk_softmax"]
@@ -198,15 +198,7 @@ class ModelSpec:
             path = Path(source)
             if path.is_dir():
                 path = path / "config.json"
-            where = str(path)
-            if not path.is_file():
-                raise ConfigError(f"{where}: no such file")
-            try:
-                config = json.loads(path.read_text())
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
-            if not isinstance(config, dict):
-                raise ConfigError(f"{where}: expected a JSON object")
+            config, where = read_json_object(path), str(path)
         family = family_for_config(config, where)
         try:
             return family.parse(config, name=_model_name(source))
