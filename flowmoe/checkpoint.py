@@ -47,12 +47,13 @@ class Checkpoint:
         if dtype is not None:
             spec = spec.with_dtype(dtype)
         ckpt = cls(folder, spec, TORCH_DTYPES[spec.dtype])
-        for shard in ckpt._shards():
+        weight_map = ckpt._weight_map()
+        for shard in ckpt._shards(weight_map):
             handle = ckpt._stack.enter_context(safe_open(str(shard), framework="pt"))
             ckpt._handles[shard] = handle
             for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 ckpt._where.setdefault(name, shard)
-        ckpt._check_index_names()
+        ckpt._check_index_names(weight_map)
         ckpt.validate()
         return ckpt
 
@@ -60,13 +61,18 @@ class Checkpoint:
         self._stack.close()
         self._handles.clear()
 
-    def _shards(self) -> list[Path]:
+    def _weight_map(self) -> dict[str, str] | None:
+        """The index's tensor -> shard map, or None for a checkpoint without an index."""
         index = self.folder / INDEX
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+        if not index.is_file():
+            return None
+        try:
+            return dict(json.loads(index.read_text())["weight_map"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+
+    def _shards(self, weight_map: dict[str, str] | None) -> list[Path]:
+        if weight_map is not None:
             shards = sorted({self.folder / f for f in weight_map.values()})
             for shard in shards:
                 if not shard.is_file():
@@ -77,11 +83,8 @@ class Checkpoint:
             raise CheckpointError(f"{self.folder}: no *.safetensors files and no {INDEX}")
         return shards
 
-    def _check_index_names(self) -> None:
-        index = self.folder / INDEX
-        if not index.is_file():
-            return
-        for name, file in json.loads(index.read_text())["weight_map"].items():
+    def _check_index_names(self, weight_map: dict[str, str] | None) -> None:
+        for name, file in (weight_map or {}).items():
             if name not in self._where:
                 raise CheckpointError(
                     f"{self.folder / file}: tensor {name} listed in {INDEX} is not in the shard"
