@@ -147,6 +147,19 @@ def lm_heads(f: NodeFactory, step: StepShape, last: dict[int, int]) -> list[Task
     return [f.node(Op.LM_HEAD, Lane.GPU_COMPUTE, mb=mb, deps=[last[mb.index]]) for mb in step.micro_batches]
 
 
+def kept_per_layer(
+    spec: ModelSpec, popularity: Sequence[Sequence[float]] | None, share: float
+) -> dict[int, tuple[list[int], list[int]]]:
+    """For each MoE layer, (its `share` most popular experts, the rest), most popular first."""
+    ranked = popularity_ranking(spec, popularity)
+    keep = round(share * spec.moe.experts)
+    split = {}
+    for m in moe_layers(spec):
+        order = [e for layer, e in ranked if layer == m]
+        split[m] = (order[:keep], order[keep:])
+    return split
+
+
 def popularity_ranking(
     spec: ModelSpec, popularity: Sequence[Sequence[float]] | None
 ) -> list[tuple[int, int]]:

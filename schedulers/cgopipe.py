@@ -31,7 +31,7 @@ from typing import ClassVar
 
 from flowmoe.core.plan import Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
-from flowmoe.schedulers._layer_nodes import embeddings, layer_tail, lm_heads, moe_layers, popularity_ranking
+from flowmoe.schedulers._layer_nodes import embeddings, kept_per_layer, layer_tail, lm_heads, moe_layers
 
 LOOKAHEAD = 2  # CPU attention runs this many micro-batches ahead of the GPU FFN
 Slot = tuple[int, MicroBatchShape]  # (layer, micro-batch)
@@ -47,14 +47,10 @@ class CGOPipeScheduler:
     def __init__(self, context: SchedulerContext) -> None:
         self.context = context
         spec, policy = context.spec, context.policy
-        keep = round(policy.weights_gpu_share * spec.moe.experts)
-        ranked = popularity_ranking(spec, context.popularity)
+        split = kept_per_layer(spec, context.popularity, policy.weights_gpu_share)
         self.moe = moe_layers(spec)
-        self.resident: dict[int, list[int]] = {}  # layer -> experts kept on the GPU
-        self.paged: dict[int, list[int]] = {}  # layer -> experts paged in for every use of the layer
-        for m in self.moe:
-            order = [e for layer, e in ranked if layer == m]
-            self.resident[m], self.paged[m] = sorted(order[:keep]), sorted(order[keep:])
+        self.resident = {m: sorted(kept) for m, (kept, _) in split.items()}  # experts kept on the GPU
+        self.paged = {m: sorted(rest) for m, (_, rest) in split.items()}  # paged in for every use
         self.parts = max(1, -(-spec.expert_bytes // policy.page_bytes))
 
     def residency(self) -> Residency:

@@ -42,11 +42,11 @@ from flowmoe.schedulers._correlation import CorrelationTable
 from flowmoe.schedulers._layer_nodes import (
     embeddings,
     gpu_attention,
+    kept_per_layer,
     latency_model,
     layer_tail,
     lm_heads,
     moe_layers,
-    popularity_ranking,
 )
 
 Group = tuple[MicroBatchShape, ...]
@@ -61,11 +61,10 @@ class KlotskiScheduler:
     def __init__(self, context: SchedulerContext) -> None:
         self.context = context
         spec, policy = context.spec, context.policy
-        keep = round(policy.weights_gpu_share * spec.moe.experts)
-        ranked = popularity_ranking(spec, context.popularity)
+        split = kept_per_layer(spec, context.popularity, policy.weights_gpu_share)
         self.moe = moe_layers(spec)
-        self.resident = {m: set([e for layer, e in ranked if layer == m][:keep]) for m in self.moe}
-        offloaded = spec.moe.experts - keep
+        self.resident = {m: set(kept) for m, (kept, _) in split.items()}
+        offloaded = spec.moe.experts - round(policy.weights_gpu_share * spec.moe.experts)
         self.k = min(policy.hot_experts or spec.moe.top_k, offloaded)
         self.offloaded = offloaded
         self.table = CorrelationTable.seeded(self.moe, spec.moe.experts, context.popularity)

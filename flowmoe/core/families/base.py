@@ -89,6 +89,16 @@ def dtype_of(config: dict[str, Any]) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def attention_shape(config: dict[str, Any]) -> dict[str, int]:
+    """heads, kv_heads (default: heads) and head_dim, which every family reads alike."""
+    heads = int(config["num_attention_heads"])
+    return {
+        "heads": heads,
+        "kv_heads": int(config.get("num_key_value_heads") or heads),
+        "head_dim": head_dim_of(config),
+    }
+
+
 def head_dim_of(config: dict[str, Any]) -> int:
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 

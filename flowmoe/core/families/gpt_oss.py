@@ -8,8 +8,8 @@ from typing import Any
 from flowmoe.core.families.base import (
     Family,
     TensorNames,
+    attention_shape,
     common_fields,
-    head_dim_of,
     layer_windows,
     num_experts,
     rope_from_config,
@@ -28,9 +28,7 @@ def parse(config: dict[str, Any], name: str) -> ModelSpec:
     return ModelSpec(
         **common_fields(config, name, "gpt_oss"),
         attention=AttentionSpec(
-            heads=int(config["num_attention_heads"]),
-            kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
-            head_dim=head_dim_of(config),
+            **attention_shape(config),
             qkv_bias=bias,
             o_bias=bias,
             sinks=True,

@@ -7,8 +7,8 @@ from typing import Any
 from flowmoe.core.families.base import (
     Family,
     TensorNames,
+    attention_shape,
     common_fields,
-    head_dim_of,
     layer_windows,
     num_experts,
     rope_from_config,
@@ -20,9 +20,7 @@ def parse(config: dict[str, Any], name: str) -> ModelSpec:
     return ModelSpec(
         **common_fields(config, name, "mixtral"),
         attention=AttentionSpec(
-            heads=int(config["num_attention_heads"]),
-            kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
-            head_dim=head_dim_of(config),
+            **attention_shape(config),
             windows=layer_windows(config),
         ),
         rope=rope_from_config(config, default_theta=1e6),

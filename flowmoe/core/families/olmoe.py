@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowmoe.core.families.base import Family, common_fields, head_dim_of, num_experts, rope_from_config
+from flowmoe.core.families.base import Family, attention_shape, common_fields, num_experts, rope_from_config
 from flowmoe.core.spec import AttentionSpec, ModelSpec, MoESpec
 
 
@@ -14,9 +14,7 @@ def parse(config: dict[str, Any], name: str) -> ModelSpec:
     return ModelSpec(
         **common_fields(config, name, "olmoe"),
         attention=AttentionSpec(
-            heads=int(config["num_attention_heads"]),
-            kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
-            head_dim=head_dim_of(config),
+            **attention_shape(config),
             qkv_bias=bool(config.get("attention_bias", False)),
             o_bias=bool(config.get("attention_bias", False)),
             qk_norm="full",

@@ -11,8 +11,8 @@ from typing import Any
 
 from flowmoe.core.families.base import (
     Family,
+    attention_shape,
     common_fields,
-    head_dim_of,
     layer_windows,
     num_experts,
     rope_from_config,
@@ -35,9 +35,7 @@ def _parse(config: dict[str, Any], name: str, family: str) -> ModelSpec:
     return ModelSpec(
         **common_fields(config, name, family),
         attention=AttentionSpec(
-            heads=int(config["num_attention_heads"]),
-            kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
-            head_dim=head_dim_of(config),
+            **attention_shape(config),
             qkv_bias=bias,
             o_bias=False if qwen2 else bias,
             qk_norm="none" if qwen2 else "head",
