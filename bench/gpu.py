@@ -30,13 +30,13 @@ from gpu_support import accelerate_baseline, link_peaks, write_results
 from rich.console import Console
 from rich.table import Table
 
-from flowmoe.batching import BatchLimits
 from flowmoe.core.memory import gpu_need
 from flowmoe.core.policy import Policy, parse_bytes
 from flowmoe.core.scheduling import NodeFactory, SchedulerContext
-from flowmoe.engine import Engine, Request, eager_step
-from flowmoe.loading import load_model
-from flowmoe.runtime import Runtime
+from flowmoe.jobs.batching import BatchLimits
+from flowmoe.jobs.engine import Engine, Request, eager_step
+from flowmoe.model.loading import load_model
+from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.registry import create
 from flowmoe.traces.chrome import chrome_trace, write_chrome
 from flowmoe.traces.summary import records_by_group, summarize_records

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from flowmoe.core.presets import PRESET_CONFIGS, preset
-from flowmoe.random_weights import RandomSource
-from flowmoe.tensor_map import TensorMap
+from flowmoe.model.random_weights import RandomSource
+from flowmoe.model.tensor_map import TensorMap
 
 SECTION = "## CUDA path (bench/gpu.py)"
 

@@ -45,8 +45,8 @@ from flowmoe.core.presets import preset
 from flowmoe.core.synthetic_routing import RoutingModel
 from flowmoe.core.workloads import workload
 from flowmoe.schedulers.registry import available
-from flowmoe.sim_report import SimulationResult
-from flowmoe.simulate import Setup, Simulation
+from flowmoe.study.sim_report import SimulationResult
+from flowmoe.study.simulate import Setup, Simulation
 
 console = Console()
 OUT = __file__.replace(".py", ".json")

@@ -1,7 +1,7 @@
 """How well the simulator predicts a real CPU run on this machine, after `flowmoe calibrate`.
 
 1. Calibrate this machine (CPU only: the gpu.* lanes run on the CPU here).
-2. Run a real batch through `flowmoe.runtime.Runtime` (a preset with random weights, cut to a few
+2. Run a real batch through `flowmoe.runtime.runner.Runtime` (a preset with random weights, cut to a few
    layers), recording every step's shape and every gate's routing.
 3. Simulate the same steps with the same scheduler, the calibrated profile and the recorded routing.
 4. Compare per-lane busy time, per-op busy time and step makespans; report the relative errors.
@@ -30,7 +30,6 @@ from attrs import define
 from rich.console import Console
 from rich.table import Table
 
-from flowmoe.calibrate import Shapes, calibrate
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.executor import Span
 from flowmoe.core.hardware import HardwareSpec, save_profile
@@ -39,12 +38,13 @@ from flowmoe.core.presets import PRESETS, preset
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.scheduling import NodeFactory, SchedulerContext, StepShape
 from flowmoe.core.workloads import workload
-from flowmoe.engine import Engine, Request, StepInput, StepRunner
-from flowmoe.loading import load_model
-from flowmoe.model import MoEModel
-from flowmoe.runtime import Runtime, step_shape
+from flowmoe.jobs.engine import Engine, Request, StepInput, StepRunner
+from flowmoe.model.loading import load_model
+from flowmoe.model.moe_model import MoEModel
+from flowmoe.runtime.runner import Runtime, step_shape
 from flowmoe.schedulers.registry import create
-from flowmoe.simulate import run_steps
+from flowmoe.study.calibrate import Shapes, calibrate
+from flowmoe.study.simulate import run_steps
 
 console = Console()
 OUT = Path(__file__).with_suffix(".json")

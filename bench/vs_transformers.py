@@ -35,10 +35,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from flowmoe.batching import BatchLimits, Request
-from flowmoe.engine import Engine, eager_step
-from flowmoe.loading import load_model
-from flowmoe.runtime import Runtime
+from flowmoe.jobs.batching import BatchLimits, Request
+from flowmoe.jobs.engine import Engine, eager_step
+from flowmoe.model.loading import load_model
+from flowmoe.runtime.runner import Runtime
 
 HERE = Path(__file__).parent
 NOTES = """

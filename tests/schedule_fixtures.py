@@ -12,9 +12,9 @@ from flowmoe.core.policy import Policy
 from flowmoe.core.routing_trace import RoutingTrace, lane_listing, replay
 from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, SchedulerContext, StepShape
 from flowmoe.core.spec import ModelSpec
-from flowmoe.engine import Engine, Request, Result, StepInput, eager_step
-from flowmoe.model import MoEModel
-from flowmoe.runtime import Runtime
+from flowmoe.jobs.engine import Engine, Request, Result, StepInput, eager_step
+from flowmoe.model.moe_model import MoEModel
+from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.registry import create
 
 TINY_CONFIG = {

@@ -12,16 +12,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowmoe.batching import BatchLimits, Opening, Request, longest_first, plan_batch, refill_slots
-from flowmoe.builtin import ensure_builtin
 from flowmoe.core.errors import ConfigError
-from flowmoe.engine import Engine, Result, StepInput, eager_step
+from flowmoe.jobs.batching import BatchLimits, Opening, Request, longest_first, plan_batch, refill_slots
+from flowmoe.jobs.engine import Engine, Result, StepInput, eager_step
+from flowmoe.jobs.sampling import SamplingParams
 from flowmoe.kernels.attention import attend
 from flowmoe.kernels.layout import TokenLayout
-from flowmoe.loading import load_model
-from flowmoe.model import MoEModel
-from flowmoe.sampling import SamplingParams
-from flowmoe.tokenizer import StopStrings, TextCodec
+from flowmoe.model.builtin import ensure_builtin
+from flowmoe.model.loading import load_model
+from flowmoe.model.moe_model import MoEModel
+from flowmoe.model.tokenizer import StopStrings, TextCodec
 
 
 def _requests(lengths: Sequence[int]) -> list[Request]:

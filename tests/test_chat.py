@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from flowmoe.builtin import byte_tokenizer, ensure_builtin
-from flowmoe.chat import ChatTemplate
 from flowmoe.cli import main
 from flowmoe.core.errors import ConfigError, PromptFileError
-from flowmoe.prompts import read_prompts
-from flowmoe.tokenizer import TextCodec
+from flowmoe.jobs.prompts import read_prompts
+from flowmoe.model.builtin import byte_tokenizer, ensure_builtin
+from flowmoe.model.chat import ChatTemplate
+from flowmoe.model.tokenizer import TextCodec
 
 # Mistral-style: a system prompt folded into the first user turn, alternation enforced, tojson used
 TEMPLATE = """{{ bos_token }}

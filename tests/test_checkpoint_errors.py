@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flowmoe.core.errors import CheckpointError, ConfigError
-from flowmoe.loading import load_model
+from flowmoe.model.loading import load_model
 from tests.hf_models import hf_model, save_hf
 
 

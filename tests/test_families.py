@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowmoe.kernels.layout import TokenLayout
-from flowmoe.loading import load_model
+from flowmoe.model.loading import load_model
 from tests.helpers import rel_err
 from tests.hf_models import FAMILY_CONFIGS, hf_model, save_fused, save_hf
 

@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowmoe.builtin import ensure_builtin
 from flowmoe.cli import main
 from flowmoe.cli.run import kv_budget_tokens
 from flowmoe.core.errors import FlowmoeError
-from flowmoe.engine import StepInput
-from flowmoe.job import JobSpec, run_job
-from flowmoe.loading import load_model
-from flowmoe.model import MoEModel
-from flowmoe.tokenizer import TextCodec
+from flowmoe.jobs.engine import StepInput
+from flowmoe.jobs.job import JobSpec, run_job
+from flowmoe.model.builtin import ensure_builtin
+from flowmoe.model.loading import load_model
+from flowmoe.model.moe_model import MoEModel
+from flowmoe.model.tokenizer import TextCodec
 
 WORDS = ("the", "experts", "of", "a", "mixture", "route", "each", "token", "to", "two", "feed")  # fmt: skip
 BAD_LINES = {  # line number -> (text, what the report says)

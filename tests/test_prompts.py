@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from flowmoe.core.errors import PromptFileError
-from flowmoe.prompts import read_prompts
+from flowmoe.jobs.prompts import read_prompts
 
 GOOD = '{"id": "a", "prompt": "hello"}\n{"id": 7, "input_ids": [1, 2, 3]}\n'
 

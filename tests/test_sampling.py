@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowmoe.batching import BatchLimits, Request
 from flowmoe.core.errors import ConfigError
-from flowmoe.engine import Engine, eager_step
-from flowmoe.loading import load_model
-from flowmoe.sampling import SamplingParams, sample, sample_rows
+from flowmoe.jobs.batching import BatchLimits, Request
+from flowmoe.jobs.engine import Engine, eager_step
+from flowmoe.jobs.sampling import SamplingParams, sample, sample_rows
+from flowmoe.model.loading import load_model
 
 LOGITS = torch.log(torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1]))  # probabilities 0.05 0.4 0.3 0.15 0.1
 

@@ -2,7 +2,7 @@
 GPU memory declaration checked both ways (too small a budget fails up front; the declared weight
 buffer is what a real run fills, not a byte less).
 
-The timelines are simulated (`flowmoe.simulate.simulate`) on Mixtral-8x7B cut to 3 layers with the
+The timelines are simulated (`flowmoe.study.simulate.simulate`) on Mixtral-8x7B cut to 3 layers with the
 T4 roofline, routed by hand-written traces, so every assertion is about the order and overlap the
 schedule produces, never about wall-clock time.
 """
@@ -25,10 +25,10 @@ from flowmoe.core.presets import preset
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, SchedulerContext, StepShape
 from flowmoe.core.spec import ModelSpec
-from flowmoe.loading import load_model
-from flowmoe.runtime import Runtime
+from flowmoe.model.loading import load_model
+from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.registry import create
-from flowmoe.simulate import simulate
+from flowmoe.study.simulate import simulate
 from tests.schedule_fixtures import generate
 
 MINE = ("on-demand", "prefetch-all", "flexgen", "pre-gated")

@@ -15,11 +15,11 @@ from flowmoe.core.presets import preset
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, SchedulerContext, StepShape
 from flowmoe.core.spec import ModelSpec
-from flowmoe.engine import eager_step
-from flowmoe.loading import load_model
-from flowmoe.runtime import Runtime
+from flowmoe.jobs.engine import eager_step
+from flowmoe.model.loading import load_model
+from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.registry import create
-from flowmoe.simulate import simulate
+from flowmoe.study.simulate import simulate
 from tests.helpers import rel_err
 from tests.hf_models import hf_model, save_hf
 from tests.schedule_fixtures import TINY_CONFIG, generate

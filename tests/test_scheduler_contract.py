@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from flowmoe.core.errors import ConfigError
-from flowmoe.loading import load_model
+from flowmoe.model.loading import load_model
 from flowmoe.schedulers.registry import available
 from flowmoe.traces.chrome import chrome_trace, validate_chrome
 from tests.helpers import rel_err

@@ -19,8 +19,8 @@ from flowmoe.core.spec import ModelSpec
 from flowmoe.core.synthetic_routing import RoutingModel, SyntheticRouting, observed_popularity
 from flowmoe.core.workloads import workload
 from flowmoe.schedulers.registry import available, create
-from flowmoe.sim_report import interpolate
-from flowmoe.simulate import Setup, Simulation, batch_steps, sampled
+from flowmoe.study.sim_report import interpolate
+from flowmoe.study.simulate import Setup, Simulation, batch_steps, sampled
 from flowmoe.traces.chrome import validate_chrome
 from flowmoe.traces.summary import summarize
 from tests.schedule_fixtures import TINY_CONFIG

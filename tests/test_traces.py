@@ -83,7 +83,7 @@ def test_flows_join_lanes() -> None:
 
 
 def test_profiler_shows_node_names(mixtral_folder: Path) -> None:
-    from flowmoe.loading import load_model
+    from flowmoe.model.loading import load_model
     from tests.schedule_fixtures import run_scheduler
 
     model = load_model(mixtral_folder)

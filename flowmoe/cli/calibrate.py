@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _calibrate(args: argparse.Namespace) -> int:
     import torch
 
-    from flowmoe.calibrate import Shapes, calibrate
+    from flowmoe.study.calibrate import Shapes, calibrate
 
     if args.threads is not None:
         if args.threads < 1:

@@ -69,7 +69,7 @@ def _plan(args: argparse.Namespace) -> int:
     context = result.best.prompt + max(1, result.best.gen // 2)
     balance = balance_point(spec, hw, result.best.policy, context)
     if args.plot:
-        from flowmoe.roofline_plot import plot_roofline
+        from flowmoe.study.roofline_plot import plot_roofline
 
         plot_roofline(spec, hw, result.best.policy, context, args.plot)
     if args.json:

@@ -11,21 +11,21 @@ from rich.progress import Progress, ProgressColumn, Task, TaskID, TextColumn
 from rich.table import Table
 from rich.text import Text
 
-from flowmoe.builtin import ensure_builtin
 from flowmoe.cli.ui import console, progress
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.hardware import hardware
 from flowmoe.core.policy import Policy, parse_bytes
 from flowmoe.core.routing_trace import RoutingTrace
-from flowmoe.job import JobReport, JobSpec, run_job
-from flowmoe.job import Progress as JobProgress
-from flowmoe.loading import load_model
-from flowmoe.model import MoEModel
-from flowmoe.runtime import Runtime
-from flowmoe.sampling import SamplingParams
+from flowmoe.jobs.job import JobReport, JobSpec, run_job
+from flowmoe.jobs.job import Progress as JobProgress
+from flowmoe.jobs.sampling import SamplingParams
+from flowmoe.model.builtin import ensure_builtin
+from flowmoe.model.loading import load_model
+from flowmoe.model.moe_model import MoEModel
+from flowmoe.model.tokenizer import TextCodec
+from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.registry import available
-from flowmoe.tokenizer import TextCodec
 from flowmoe.traces.chrome import write_chrome
 
 

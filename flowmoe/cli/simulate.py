@@ -26,8 +26,8 @@ from flowmoe.core.policy_search import search
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.synthetic_routing import RoutingModel
 from flowmoe.schedulers.registry import available
-from flowmoe.sim_report import SimulationResult
-from flowmoe.simulate import Setup, simulate_workload
+from flowmoe.study.sim_report import SimulationResult
+from flowmoe.study.simulate import Setup, simulate_workload
 from flowmoe.traces.chrome import write_chrome
 
 LANES = ("gpu.compute", "cpu.compute", "gpu.h2d", "gpu.d2h")

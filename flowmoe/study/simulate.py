@@ -31,7 +31,7 @@ from flowmoe.core.synthetic_routing import RoutingModel, SyntheticRouting, obser
 from flowmoe.core.workloads import Workload
 from flowmoe.devices.sim import SimWorker, run_virtual
 from flowmoe.schedulers.registry import create
-from flowmoe.sim_report import SimulationResult, StepRun, interpolate, lane_totals
+from flowmoe.study.sim_report import SimulationResult, StepRun, interpolate, lane_totals
 from flowmoe.traces.trace import Trace
 
 

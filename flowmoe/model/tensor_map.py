@@ -15,7 +15,7 @@ from attrs import frozen
 from flowmoe.core.errors import CheckpointError
 from flowmoe.core.families import TensorNames, family_named
 from flowmoe.core.spec import ModelSpec
-from flowmoe.weights import AttentionWeights, FFNWeights, LayerWeights, ModelWeights
+from flowmoe.model.weights import AttentionWeights, FFNWeights, LayerWeights, ModelWeights
 
 Shape = tuple[int, ...]
 

@@ -13,8 +13,8 @@ from attrs import define, field, fields, frozen
 from flowmoe.core.errors import FlowmoeError, MemoryBudgetError
 from flowmoe.core.memory import gib
 from flowmoe.core.scheduling import Residency
-from flowmoe.model import MoEModel
-from flowmoe.weights import AttentionWeights, FFNWeights, LayerWeights
+from flowmoe.model.moe_model import MoEModel
+from flowmoe.model.weights import AttentionWeights, FFNWeights, LayerWeights
 
 
 class NotResident(FlowmoeError):

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from flowmoe.checkpoint import Checkpoint
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.presets import PRESETS, preset
-from flowmoe.model import MoEModel
-from flowmoe.random_weights import RandomSource
-from flowmoe.tensor_map import TensorMap, TensorSource
+from flowmoe.model.checkpoint import Checkpoint
+from flowmoe.model.moe_model import MoEModel
+from flowmoe.model.random_weights import RandomSource
+from flowmoe.model.tensor_map import TensorMap, TensorSource
 
 Progress = Callable[[int, int], None]
 

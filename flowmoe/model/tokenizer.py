@@ -9,8 +9,8 @@ from pathlib import Path
 from attrs import frozen
 from tokenizers import Tokenizer
 
-from flowmoe.chat import ChatTemplate, Message
 from flowmoe.core.errors import ConfigError
+from flowmoe.model.chat import ChatTemplate, Message
 
 
 @frozen

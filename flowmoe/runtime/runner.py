@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 import torch
 from attrs import define, field
 
-from flowmoe.actions import StepState
 from flowmoe.core.driver import drive
 from flowmoe.core.executor import Executor, Span, Worker
 from flowmoe.core.memory import MemoryNeed, gpu_need
@@ -21,11 +20,12 @@ from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, Scheduler, SchedulerContext, StepShape
-from flowmoe.device_weights import Devices, DeviceWeights, pin_experts
 from flowmoe.devices.cuda import EventBook
 from flowmoe.devices.factory import make_workers
-from flowmoe.engine import StepInput
-from flowmoe.model import MoEModel
+from flowmoe.jobs.engine import StepInput
+from flowmoe.model.moe_model import MoEModel
+from flowmoe.runtime.actions import StepState
+from flowmoe.runtime.device_weights import Devices, DeviceWeights, pin_experts
 from flowmoe.schedulers.registry import create
 from flowmoe.traces.trace import CounterSample, Trace
 

@@ -17,13 +17,13 @@ import attrs
 import torch
 from attrs import define, field, frozen
 
-from flowmoe.batching import BatchLimits, MicroBatchPlan, Opening, Request, plan_batch, refill_slots
 from flowmoe.core.errors import ConfigError
+from flowmoe.jobs.batching import BatchLimits, MicroBatchPlan, Opening, Request, plan_batch, refill_slots
+from flowmoe.jobs.sampling import SamplingParams, sample_rows
 from flowmoe.kernels.kv_cache import KVCache
 from flowmoe.kernels.layout import TokenLayout
-from flowmoe.model import MoEModel
-from flowmoe.sampling import SamplingParams, sample_rows
-from flowmoe.tokenizer import StopStrings
+from flowmoe.model.moe_model import MoEModel
+from flowmoe.model.tokenizer import StopStrings
 
 __all__ = ["Engine", "MicroBatch", "Request", "Result", "Slot", "StepInput", "StepRunner", "eager_step"]
 

@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from flowmoe.core.spec import ModelSpec
-from flowmoe.random_weights import RandomSource
-from flowmoe.tensor_map import TensorMap
+from flowmoe.model.random_weights import RandomSource
+from flowmoe.model.tensor_map import TensorMap
 
 NAME = "flowmoe-tiny-mixtral"
 SPECIALS = ("<pad>", "<s>", "</s>")

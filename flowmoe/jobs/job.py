@@ -16,16 +16,16 @@ import structlog
 import torch
 from attrs import define, field, frozen
 
-from flowmoe.batching import BatchLimits, Request, plan_batch
 from flowmoe.core.errors import ConfigError, PromptFileError
-from flowmoe.engine import Engine, Result, StepRunner, StepStats
-from flowmoe.joblog import JobLog
-from flowmoe.model import MoEModel
-from flowmoe.prompts import PromptLine, read_prompts
-from flowmoe.sampling import SamplingParams
-from flowmoe.tokenizer import StopStrings, TextCodec
+from flowmoe.jobs.batching import BatchLimits, Request, plan_batch
+from flowmoe.jobs.engine import Engine, Result, StepRunner, StepStats
+from flowmoe.jobs.joblog import JobLog
+from flowmoe.jobs.prompts import PromptLine, read_prompts
+from flowmoe.jobs.sampling import SamplingParams
+from flowmoe.model.moe_model import MoEModel
+from flowmoe.model.tokenizer import StopStrings, TextCodec
 
-log = structlog.get_logger("flowmoe.job")
+log = structlog.get_logger("flowmoe.jobs.job")
 
 
 @frozen

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from flowmoe.core.errors import CheckpointError
 from flowmoe.core.spec import ModelSpec
-from flowmoe.tensor_map import Shape, TensorMap
+from flowmoe.model.tensor_map import Shape, TensorMap
 
 INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F32", "F16", "BF16"}

@@ -29,7 +29,7 @@ from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.plan import Lane
 from flowmoe.core.policy import Policy
 from flowmoe.core.spec import ModelSpec
-from flowmoe.model import MoEModel
+from flowmoe.model.moe_model import MoEModel
 
 Report = Callable[[str], None]
 Curve = tuple[tuple[float, float], ...]
@@ -158,8 +158,8 @@ def dispatch_overhead(quick: bool) -> float:
 def op_overheads(spec: HardwareSpec, device: str, quick: bool) -> tuple[tuple[str, float], ...]:
     """The built-in tiny model through the runtime under every registered scheduler: the median
     span of each `lane/op` minus the roofline time of its work is that op's fixed cost there."""
-    from flowmoe.builtin import ensure_builtin
-    from flowmoe.loading import load_model
+    from flowmoe.model.builtin import ensure_builtin
+    from flowmoe.model.loading import load_model
     from flowmoe.schedulers.registry import available
 
     model, cost = load_model(ensure_builtin()), RooflineCost(spec)
@@ -173,8 +173,8 @@ def op_overheads(spec: HardwareSpec, device: str, quick: bool) -> tuple[tuple[st
 
 
 def _tiny_run(model: MoEModel, scheduler: str, device: str, new_tokens: int) -> list[Span]:
-    from flowmoe.engine import Engine, Request
-    from flowmoe.runtime import Runtime
+    from flowmoe.jobs.engine import Engine, Request
+    from flowmoe.runtime.runner import Runtime
 
     policy = Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.0)
     runtime = Runtime.create(model, scheduler, policy, device)

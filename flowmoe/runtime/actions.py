@@ -15,11 +15,11 @@ from attrs import define, field
 
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
-from flowmoe.device_weights import Devices, DeviceWeights
-from flowmoe.engine import StepInput
+from flowmoe.jobs.engine import StepInput
 from flowmoe.kernels.kv_cache import read_kv, write_kv
 from flowmoe.kernels.router import Routing
-from flowmoe.model import MoEModel, Rope
+from flowmoe.model.moe_model import MoEModel, Rope
+from flowmoe.runtime.device_weights import Devices, DeviceWeights
 
 Key = tuple[int, int]  # (layer, micro-batch)
 

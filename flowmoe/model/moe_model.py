@@ -22,7 +22,7 @@ from flowmoe.kernels.linear import linear
 from flowmoe.kernels.norm import rms_norm
 from flowmoe.kernels.rope import apply_rope, cos_sin, inverse_frequencies
 from flowmoe.kernels.router import Routing, route
-from flowmoe.weights import FFNWeights, LayerWeights, ModelWeights
+from flowmoe.model.weights import FFNWeights, LayerWeights, ModelWeights
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 

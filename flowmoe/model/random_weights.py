@@ -7,9 +7,9 @@ import zlib
 import torch
 from attrs import define
 
-from flowmoe.checkpoint import TORCH_DTYPES
 from flowmoe.core.spec import ModelSpec
-from flowmoe.tensor_map import Shape
+from flowmoe.model.checkpoint import TORCH_DTYPES
+from flowmoe.model.tensor_map import Shape
 
 
 @define

@@ -1,0 +1,1 @@
+"""Offline generation: prompt files, batching, sampling, the generation loop and the resumable job log."""

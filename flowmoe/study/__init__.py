@@ -1,0 +1,1 @@
+"""Studies without the model: simulation, reports, calibration of this machine, roofline plots."""
