@@ -1,0 +1,92 @@
+"""Argparse types that check a flag's range as it is parsed.
+
+Each type is a callable value that reads one flag's text and raises
+`argparse.ArgumentTypeError` with the allowed range when the value is outside
+it, so argparse reports `argument --flag: must be ...` before any work starts.
+`str(kind)` is the range in words: put `%(type)s` in a flag's help to show it
+in `--help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from attrs import frozen
+
+from flowmoe.core.errors import ConfigError
+from flowmoe.core.memory import gib
+from flowmoe.core.policy import parse_bytes
+
+
+@frozen
+class IntRange:
+    """An integer in [low, high] (high None: no upper bound)."""
+
+    low: int
+    high: int | None = None
+
+    def __call__(self, text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {self}, got {text!r}") from None
+        if value < self.low or (self.high is not None and value > self.high):
+            raise argparse.ArgumentTypeError(f"must be {self}, got {text!r}")
+        return value
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"an integer >= {self.low}"
+        return f"an integer in [{self.low}, {self.high}]"
+
+
+@frozen
+class FloatRange:
+    """A finite number between low and high; `low_open` excludes low itself."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+
+    def __call__(self, text: str) -> float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {self}, got {text!r}") from None
+        below = value <= self.low if self.low_open else value < self.low
+        if not math.isfinite(value) or below or value > self.high:
+            raise argparse.ArgumentTypeError(f"must be {self}, got {text!r}")
+        return value
+
+    def __str__(self) -> str:
+        if math.isinf(self.high):
+            return f"a number {'>' if self.low_open else '>='} {self.low:g}"
+        return f"a number in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+
+@frozen
+class ByteSize:
+    """A size such as 16GiB, 24GB or 512MiB of at least `minimum` bytes."""
+
+    minimum: int = 1
+
+    def __call__(self, text: str) -> int:
+        try:
+            value = parse_bytes(text) if text.strip() else None
+        except ConfigError:
+            value = None
+        if value is None or value < self.minimum:
+            raise argparse.ArgumentTypeError(f"must be {self}, got {text!r}")
+        return value
+
+    def __str__(self) -> str:
+        least = "more than 0 bytes" if self.minimum <= 1 else f"at least {gib(self.minimum)}"
+        return f"a size such as 16GiB, 24GB or 512MiB, {least}"
+
+
+POSITIVE_INT = IntRange(1)
+NON_NEGATIVE_INT = IntRange(0)
+FRACTION = FloatRange(0.0, 1.0)
+BYTES = ByteSize()
+PAGE_SIZE = ByteSize(64 * 2**10)  # smaller pages only multiply nodes: a 1B page is a million per expert
