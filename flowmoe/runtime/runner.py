@@ -14,7 +14,7 @@ import torch
 from attrs import define, field
 
 from flowmoe.core.driver import drive
-from flowmoe.core.executor import Executor, Span, Worker
+from flowmoe.core.executor import Action, Executor, Span, Worker
 from flowmoe.core.memory import MemoryNeed, gpu_need
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.policy import Policy
@@ -100,9 +100,20 @@ class Runtime:
         self.steps += 1
         self._kv_bytes = sum(i.cache.nbytes for i in inputs)
         state = StepState.create(model, inputs, self.devices, self.weights)
+        await self.run_plan(shape, state.action, self._answer(shape.step, state))
+        return [state.logits[i.micro_batch] for i in inputs]
+
+    async def run_plan(
+        self,
+        shape: StepShape,
+        action_for: Callable[[TaskNode], Action],
+        answer: Callable[[RoutingRequest], ExpertCounts],
+    ) -> None:
+        """One step's plan on this runtime's workers, its spans into the trace (the real-clock
+        simulation calls it with bookkeeping-only actions and a routing trace's answers)."""
         executor = Executor(self.workers, on_span=self._sample)
         try:
-            await drive(self.scheduler.plan(shape), executor, state.action, self._answer(shape.step, state))
+            await drive(self.scheduler.plan(shape), executor, action_for, answer)
         finally:
             if self.devices.cuda:
                 torch.cuda.synchronize(self.devices.gpu)
@@ -110,7 +121,6 @@ class Runtime:
             if self.events is not None:
                 spans = [self.events.retime(s) for s in spans]
             self.trace.extend(spans)
-        return [state.logits[i.micro_batch] for i in inputs]
 
     def _answer(self, step: int, state: StepState) -> Callable[[RoutingRequest], ExpertCounts]:
         """Routing answers from the gates' output, recorded into `routing` when one is attached."""
