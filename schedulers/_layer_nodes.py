@@ -25,7 +25,7 @@ DEFAULT_HARDWARE = "t4"
 
 def latency_model(context: SchedulerContext) -> Cost:
     """The context's cost function, else the roofline of the default hardware preset."""
-    return context.cost or RooflineCost(hardware(DEFAULT_HARDWARE))
+    return context.cost or RooflineCost(hardware(DEFAULT_HARDWARE), context.spec)
 
 
 def needs_shared(spec: ModelSpec, layer: int) -> bool:

@@ -1,4 +1,4 @@
-"""Hardware presets and profiles: sources, saving and loading, bad files, measured overheads in the
+"""Hardware profiles: saving and loading, bad files, measured overheads in the
 cost model, and `flowmoe calibrate` writing a profile every command can take."""
 
 from __future__ import annotations
@@ -14,21 +14,6 @@ from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import PRESETS, hardware, load_profile, save_profile, to_json
 from flowmoe.core.plan import Lane, Op, TaskNode
-
-PAPER_GPUS = {"t4", "l4", "a100-40", "a100-80", "h100", "h200", "rtx3090", "rtx4090"}
-
-
-def test_presets_are_sourced_and_sane() -> None:
-    assert set(PRESETS) >= PAPER_GPUS
-    for name, spec in PRESETS.items():
-        assert spec.name == name and spec.source, name
-        assert spec.gpu_flops > spec.cpu_flops > 0 and spec.gpu_bandwidth > spec.h2d_bandwidth > 0, name
-        assert spec.cpu_memory > spec.gpu_memory or name.startswith("4x"), name
-    four = PRESETS["4xt4"]
-    assert (
-        four.gpu_flops == 4 * PRESETS["t4"].gpu_flops
-        and four.h2d_bandwidth == 4 * PRESETS["t4"].h2d_bandwidth
-    )
 
 
 def test_profile_round_trip(tmp_path: Path) -> None:
@@ -89,10 +74,10 @@ def test_cost_uses_measured_rooflines_and_overheads() -> None:
     assert seconds(Op.EXPERT_FFN, 1e12, 1e9) == pytest.approx(launch + 10.0)  # flat above the last point
     assert seconds(Op.EXPERT_FFN, 5e8, 1e9) == pytest.approx(launch + 1.0)  # below: 1e9 B at 1 GB/s
     assert seconds(Op.CPU_ATTN, 1e8, 1e8) == pytest.approx(0.5 + 1.0)  # attention has a roofline of its own
-    copy = TaskNode(2, Op.PAGE_COPY, Lane.GPU_H2D, bytes=12 * 10**9)
+    copy = TaskNode(2, Op.PAGE_COPY, Lane.GPU_H2D, bytes=int(base.h2d_bandwidth))
     assert cost(copy) == pytest.approx(base.copy_latency + 1.0)
     plain = RooflineCost(base)(TaskNode(1, Op.EXPERT_FFN, Lane.GPU_COMPUTE, bytes=1, flops=int(65e12)))
-    assert plain == pytest.approx(base.gpu_launch + 1.0)  # presets: the ideal roofline
+    assert plain == pytest.approx(base.gpu_launch + 1.0 / base.gemm_share(512))  # presets: sustained GEMMs
 
 
 def test_calibrate_writes_a_profile_commands_take(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -196,7 +196,8 @@ def test_klotski_planner_picks_the_smallest_group_that_hides_the_copies(h2d: flo
     """Mixtral decode, 64 sequences per micro-batch on a T4 roofline: a group's attention block is
     0.737 ms per micro-batch and an expert's FFN 1.112 ms; one expert copies in 0.36 ms at 1 TB/s,
     1.77 ms at 200 GB/s (n >= 2 x 1.77 / 0.737 -> 5), 29.4 ms at 12 GB/s (no n <= 8 hides it)."""
-    cost = RooflineCost(evolve(hardware("t4"), h2d_bandwidth=h2d))
+    ideal = evolve(hardware("t4"), gpu_memory_efficiency=1.0, gemm_efficiency=())  # the datasheet roofline
+    cost = RooflineCost(evolve(ideal, h2d_bandwidth=h2d))
     policy = Policy(micro_batch_size=64, micro_batches=8, weights_gpu_share=0.0, hot_experts=2)
     step = decode_step(8, 64, 512)
     assert scheduler("klotski", MIXTRAL, policy, cost=cost).group_size(step) == expected

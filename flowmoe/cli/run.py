@@ -114,7 +114,7 @@ def _run(args: argparse.Namespace) -> int:
     model = load_with_progress(source, args.dtype, args.layers)
     codec = TextCodec.from_folder(source) if Path(source).is_dir() else None
     job = job_from(args, model, sampling)
-    cost = RooflineCost(hardware(args.hardware)) if args.hardware else None
+    cost = RooflineCost(hardware(args.hardware), model.spec) if args.hardware else None
     runtime = Runtime.create(model, args.scheduler, policy, args.device, cost)
     runtime.routing = RoutingTrace() if args.record_routing else None
     try:

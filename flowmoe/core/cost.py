@@ -1,12 +1,19 @@
-"""Cost of a task node in seconds on a HardwareSpec: a roofline per lane.
+"""Cost of a task node in seconds on a HardwareSpec: a roofline per lane, at sustained figures.
 
-Compute lanes take max(flops / peak flops, bytes / memory bandwidth) plus a
-fixed cost; copy lanes take bytes / link bandwidth plus a latency. A calibrated
-profile refines this: its measured rooflines (flop/s reached at each intensity,
-interpolated log-log, extended by the memory roof below and flat above) price
-matmul-like work and attention, and per-op fixed costs (`op_overhead`, keyed `lane/op`) replace the generic
-launch cost. The simulator, Fiddler's latency model, Klotski's
-planner and the HRM policy search all price work here.
+GPU compute takes max(flops / (peak x GEMM efficiency at the node's rows), bytes / sustained
+memory bandwidth); CPU compute takes max(flops / sustained flop/s, bytes / sustained GEMM or
+attention bandwidth). Copies take bytes / the pinned or, for a node the scheduler marks
+`pageable`, the pageable bandwidth. Every node adds its lane's launch cost, and a node the
+scheduler marks `sync` (the host waits on it) adds the synchronisation cost. With several GPUs
+run tensor parallel each GPU computes and copies its share (weights, heads and KV split across
+them, each GPU over its own link) and the O projection and the MoE combine end in a ring
+all-reduce of the layer's hidden states over the interconnect, as the papers run TP.
+
+A calibrated profile refines this: its measured rooflines (flop/s reached at each intensity,
+interpolated log-log, extended by the memory roof below and flat above) price matmul-like work
+and attention, and per-op fixed costs (`op_overhead`, keyed `lane/op`) replace the generic
+launch cost. The simulator, Fiddler's latency model, Klotski's planner and the HRM policy
+search all price work here.
 """
 
 from __future__ import annotations
@@ -16,36 +23,54 @@ import math
 
 from attrs import field, frozen
 
+from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.plan import Lane, Op, TaskNode
+from flowmoe.core.spec import ModelSpec
 
 BOOKKEEPING = (Op.EVICT,)
 ATTENTION = (Op.CPU_ATTN, Op.GPU_ATTN)
+ALL_REDUCED = (Op.POST_ATTN, Op.COMBINE)  # tensor parallel: row-parallel outputs summed across GPUs
 
 
 @frozen
 class RooflineCost:
+    """`spec` gives the element size (fp32 GEMMs run at the fp32 peak) and the hidden size the
+    all-reduces of a multi-GPU spec move; without it, 16-bit elements and one GPU are assumed."""
+
     hardware: HardwareSpec
+    spec: ModelSpec | None = None
     _overhead: dict[str, float] = field(init=False, eq=False, repr=False)
     _curves: dict[str, Curve | None] = field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         hw = self.hardware
+        if hw.gpus > 1 and self.spec is None:
+            raise ConfigError(
+                f"hardware {hw.name} runs {hw.gpus} GPUs tensor parallel: its cost needs the model"
+            )
         object.__setattr__(self, "_overhead", dict(hw.op_overhead))
         curves = {"gpu": Curve.of(hw.gpu_roofline), "cpu": Curve.of(hw.cpu_roofline),
                   "gpu/attention": Curve.of(hw.gpu_attention_roofline),
                   "cpu/attention": Curve.of(hw.cpu_attention_roofline)}  # fmt: skip
         object.__setattr__(self, "_curves", curves)
 
+    @property
+    def dtype_bytes(self) -> int:
+        return self.spec.dtype_bytes if self.spec is not None else 2
+
     def __call__(self, node: TaskNode) -> float:
         if node.op in BOOKKEEPING:
             return 0.0
-        fixed = self.fixed(node.lane, node.op)
+        fixed = self.fixed(node.lane, node.op) + (self.hardware.sync_latency if node.sync else 0.0)
         if node.lane in (Lane.GPU_COMPUTE, Lane.CPU_COMPUTE):
-            return fixed + self.compute_seconds(
-                node.lane.device, node.flops, node.bytes, node.op in ATTENTION
+            seconds = self.compute_seconds(
+                node.lane.device, node.flops, node.bytes, node.op in ATTENTION, node.rows
             )
-        return fixed + self.transfer_seconds(node.lane, node.bytes)
+            if node.lane is Lane.GPU_COMPUTE and node.op in ALL_REDUCED:
+                seconds += self.all_reduce_seconds(node.rows)
+            return fixed + seconds
+        return fixed + self.transfer_seconds(node.lane, node.bytes, node.pageable)
 
     def fixed(self, lane: Lane, op: Op) -> float:
         """The fixed cost of one node: measured for this op, else the lane's launch cost."""
@@ -59,23 +84,44 @@ class RooflineCost:
             return hw.cpu_launch
         return hw.copy_latency
 
-    def compute_seconds(self, device: str, flops: float, n_bytes: float, attention: bool = False) -> float:
-        """Roofline time of work on `device` ("gpu" or "cpu"), without the fixed cost."""
+    def compute_seconds(
+        self, device: str, flops: float, n_bytes: float, attention: bool = False, rows: float = 0
+    ) -> float:
+        """Time of work on `device` ("gpu" or "cpu"), without the fixed cost. `rows`: the GEMM's
+        rows (tokens per expert), 0 when not known (priced as a large GEMM). GPU work is split
+        across the spec's GPUs."""
         hw = self.hardware
+        if device == "gpu":
+            flops, n_bytes = flops / hw.gpus, n_bytes / hw.gpus
         curve = self._curves[f"{device}/attention" if attention else device]
         if curve is not None and flops > 0 and n_bytes > 0:
             return flops / curve.attained(flops / n_bytes)
         if device == "gpu":
-            return max(flops / hw.gpu_flops, n_bytes / hw.gpu_bandwidth)
-        return max(flops / hw.cpu_flops, n_bytes / hw.cpu_bandwidth)
+            share = hw.gemm_share(rows if rows > 0 and not attention else math.inf)
+            peak = hw.peak_flops(self.dtype_bytes) * share
+            return max(flops / peak, n_bytes / (hw.gpu_bandwidth * hw.gpu_memory_efficiency))
+        bandwidth = hw.cpu_bandwidth * (hw.cpu_attention_efficiency if attention else hw.cpu_gemm_efficiency)
+        return max(flops / (hw.cpu_flops * hw.cpu_compute_efficiency), n_bytes / bandwidth)
 
-    def transfer_seconds(self, lane: Lane, n_bytes: float) -> float:
-        """Time of a copy on a link lane, without the fixed latency."""
+    def all_reduce_seconds(self, rows: float) -> float:
+        """A ring all-reduce of `rows` hidden states across the GPUs: each sends and receives
+        2 (g - 1) / g of the data over the interconnect, plus a fixed latency."""
+        hw = self.hardware
+        if hw.gpus == 1 or self.spec is None or rows <= 0:
+            return 0.0
+        data = rows * self.spec.hidden * self.dtype_bytes
+        return hw.interconnect_latency + 2 * (hw.gpus - 1) / hw.gpus * data / hw.interconnect_bandwidth
+
+    def transfer_seconds(self, lane: Lane, n_bytes: float, pageable: bool = False) -> float:
+        """Time of a copy on a link lane, without the fixed latency. Host links carry each
+        GPU's share over its own link."""
         hw = self.hardware
         if lane is Lane.GPU_H2D:
-            return n_bytes / hw.h2d_bandwidth
+            return n_bytes / hw.gpus / (hw.pageable_h2d if pageable else hw.h2d_bandwidth)
         if lane is Lane.GPU_D2H:
-            return n_bytes / hw.d2h_bandwidth
+            return n_bytes / hw.gpus / (hw.pageable_d2h if pageable else hw.d2h_bandwidth)
+        if hw.disk_bandwidth <= 0:
+            raise ConfigError(f"hardware {hw.name} has no disk tier, but a schedule reads from disk")
         return n_bytes / hw.disk_bandwidth
 
 

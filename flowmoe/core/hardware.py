@@ -1,49 +1,72 @@
-"""HardwareSpec: the throughput figures of a GPU + CPU host, named presets, and saved profiles.
+"""HardwareSpec: what a GPU + CPU host peaks at and what it sustains; saved profiles.
 
-A preset carries datasheet figures and says where each comes from (`source`);
-a profile is a JSON file `flowmoe calibrate` measured on a real machine. Every
-command that needs a cost model takes either, through `hardware(name_or_path)`.
+Units, everywhere in flowmoe: capacities in bytes, written in GiB (2**30) in the presets;
+bandwidths in bytes/s, written in decimal GB/s (1e9); compute in flop/s; fixed costs in seconds.
+
+A spec keeps the datasheet peaks (`gpu_flops`, `gpu_bandwidth`, `cpu_flops`, `cpu_bandwidth`,
+`link_peak`) and adds what the hardware sustains: the share of the GPU's tensor peak a GEMM
+reaches at a given number of rows (`gemm_efficiency`), the share of memory bandwidth streaming
+kernels reach, pinned and pageable copy bandwidth, CPU GEMM / attention bandwidth as a share of
+DRAM peak, launch, copy and synchronisation costs, and for several GPUs run tensor parallel the
+interconnect their all-reduces cross. `sources` names where each sustained figure comes from.
+The presets live in `hardware_presets.py`; a profile is a JSON file `flowmoe calibrate`
+measured on a real machine. Every command that needs a cost model takes either, through
+`hardware(name_or_path)`.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from attrs import NOTHING, asdict, evolve, fields, frozen
+from attrs import NOTHING, asdict, fields, frozen
 
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.jsonfile import read_json_object
 
 GiB = 2**30
+GB = 10**9
 PROFILE_FORMAT = "flowmoe-hardware/1"
+# Figures a preset states as sustained (not datasheet); each needs an entry in `sources`.
+SUSTAINED = (
+    "gemm_efficiency", "gpu_memory_efficiency", "h2d_bandwidth", "d2h_bandwidth", "h2d_pageable_bandwidth",
+    "d2h_pageable_bandwidth", "cpu_gemm_efficiency", "cpu_attention_efficiency", "cpu_compute_efficiency",
+    "gpu_launch", "cpu_launch", "copy_latency", "sync_latency", "disk_bandwidth",
+)  # fmt: skip
+MULTI_GPU = ("interconnect_bandwidth", "interconnect_latency")
 
 
 @frozen
 class HardwareSpec:
     """Throughput in flop/s and bytes/s, memory in bytes, fixed costs in seconds.
 
-    Presets hold peak (datasheet) figures; a calibrated profile holds what real kernels
-    reached. `*_roofline` is a measured roofline: (intensity in flop/B, flop/s) points of
-    matmuls at growing row counts, which replaces min(peak, bandwidth * intensity) where
-    present; `*_attention_roofline` is the same for the attention kernel (decode and
-    prefill shapes); `op_overhead` maps `lane/op` (e.g. `cpu.compute/expert_ffn`) to a
-    measured fixed cost that replaces the generic launch cost of that op."""
+    `gpu_flops` (dense 16-bit tensor) and `gpu_bandwidth` are one GPU's datasheet peaks;
+    `gpu_memory` is the memory of all `gpus` GPUs together (what a policy's budget covers).
+    `h2d_bandwidth` / `d2h_bandwidth` are sustained pinned copies over one GPU's link (each GPU
+    has its own); the pageable figures default to the pinned ones. Efficiencies default to 1.0,
+    so a calibrated profile (which measures sustained figures directly) is priced as measured.
+
+    `*_roofline` is a measured roofline: (intensity in flop/B, flop/s) points of matmuls at
+    growing row counts, which replaces the datasheet roofline where present;
+    `*_attention_roofline` is the same for the attention kernel; `op_overhead` maps `lane/op`
+    (e.g. `cpu.compute/expert_ffn`) to a measured fixed cost that replaces the launch cost."""
 
     name: str
-    gpu_flops: float  # dense fp16/bf16 tensor throughput
-    gpu_bandwidth: float  # HBM / GDDR
+    gpu_flops: float
+    gpu_bandwidth: float
     gpu_memory: int
     cpu_flops: float
     cpu_bandwidth: float
     cpu_memory: int
-    h2d_bandwidth: float  # pinned host -> device
+    h2d_bandwidth: float
     d2h_bandwidth: float
-    disk_bandwidth: float = 2e9
-    gpu_launch: float = 10e-6  # fixed cost of a GPU node (kernel launches)
+    disk_bandwidth: float = 2e9  # 0: no disk tier
+    gpu_launch: float = 10e-6  # fixed cost of a GPU node (its kernel launches)
     cpu_launch: float = 20e-6  # fixed cost of a CPU node (op dispatch)
     copy_latency: float = 10e-6
     h2d_pageable_bandwidth: float | None = None
@@ -54,72 +77,62 @@ class HardwareSpec:
     cpu_attention_roofline: tuple[tuple[float, float], ...] = ()
     op_overhead: tuple[tuple[str, float], ...] = ()
     source: str = ""
+    gpu_fp32_flops: float | None = None  # datasheet fp32 (non-tensor) peak; None: gpu_flops
+    gemm_efficiency: tuple[tuple[float, float], ...] = ()  # (rows, share of peak flop/s); (): 1.0
+    gpu_memory_efficiency: float = 1.0  # share of gpu_bandwidth streaming kernels reach
+    cpu_gemm_efficiency: float = 1.0  # share of cpu_bandwidth a CPU GEMM streaming weights reaches
+    cpu_attention_efficiency: float = 1.0  # share of cpu_bandwidth CPU attention reaches
+    cpu_compute_efficiency: float = 1.0  # share of cpu_flops compute-bound CPU work reaches
+    sync_latency: float = 0.0  # a host-device synchronisation point (stream/event wait)
+    link_peak: float | None = None  # datasheet host link bandwidth per direction
+    gpus: int = 1  # GPUs run tensor parallel
+    interconnect_bandwidth: float = 0.0  # GPU-GPU bytes/s per direction (all-reduce bus bandwidth)
+    interconnect_latency: float = 0.0  # fixed cost of one all-reduce
+    sources: tuple[tuple[str, str], ...] = ()  # (field, where its figure comes from)
 
-    def scaled(self, gpus: int) -> HardwareSpec:
-        """`gpus` of this GPU on one host, modelled as one GPU with `gpus` times the compute,
-        memory bandwidth, memory and host link (each GPU has its own PCIe link)."""
-        return evolve(
-            self,
-            name=f"{gpus}x{self.name}",
-            gpu_flops=self.gpu_flops * gpus,
-            gpu_bandwidth=self.gpu_bandwidth * gpus,
-            gpu_memory=self.gpu_memory * gpus,
-            h2d_bandwidth=self.h2d_bandwidth * gpus,
-            d2h_bandwidth=self.d2h_bandwidth * gpus,
-            source=f"{gpus} x ({self.source}); tensor parallelism approximated as one larger GPU",
-        )
+    def __attrs_post_init__(self) -> None:
+        if self.gpus < 1:
+            raise ConfigError(f"{self.name}: gpus must be at least 1, got {self.gpus}")
+        if self.gpus > 1 and self.interconnect_bandwidth <= 0:
+            raise ConfigError(f"{self.name}: {self.gpus} GPUs need an interconnect_bandwidth")
 
+    def gemm_share(self, rows: float) -> float:
+        """Share of the tensor peak a GEMM of `rows` rows (tokens per expert) sustains,
+        interpolated linearly in log(rows) between the table's points, flat outside them."""
+        table = self.gemm_efficiency
+        if not table:
+            return 1.0
+        if rows <= table[0][0]:
+            return table[0][1]
+        if rows >= table[-1][0]:
+            return table[-1][1]
+        k = bisect.bisect_right([r for r, _ in table], rows)
+        (r0, e0), (r1, e1) = table[k - 1], table[k]
+        w = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
+        return e0 + w * (e1 - e0)
 
-# Host CPUs. The MoE-Lightning hosts (S1: T4, S2: L4) use the figures of the paper's own cost
-# model (github.com/caoshiyi/artifacts, fastmoe/backend/utils.py HardwareConfig and the
-# `--cpu-mem-bdw 100` launch flag): 0.8 / 1.6 TFLOP/s, 100 GB/s, 192 GB.
-_S1_HOST = {"cpu_flops": 0.8e12, "cpu_bandwidth": 100e9, "cpu_memory": 192 * GiB}
-_S2_HOST = {"cpu_flops": 1.6e12, "cpu_bandwidth": 100e9, "cpu_memory": 192 * GiB}
-# Assumed hosts for GPUs the papers did not pair with one (stated in each preset's source).
-_SERVER_HOST = {"cpu_flops": 2.0e12, "cpu_bandwidth": 200e9, "cpu_memory": 512 * GiB}
-_DESKTOP_DDR4 = {"cpu_flops": 1.7e12, "cpu_bandwidth": 51.2e9, "cpu_memory": 128 * GiB}
-_DESKTOP_DDR5 = {"cpu_flops": 2.0e12, "cpu_bandwidth": 89.6e9, "cpu_memory": 128 * GiB}
-_PCIE3, _PCIE4, _PCIE5 = 12e9, 25e9, 50e9  # pinned copies reached on x16 links (theory 15.75/31.5/63)
+    def peak_flops(self, dtype_bytes: int = 2) -> float:
+        """One GPU's datasheet peak for matmuls in that element size (4: fp32, else 16-bit tensor)."""
+        if dtype_bytes >= 4 and self.gpu_fp32_flops:
+            return self.gpu_fp32_flops
+        return self.gpu_flops
 
-_SERVER = "assumed host: 1 socket, 32 cores, 8-channel DDR4/5 (~200 GB/s), 2 TFLOP/s fp32, 512 GiB"
-_DDR4 = "assumed host: 16-core desktop (AVX2, 1.7 TFLOP/s fp32), dual-channel DDR4-3200 51.2 GB/s, 128 GiB"
-_DDR5 = "assumed host: 16-core desktop (2 TFLOP/s fp32), dual-channel DDR5-5600 89.6 GB/s, 128 GiB"
+    @property
+    def pageable_h2d(self) -> float:
+        return self.h2d_pageable_bandwidth or self.h2d_bandwidth
 
+    @property
+    def pageable_d2h(self) -> float:
+        return self.d2h_pageable_bandwidth or self.d2h_bandwidth
 
-def _gpu(name: str, flops: float, bandwidth: float, memory: int, link: float, host: dict[str, Any],
-         source: str) -> HardwareSpec:  # fmt: skip
-    return HardwareSpec(name, flops, bandwidth, memory, h2d_bandwidth=link, d2h_bandwidth=link, source=source,
-                        **host)  # fmt: skip
-
-
-PRESETS: dict[str, HardwareSpec] = {
-    "t4": _gpu("t4", 65e12, 320e9, 16 * GiB, _PCIE3, _S1_HOST,
-               "NVIDIA T4 datasheet: 65 TFLOPS fp16 tensor, 320 GB/s GDDR6, 16 GB; PCIe 3.0 x16 ~12 GB/s "
-               "pinned; host = MoE-Lightning S1 (0.8 TFLOP/s, 100 GB/s, 192 GB; artifact cost model)"),
-    "l4": _gpu("l4", 121e12, 300e9, 24 * GiB, _PCIE4, _S2_HOST,
-               "NVIDIA L4 datasheet: 242 TFLOPS fp16 tensor with sparsity = 121 dense, 300 GB/s, 24 GB; "
-               "PCIe 4.0 x16 ~25 GB/s pinned; host = MoE-Lightning S2 (1.6 TFLOP/s, 100 GB/s, 192 GB)"),
-    "a100-40": _gpu("a100-40", 312e12, 1555e9, 40 * GiB, _PCIE4, _SERVER_HOST,
-                    f"NVIDIA A100 SXM4 40GB datasheet: 312 TFLOPS bf16, 1555 GB/s; PCIe 4.0; {_SERVER}"),
-    "a100-80": _gpu("a100-80", 312e12, 2039e9, 80 * GiB, _PCIE4, _SERVER_HOST,
-                    f"NVIDIA A100 SXM4 80GB datasheet: 312 TFLOPS bf16, 2039 GB/s; PCIe 4.0; {_SERVER}"),
-    "h100": _gpu("h100", 989e12, 3350e9, 80 * GiB, _PCIE5, _SERVER_HOST,
-                 f"NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense, 3.35 TB/s, 80 GB; PCIe 5.0; {_SERVER}"),
-    "h200": _gpu("h200", 989e12, 4800e9, 141 * 10**9, _PCIE5, _SERVER_HOST,
-                 f"NVIDIA H200 SXM datasheet: 989 TFLOPS bf16 dense, 4.8 TB/s, 141 GB; PCIe 5.0; {_SERVER}"),
-    "rtx3090": _gpu("rtx3090", 71e12, 936e9, 24 * GiB, _PCIE4, _DESKTOP_DDR4,
-                    "NVIDIA GA102 whitepaper: RTX 3090 71 TFLOPS fp16 tensor (fp32 accumulate), 936 GB/s, "
-                    f"24 GB; PCIe 4.0; {_DDR4}"),
-    "rtx4090": _gpu("rtx4090", 165.2e12, 1008e9, 24 * GiB, _PCIE4, _DESKTOP_DDR5,
-                    "NVIDIA Ada whitepaper: RTX 4090 165.2 TFLOPS fp16 tensor (fp32 accumulate), 1008 GB/s, "
-                    f"24 GB; PCIe 4.0; {_DDR5}"),
-}  # fmt: skip
-PRESETS["2xt4"] = PRESETS["t4"].scaled(2)
-PRESETS["4xt4"] = PRESETS["t4"].scaled(4)
+    def source_of(self, name: str) -> str:
+        return dict(self.sources).get(name, "")
 
 
 def hardware(name_or_path: str | Path) -> HardwareSpec:
     """A preset by name, or a profile JSON written by `flowmoe calibrate`."""
+    from flowmoe.core.hardware_presets import PRESETS
+
     key = str(name_or_path)
     if key in PRESETS:
         return PRESETS[key]
@@ -131,9 +144,19 @@ def hardware(name_or_path: str | Path) -> HardwareSpec:
     raise ConfigError(f"unknown hardware {key!r}; presets: {', '.join(PRESETS)} (or a profile JSON path)")
 
 
+def __getattr__(name: str) -> Any:
+    """`PRESETS` lives in hardware_presets (it builds on the types here); re-exported lazily."""
+    if name == "PRESETS":
+        from flowmoe.core.hardware_presets import PRESETS
+
+        return PRESETS
+    raise AttributeError(name)
+
+
 def to_json(spec: HardwareSpec) -> dict[str, Any]:
     data = asdict(spec)
     data["op_overhead"] = dict(spec.op_overhead)
+    data["sources"] = dict(spec.sources)
     return {"format": PROFILE_FORMAT, **data}
 
 
@@ -143,6 +166,7 @@ def save_profile(spec: HardwareSpec, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~os.umask(os.umask(0o077)))  # mkstemp's 0600 -> the user's umask, as any output
         with os.fdopen(fd, "w") as handle:
             json.dump(to_json(spec), handle, indent=2)
         os.replace(tmp, path)
@@ -174,8 +198,15 @@ def from_json(data: dict[str, Any], where: str) -> HardwareSpec:
                 raise ConfigError(f"{where}: field {name!r} must be a string")
         elif name == "op_overhead":
             values[name] = _overheads(value, where)
-        elif name.endswith("_roofline"):
+        elif name == "sources":
+            values[name] = _sources(value, where)
+        elif name.endswith("_roofline") or name == "gemm_efficiency":
             values[name] = _curve(value, name, where)
+        elif name == "gpus":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(
+                    f"{where}: field 'gpus' must be a whole number of at least 1, got {value!r}"
+                )
         elif value is not None and (
             not isinstance(value, int | float) or isinstance(value, bool) or value < 0
         ):
@@ -191,7 +222,8 @@ def _curve(value: Any, name: str, where: str) -> tuple[tuple[float, float], ...]
         for p in value
     )
     if not ok:
-        raise ConfigError(f"{where}: field {name!r} must list [flop per byte, flop/s] pairs, both positive")
+        what = "[rows, share of peak]" if name == "gemm_efficiency" else "[flop per byte, flop/s]"
+        raise ConfigError(f"{where}: field {name!r} must list {what} pairs, both positive")
     return tuple(sorted((float(i), float(f)) for i, f in value))
 
 
@@ -201,3 +233,11 @@ def _overheads(value: Any, where: str) -> tuple[tuple[str, float], ...]:
     ):
         raise ConfigError(f"{where}: field 'op_overhead' must map 'device/op' to seconds")
     return tuple(sorted((k, float(v)) for k, v in value.items()))
+
+
+def _sources(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise ConfigError(f"{where}: field 'sources' must map field names to text")
+    return tuple(sorted(value.items()))

@@ -61,6 +61,7 @@ class OpPoint:
     mem_bytes: float
     link_bytes: float = 0.0
     launches: float = 1  # kernels (nodes) it takes: one per micro-batch, or per expert hit
+    rows: float = 0  # rows of each GEMM kernel (tokens per micro-batch, or per expert hit); 0: not a GEMM
 
     @property
     def intensity(self) -> float:
@@ -79,8 +80,15 @@ class Hierarchy:
 
     @classmethod
     def from_hardware(cls, hw: HardwareSpec) -> Hierarchy:
-        return cls(Roof("gpu", hw.gpu_flops, hw.gpu_bandwidth), Roof("cpu", hw.cpu_flops, hw.cpu_bandwidth),
-                   hw.h2d_bandwidth)  # fmt: skip
+        """The sustained roofs the simulator prices with: a large GEMM's share of the tensor peak and
+        the streaming share of memory bandwidth, summed over tensor-parallel GPUs (each with its own
+        pinned link); the CPU's sustained flop/s and GEMM bandwidth."""
+        g = hw.gpus
+        gpu = Roof(
+            "gpu", g * hw.gpu_flops * hw.gemm_share(math.inf), g * hw.gpu_bandwidth * hw.gpu_memory_efficiency
+        )
+        cpu = Roof("cpu", hw.cpu_flops * hw.cpu_compute_efficiency, hw.cpu_bandwidth * hw.cpu_gemm_efficiency)
+        return cls(gpu, cpu, g * hw.h2d_bandwidth)
 
     @property
     def p1(self) -> float:
@@ -184,12 +192,14 @@ def layer_ops(spec: ModelSpec, phase: Phase, policy: Policy, moe: bool = True) -
     streamed = (1 - policy.weights_gpu_share) * spec.moe.experts * expert_bytes
     reads = n * (hit * expert_bytes + 2 * t * spec.moe.top_k * h * b)
     link = streamed if policy.ffn_on == "gpu" else 0.0
-    ops.append(OpPoint("moe ffn", policy.ffn_on, flops, reads, link, n * hit))
+    ops.append(OpPoint("moe ffn", policy.ffn_on, flops, reads, link, n * hit, t * spec.moe.top_k / hit))
     return ops
 
 
 def _matmul(name: str, params: int, n: int, tokens: int, b: int, activations: int) -> OpPoint:
-    return OpPoint(name, "gpu", n * 2 * params * tokens, n * (params * b + activations), launches=n)
+    return OpPoint(
+        name, "gpu", n * 2 * params * tokens, n * (params * b + activations), launches=n, rows=tokens
+    )
 
 
 _OPS = {
@@ -206,14 +216,16 @@ _OPS = {
 def layer_times(
     spec: ModelSpec, hw: HardwareSpec, phase: Phase, policy: Policy, moe: bool = True
 ) -> LayerTimes:
-    """Busy time of each resource for one layer of a step under `policy`."""
-    cost = RooflineCost(hw)
+    """Busy time of each resource for one layer of a step under `policy`, priced as the simulator
+    prices its nodes (sustained figures, GEMM efficiency at each kernel's rows, tensor-parallel
+    splits and the two all-reduces per layer and micro-batch)."""
+    cost = RooflineCost(hw, spec)
     a, b, h = spec.attention, spec.dtype_bytes, spec.hidden
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
     n, t = phase.micro_batches, phase.mb_tokens
-    gpu = cpu = h2d = d2h = 0.0
+    gpu, cpu, h2d, d2h = 2 * n * cost.all_reduce_seconds(t), 0.0, 0.0, 0.0
     for op in layer_ops(spec, phase, policy, moe):
-        seconds = cost.compute_seconds(op.place, op.flops, op.mem_bytes, op.name == "attention")
+        seconds = cost.compute_seconds(op.place, op.flops, op.mem_bytes, op.name == "attention", op.rows)
         lane = Lane.GPU_COMPUTE if op.place == "gpu" else Lane.CPU_COMPUTE
         seconds += op.launches * cost.fixed(lane, _OPS.get(op.name, Op.PRE_ATTN))
         gpu, cpu = (gpu + seconds, cpu) if op.place == "gpu" else (gpu, cpu + seconds)

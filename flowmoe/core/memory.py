@@ -1,9 +1,12 @@
-"""GPU memory accounting: what a policy needs on the GPU, checked against the budget before a run.
+"""Memory accounting: what a policy needs on the GPU and on the host, checked before a run.
 
 flowmoe does its own accounting (weights resident, weight buffers a scheduler
 pages through, KV cache kept on the GPU, activations of the largest step), so a
 T4-sized budget can be enforced on a much bigger GPU and a policy that cannot
-fit fails before the first token with what it would need.
+fit fails before the first token with what it would need. Host memory is checked
+the same way: the weights not resident on the GPU and the KV cache kept on the
+CPU must fit the host's memory, unless the schedule streams weights from a disk
+tier (and the hardware has one).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from attrs import frozen
 
 from flowmoe.core.errors import MemoryBudgetError
+from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.scheduling import Residency
 from flowmoe.core.spec import ModelSpec
 
@@ -73,3 +77,40 @@ def gpu_need(
     return MemoryNeed(
         resident_bytes(spec, residency), buffers, kv_on_gpu, activation_bytes(spec, step_tokens, sequences)
     )
+
+
+@frozen
+class HostNeed:
+    weights: int  # weights homed in host memory: everything not resident on the GPU
+    kv_cache: int  # KV cache kept in host memory
+    buffers: int  # pinned staging buffers and host-side activations
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.buffers
+
+    def describe(self) -> str:
+        return (
+            f"{gib(self.total)} (weights {gib(self.weights)}, KV cache {gib(self.kv_cache)}, "
+            f"buffers {gib(self.buffers)})"
+        )
+
+    def refusal(self, hw: HardwareSpec, who: str, disk_tier: bool = False) -> str | None:
+        """Why this cannot run on `hw`'s host memory (one line), or None: it fits, or the
+        schedule spills weights to the disk tier the hardware has."""
+        if self.total <= hw.cpu_memory or (disk_tier and hw.disk_bandwidth > 0):
+            return None
+        why = f"{hw.name} has no disk tier" if disk_tier else "the schedule has no disk tier"
+        return (
+            f"{who} needs {self.describe()} of host memory, over the {gib(hw.cpu_memory)} of {hw.name}; {why}"
+        )
+
+    def check(self, hw: HardwareSpec, who: str, disk_tier: bool = False) -> None:
+        why = self.refusal(hw, who, disk_tier)
+        if why is not None:
+            raise MemoryBudgetError(why)
+
+
+def host_need(spec: ModelSpec, residency: Residency, kv_on_host: int, buffers: int = 0) -> HostNeed:
+    """Host memory of a run: weights the GPU does not keep, the CPU-side KV cache, buffers."""
+    return HostNeed(spec.total_bytes - resident_bytes(spec, residency), kv_on_host, buffers)

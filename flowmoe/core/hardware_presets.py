@@ -1,0 +1,497 @@
+"""Hardware presets: the papers' machines and the GPUs people offload on, each with its host.
+
+Units: capacities in GiB (2**30 bytes), bandwidths in decimal GB/s (1e9 bytes/s), compute in
+flop/s. Each preset keeps the datasheet peaks and adds the sustained figures the cost model
+uses; `HardwareSpec.sources` says where each sustained figure comes from. A figure marked
+"estimate" is a judgement from the cited evidence, not a measurement of that machine. No
+figure is fitted to a paper's end-to-end throughput: those are what the simulator is checked
+against.
+"""
+
+from __future__ import annotations
+
+from attrs import evolve, frozen
+
+from flowmoe.core.hardware import GB, GiB, HardwareSpec
+
+
+@frozen
+class Figure:
+    value: float
+    source: str
+
+
+@frozen
+class Gpu:
+    name: str
+    flops: float  # dense 16-bit tensor peak
+    fp32: float  # fp32 (non-tensor) peak
+    bandwidth: float
+    memory: int
+    memory_efficiency: Figure
+    gemm_large: Figure  # share of `flops` a large GEMM sustains
+    datasheet: str
+
+
+@frozen
+class Link:
+    peak: float  # per direction
+    pinned: Figure
+    name: str
+
+
+@frozen
+class Host:
+    description: str  # what it is and where its datasheet figures come from
+    cpu_flops: float
+    cpu_bandwidth: float
+    cpu_memory: int
+    disk: Figure
+
+
+# --- Figures shared by every preset -------------------------------------------------------
+TILES = (
+    "NVIDIA Deep Learning Performance Guide, 'Matrix Multiplication Background': tensor-core GEMMs run in "
+    "thread-block tiles of 64-256 rows; a GEMM with fewer rows pays for the whole tile (tile quantization), "
+    "so the share of peak falls in proportion to rows below a 64-row tile"
+)
+PINNED = (
+    "pinned copies sustain ~80% of the per-direction PCIe rate: 25.2 GB/s on PCIe 4.0 x16 (collaborative-"
+    "inference paper, Table I: two Mixtral experts, 704.6 MB, in 28.0 ms on its RTX 4090 host) of 31.5; "
+    "11 GB/s on PCIe 3.0 x16 (reader measurement under NVIDIA's 'How to Optimize Data Transfers in CUDA "
+    "C/C++') and 12.89 GiB/s fitted by FlexGen on a GCP T4 (FlexGen cost_model.py ctog_bdw) of 15.75"
+)
+PAGEABLE = Figure(0.4, (
+    "pageable copies stage through a pinned driver buffer (CUDA C++ Best Practices Guide, 'Pinned Memory'); "
+    "FlexGen's GCP-T4 constants (cost_model.py) put its unpinned GPU->CPU copies at 4.82 GiB/s against "
+    "12.89 GiB/s pinned CPU->GPU: 0.37 of pinned, rounded to 0.4"
+))  # fmt: skip
+CPU_GEMM = Figure(0.58, (
+    "collaborative-inference paper, Table I: two Mixtral experts (704.6 MB bf16) on 24 threads of a "
+    "Threadripper 7960X in 7.3 ms = 96.5 GB/s of its 166.4 GB/s DDR5 peak"
+))  # fmt: skip
+CPU_ATTENTION = Figure(0.63, (
+    "MoE-Lightning §6.2 (Fig. 9): its CPU attention kernel on the S2 host is 3-4x faster than moving the "
+    "same KV cache over pinned PCIe 4.0 (25.2 GB/s sustained): 3.5 x 25.2 = 88 GB/s of the host's 140.8"
+))  # fmt: skip
+CPU_COMPUTE = Figure(0.7, "estimate: MKL/oneDNN SGEMM on large matrices reaches 70-90% of AVX peak")
+GPU_LAUNCH = Figure(20e-6, (
+    "estimate: a node is 2-4 CUDA kernels issued from PyTorch eager at ~5 us launch latency each (CUDA C++ "
+    "Best Practices Guide, 'Asynchronous and overlapping transfers' / kernel launch overhead)"
+))  # fmt: skip
+CPU_LAUNCH = Figure(30e-6, (
+    "flowmoe's executor with lane threads: 32-57 us per node (bench/RESULTS.md, executor overhead)"
+))  # fmt: skip
+COPY_LATENCY = Figure(10e-6, "estimate: cudaMemcpyAsync issue + DMA setup, ~10 us for small copies")
+SYNC = Figure(20e-6, (
+    "estimate: a host wait on a CUDA event / stream (cudaEventSynchronize) and the waiting thread's "
+    "wake-up, 10-30 us"
+))  # fmt: skip
+NVME = Figure(2 * GB, "estimate: one PCIe NVMe SSD read through the page cache, under its 3-7 GB/s datasheet")
+
+GDDR = Figure(0.8, (
+    "estimate: streaming kernels reach 69% of datasheet on a T4 (GDDR6) and 83% on a V100 (HBM2) "
+    "(Jia et al., arXiv:1903.07486 and arXiv:1804.06826); 0.8 for GDDR6/6X/7 cards"
+))  # fmt: skip
+HBM = Figure(0.85, (
+    "estimate: streaming kernels reach 83% of datasheet on a V100 (Jia et al., arXiv:1804.06826); "
+    "0.85 for HBM2e/HBM3 parts"
+))  # fmt: skip
+LARGE = Figure(
+    0.7, "estimate: large cuBLAS fp16/bf16 GEMMs on full-power cards sustain ~70% of dense tensor peak"
+)
+
+
+def _gemm_table(large: float) -> tuple[tuple[float, float], ...]:
+    return tuple((float(rows), large * rows / 64) for rows in (1, 2, 4, 8, 16, 32, 64))
+
+
+# --- GPUs (datasheet peaks) -----------------------------------------------------------------
+T4 = Gpu(
+    "T4",
+    65e12,
+    8.1e12,
+    320 * GB,
+    16 * GiB,
+    Figure(
+        220 / 320,
+        "Jia et al., 'Dissecting the NVidia Turing T4 GPU via Microbenchmarking' "
+        "(arXiv:1903.07486): 220 GB/s of 320 measured",
+    ),
+    Figure(
+        21.24 / 65,
+        "FlexGen cost_model.py (GCP T4): matmul 21.24 TFLOPS of 65 (fitted to FlexGen's "
+        "own OPT runs, not to the papers checked here); the T4's 70 W cap throttles its "
+        "clock under tensor load (Jia et al. 2019)",
+    ),
+    "NVIDIA T4 datasheet: 65 TFLOPS fp16 tensor, 8.1 fp32, 320 GB/s GDDR6, 16 GB",
+)
+L4 = Gpu(
+    "L4",
+    121e12,
+    30.3e12,
+    300 * GB,
+    24 * GiB,
+    GDDR,
+    Figure(
+        0.5,
+        "estimate: a 72 W card like the T4 (which sustains 0.33) throttles under tensor load; "
+        "between the T4 and full-power cards",
+    ),
+    "NVIDIA L4 datasheet: 242 TFLOPS fp16 tensor with sparsity (121 dense), 30.3 fp32, 300 GB/s, 24 GB",
+)
+A10G = Gpu(
+    "A10G",
+    125e12,
+    31.2e12,
+    600 * GB,
+    24 * GiB,
+    GDDR,
+    LARGE,
+    "NVIDIA A10 datasheet (AWS publishes no A10G tensor figure): 125 TFLOPS fp16 tensor dense, "
+    "31.2 fp32, 600 GB/s, 24 GB",
+)
+A5000 = Gpu(
+    "RTX A5000",
+    111.1e12,
+    27.8e12,
+    768 * GB,
+    24 * GiB,
+    GDDR,
+    LARGE,
+    "NVIDIA RTX A5000 datasheet: 222.2 TFLOPS tensor with sparsity (111.1 dense), 27.8 fp32, 768 GB/s, 24 GB",
+)
+A6000 = Gpu(
+    "RTX A6000",
+    154.8e12,
+    38.7e12,
+    768 * GB,
+    48 * GiB,
+    GDDR,
+    LARGE,
+    "NVIDIA RTX A6000 datasheet: 309.7 TFLOPS tensor with sparsity (154.8 dense), 38.7 fp32, 768 GB/s, 48 GB",
+)
+A40 = Gpu(
+    "A40",
+    149.7e12,
+    37.4e12,
+    696 * GB,
+    48 * GiB,
+    GDDR,
+    LARGE,
+    "NVIDIA A40 datasheet: 149.7 TFLOPS fp16 tensor dense, 37.4 fp32, 696 GB/s, 48 GB",
+)
+L40S = Gpu(
+    "L40S",
+    362.05e12,
+    91.6e12,
+    864 * GB,
+    48 * GiB,
+    GDDR,
+    LARGE,
+    "NVIDIA L40S datasheet: 362.05 TFLOPS fp16 tensor dense (733 sparse), 91.6 fp32, 864 GB/s, 48 GB",
+)
+A100_40 = Gpu(
+    "A100-SXM4-40GB",
+    312e12,
+    19.5e12,
+    1555 * GB,
+    40 * GiB,
+    HBM,
+    LARGE,
+    "NVIDIA A100 datasheet: 312 TFLOPS bf16 dense, 19.5 fp32, 1555 GB/s HBM2, 40 GB",
+)
+A100_80 = Gpu(
+    "A100-SXM4-80GB",
+    312e12,
+    19.5e12,
+    2039 * GB,
+    80 * GiB,
+    HBM,
+    LARGE,
+    "NVIDIA A100 datasheet: 312 TFLOPS bf16 dense, 19.5 fp32, 2039 GB/s HBM2e, 80 GB",
+)
+H100 = Gpu(
+    "H100-SXM",
+    989e12,
+    67e12,
+    3350 * GB,
+    80 * GiB,
+    HBM,
+    LARGE,
+    "NVIDIA H100 datasheet (SXM): 989 TFLOPS bf16 dense, 67 fp32, 3.35 TB/s HBM3, 80 GB",
+)
+H800 = evolve(
+    H100,
+    name="H800-SXM",
+    datasheet="NVIDIA H800 SXM (H100 SXM compute and memory, NVLink cut to 400 GB/s): 989 TFLOPS bf16 "
+    "dense, 3.35 TB/s, 80 GB",
+)
+H200 = Gpu(
+    "H200-SXM",
+    989e12,
+    67e12,
+    4800 * GB,
+    141 * GB,
+    HBM,
+    LARGE,
+    "NVIDIA H200 datasheet (SXM): 989 TFLOPS bf16 dense, 67 fp32, 4.8 TB/s HBM3e, 141 GB",
+)
+RTX3090 = Gpu(
+    "RTX 3090",
+    71e12,
+    35.6e12,
+    936 * GB,
+    24 * GiB,
+    GDDR,
+    LARGE,
+    "NVIDIA GA102 whitepaper: RTX 3090 71 TFLOPS fp16 tensor with fp32 accumulate, 35.6 fp32, "
+    "936 GB/s, 24 GB",
+)
+RTX4090 = Gpu(
+    "RTX 4090",
+    165.2e12,
+    82.6e12,
+    1008 * GB,
+    24 * GiB,
+    GDDR,
+    LARGE,
+    "NVIDIA Ada whitepaper: RTX 4090 165.2 TFLOPS fp16 tensor with fp32 accumulate, 82.6 fp32, "
+    "1008 GB/s, 24 GB",
+)
+RTX5090 = Gpu(
+    "RTX 5090",
+    209.5e12,
+    104.8e12,
+    1792 * GB,
+    32 * GiB,
+    GDDR,
+    LARGE,
+    "NVIDIA RTX Blackwell whitepaper: RTX 5090 209.5 TFLOPS fp16 tensor dense, 104.8 fp32, "
+    "1792 GB/s GDDR7, 32 GB",
+)
+QUADRO_RTX6000 = Gpu(
+    "Quadro RTX 6000",
+    130.5e12,
+    16.3e12,
+    672 * GB,
+    24 * GiB,
+    GDDR,
+    LARGE,
+    "NVIDIA Quadro RTX 6000 datasheet: 130.5 TFLOPS tensor, 16.3 fp32, 672 GB/s, 24 GB "
+    "(Fiddler Table 1: 24576 MiB)",
+)
+RTX6000_ADA = Gpu(
+    "RTX 6000 Ada",
+    364.2e12,
+    91.1e12,
+    960 * GB,
+    48 * GiB,
+    GDDR,
+    LARGE,
+    "NVIDIA RTX 6000 Ada datasheet: 1457 TFLOPS fp8 sparse (364.2 fp16 dense), 91.1 fp32, "
+    "960 GB/s, 48 GB (Fiddler Table 1: 49140 MiB)",
+)
+
+# --- Host links --------------------------------------------------------------------------------
+GEN3 = Link(15.75 * GB, Figure(0.8 * 15.75 * GB, PINNED), "PCIe 3.0 x16 (15.75 GB/s per direction)")
+GEN4 = Link(31.5 * GB, Figure(0.8 * 31.5 * GB, PINNED), "PCIe 4.0 x16 (31.5 GB/s per direction)")
+GEN5 = Link(63 * GB, Figure(0.8 * 63 * GB, PINNED), "PCIe 5.0 x16 (63 GB/s per direction)")
+COLLAB_LINK = Link(31.5 * GB, Figure(704.6e6 / 28.0e-3, (
+    "collaborative-inference paper, Table I: two Mixtral experts (704.6 MB) over its PCIe 4.0 x16 in 28.0 ms"
+)), "PCIe 4.0 x16")  # fmt: skip
+KLOTSKI_ENV1_LINK = Link(31.5 * GB, Figure(352.3e6 / 21e-3, (
+    "Klotski §2: one Mixtral expert (352.3 MB) takes about 21 ms to transmit on its RTX 3090 host"
+)), "PCIe 4.0 x16")  # fmt: skip
+PREGATED_LINK = Link(32 * GB, Figure(0.8 * 32 * GB, f"{PINNED}; applied to the 32 GB/s Pre-gated §V states"),
+                     "PCIe 4.0 at 32 GB/s (Pre-gated MoE §V, as stated)")  # fmt: skip
+
+# --- Hosts (datasheet: cores x clock x fp32 flop/cycle; channels x MT/s x 8 B) ---------------------
+S1_HOST = Host(
+    "MoE-Lightning Table 2 S1: Intel Xeon @ 2.30 GHz (GCP N1 Haswell), 24 vCPU = 12 cores, 192 GB; "
+    "12 x 2.3 GHz x 32 (AVX2 FMA) = 0.88 TFLOP/s; Haswell-EP 4 x DDR4-2133 = 68.3 GB/s",
+    0.88e12,
+    68.3 * GB,
+    192 * GiB,
+    NVME,
+)
+S2_HOST = Host(
+    "MoE-Lightning Table 2 S2: Intel Xeon @ 2.20 GHz (GCP G2 Cascade Lake), 24 vCPU = 12 cores, 192 GB; "
+    "12 x 2.2 GHz x 64 (AVX-512) = 1.69 TFLOP/s; 6 x DDR4-2933 = 140.8 GB/s",
+    1.69e12,
+    140.8 * GB,
+    192 * GiB,
+    NVME,
+)
+S6_HOST = Host(
+    "MoE-Lightning Table 2 S6-S9: Intel Xeon @ 2.30 GHz (GCP N1 Haswell), 32 vCPU = 16 cores, 416 GB; "
+    "16 x 2.3 GHz x 32 = 1.18 TFLOP/s; 4 x DDR4-2133 = 68.3 GB/s",
+    1.18e12,
+    68.3 * GB,
+    416 * GiB,
+    NVME,
+)
+KLOTSKI_ENV1_HOST = Host(
+    "Klotski Table 2 Env1: Xeon Gold 5318Y (24 cores, 2.1 GHz, AVX-512: 3.2 TFLOP/s; "
+    "8 x DDR4-2933 = 187.7 GB/s), 256 GB",
+    3.2e12,
+    187.7 * GB,
+    256 * GiB,
+    Figure(1 * GB, "Klotski Table 2 Env1: disk read 1 GB/s"),
+)
+KLOTSKI_ENV2_HOST = Host(
+    "Klotski Table 2 Env2: Xeon Platinum 8470 (52 cores, 2.0 GHz, AVX-512: 6.7 TFLOP/s; "
+    "8 x DDR5-4800 = 307.2 GB/s), 800 GB",
+    6.7e12,
+    307.2 * GB,
+    800 * GiB,
+    NVME,
+)
+FIDDLER_ENV1_HOST = Host(
+    "Fiddler Table 1 Env1: Xeon Gold 6126, 48 threads = 2 sockets x 12 cores, 2.6 GHz, "
+    "AVX-512: 4.0 TFLOP/s; 2 x 6 x DDR4-2666 = 256 GB/s; memory not stated, assumed 192 GiB",
+    4.0e12,
+    256 * GB,
+    192 * GiB,
+    NVME,
+)
+FIDDLER_ENV2_HOST = Host(
+    "Fiddler Table 1 Env2: Xeon Platinum 8480+, 112 cores = 2 sockets x 56, 2.0 GHz, "
+    "AVX-512: 14.3 TFLOP/s; 2 x 8 x DDR5-4800 = 614.4 GB/s; memory not stated, assumed 512 GiB",
+    14.3e12,
+    614.4 * GB,
+    512 * GiB,
+    NVME,
+)
+COLLAB_HOST = Host(
+    "collaborative-inference paper §IV: Threadripper 7960X, 24 cores at 4.8-5.3 GHz "
+    "(24 x 4.8 GHz x 32 = 3.7 TFLOP/s), 4 x DDR5-5200 = 166.4 GB/s; memory not stated, "
+    "assumed 256 GiB",
+    3.7e12,
+    166.4 * GB,
+    256 * GiB,
+    NVME,
+)
+PREGATED_HOST = Host(
+    "Pre-gated MoE §V: AMD EPYC 7V12, 64 cores at 2.45 GHz (x 32 = 5.0 TFLOP/s), "
+    "8 x DDR4-3200 = 204.8 GB/s, 1.8 TB",
+    5.0e12,
+    204.8 * GB,
+    1800 * GiB,
+    NVME,
+)
+AWS_G5_HOST = Host(
+    "AWS g5.16xlarge (typical A10G host): 64 vCPU = 32 cores of an EPYC 7R32 at 2.8 GHz "
+    "(x 32 = 2.9 TFLOP/s), 8 x DDR4-3200 = 204.8 GB/s, 256 GiB",
+    2.9e12,
+    204.8 * GB,
+    256 * GiB,
+    NVME,
+)
+WORKSTATION = Host(
+    "assumed workstation host: Threadripper PRO 5975WX, 32 cores at 3.6 GHz (x 32 = 3.7 TFLOP/s), "
+    "8 x DDR4-3200 = 204.8 GB/s, 256 GiB",
+    3.7e12,
+    204.8 * GB,
+    256 * GiB,
+    NVME,
+)
+SERVER_DDR4 = Host(
+    "assumed server host: one EPYC 7763 socket, 64 cores at 2.45 GHz (x 32 = 5.0 TFLOP/s), "
+    "8 x DDR4-3200 = 204.8 GB/s, 512 GiB",
+    5.0e12,
+    204.8 * GB,
+    512 * GiB,
+    NVME,
+)
+SERVER_DDR5 = Host(
+    "assumed server host: one Xeon Platinum 8480+ socket, 56 cores at 2.0 GHz (AVX-512: "
+    "7.2 TFLOP/s), 8 x DDR5-4800 = 307.2 GB/s, 1024 GiB",
+    7.2e12,
+    307.2 * GB,
+    1024 * GiB,
+    NVME,
+)
+DESKTOP_DDR4 = Host(
+    "assumed desktop host: 16 cores (AVX2, 1.7 TFLOP/s), 2 x DDR4-3200 = 51.2 GB/s, 128 GiB",
+    1.7e12,
+    51.2 * GB,
+    128 * GiB,
+    NVME,
+)
+DESKTOP_DDR5 = Host(
+    "assumed desktop host: 16 cores (2.0 TFLOP/s), 2 x DDR5-5600 = 89.6 GB/s, 128 GiB",
+    2.0e12,
+    89.6 * GB,
+    128 * GiB,
+    NVME,
+)
+
+
+def machine(name: str, gpu: Gpu, host: Host, link: Link, gpus: int = 1,
+            interconnect: Figure | None = None) -> HardwareSpec:  # fmt: skip
+    """A preset: `gpus` x `gpu` (tensor parallel) on `host` over `link`, with every source."""
+    pageable = link.pinned.value * PAGEABLE.value
+    figures = {
+        "gemm_efficiency": Figure(gpu.gemm_large.value, f"{gpu.gemm_large.source}; rows: {TILES}"),
+        "gpu_memory_efficiency": gpu.memory_efficiency,
+        "h2d_bandwidth": link.pinned, "d2h_bandwidth": link.pinned,
+        "h2d_pageable_bandwidth": Figure(pageable, PAGEABLE.source),
+        "d2h_pageable_bandwidth": Figure(pageable, PAGEABLE.source),
+        "cpu_gemm_efficiency": CPU_GEMM, "cpu_attention_efficiency": CPU_ATTENTION,
+        "cpu_compute_efficiency": CPU_COMPUTE, "gpu_launch": GPU_LAUNCH, "cpu_launch": CPU_LAUNCH,
+        "copy_latency": COPY_LATENCY, "sync_latency": SYNC, "disk_bandwidth": host.disk,
+    }  # fmt: skip
+    if interconnect is not None:
+        figures["interconnect_bandwidth"] = interconnect
+        figures["interconnect_latency"] = ALLREDUCE_LATENCY
+    values = {k: f.value for k, f in figures.items() if k != "gemm_efficiency"}
+    return HardwareSpec(
+        name, gpu.flops, gpu.bandwidth, gpu.memory * gpus,
+        host.cpu_flops, host.cpu_bandwidth, host.cpu_memory,
+        gpu_fp32_flops=gpu.fp32, gemm_efficiency=_gemm_table(gpu.gemm_large.value), link_peak=link.peak,
+        gpus=gpus, source=f"{gpus} x {gpu.datasheet}; link {link.name}; host {host.description}",
+        sources=tuple(sorted((k, f.source) for k, f in figures.items())), **values,
+    )  # fmt: skip
+
+
+ALLREDUCE_LATENCY = Figure(30e-6, "estimate: NCCL ring all-reduce of a small message, 20-50 us over PCIe")
+T4_P2P = Figure(0.8 * 15.75 * GB, (
+    "T4 has no NVLink (datasheet): NCCL all-reduces cross PCIe 3.0 x16; bus bandwidth taken as the pinned "
+    f"copy rate: {PINNED}"
+))  # fmt: skip
+A100_NVLINK = Figure(0.8 * 300 * GB, (
+    "A100 SXM NVLink 3: 600 GB/s total = 300 GB/s per direction (datasheet); estimate: NCCL reaches ~80%"
+))  # fmt: skip
+
+PRESETS: dict[str, HardwareSpec] = {
+    # MoE-Lightning (Table 2). `t4` and `l4` are its S1 and S2 machines.
+    "t4": machine("t4", T4, S1_HOST, GEN3),
+    "l4": machine("l4", L4, S2_HOST, GEN4),
+    "2xt4": machine("2xt4", T4, S6_HOST, GEN3, 2, T4_P2P),
+    "4xt4": machine("4xt4", T4, S6_HOST, GEN3, 4, T4_P2P),
+    # Klotski (Table 2), Fiddler (Table 1), collaborative inference (§IV), Pre-gated MoE (§V).
+    "klotski-env1": machine("klotski-env1", RTX3090, KLOTSKI_ENV1_HOST, KLOTSKI_ENV1_LINK),
+    "klotski-env2": machine("klotski-env2", H800, KLOTSKI_ENV2_HOST, GEN5),
+    "fiddler-env1": machine("fiddler-env1", QUADRO_RTX6000, FIDDLER_ENV1_HOST, GEN3),
+    "fiddler-env2": machine("fiddler-env2", RTX6000_ADA, FIDDLER_ENV2_HOST, GEN4),
+    "collab-4090": machine("collab-4090", RTX4090, COLLAB_HOST, COLLAB_LINK),
+    "pregated-a100": machine("pregated-a100", A100_80, PREGATED_HOST, PREGATED_LINK),
+    # GPUs people offload on, each with a typical host.
+    "a10g": machine("a10g", A10G, AWS_G5_HOST, GEN4),
+    "a5000": machine("a5000", A5000, WORKSTATION, GEN4),
+    "a6000": machine("a6000", A6000, WORKSTATION, GEN4),
+    "a40": machine("a40", A40, SERVER_DDR4, GEN4),
+    "l40s": machine("l40s", L40S, SERVER_DDR4, GEN4),
+    "a100-40": machine("a100-40", A100_40, SERVER_DDR4, GEN4),
+    "a100-80": machine("a100-80", A100_80, SERVER_DDR4, GEN4),
+    "2xa100-80": machine("2xa100-80", A100_80, SERVER_DDR4, GEN4, 2, A100_NVLINK),
+    "h100": machine("h100", H100, SERVER_DDR5, GEN5),
+    "h200": machine("h200", H200, SERVER_DDR5, GEN5),
+    "rtx3090": machine("rtx3090", RTX3090, DESKTOP_DDR4, GEN4),
+    "rtx4090": machine("rtx4090", RTX4090, DESKTOP_DDR5, GEN4),
+    "rtx5090": machine("rtx5090", RTX5090, DESKTOP_DDR5, GEN5),
+}
+ALIASES = {"moe-lightning-s1": "t4", "moe-lightning-s2": "l4", "moe-lightning-s6": "2xt4",
+           "moe-lightning-s7": "4xt4"}  # fmt: skip
+PRESETS.update({alias: evolve(PRESETS[target], name=alias) for alias, target in ALIASES.items()})
