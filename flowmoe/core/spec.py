@@ -191,6 +191,7 @@ class ModelSpec:
     def from_hf(cls, source: str | Path | dict[str, Any]) -> ModelSpec:
         """Read a Hugging Face `config.json` (a path to it, its folder, or the parsed dict)."""
         from flowmoe.core.families import family_for_config
+        from flowmoe.core.families.config_fields import check_config
 
         if isinstance(source, dict):
             config, where = source, "config"
@@ -200,6 +201,7 @@ class ModelSpec:
                 path = path / "config.json"
             config, where = read_json_object(path), str(path)
         family = family_for_config(config, where)
+        check_config(config, where)
         try:
             return family.parse(config, name=_model_name(source))
         except KeyError as exc:

@@ -3,7 +3,8 @@
 The template comes from `chat_template.jinja` beside the model, or from the
 `chat_template` field of tokenizer_config.json (a string, or a list of named
 templates of which "default" is used). Templates are untrusted code from a
-model's author, so they run in jinja2's immutable sandbox.
+model's author, so they run in jinja2's immutable sandbox, under a deadline and a
+size budget (template_sandbox.py); whatever a template raises fails its prompt line.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from typing import Any
 
 import jinja2
 from attrs import frozen
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from flowmoe.core.errors import ConfigError, PromptFileError
-from flowmoe.core.jsonfile import read_json_object
+from flowmoe.core.jsonfile import read_bytes, read_json_object
+from flowmoe.model.template_sandbox import BoundedSandbox, render_bounded
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -37,14 +38,14 @@ class ChatTemplate:
         folder = Path(folder)
         config = _read_config(folder / "tokenizer_config.json")
         jinja_file = folder / "chat_template.jinja"
-        if jinja_file.is_file():
-            source, text = jinja_file, jinja_file.read_text(encoding="utf-8")
+        if _present(jinja_file):
+            source, text = jinja_file, _read_text(jinja_file)
         else:
             source, text = folder / "tokenizer_config.json", _config_template(config, folder)
         if text is None:
             return None
         try:
-            template = _environment().from_string(text)
+            template = _environment().compile_bounded(text)
         except jinja2.TemplateSyntaxError as exc:
             raise ConfigError(f"{source}: chat template line {exc.lineno}: {exc.message}") from exc
         return cls(template, _special_tokens(config), source)
@@ -52,15 +53,37 @@ class ChatTemplate:
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         """The conversation as the model was trained to see it, ending where its reply begins."""
         try:
-            return self.template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens
+            text = render_bounded(
+                self.template,
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
             )
         except jinja2.TemplateError as exc:
             raise PromptFileError(f"chat template ({self.source.name}): {exc}") from exc
+        except RecursionError as exc:
+            raise PromptFileError(f"chat template ({self.source.name}): recursion too deep") from exc
+        except Exception as exc:  # the template is untrusted code: what it raises fails its line only
+            raise PromptFileError(f"chat template ({self.source.name}): {type(exc).__name__}: {exc}") from exc
+        if not text:
+            raise PromptFileError(f"chat template ({self.source.name}): rendered an empty prompt")
+        return text
+
+
+def _present(path: Path) -> bool:
+    """There is something at `path` to read (or to name in an error: a directory, a broken link)."""
+    return path.exists() or path.is_symlink()
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    return read_json_object(path) if path.is_file() else {}
+    return read_json_object(path) if _present(path) else {}
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return read_bytes(path).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
 
 
 def _config_template(config: dict[str, Any], folder: Path) -> str | None:
@@ -88,12 +111,10 @@ def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
     return tokens
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
+def _environment() -> BoundedSandbox:
     """The environment transformers renders chat templates in (trimmed blocks, loop controls,
-    a tojson that keeps non-ASCII text, raise_exception and strftime_now)."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
+    a tojson that keeps non-ASCII text, raise_exception and strftime_now), bounded."""
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

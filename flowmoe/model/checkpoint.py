@@ -8,7 +8,8 @@ Weights are then read lazily, a layer at a time, straight from the mapped files.
 
 from __future__ import annotations
 
-import json
+import posixpath
+import stat
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -16,10 +17,12 @@ from typing import Any
 
 import torch
 from attrs import define, field
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from flowmoe.core.errors import CheckpointError
+from flowmoe.core.jsonfile import os_reason, read_json_object
 from flowmoe.core.spec import ModelSpec
+from flowmoe.model.shard_header import TensorInfo, read_header
 from flowmoe.model.tensor_map import Shape, TensorMap
 
 INDEX = "model.safetensors.index.json"
@@ -35,60 +38,86 @@ class Checkpoint:
     spec: ModelSpec
     dtype: torch.dtype
     _where: dict[str, Path] = field(factory=dict)  # tensor name -> shard file
+    _info: dict[str, TensorInfo] = field(factory=dict)  # tensor name -> dtype and shape
     _handles: dict[Path, Any] = field(factory=dict)
     _stack: ExitStack = field(factory=ExitStack)
 
     @classmethod
     def open(cls, folder: str | Path, dtype: str | None = None) -> Checkpoint:
         folder = Path(folder)
-        if not folder.is_dir():
-            raise CheckpointError(f"{folder}: checkpoint folder not found")
-        spec = ModelSpec.from_hf(folder / "config.json")
+        _check_folder(folder)
+        spec = ModelSpec.from_hf(folder)
         if dtype is not None:
             spec = spec.with_dtype(dtype)
         ckpt = cls(folder, spec, TORCH_DTYPES[spec.dtype])
-        weight_map = ckpt._weight_map()
-        for shard in ckpt._shards(weight_map):
-            handle = ckpt._stack.enter_context(safe_open(str(shard), framework="pt"))
-            ckpt._handles[shard] = handle
-            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
-                ckpt._where.setdefault(name, shard)
-        ckpt._check_index_names(weight_map)
-        ckpt.validate()
+        try:
+            ckpt._locate(ckpt._weight_map())
+            ckpt.validate()
+        except BaseException:
+            ckpt.close()
+            raise
         return ckpt
 
     def close(self) -> None:
         self._stack.close()
         self._handles.clear()
 
-    def _weight_map(self) -> dict[str, str] | None:
+    def _weight_map(self) -> dict[str, Path] | None:
         """The index's tensor -> shard map, or None for a checkpoint without an index."""
         index = self.folder / INDEX
-        if not index.is_file():
+        if not index.exists() and not index.is_symlink():
             return None
-        try:
-            return dict(json.loads(index.read_text())["weight_map"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+        weight_map = read_json_object(index, CheckpointError).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f'{index}: "weight_map" must be an object of tensor name -> shard file')
+        return {name: self._inside(file) for name, file in weight_map.items()}
 
-    def _shards(self, weight_map: dict[str, str] | None) -> list[Path]:
+    def _inside(self, entry: str) -> Path:
+        """An index entry as a file of the folder, judged by its spelling: an absolute path or one
+        that climbs out with `..` is refused (the file itself may be a link, as in the HF cache)."""
+        normal = posixpath.normpath(entry)
+        if not entry or "\0" in entry or posixpath.isabs(normal) or normal.split("/")[0] in ("..", "."):
+            raise CheckpointError(
+                f"{self.folder / INDEX}: shard {entry!r} is not a file inside the checkpoint folder"
+            )
+        return self.folder / normal
+
+    def _locate(self, weight_map: dict[str, Path] | None) -> None:
+        """Where each tensor lives: the index decides; a tensor it does not place must be in one
+        shard only."""
+        shards = self._shards(weight_map)
+        headers = {shard: read_header(shard) for shard in shards}
+        found: dict[str, list[Path]] = {}
+        for shard, header in headers.items():
+            for name in header:
+                found.setdefault(name, []).append(shard)
+        for name, shard in (weight_map or {}).items():
+            if name not in headers[shard]:
+                raise CheckpointError(f"{shard}: tensor {name} listed in {INDEX} is not in the shard")
+        for name, where in found.items():
+            placed = (weight_map or {}).get(name)
+            if placed is None and len(where) > 1:
+                settle = f"{INDEX} does not place it" if weight_map is not None else f"there is no {INDEX}"
+                raise CheckpointError(f"tensor {name} is in both {where[0]} and {where[1]}, and {settle}")
+            self._where[name] = placed or where[0]
+            self._info[name] = headers[self._where[name]][name]
+        for shard in sorted(set(self._where.values())):
+            try:
+                self._handles[shard] = self._stack.enter_context(safe_open(str(shard), framework="pt"))
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"{shard}: not a readable safetensors file ({exc})") from exc
+
+    def _shards(self, weight_map: dict[str, Path] | None) -> list[Path]:
         if weight_map is not None:
-            shards = sorted({self.folder / f for f in weight_map.values()})
+            shards = sorted(set(weight_map.values()))
             for shard in shards:
-                if not shard.is_file():
+                if not shard.exists() and not shard.is_symlink():
                     raise CheckpointError(f"{shard}: shard listed in {INDEX} is missing")
             return shards
         shards = sorted(self.folder.glob("*.safetensors"))
         if not shards:
             raise CheckpointError(f"{self.folder}: no *.safetensors files and no {INDEX}")
         return shards
-
-    def _check_index_names(self, weight_map: dict[str, str] | None) -> None:
-        for name, file in (weight_map or {}).items():
-            if name not in self._where:
-                raise CheckpointError(
-                    f"{self.folder / file}: tensor {name} listed in {INDEX} is not in the shard"
-                )
 
     # ---- TensorSource
 
@@ -105,14 +134,14 @@ class Checkpoint:
     def _check(self, name: str, shape: Shape) -> None:
         if name not in self._where:
             raise CheckpointError(f"{self.folder}: tensor {name} is missing from the checkpoint")
-        shard = self._where[name]
-        info = self._handles[shard].get_slice(name)
-        found = tuple(info.get_shape())
-        if found != tuple(shape):
-            raise CheckpointError(f"{shard}: tensor {name} has shape {list(found)}, expected {list(shape)}")
-        if info.get_dtype() not in FLOAT_DTYPES:
+        shard, info = self._where[name], self._info[name]
+        if info.shape != tuple(shape):
             raise CheckpointError(
-                f"{shard}: tensor {name} has dtype {info.get_dtype()}, expected one of F32, F16, BF16"
+                f"{shard}: tensor {name} has shape {list(info.shape)}, expected {list(shape)}"
+            )
+        if info.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{shard}: tensor {name} has dtype {info.dtype}, expected one of F32, F16, BF16"
             )
 
     def expected(self) -> Iterator[tuple[str, Shape]]:
@@ -128,3 +157,12 @@ class Checkpoint:
     def validate(self) -> None:
         for name, shape in self.expected():
             self._check(name, shape)
+
+
+def _check_folder(folder: Path) -> None:
+    try:
+        mode = folder.stat().st_mode
+    except OSError as exc:
+        raise CheckpointError(f"{folder}: checkpoint folder: {os_reason(exc)}") from exc
+    if not stat.S_ISDIR(mode):
+        raise CheckpointError(f"{folder}: not a checkpoint folder (a file)")

@@ -25,10 +25,10 @@ def load_model(
 
     `layers` cuts a preset to its first layers; `progress(done, total)` is called per layer."""
     path = Path(source)
-    if path.is_dir():
-        ckpt = Checkpoint.open(path, dtype)
+    if path.exists() or path.is_symlink():  # a folder, or something in its place to name
         if layers is not None:
             raise ConfigError("--layers applies to presets only; a checkpoint loads all its layers")
+        ckpt = Checkpoint.open(path, dtype)
         return _assemble(ckpt, ckpt.spec, progress)
     if str(source) in PRESETS:
         spec = preset(str(source), layers=layers, dtype=dtype)

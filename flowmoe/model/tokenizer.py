@@ -3,13 +3,13 @@ and its chat template when it has one."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from attrs import frozen
 from tokenizers import Tokenizer
 
 from flowmoe.core.errors import ConfigError
+from flowmoe.core.jsonfile import read_json_object
 from flowmoe.model.chat import ChatTemplate, Message
 
 
@@ -23,7 +23,7 @@ class TextCodec:
     def from_folder(cls, folder: str | Path) -> TextCodec | None:
         """None when the folder has no tokenizer.json (prompts must then give input_ids)."""
         path = Path(folder) / "tokenizer.json"
-        if not path.is_file():
+        if not path.exists() and not path.is_symlink():
             return None
         try:
             tokenizer = Tokenizer.from_file(str(path))
@@ -63,9 +63,9 @@ class StopStrings:
 def _config_eos(folder: Path, tokenizer: Tokenizer) -> set[int]:
     """eos ids named by tokenizer_config.json (as a token string), if any."""
     path = folder / "tokenizer_config.json"
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return set()
-    eos = json.loads(path.read_text()).get("eos_token")
+    eos = read_json_object(path).get("eos_token")
     if isinstance(eos, dict):
         eos = eos.get("content")
     token_id = tokenizer.token_to_id(eos) if isinstance(eos, str) else None

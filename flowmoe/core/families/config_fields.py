@@ -1,0 +1,200 @@
+"""The config.json fields the families read, with their types and ranges, checked before parsing.
+
+One table says what each field may hold; a bad value fails with one line naming
+the field and what is allowed, instead of a ZeroDivisionError or a model that
+runs zero layers. A field absent (or null) keeps its family default; required
+fields are the family parser's concern.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Literal
+
+from attrs import frozen
+
+from flowmoe.core.errors import ConfigError
+
+Kind = Literal["int", "number", "bool", "str"]
+LAYER_TYPES = ("full_attention", "sliding_attention")
+MAX_LAYERS = 4096  # per-layer tables are built eagerly; the deepest published MoE has 94
+
+
+@frozen
+class Field:
+    """What one field may hold: a kind, bounds (inclusive `at_least`, exclusive `above`), choices."""
+
+    kind: Kind
+    at_least: float | None = None
+    above: float | None = None
+    at_most: float | None = None
+    choices: tuple[str, ...] = ()
+    many: bool = False  # a list of such values (or one value, when `one_or_many`)
+    one_or_many: bool = False
+
+    def ok(self, value: Any) -> bool:
+        if self.many and isinstance(value, list):
+            return all(self._ok_one(v) for v in value)
+        return (not self.many or self.one_or_many) and self._ok_one(value)
+
+    def _ok_one(self, value: Any) -> bool:
+        if self.kind == "bool":
+            return isinstance(value, bool)
+        if self.kind == "str":
+            return isinstance(value, str) and (not self.choices or value in self.choices)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if self.kind == "int" and not isinstance(value, int):
+            return False
+        if not math.isfinite(value):
+            return False
+        return (
+            (self.at_least is None or value >= self.at_least)
+            and (self.above is None or value > self.above)
+            and (self.at_most is None or value <= self.at_most)
+        )
+
+    def describe(self) -> str:
+        one = self._describe_one()
+        if not self.many:
+            return one
+        plural = f"a list of {one.removeprefix('an ').removeprefix('a ')}s"
+        return f"{one} or {plural}" if self.one_or_many else plural
+
+    def _describe_one(self) -> str:
+        if self.kind == "bool":
+            return "true or false"
+        if self.kind == "str":
+            return f"one of {', '.join(self.choices)}" if self.choices else "a string"
+        text = "an integer" if self.kind == "int" else "a number"
+        bounds = [
+            f"≥ {_num(self.at_least)}" if self.at_least is not None else "",
+            f"> {_num(self.above)}" if self.above is not None else "",
+            f"≤ {_num(self.at_most)}" if self.at_most is not None else "",
+        ]
+        return " ".join([text, *(b for b in bounds if b)])
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+COUNT = Field("int", at_least=1)
+POSITIVE = Field("number", above=0)
+FLAG = Field("bool")
+
+FIELDS: dict[str, Field] = {
+    "vocab_size": COUNT,
+    "hidden_size": COUNT,
+    "num_hidden_layers": Field("int", at_least=1, at_most=MAX_LAYERS),
+    "num_attention_heads": COUNT,
+    "num_key_value_heads": COUNT,
+    "head_dim": COUNT,
+    "num_local_experts": COUNT,
+    "num_experts": COUNT,
+    "n_routed_experts": COUNT,
+    "num_experts_per_tok": COUNT,
+    "intermediate_size": COUNT,
+    "moe_intermediate_size": COUNT,
+    "shared_expert_intermediate_size": Field("int", at_least=0),
+    "decoder_sparse_step": COUNT,
+    "mlp_only_layers": Field("int", at_least=0, many=True),
+    "layer_types": Field("str", choices=LAYER_TYPES, many=True),
+    "max_position_embeddings": COUNT,
+    "rms_norm_eps": POSITIVE,
+    "rope_theta": POSITIVE,
+    "sliding_window": Field("int", at_least=0),
+    "use_sliding_window": FLAG,
+    "tie_word_embeddings": FLAG,
+    "attention_bias": FLAG,
+    "qkv_bias": FLAG,
+    "norm_topk_prob": FLAG,
+    "clip_qkv": POSITIVE,
+    "swiglu_alpha": POSITIVE,
+    "swiglu_limit": POSITIVE,
+    "bos_token_id": Field("int"),
+    "eos_token_id": Field("int", many=True, one_or_many=True),
+}
+
+# inside `rope_parameters` (transformers 5) or `rope_scaling` (older)
+ROPE_FIELDS: dict[str, Field] = {
+    "rope_theta": POSITIVE,
+    "rope_type": Field("str", choices=("default", "linear", "yarn")),
+    "type": Field("str", choices=("default", "linear", "yarn")),
+    "factor": POSITIVE,
+    "original_max_position_embeddings": Field("int", at_least=0),
+    "beta_fast": POSITIVE,
+    "beta_slow": POSITIVE,
+    "truncate": FLAG,
+    "attention_factor": POSITIVE,
+}
+
+
+def check_config(config: dict[str, Any], where: str) -> None:
+    """Raise ConfigError naming the first field of `config` that no family could use."""
+    _check_fields(config, FIELDS, where, "")
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = config.get(key)
+        if rope is not None and not isinstance(rope, dict):
+            raise ConfigError(f'{where}: "{key}" must be an object or null, got {_shown(rope)}')
+        _check_fields(rope or {}, ROPE_FIELDS, where, f"{key}.")
+    _check_dtype(config, where)
+    _check_relations(config, where)
+
+
+def _check_fields(config: dict[str, Any], fields: dict[str, Field], where: str, prefix: str) -> None:
+    for name, spec in fields.items():
+        value = config.get(name)
+        if value is not None and not spec.ok(value):
+            raise ConfigError(f'{where}: "{prefix}{name}" must be {spec.describe()}, got {_shown(value)}')
+
+
+def _check_dtype(config: dict[str, Any], where: str) -> None:
+    from flowmoe.core.spec import DTYPE_BYTES
+
+    for name in ("dtype", "torch_dtype"):
+        value = config.get(name)
+        if value is not None and str(value).removeprefix("torch.") not in DTYPE_BYTES:
+            raise ConfigError(
+                f'{where}: "{name}" must be one of {", ".join(DTYPE_BYTES)}, got {_shown(value)}'
+            )
+
+
+def _check_relations(config: dict[str, Any], where: str) -> None:
+    """Limits that depend on another field: top-k within the experts, heads in whole groups."""
+    experts = next(
+        (config[k] for k in ("num_local_experts", "num_experts", "n_routed_experts") if config.get(k)), None
+    )
+    top_k = config.get("num_experts_per_tok")
+    if experts is not None and top_k is not None and top_k > experts:
+        raise ConfigError(
+            f'{where}: "num_experts_per_tok" must be an integer from 1 to the {experts} experts, got {top_k}'
+        )
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise ConfigError(
+            f'{where}: "num_key_value_heads" must divide "num_attention_heads" ({heads}), got {kv_heads}'
+        )
+    hidden = config.get("hidden_size")
+    if not config.get("head_dim") and heads is not None and hidden is not None and hidden % heads:
+        raise ConfigError(
+            f'{where}: "hidden_size" ({hidden}) must be a multiple of "num_attention_heads" ({heads}) '
+            'when "head_dim" is not given'
+        )
+    layers = config.get("num_hidden_layers")
+    types = config.get("layer_types")
+    if types and layers is not None and len(types) != layers:
+        raise ConfigError(f'{where}: "layer_types" must name one type per layer ({layers}), got {len(types)}')
+    for layer in config.get("mlp_only_layers") or []:
+        if layers is not None and layer >= layers:
+            raise ConfigError(
+                f'{where}: "mlp_only_layers" must hold layer numbers from 0 to {layers - 1}, got {layer}'
+            )
+    if types and "sliding_attention" in types and config.get("sliding_window") == 0:
+        raise ConfigError(f'{where}: "sliding_window" must be ≥ 1 when "layer_types" has sliding layers')
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
