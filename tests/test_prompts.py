@@ -20,7 +20,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 def test_good_lines(tmp_path: Path) -> None:
     result = read_prompts(_write(tmp_path, GOOD + "\n"), vocab=10, can_tokenize=True)
-    assert [p.id for p in result.prompts] == ["a", "7"]
+    assert [p.id for p in result.prompts] == ["a", 7]
     assert result.prompts[1].input_ids == (1, 2, 3) and not result.errors
 
 
@@ -49,7 +49,7 @@ def test_bad_line_reported_with_number(tmp_path: Path, line: str, message: str) 
 
 def test_text_prompt_without_tokenizer(tmp_path: Path) -> None:
     result = read_prompts(_write(tmp_path, GOOD), vocab=10, can_tokenize=False)
-    assert [p.id for p in result.prompts] == ["7"]
+    assert [p.id for p in result.prompts] == [7]
     assert "needs a tokenizer.json" in result.errors[0]
 
 

@@ -19,10 +19,12 @@ from attrs import field, frozen
 
 from flowmoe.core.errors import ConfigError
 
+JobId = str | int  # a request id exactly as the prompt file gave it: 7 and "7" are different ids
+
 
 @frozen
 class Request:
-    id: str
+    id: JobId
     input_ids: tuple[int, ...]
     index: int = 0  # position in the job: ties between equal lengths keep the job's order
 
@@ -56,6 +58,8 @@ class BatchLimits:
     def problem(self, request: Request) -> str | None:
         """Why this request can never run under these limits, or None."""
         need = self.need(request)
+        if not request.input_ids:
+            return f"request {request.id!r}: the prompt has no tokens"
         prompt = f"request {request.id!r}: {len(request.input_ids)} prompt + {self.max_new_tokens} new tokens"
         if self.max_length is not None and need > self.max_length:
             return f"{prompt} exceed the model's {self.max_length} positions"

@@ -17,8 +17,16 @@ import attrs
 import torch
 from attrs import define, field, frozen
 
-from flowmoe.core.errors import ConfigError
-from flowmoe.jobs.batching import BatchLimits, MicroBatchPlan, Opening, Request, plan_batch, refill_slots
+from flowmoe.core.errors import ConfigError, FlowmoeError
+from flowmoe.jobs.batching import (
+    BatchLimits,
+    JobId,
+    MicroBatchPlan,
+    Opening,
+    Request,
+    plan_batch,
+    refill_slots,
+)
 from flowmoe.jobs.sampling import SamplingParams, sample_rows
 from flowmoe.kernels.kv_cache import KVCache
 from flowmoe.kernels.layout import TokenLayout
@@ -30,7 +38,7 @@ __all__ = ["Engine", "MicroBatch", "Request", "Result", "Slot", "StepInput", "St
 
 @frozen
 class Result:
-    id: str
+    id: JobId
     output_ids: tuple[int, ...]
     finish_reason: str  # "length" | "stop"
     prompt_tokens: int
@@ -167,12 +175,32 @@ class Engine:
             else:
                 self.stats.decode_seconds += elapsed
             self.on_step(sum(len(mb.active) for mb in live))
+            for mb, rows in zip(live, logits, strict=True):
+                if not bool(torch.isfinite(rows).all()):  # the only check the normal path pays
+                    raise self._non_finite(mb, rows)
             finished = [r for mb, step, rows in zip(live, inputs, logits, strict=True)
                         for r in self._advance(mb, step, rows)]  # fmt: skip
             if refill is not None:
                 refill(micro_batches)
             for result in finished:
                 yield result
+
+    def _non_finite(self, mb: MicroBatch, logits: torch.Tensor) -> FlowmoeError:
+        """The error for logits [B, vocab] holding NaN or Inf, naming the first layer whose output
+        does when the first such sequence is re-run eagerly (a diagnostic pass, off the normal path)."""
+        row = int((~torch.isfinite(logits).all(dim=-1)).nonzero()[0, 0])
+        slot = mb.active[row]
+        ids = torch.tensor([*slot.request.input_ids, *slot.output], dtype=torch.int64)  # [fed tokens]
+        where = self.model.first_non_finite(ids)
+        cause = (
+            f"the eager re-run first produces them in {where}; the checkpoint's weights may hold NaN or Inf"
+            if where is not None
+            else "the eager re-run of the same tokens is finite, so the scheduler's step produced them"
+        )
+        return FlowmoeError(
+            f"request {slot.request.id!r}: the model produced non-finite logits (NaN or Inf) after "
+            f"{len(ids)} tokens; {cause}"
+        )
 
     def _slot(self, request: Request, slot: int) -> Slot:
         return Slot(request, slot, self.sampling.generator(request.id))

@@ -20,7 +20,7 @@ from flowmoe.core.errors import ConfigError, PromptFileError
 from flowmoe.jobs.batching import BatchLimits, Request, plan_batch
 from flowmoe.jobs.engine import Engine, Result, StepRunner, StepStats
 from flowmoe.jobs.joblog import JobLog
-from flowmoe.jobs.prompts import PromptLine, read_prompts
+from flowmoe.jobs.prompts import PromptLine, max_line_bytes, read_prompts
 from flowmoe.jobs.sampling import SamplingParams
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.tokenizer import StopStrings, TextCodec
@@ -74,11 +74,12 @@ def build_requests(
     if job.chat and (codec is None or codec.chat is None):
         raise ConfigError("--chat needs a chat template beside the model (tokenizer_config.json)")
     can_chat = codec is not None and codec.chat is not None
-    prompt_file = read_prompts(job.prompts, model.spec.vocab, codec is not None, can_chat)
+    vocab, bound = model.spec.vocab, max_line_bytes(model.spec.max_positions)
+    prompt_file = read_prompts(job.prompts, vocab, codec is not None, can_chat, bound)
     requests, errors = [], list(prompt_file.errors)
     for index, line in enumerate(prompt_file.prompts):
         try:
-            request = Request(line.id, _input_ids(line, codec, job.chat), index)
+            request = Request(line.id, _in_vocab(_input_ids(line, codec, job.chat), vocab), index)
             problem = limits.problem(request)
             if problem is not None:
                 raise PromptFileError(problem)
@@ -86,6 +87,16 @@ def build_requests(
         except PromptFileError as exc:
             errors.append(f"{job.prompts}:{line.line}: {exc}")
     return requests, tuple(errors)
+
+
+def _in_vocab(ids: tuple[int, ...], vocab: int) -> tuple[int, ...]:
+    """Tokenised text, range-checked like "input_ids" lines (a tokenizer may know more tokens)."""
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise PromptFileError(
+            f"the tokenizer gives id {bad}, not a token id in [0, {vocab}) (the model's vocab_size)"
+        )
+    return ids
 
 
 def _input_ids(line: PromptLine, codec: TextCodec | None, chat: bool) -> tuple[int, ...]:
@@ -121,15 +132,15 @@ async def run_job(
     requests, errors = build_requests(job, model, codec, limits)
     for error in errors:
         log.warning("bad prompt line skipped", error=error)
-    output = JobLog.open(job.output)
-    todo = [r for r in requests if r.id not in output.done]
-    log.info("job started", prompts=str(job.prompts), output=str(job.output), requests=len(todo),
-             skipped=len(requests) - len(todo), bad_lines=len(errors))  # fmt: skip
     engine = _engine(job, model, codec, runner, progress)
-    _check_memory(runner, todo, limits)
-    progress.started(len(todo))
+    output = JobLog.open(job.output, job.prompts)
+    todo = [r for r in requests if r.id not in output.done]
     started, done = time.perf_counter(), 0
     try:
+        log.info("job started", prompts=str(job.prompts), output=str(job.output), requests=len(todo),
+                 skipped=len(requests) - len(todo), bad_lines=len(errors))  # fmt: skip
+        _check_memory(runner, todo, limits)
+        progress.started(len(todo))
         async for result in engine.generate(todo, limits):
             output.append(record(result, codec))
             done += 1

@@ -1,62 +1,192 @@
 """The output JSONL of a job: appended one whole line per finished request, resumable.
 
-Re-opening a log reads the ids already done and cuts off a torn last line
-(a crash mid-write), so re-running the same command continues the job and
-never duplicates or corrupts a result.
+Opening a log takes an exclusive lock on it (a second job on the same file is
+refused, naming the process that holds it), checks that every whole line is a
+result flowmoe wrote, and only then cuts off a torn last line (a crash
+mid-write), so re-running the same command continues the job and never
+duplicates or corrupts a result, and a file flowmoe did not write is never
+modified. A failed write (disk full, I/O error) is undone before it is
+reported, so the log stays whole and resumable.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
 from attrs import define, field
 
 from flowmoe.core.errors import FlowmoeError
+from flowmoe.jobs.batching import JobId
+
+LINE_START = b'{"id": '  # every line `append` writes starts so (json.dumps keeps the key order)
+RESULT_KEYS = {"id": (str, int), "output_ids": (list,), "finish_reason": (str,)}
 
 
 @define
 class JobLog:
     path: Path
-    done: set[str] = field(factory=set)
+    done: set[JobId] = field(factory=set)  # ids as given: 7 and "7" are different requests
     _fd: int | None = None
+    _size: int = 0  # bytes of whole lines in the file
+    _holder: Path | None = None  # the sidecar naming this process as the lock's holder
 
     @classmethod
-    def open(cls, path: str | Path) -> JobLog:
+    def open(cls, path: str | Path, prompts: str | Path | None = None) -> JobLog:
+        """Lock, check and recover the log at `path` (created if missing); `prompts` is the job's
+        prompt file, which the log must not be (by identity, whatever the spelling)."""
         log = cls(Path(path))
-        log.path.parent.mkdir(parents=True, exist_ok=True)
-        if log.path.exists():
+        if prompts is not None:
+            _refuse_same_file(log.path, Path(prompts))
+        log._fd = _open_for_append(log.path)
+        try:
+            log._lock()
             log._recover()
-        log._fd = os.open(log.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except BaseException:
+            log.close()
+            raise
         return log
 
+    def _lock(self) -> None:
+        assert self._fd is not None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise FlowmoeError(
+                f"{self.path}: another flowmoe run is writing this file ({_holder_of(self.path)}); "
+                "wait for it to finish or choose another --output"
+            ) from exc
+        self._holder = holder_file(self.path)
+        try:  # who holds the lock, for the message of a second run; the lock works without it
+            self._holder.write_text(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+        except OSError:
+            self._holder = None
+
     def _recover(self) -> None:
-        data = self.path.read_bytes()
+        """Read the ids done; every whole line must be a result before a torn tail is cut."""
+        assert self._fd is not None
+        data = _read_all(self._fd)
         whole = data[: data.rfind(b"\n") + 1]
-        if len(whole) != len(data):
-            with self.path.open("r+b") as handle:  # drop the torn tail of an interrupted write
-                handle.truncate(len(whole))
-        for number, line in enumerate(whole.splitlines(), start=1):
-            try:
-                self.done.add(str(json.loads(line)["id"]))
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise FlowmoeError(
-                    f"{self.path}:{number}: existing output line is not a result ({exc})"
-                ) from exc
+        for number, line in enumerate(whole.split(b"\n")[:-1], start=1):
+            self.done.add(_result_id(line, f"{self.path}:{number}"))
+        tail = data[len(whole) :]
+        if tail and not (tail.startswith(LINE_START) or LINE_START.startswith(tail)):
+            last = whole.count(b"\n") + 1
+            raise _not_a_log(f"{self.path}:{last}", "its last line is not the start of a result")
+        if tail:  # the torn tail of an interrupted write: the request runs again
+            os.ftruncate(self._fd, len(whole))
+        self._size = len(whole)
 
     def append(self, record: dict[str, Any]) -> None:
-        """Write one result as a single line with one write call, then flush it to disk."""
+        """Write one result as a single line with one write call, then flush it to disk; a failed
+        write is cut off again, so the log keeps only whole lines."""
         assert self._fd is not None, "log is closed"
         line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
-        written = os.write(self._fd, line)
-        if written != len(line):
-            raise FlowmoeError(f"{self.path}: short write ({written} of {len(line)} bytes)")
-        os.fsync(self._fd)
-        self.done.add(str(record["id"]))
+        try:
+            written = os.write(self._fd, line)
+            if written != len(line):
+                raise OSError(errno.ENOSPC, f"short write, {written} of {len(line)} bytes")
+            os.fsync(self._fd)
+        except OSError as exc:
+            self._undo()
+            raise FlowmoeError(
+                f"{self.path}: cannot write a result ({exc.strerror}); the {len(self.done)} results "
+                "written so far are kept, re-run the same command to resume"
+            ) from exc
+        self._size += len(line)
+        self.done.add(record["id"])
+
+    def _undo(self) -> None:
+        """Cut a partly written line (best effort: the next open cuts a torn tail anyway)."""
+        assert self._fd is not None
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, self._size)
 
     def close(self) -> None:
+        if self._holder is not None:  # still holding the lock: the sidecar is ours
+            self._holder.unlink(missing_ok=True)
+            self._holder = None
         if self._fd is not None:
-            os.close(self._fd)
+            os.close(self._fd)  # releases the lock
             self._fd = None
+
+
+def holder_file(path: Path) -> Path:
+    """The sidecar where the lock's holder writes its pid and host."""
+    return path.with_name(f".{path.name}.lock")
+
+
+def _holder_of(path: Path) -> str:
+    try:
+        return holder_file(path).read_text().strip() or "holder unknown"
+    except (OSError, UnicodeDecodeError):
+        return "holder unknown"
+
+
+def _refuse_same_file(output: Path, prompts: Path) -> None:
+    try:
+        same = os.path.samefile(output, prompts)
+    except OSError:  # one of them does not exist (yet): not the same file
+        return
+    if same:
+        raise FlowmoeError(
+            f"--output {output} is the prompt file {prompts}; results must go to a file of their own"
+        )
+
+
+def _open_for_append(path: Path) -> int:
+    """The log's descriptor (read and append), creating the file; the folder must exist."""
+    if not path.parent.is_dir():
+        raise FlowmoeError(f"--output {path}: folder {path.parent} does not exist; create it first")
+    created = not path.exists()
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise FlowmoeError(f"--output {path}: cannot open for writing ({exc.strerror})") from exc
+    if created:  # make the new file's name durable too
+        _fsync_folder(path.parent)
+    return fd
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks, offset = [], 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def _result_id(line: bytes, where: str) -> JobId:
+    """The id of one existing output line, which must be a result flowmoe wrote."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise _not_a_log(where, "not a JSON result line") from exc
+    if not isinstance(row, dict):
+        raise _not_a_log(where, f"a JSON {type(row).__name__}, not a result object")
+    for key, types in RESULT_KEYS.items():
+        value = row.get(key)
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise _not_a_log(where, f'"{key}" is {json.dumps(value)[:40]}')
+    return row["id"]
+
+
+def _not_a_log(where: str, why: str) -> FlowmoeError:
+    return FlowmoeError(
+        f"{where}: existing file is not a flowmoe results log ({why}); it is left as it is, "
+        "choose another --output"
+    )

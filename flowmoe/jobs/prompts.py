@@ -8,18 +8,21 @@ not sink a job of thousands of prompts; a file with no usable line is an error.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from attrs import frozen
 
 from flowmoe.core.errors import PromptFileError
+from flowmoe.jobs.batching import JobId
+
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, which some editors put at the start of a file
 
 
 @frozen
 class PromptLine:
-    id: str
+    id: JobId
     line: int
     prompt: str | None
     input_ids: tuple[int, ...] | None
@@ -32,35 +35,89 @@ class PromptFile:
     errors: tuple[str, ...]  # one "FILE:LINE: what is wrong" per bad line
 
 
-def read_prompts(path: str | Path, vocab: int, can_tokenize: bool, can_chat: bool = False) -> PromptFile:
+BYTES_PER_POSITION = 32  # an "input_ids" entry takes <= 8 bytes, a text token rarely > 16 (x2 as \u escapes)
+LINE_SLACK = 64 * 1024  # the id, the keys, a chat conversation's framing
+
+
+def max_line_bytes(positions: int) -> int:
+    """The longest prompt line a model of `positions` positions can take whole; longer lines are
+    bad lines, refused before they are parsed or tokenised."""
+    return BYTES_PER_POSITION * positions + LINE_SLACK
+
+
+def read_prompts(
+    path: str | Path,
+    vocab: int,
+    can_tokenize: bool,
+    can_chat: bool = False,
+    max_line_bytes: int | None = None,
+) -> PromptFile:
+    """Read a prompt file line by line as bytes: a line that is too long (`max_line_bytes`), not
+    UTF-8, too deeply nested or otherwise not a prompt is reported and the others are read."""
     path = Path(path)
     if not path.is_file():
         raise PromptFileError(f"{path}: prompt file not found")
     prompts: list[PromptLine] = []
     errors: list[str] = []
-    seen: set[str] = set()
-    with path.open(encoding="utf-8", errors="strict") as handle:
-        try:
-            lines = handle.readlines()
-        except UnicodeDecodeError as exc:
-            raise PromptFileError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
-    for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        try:
-            prompt = _parse(json.loads(text), number, vocab, can_tokenize, can_chat)
-            if prompt.id in seen:
-                raise PromptFileError(f"duplicate id {prompt.id!r}")
-            seen.add(prompt.id)
-            prompts.append(prompt)
-        except json.JSONDecodeError as exc:
-            errors.append(f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno})")
-        except PromptFileError as exc:
-            errors.append(f"{path}:{number}: {exc}")
+    seen: set[JobId] = set()
+    with path.open("rb") as handle:
+        for number, (raw, whole) in enumerate(_lines(handle, max_line_bytes), start=1):
+            if number == 1 and raw.startswith(BOM):
+                raw = raw[len(BOM) :]
+            try:
+                if not whole:
+                    raise PromptFileError(
+                        f"line longer than {max_line_bytes} bytes (the bound for this model)"
+                    )
+                text = _decode(raw)
+                if not text.strip():
+                    continue
+                prompt = _parse(_load(text), number, vocab, can_tokenize, can_chat)
+                if prompt.id in seen:
+                    raise PromptFileError(f"duplicate id {prompt.id!r}")
+                seen.add(prompt.id)
+                prompts.append(prompt)
+            except PromptFileError as exc:
+                errors.append(f"{path}:{number}: {exc}")
     if not prompts:
         detail = f"; first problem: {errors[0]}" if errors else ""
         raise PromptFileError(f"{path}: no usable prompt lines{detail}")
     return PromptFile(tuple(prompts), tuple(errors))
+
+
+def _lines(handle: BinaryIO, max_line_bytes: int | None) -> Iterator[tuple[bytes, bool]]:
+    """(line, whole) for each line; a line over `max_line_bytes` is skipped to its end unread
+    and given as (b"", False), so one huge line costs no memory."""
+    limit = -1 if max_line_bytes is None else max_line_bytes + 2  # the line and its \r\n
+    while raw := handle.readline(limit):
+        if max_line_bytes is None or len(raw.rstrip(b"\r\n")) <= max_line_bytes:
+            yield raw, True
+            continue
+        while raw and not raw.endswith(b"\n"):
+            raw = handle.readline(1 << 20)
+        yield b"", False
+
+
+def _decode(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PromptFileError(f"not UTF-8 text ({exc.reason} at byte {exc.start + 1} of the line)") from exc
+
+
+def _load(text: str) -> Any:
+    """One JSON line, which must hold valid Unicode (no lone surrogate from a \\u escape)."""
+    try:
+        obj = json.loads(text)
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except json.JSONDecodeError as exc:
+        raise PromptFileError(f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
+    except RecursionError as exc:
+        raise PromptFileError("JSON nested too deeply") from exc
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode()
+        raise PromptFileError(f"holds a lone surrogate ({bad}), which is not Unicode text") from exc
+    return obj
 
 
 def _parse(obj: Any, number: int, vocab: int, can_tokenize: bool, can_chat: bool) -> PromptLine:
@@ -75,10 +132,10 @@ def _parse(obj: Any, number: int, vocab: int, can_tokenize: bool, can_chat: bool
     if len(given) != 1:
         raise PromptFileError('give exactly one of "prompt" and "input_ids" (or "messages")')
     if given[0] == "prompt":
-        return PromptLine(str(ident), number, _text(obj["prompt"], can_tokenize), None)
+        return PromptLine(ident, number, _text(obj["prompt"], can_tokenize), None)
     if given[0] == "messages":
-        return PromptLine(str(ident), number, None, None, _messages(obj["messages"], can_chat))
-    return PromptLine(str(ident), number, None, _ids(obj["input_ids"], vocab))
+        return PromptLine(ident, number, None, None, _messages(obj["messages"], can_chat))
+    return PromptLine(ident, number, None, _ids(obj["input_ids"], vocab))
 
 
 def _text(value: Any, can_tokenize: bool) -> str:

@@ -30,7 +30,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self, request_id: str) -> torch.Generator | None:
+    def generator(self, request_id: str | int) -> torch.Generator | None:
         """A generator of its own for each request, seeded from --seed and the request's id, so
         its tokens depend neither on which requests share its batch nor on its place in the file
         (a resumed job draws the same tokens)."""

@@ -178,3 +178,29 @@ class MoEModel:
         for layer in range(self.spec.layers):
             hidden = self.forward_layer(layer, hidden, cache, layout, rope)
         return self.logits(hidden if all_rows else hidden[layout.last_rows.to(hidden.device)])
+
+    # ---- diagnostics (off the normal path)
+
+    def first_non_finite(self, ids: torch.Tensor) -> str | None:
+        """Where one sequence's forward pass first holds a NaN or Inf: ids [T] are re-run eagerly
+        on a fresh cache with a check after the embedding, every layer and the head -> "the
+        embedding", "layer 3", "the final norm and lm_head", or None when all are finite. For
+        after non-finite logits were seen; it costs a whole prefill."""
+        device = self.weights.embed.device
+        ids = ids.to(device)
+        layout = TokenLayout(slots=(0,), counts=(len(ids),), past=(0,))
+        cache = self.new_cache(1, len(ids), device)
+        with torch.inference_mode():
+            hidden = self.embed(ids)  # [T, hidden]
+            if not _finite(hidden):
+                return "the embedding"
+            rope = self.rope(layout, device)
+            for layer in range(self.spec.layers):
+                hidden = self.forward_layer(layer, hidden, cache, layout, rope)
+                if not _finite(hidden):
+                    return f"layer {layer} (counting from 0)"
+            return None if _finite(self.logits(hidden[-1:])) else "the final norm and lm_head"
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    return bool(torch.isfinite(tensor).all())
