@@ -14,19 +14,30 @@ from pathlib import Path
 from typing import Any
 
 from flowmoe.core.plan import Lane
+from flowmoe.traces.summary import STEPS_EVENT
 from flowmoe.traces.trace import Trace
 
 DEVICES = ("gpu", "cpu", "disk")
 LANES = tuple(Lane)
 
 
-def _us(seconds: float) -> float:
-    return round(seconds * 1e6, 3)
+def _ns(seconds: float) -> int:
+    return round(seconds * 1e9)
+
+
+def _us(ns: int) -> float:
+    """Integer nanoseconds as microseconds: ts and ts + dur land on whole nanoseconds, so
+    consecutive slices of a lane never overlap by a rounding error."""
+    return ns / 1000
 
 
 def chrome_trace(traces: list[Trace]) -> dict[str, Any]:
     """One process group per trace (stacked in Perfetto), all on one time origin."""
-    origin = min((t.origin for t in traces if t.spans or t.counters), default=0.0)
+    origin = min((t.origin for t in traces if t.spans or t.counters or t.steps), default=0.0)
+
+    def at(seconds: float) -> float:
+        return _us(_ns(seconds - origin))
+
     events: list[dict[str, Any]] = []
     flow_id = 0
     for group, trace in enumerate(traces):
@@ -47,11 +58,12 @@ def chrome_trace(traces: list[Trace]) -> dict[str, Any]:
             args = {
                 "id": node.id, "op": str(node.op), "layer": node.layer, "mb": node.mb, "expert": node.expert,
                 "bytes": node.bytes, "flops": node.flops, "deps": list(node.deps),
-                "queued_us": _us(span.queued - origin),
+                "queued_us": at(span.queued),
             }  # fmt: skip
             where = {"pid": pid_of[node.lane.device], "tid": _tid(node.lane)}
-            events.append({"name": node.label, "cat": str(node.op), "ph": "X", "ts": _us(span.start - origin),
-                           "dur": _us(span.end - span.start), **where, "args": args})  # fmt: skip
+            start, end = _ns(span.start - origin), _ns(span.end - origin)
+            events.append({"name": node.label, "cat": str(node.op), "ph": "X", "ts": _us(start),
+                           "dur": _us(end - start), **where, "args": args})  # fmt: skip
             for dep in node.deps:
                 producer = by_id.get(dep)
                 if producer is None or producer.node.lane == node.lane:
@@ -59,11 +71,23 @@ def chrome_trace(traces: list[Trace]) -> dict[str, Any]:
                 flow_id += 1
                 source = {"pid": pid_of[producer.node.lane.device], "tid": _tid(producer.node.lane)}
                 common = {"name": "dep", "cat": "dep", "id": flow_id}
-                events.append({**common, "ph": "s", "ts": _us(producer.start - origin), **source})
-                events.append({**common, "ph": "f", "bp": "e", "ts": _us(span.start - origin), **where})
+                events.append({**common, "ph": "s", "ts": at(producer.start), **source})
+                events.append({**common, "ph": "f", "bp": "e", "ts": at(span.start), **where})
         for sample in trace.counters:
-            at = {"pid": pid_of[sample.device], "tid": 0, "ts": _us(sample.time - origin)}
-            events.append({"ph": "C", "name": sample.name, **at, "args": {"value": sample.value}})
+            where = {"pid": pid_of[sample.device], "tid": 0, "ts": at(sample.time)}
+            events.append({"ph": "C", "name": sample.name, **where, "args": {"value": sample.value}})
+        if trace.steps:
+            steps = [
+                {
+                    "start_us": at(w.start),
+                    "end_us": at(w.end),
+                    "weight": w.weight,
+                    "host_us": None if w.host_seconds is None else w.host_seconds * 1e6,
+                }
+                for w in trace.steps
+            ]
+            events.append({"ph": "M", "name": STEPS_EVENT, "pid": pid_of["gpu"], "tid": 0,
+                           "args": {"steps": steps}})  # fmt: skip
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -77,6 +101,7 @@ def write_chrome(path: str | Path, traces: list[Trace]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        user_mode(fd)
         with os.fdopen(fd, "w") as handle:
             json.dump(chrome_trace(traces), handle)
         os.replace(tmp, path)
@@ -84,6 +109,24 @@ def write_chrome(path: str | Path, traces: list[Trace]) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def user_mode(fd: int) -> None:
+    """Give a file made by mkstemp (mode 0600) the mode any other output gets: 0666 less the umask."""
+    os.fchmod(fd, 0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (/proc/self/status)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o077)  # elsewhere: set and restore (briefly the strictest mask, never a looser one)
+    os.umask(umask)
+    return umask
 
 
 def validate_chrome(data: dict[str, Any]) -> list[str]:

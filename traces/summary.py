@@ -1,7 +1,8 @@
-"""Trace analysis: per-lane busy time and utilisation, bubbles, makespan and the critical path.
+"""Trace analysis: the run statistics (traces/stats.py) of each trace group, and the critical path.
 
-Works on the Chrome JSON flowmoe writes, so any saved trace can be summarised;
-a comparison trace gives one summary per scheduler (process group).
+Works on the Chrome JSON flowmoe writes, and on any Chrome trace (events without a pid or tid
+fall in process 0, thread 0), so a saved trace can be summarised; a comparison trace gives one
+summary per scheduler (process group).
 """
 
 from __future__ import annotations
@@ -12,38 +13,29 @@ from typing import Any
 
 from attrs import frozen
 
+from flowmoe.core.errors import FlowmoeError
+from flowmoe.traces.stats import LaneStats, RunStats, SpanRecord, Window, run_stats
 
-@frozen
-class SpanRecord:
-    id: int
-    lane: str
-    op: str
-    label: str
-    start: float  # microseconds
-    end: float
-    queued: float
-    deps: tuple[int, ...]
-
-
-@frozen
-class LaneStats:
-    lane: str
-    nodes: int
-    busy_us: float
-    utilisation: float  # busy / makespan
-    bubble_us: float  # idle while its next node was already queued (waiting on dependencies)
+STEPS_EVENT = "flowmoe_steps"  # metadata event: a trace group's step windows
 
 
 @frozen
 class TraceSummary:
     group: str
-    makespan_us: float
-    lanes: tuple[LaneStats, ...]
+    stats: RunStats
     critical_path: tuple[SpanRecord, ...]
 
     @property
-    def busiest(self) -> LaneStats:
-        return max(self.lanes, key=lambda lane: lane.busy_us)
+    def makespan_us(self) -> float:
+        return self.stats.makespan_seconds * 1e6
+
+    @property
+    def lanes(self) -> tuple[LaneStats, ...]:
+        return self.stats.lanes
+
+    @property
+    def busiest(self) -> LaneStats | None:
+        return self.stats.busiest
 
     def critical_by_op(self) -> dict[str, float]:
         """Microseconds of the critical path spent in each op."""
@@ -53,55 +45,105 @@ class TraceSummary:
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def _events(data: dict[str, Any]) -> list[dict[str, Any]]:
+    events = data.get("traceEvents")
+    if not isinstance(events, list):
+        raise FlowmoeError("traceEvents is not a list of events")
+    return [e for e in events if isinstance(e, dict)]
+
+
+def _group(names: dict[Any, str], pid: Any) -> str:
+    process = names.get(pid, "flowmoe")
+    return process.split(": ", 1)[0] if ": " in process else "run"
+
+
+def _number(event: dict[str, Any], key: str, index: int) -> float:
+    value = event.get(key, 0.0 if key == "dur" else None)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise FlowmoeError(f"event {index} ({event.get('name', '?')}): {key} is not a number")
+    return float(value)
+
+
+def _int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
 def records_by_group(data: dict[str, Any]) -> dict[str, list[SpanRecord]]:
     """X events grouped by trace group (the part of the process name before ': ')."""
-    names = {e["pid"]: e["args"]["name"] for e in data["traceEvents"] if e.get("name") == "process_name"}
+    events = _events(data)
+    names = {
+        e.get("pid", 0): str(e.get("args", {}).get("name")) for e in events if e.get("name") == "process_name"
+    }
     threads = {
-        (e["pid"], e["tid"]): e["args"]["name"] for e in data["traceEvents"] if e.get("name") == "thread_name"
+        (e.get("pid", 0), e.get("tid", 0)): str(e.get("args", {}).get("name"))
+        for e in events
+        if e.get("name") == "thread_name"
     }
     groups: dict[str, list[SpanRecord]] = defaultdict(list)
-    for event in data["traceEvents"]:
+    for index, event in enumerate(events):
         if event.get("ph") != "X":
             continue
-        process = names.get(event["pid"], "flowmoe")
-        group = process.split(": ", 1)[0] if ": " in process else "run"
-        args = event.get("args", {})
+        pid, tid = event.get("pid", 0), event.get("tid", 0)
+        group = _group(names, pid)
+        args = event.get("args") if isinstance(event.get("args"), dict) else {}
+        start, dur = _number(event, "ts", index), _number(event, "dur", index)
+        deps = args.get("deps", ())
         groups[group].append(
             SpanRecord(
-                id=int(args.get("id", len(groups[group]))),
-                lane=threads.get((event["pid"], event["tid"]), str(event["tid"])),
+                id=_int(args.get("id"), -1 - len(groups[group])),
+                lane=threads.get((pid, tid), str(tid)),
                 op=str(args.get("op", event.get("cat", ""))),
-                label=event["name"],
-                start=float(event["ts"]),
-                end=float(event["ts"]) + float(event["dur"]),
-                queued=float(args.get("queued_us", event["ts"])),
-                deps=tuple(args.get("deps", ())),
+                label=str(event.get("name", "")),
+                start=start,
+                end=start + dur,
+                queued=float(args.get("queued_us", start))
+                if isinstance(args.get("queued_us"), int | float)
+                else start,
+                deps=tuple(d for d in deps if isinstance(d, int)) if isinstance(deps, list) else (),
+                layer=_int(args.get("layer"), -1),
+                expert=_int(args.get("expert"), -1),
+                nbytes=_int(args.get("bytes"), 0),
             )
         )
     return dict(groups)
 
 
+def windows_by_group(data: dict[str, Any]) -> dict[str, list[Window]]:
+    """The step windows flowmoe wrote for each trace group (none for other traces)."""
+    events = _events(data)
+    names = {
+        e.get("pid", 0): str(e.get("args", {}).get("name")) for e in events if e.get("name") == "process_name"
+    }
+    out: dict[str, list[Window]] = {}
+    for event in events:
+        if event.get("ph") == "M" and event.get("name") == STEPS_EVENT:
+            steps = event.get("args", {}).get("steps", [])
+            out[_group(names, event.get("pid", 0))] = [
+                Window(
+                    float(s["start_us"]), float(s["end_us"]), float(s.get("weight", 1.0)), s.get("host_us")
+                )
+                for s in steps
+            ]
+    return out
+
+
 def summarize(data: dict[str, Any]) -> list[TraceSummary]:
-    return [summarize_records(group, records) for group, records in records_by_group(data).items()]
+    windows = windows_by_group(data)
+    return [
+        summarize_records(group, records, windows.get(group, ()))
+        for group, records in records_by_group(data).items()
+    ]
 
 
-def summarize_records(group: str, records: list[SpanRecord]) -> TraceSummary:
+def summarize_records(
+    group: str, records: list[SpanRecord], windows: list[Window] | tuple = ()
+) -> TraceSummary:
     if not records:
-        return TraceSummary(group, 0.0, (), ())
-    origin = min(r.start for r in records)
-    makespan = max(r.end for r in records) - origin
+        return TraceSummary(group, run_stats([], windows), ())
     by_lane: dict[str, list[SpanRecord]] = defaultdict(list)
-    for record in records:
+    for record in sorted(records, key=lambda r: r.start):
         by_lane[record.lane].append(record)
-    lanes = []
-    for lane, spans in sorted(by_lane.items()):
-        spans.sort(key=lambda r: r.start)
-        busy = sum(r.end - r.start for r in spans)
-        bubble = sum(
-            max(0.0, nxt.start - max(prev.end, nxt.queued)) for prev, nxt in itertools.pairwise(spans)
-        )
-        lanes.append(LaneStats(lane, len(spans), busy, busy / makespan if makespan else 0.0, bubble))
-    return TraceSummary(group, makespan, tuple(lanes), critical_path(records, by_lane))
+    return TraceSummary(group, run_stats(records, windows), critical_path(records, by_lane))
 
 
 def critical_path(records: list[SpanRecord], by_lane: dict[str, list[SpanRecord]]) -> tuple[SpanRecord, ...]:
@@ -113,12 +155,15 @@ def critical_path(records: list[SpanRecord], by_lane: dict[str, list[SpanRecord]
         for prev, nxt in itertools.pairwise(spans):
             lane_prev[nxt.id] = prev
     path = [max(records, key=lambda r: r.end)]
+    seen = {path[0].id}
     while True:
         current = path[-1]
         before = [by_id[d] for d in current.deps if d in by_id]
         if current.id in lane_prev:
             before.append(lane_prev[current.id])
+        before = [r for r in before if r.id not in seen]
         if not before:
             break
         path.append(max(before, key=lambda r: r.end))
+        seen.add(path[-1].id)
     return tuple(reversed(path))

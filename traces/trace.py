@@ -1,4 +1,5 @@
-"""A run's trace: spans of what ran where, and counters (memory in use, pages resident, KV bytes)."""
+"""A run's trace: spans of what ran where, counters (memory in use, pages resident, KV bytes) and
+the window of each step (what the run statistics weigh and divide by)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,18 @@ class CounterSample:
     value: float
 
 
+@frozen(slots=True)
+class StepWindow:
+    """One step on the run's clock. `weight`: how many steps of the batch it stands for (a
+    simulation runs a few decode steps and interpolates the others); `host_seconds`: CPU time the
+    host stack spent on it, where measured."""
+
+    start: float
+    end: float
+    weight: float = 1.0
+    host_seconds: float | None = None
+
+
 @define
 class Trace:
     """Everything one run (or one scheduler of a comparison) recorded."""
@@ -22,14 +35,24 @@ class Trace:
     name: str = "flowmoe"
     spans: list[Span] = field(factory=list)
     counters: list[CounterSample] = field(factory=list)
+    steps: list[StepWindow] = field(factory=list)
 
-    def extend(self, spans: list[Span], counters: list[CounterSample] | None = None) -> None:
+    def extend(
+        self, spans: list[Span], counters: list[CounterSample] | None = None, window: StepWindow | None = None
+    ) -> None:
+        """One step's spans; its window is `window`, or from its first start to its last end."""
         self.spans.extend(spans)
         self.counters.extend(counters or [])
+        if window is None and spans:
+            window = StepWindow(min(s.start for s in spans), max(s.end for s in spans))
+        if window is not None:
+            self.steps.append(window)
 
     @property
     def origin(self) -> float:
-        starts = [s.start for s in self.spans] + [c.time for c in self.counters]
+        starts = (
+            [s.start for s in self.spans] + [c.time for c in self.counters] + [w.start for w in self.steps]
+        )
         return min(starts) if starts else 0.0
 
     def to_chrome(self) -> dict:

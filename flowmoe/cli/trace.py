@@ -1,47 +1,86 @@
-"""`flowmoe trace summarize TRACE.json`: per-lane utilisation, bubbles, makespan, critical path."""
+"""`flowmoe trace summarize TRACE.json`: the run statistics of each trace group (traces/stats.py:
+the same figures `run`, `simulate` and `compare` report), and the critical path."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+from typing import Any
 
 from rich.table import Table
 
 from flowmoe.cli.ui import out
 from flowmoe.core.errors import FlowmoeError
-from flowmoe.core.jsonfile import read_json_object
+from flowmoe.traces.stats import RunStats
 from flowmoe.traces.summary import TraceSummary, summarize
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     trace = sub.add_parser("trace", help="work with Chrome traces written by --trace")
     verbs = trace.add_subparsers(dest="verb", required=True)
-    summary = verbs.add_parser("summarize", help="per-lane busy time, utilisation, bubbles, critical path")
+    summary = verbs.add_parser(
+        "summarize", help="per-lane bytes, busy share, bubbles, overlap, cache figures, critical path"
+    )
     summary.add_argument("path", type=Path)
     summary.set_defaults(handler=_summarize)
 
 
-def load_trace(path: Path) -> dict:
-    data = read_json_object(path)
-    if "traceEvents" not in data:
-        raise FlowmoeError(f"{path}: no traceEvents; not a Chrome trace")
+def load_trace(path: Path) -> dict[str, Any]:
+    """A Chrome trace in either of its formats: an object with traceEvents, or a bare event array."""
+    if not path.is_file():
+        raise FlowmoeError(f"{path}: no such file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise FlowmoeError(f"{path}: not UTF-8 text ({exc.reason})") from exc
+    except json.JSONDecodeError as exc:
+        raise FlowmoeError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    except RecursionError as exc:
+        raise FlowmoeError(f"{path}: JSON nested too deep") from exc
+    if isinstance(data, list):
+        data = {"traceEvents": data}
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise FlowmoeError(f"{path}: no traceEvents list; not a Chrome trace")
     return data
 
 
 def _summarize(args: argparse.Namespace) -> int:
-    for summary in summarize(load_trace(args.path)):
+    data = load_trace(args.path)
+    try:
+        summaries = summarize(data)
+    except FlowmoeError as exc:  # an event the summary cannot read: name the file
+        raise FlowmoeError(f"{args.path}: {exc}") from exc
+    for summary in summaries:
         out.print(summary_table(summary))
     return 0
 
 
 def summary_table(summary: TraceSummary) -> Table:
-    table = Table(title=f"{summary.group}: makespan {summary.makespan_us / 1e3:.3f} ms")
-    for column in ("lane", "nodes", "busy ms", "utilisation", "bubbles ms"):
+    stats = summary.stats
+    table = Table(
+        title=f"{summary.group}: makespan {stats.makespan_seconds * 1e3:.3f} ms, {stats_line(stats)}"
+    )
+    for column in ("lane", "nodes", "MB moved", "busy ms", "busy share", "bubbles ms"):
         table.add_column(column, justify="right")
-    for lane in summary.lanes:
-        table.add_row(lane.lane, str(lane.nodes), f"{lane.busy_us / 1e3:.3f}", f"{lane.utilisation:.1%}",
-                      f"{lane.bubble_us / 1e3:.3f}")  # fmt: skip
+    for lane in stats.lanes:
+        busy, bubbles = f"{lane.busy_seconds * 1e3:.3f}", f"{lane.bubble_seconds * 1e3:.3f}"
+        table.add_row(
+            lane.lane, f"{lane.nodes:.0f}", f"{lane.bytes / 1e6:.1f}", busy, f"{lane.share:.1%}", bubbles
+        )
     path = summary.critical_path
     shares = ", ".join(f"{op} {us / 1e3:.2f} ms" for op, us in list(summary.critical_by_op().items())[:5])
     table.caption = f"critical path: {len(path)} nodes; {shares}"
     return table
+
+
+def stats_line(stats: RunStats) -> str:
+    """Overlap, cache and host figures in one line (those the trace holds)."""
+    parts = [f"overlap {stats.overlap:.2f}"]
+    if stats.expert_cache_hit_rate is not None:
+        parts.append(f"expert-cache hit rate {stats.expert_cache_hit_rate:.1%}")
+    if stats.prefetch_accuracy is not None:
+        parts.append(f"prefetch accuracy {stats.prefetch_accuracy:.1%}")
+    if stats.host_seconds_per_step is not None:
+        parts.append(f"host {stats.host_seconds_per_step * 1e3:.2f} ms/step")
+    return ", ".join(parts)

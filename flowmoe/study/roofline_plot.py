@@ -22,6 +22,7 @@ from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.hrm import Hierarchy, Phase, layer_ops
 from flowmoe.core.policy import Policy
 from flowmoe.core.spec import ModelSpec
+from flowmoe.traces.chrome import user_mode
 
 BATCHES = (32, 128, 1024, 16384)
 
@@ -97,6 +98,7 @@ def _ops(ax: Any, spec: ModelSpec, levels: Hierarchy, policy: Policy, context: i
 def _save(fig: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    user_mode(fd)
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=150, bbox_inches="tight")

@@ -16,8 +16,8 @@ from flowmoe.core.executor import Span
 from flowmoe.core.memory import MemoryNeed
 from flowmoe.core.policy import Policy
 from flowmoe.core.scheduling import StepShape
-from flowmoe.traces.summary import SpanRecord, summarize_records
-from flowmoe.traces.trace import Trace
+from flowmoe.traces.stats import LaneStats, RunStats, SpanRecord, Window, run_stats
+from flowmoe.traces.trace import StepWindow, Trace
 
 
 @frozen
@@ -33,10 +33,29 @@ class StepRun:
 
 
 @frozen
-class LaneTotal:
-    lane: str
-    busy_seconds: float
-    bubble_seconds: float  # idle while its next node was queued, waiting on dependencies
+class RealtimeRun:
+    """The simulated steps run again on the real clock (`flowmoe simulate --realtime`): the real host
+    stack, each device action replaced by waiting its modelled duration."""
+
+    steps: int
+    makespan_seconds: float  # the same steps on the virtual clock
+    realtime_makespan_seconds: float  # wall clock
+    host_seconds: dict[str, float]  # CPU time per lane thread, and "main" (the event loop's thread)
+    trace: Trace  # on the real clock
+
+    @property
+    def ratio(self) -> float:
+        return self.realtime_makespan_seconds / self.makespan_seconds if self.makespan_seconds else 0.0
+
+    @property
+    def host_seconds_per_step(self) -> float:
+        return sum(self.host_seconds.values()) / self.steps if self.steps else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"makespan_seconds": self.makespan_seconds,
+                "realtime_makespan_seconds": self.realtime_makespan_seconds, "realtime_ratio": self.ratio,
+                "realtime_steps": self.steps, "host_seconds": self.host_seconds,
+                "host_seconds_per_step": self.host_seconds_per_step}  # fmt: skip
 
 
 @frozen
@@ -49,10 +68,16 @@ class SimulationResult:
     memory: MemoryNeed
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    lanes: tuple[LaneTotal, ...] = ()
+    stats: RunStats | None = None  # over the whole batch (the simulated decode steps weighted)
     trace: Trace | None = None
     simulated_steps: int = 0
+    simulated_seconds: float = 0.0  # the simulated steps back to back on the virtual clock
     error: str | None = None  # why it could not run (memory), instead of figures
+    realtime: RealtimeRun | None = None
+
+    @property
+    def lanes(self) -> tuple[LaneStats, ...]:
+        return self.stats.lanes if self.stats is not None else ()
 
     @property
     def seconds(self) -> float:
@@ -63,30 +88,30 @@ class SimulationResult:
         """Generated tokens / (prefill + decode) seconds."""
         return self.generated / self.seconds if self.seconds and self.error is None else 0.0
 
-    def utilisation(self, lane: LaneTotal) -> float:
-        return lane.busy_seconds / self.seconds if self.seconds else 0.0
+    def utilisation(self, lane: LaneStats) -> float:
+        """The lane's busy share (traces/stats.py: busy time / makespan, makespan = prefill + decode)."""
+        return lane.share
 
     def to_json(self) -> dict[str, Any]:
         p = self.policy
         policy = {"batch_size": p.batch_size, "micro_batch_size": p.micro_batch_size,
                   "micro_batches": p.micro_batches, "attention_on": p.attention_on, "ffn_on": p.ffn_on,
                   "weights_gpu_share": p.weights_gpu_share, "kv_gpu_share": p.kv_gpu_share}  # fmt: skip
-        lanes = [
-            {"lane": lane.lane, "busy_seconds": lane.busy_seconds, "utilisation": self.utilisation(lane),
-             "bubble_seconds": lane.bubble_seconds}
-            for lane in self.lanes
-        ]  # fmt: skip
+        lanes = [{**lane.to_json(), "utilisation": lane.share} for lane in self.lanes]
+        stats = self.stats.to_json() if self.stats is not None else None
+        realtime = self.realtime.to_json() if self.realtime is not None else {}
         return {
             "scheduler": self.scheduler, "error": self.error, "policy": policy, "sequences": self.sequences,
             "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated,
             "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
             "throughput_tokens_per_second": self.throughput, "simulated_steps": self.simulated_steps,
-            "gpu_memory_bytes": self.memory.total, "lanes": lanes,
+            "gpu_memory_bytes": self.memory.total, "lanes": lanes, "stats": stats,
+            "makespan_seconds": self.simulated_seconds, **realtime,
         }  # fmt: skip
 
 
 def records(spans: Sequence[Span]) -> list[SpanRecord]:
-    """Spans as the trace analysis reads them (microseconds)."""
+    """Spans as the statistics read them (microseconds)."""
     return [
         SpanRecord(
             s.node.id,
@@ -97,32 +122,36 @@ def records(spans: Sequence[Span]) -> list[SpanRecord]:
             s.end * 1e6,
             s.queued * 1e6,
             s.node.deps,
+            s.node.layer,
+            s.node.expert,
+            s.node.bytes,
         )
         for s in spans
     ]
 
 
-def _per_lane(run: StepRun) -> dict[str, tuple[float, float]]:
-    """lane -> (busy seconds, bubble seconds) of one step."""
-    summary = summarize_records("step", records(run.spans))
-    return {lane.lane: (lane.busy_us / 1e6, lane.bubble_us / 1e6) for lane in summary.lanes}
+def trace_stats(trace: Trace) -> RunStats:
+    """The run statistics of a trace, exactly as `flowmoe trace summarize` computes them."""
+    windows = [
+        Window(w.start * 1e6, w.end * 1e6, w.weight, None if w.host_seconds is None else w.host_seconds * 1e6)
+        for w in trace.steps
+    ]
+    return run_stats(records(trace.spans), windows)
 
 
-def lane_totals(
-    prefill: StepRun, decode: Sequence[StepRun], at: Sequence[int], count: int
-) -> tuple[LaneTotal, ...]:
-    first = _per_lane(prefill)
-    per_step = [_per_lane(run) for run in decode]
-    lanes = sorted(set(first).union(*per_step))
-    out = []
-    for lane in lanes:
-        busy = [step.get(lane, (0.0, 0.0))[0] for step in per_step]
-        idle = [step.get(lane, (0.0, 0.0))[1] for step in per_step]
-        head = first.get(lane, (0.0, 0.0))
-        out.append(
-            LaneTotal(lane, head[0] + interpolate(busy, at, count), head[1] + interpolate(idle, at, count))
-        )
-    return tuple(out)
+def batch_trace(name: str, runs: Sequence[StepRun], at: Sequence[int], count: int) -> Trace:
+    """The simulated steps as one trace, each step's window weighted by the steps it stands for:
+    the prefill once, each simulated decode step by its share of the interpolation over `count`."""
+    weights = [1.0, *step_weights(at, count)]
+    trace = Trace(name=name)
+    for run, weight in zip(runs, weights, strict=True):
+        trace.extend(list(run.spans), window=StepWindow(run.start, run.end, weight))
+    return trace
+
+
+def step_weights(at: Sequence[int], count: int) -> list[float]:
+    """w such that interpolate(values, at, count) == sum(w[k] * values[k]) (it is linear)."""
+    return [interpolate([1.0 if j == k else 0.0 for j in range(len(at))], at, count) for k in range(len(at))]
 
 
 def interpolate(values: Sequence[float], at: Sequence[int], count: int) -> float:
