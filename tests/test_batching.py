@@ -103,6 +103,19 @@ def test_request_too_long_is_refused(tiny: MoEModel) -> None:
         asyncio.run(go())
 
 
+def test_request_without_prompt_tokens_is_refused(tiny: MoEModel) -> None:
+    """An empty prompt has no last token to predict from (once it took another request's output)."""
+    limits = BatchLimits(max_new_tokens=4)
+    assert limits.problem(Request("empty", ())) == "request 'empty': the prompt has no tokens"
+    engine = Engine(tiny, eager_step, max_new_tokens=4)
+
+    async def go() -> list[Result]:
+        return [r async for r in engine.generate([*_requests([3]), Request("empty", (), 1)], limits)]
+
+    with pytest.raises(ConfigError, match="'empty': the prompt has no tokens"):
+        asyncio.run(go())
+
+
 # ---- refill
 
 

@@ -10,6 +10,8 @@ import os
 import re
 import shutil
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -154,6 +156,31 @@ def test_second_writer_is_refused_naming_the_holder(
     assert not holder_file(out).exists()  # the holder's sidecar goes with its lock
     assert _run(good_prompts, out) == 0
     assert _rows(out)['"c"'] == reference['"c"']
+
+
+HOLD_LOCK = """
+import sys
+from flowmoe.jobs.joblog import JobLog
+log = JobLog.open(sys.argv[1])
+print(flush=True)
+input()
+log.close()
+"""
+
+
+def test_second_process_is_refused(good_prompts: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The same with the lock held by another process, which the message names."""
+    out = tmp_path / "out.jsonl"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"\n"  # it holds the lock
+        assert _run(good_prompts, out) == 2
+        assert f"(pid {holder.pid} on host {socket.gethostname()})" in _error(capsys)
+    finally:
+        holder.communicate(b"\n", timeout=30)
+    assert holder.returncode == 0 and out.read_bytes() == b"" and not holder_file(out).exists()
 
 
 # ---- bad prompt lines: reported with their number, the rest of the job runs
