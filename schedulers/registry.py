@@ -1,20 +1,31 @@
 """Scheduler registry: every module of this package that defines a scheduler class (one with a
 `name` and a `plan`) is a built-in; other packages add theirs under the `flowmoe.schedulers`
-entry-point group."""
+entry-point group.
+
+Plugins load lazily: listing names reads only the entry points' metadata, and a
+plugin that fails to import (or is not a usable scheduler class) is reported in
+`broken()` and fails only the command that chooses it. What a plugin does when
+created and what it plans are checked too (`create`, `checked_plan`), so a
+faulty plugin ends its run with one line naming it.
+"""
 
 from __future__ import annotations
 
 import importlib
 import inspect
 import pkgutil
+from collections.abc import Generator
 from functools import cache
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 
-from flowmoe.core.errors import ConfigError
-from flowmoe.core.scheduling import Scheduler, SchedulerContext
+from flowmoe.core.errors import ConfigError, FlowmoeError, PlanError
+from flowmoe.core.plan import ExpertCounts, RoutingRequest, TaskNode
+from flowmoe.core.scheduling import PlanStream, Residency, Scheduler, SchedulerContext, StepShape
+from flowmoe.core.spec import ModelSpec
 
 ENTRY_POINT_GROUP = "flowmoe.schedulers"
 NOT_PLUGINS = {"registry"}
+METHODS = ("residency", "weight_buffer_bytes", "kv_on_gpu", "plan")
 
 
 @cache
@@ -35,17 +46,158 @@ def builtin() -> dict[str, type[Scheduler]]:
     return found
 
 
+def plugins() -> dict[str, EntryPoint]:
+    """Third-party schedulers by name, not loaded; a plugin cannot shadow a built-in."""
+    shadowed = builtin()
+    return {e.name: e for e in entry_points(group=ENTRY_POINT_GROUP) if e.name not in shadowed}
+
+
+def names() -> list[str]:
+    """Every scheduler name, built-ins first, without loading any plugin."""
+    return [*builtin(), *plugins()]
+
+
+def load(name: str) -> type[Scheduler]:
+    """The scheduler class of `name`; ConfigError naming the plugin if it cannot be used."""
+    if name in builtin():
+        return builtin()[name]
+    entry = plugins().get(name)
+    if entry is None:
+        raise ConfigError(f"unknown scheduler {name!r}; available: {', '.join(names())}")
+    try:
+        cls = entry.load()
+    except Exception as exc:  # whatever a third-party import raises
+        raise ConfigError(f"scheduler plugin {name!r} ({entry.value}) failed to load: {_why(exc)}") from exc
+    problem = _class_problem(cls)
+    if problem:
+        raise ConfigError(f"scheduler plugin {name!r} ({entry.value}) {problem}")
+    return cls
+
+
+def _class_problem(cls: object) -> str | None:
+    if not inspect.isclass(cls):
+        return f"is a {type(cls).__name__}, not a scheduler class"
+    if not isinstance(getattr(cls, "summary", None), str):
+        return "has no `summary` (a one-line str class attribute)"
+    missing = [m for m in METHODS if not callable(getattr(cls, m, None))]
+    return f"lacks {', '.join(missing)}" if missing else None
+
+
 def available() -> dict[str, type[Scheduler]]:
-    """Every scheduler by name, built-ins first; a plugin cannot shadow a built-in."""
+    """Every scheduler that loads, by name, built-ins first (see `broken()` for the others)."""
     found = dict(builtin())
-    for entry in entry_points(group=ENTRY_POINT_GROUP):
-        if entry.name not in found:
-            found[entry.name] = entry.load()
+    for name in plugins():
+        try:
+            found[name] = load(name)
+        except ConfigError:
+            continue
     return found
 
 
+def broken() -> dict[str, str]:
+    """Plugins that cannot be used, with why."""
+    errors = {}
+    for name in plugins():
+        try:
+            load(name)
+        except ConfigError as exc:
+            errors[name] = str(exc)
+    return errors
+
+
 def create(name: str, context: SchedulerContext) -> Scheduler:
-    schedulers = available()
-    if name not in schedulers:
-        raise ConfigError(f"unknown scheduler {name!r}; available: {', '.join(schedulers)}")
-    return schedulers[name](context)
+    """The scheduler `name` built for `context`, its residency checked against the model."""
+    cls = load(name)
+    try:
+        scheduler = cls(context)
+        residency = scheduler.residency()
+    except FlowmoeError:
+        raise
+    except Exception as exc:  # a plugin's own bug
+        raise ConfigError(f"scheduler {name!r} failed to start: {_why(exc)}") from exc
+    problem = _residency_problem(residency, context.spec)
+    if problem:
+        raise ConfigError(f"scheduler {name!r}: its residency {problem}")
+    return scheduler
+
+
+def _residency_problem(residency: object, spec: ModelSpec) -> str | None:
+    if not isinstance(residency, Residency):
+        return f"is a {type(residency).__name__}, not a Residency"
+    layers = [x for x in residency.dense if not (isinstance(x, int) and 0 <= x < spec.layers)]
+    if layers:
+        return f"names layer {layers[0]!r}; the model has layers 0..{spec.layers - 1}"
+    for item in residency.experts:
+        layer, expert = item if isinstance(item, tuple) and len(item) == 2 else (None, None)
+        if not (
+            isinstance(layer, int)
+            and 0 <= layer < spec.layers
+            and spec.is_moe_layer(layer)
+            and isinstance(expert, int)
+            and 0 <= expert < spec.moe.experts
+        ):
+            return (
+                f"names expert {item!r}; experts are (MoE layer, 0..{spec.moe.experts - 1}) "
+                f"with layers 0..{spec.layers - 1}"
+            )
+    return None
+
+
+def checked_plan(scheduler: Scheduler, step: StepShape) -> PlanStream:
+    """`scheduler.plan(step)`, failing with a PlanError naming the scheduler if it is not a
+    generator, raises, yields something that is neither a TaskNode nor a RoutingRequest, or
+    plans no node at all."""
+    name = getattr(scheduler, "name", type(scheduler).__name__)
+    try:
+        plan = scheduler.plan(step)
+    except FlowmoeError:
+        raise
+    except Exception as exc:
+        raise PlanError(f"scheduler {name!r} failed to plan step {step.step}: {_why(exc)}") from exc
+    if not isinstance(plan, Generator):
+        raise PlanError(
+            f"scheduler {name!r}: plan() returned {type(plan).__name__}, not a generator of TaskNodes"
+        )
+    return CheckedPlan(name, step, plan)
+
+
+class CheckedPlan(Generator):
+    """A plan stream that turns a plugin's faults into a PlanError naming it."""
+
+    def __init__(self, name: str, step: StepShape, plan: PlanStream) -> None:
+        self.name, self.step, self.plan, self.nodes = name, step, plan, 0
+
+    def send(self, reply: ExpertCounts | None) -> TaskNode | RoutingRequest:
+        try:
+            item = self.plan.send(reply)  # type: ignore[arg-type]
+        except StopIteration:
+            if not self.nodes:
+                raise PlanError(
+                    f"scheduler {self.name!r} planned no node for step {self.step.step}"
+                ) from None
+            raise
+        except FlowmoeError:
+            raise
+        except Exception as exc:
+            raise PlanError(
+                f"scheduler {self.name!r} failed to plan step {self.step.step}: {_why(exc)}"
+            ) from exc
+        if isinstance(item, TaskNode):
+            self.nodes += 1
+        elif not isinstance(item, RoutingRequest):
+            raise PlanError(
+                f"scheduler {self.name!r} yielded a {type(item).__name__}, "
+                "neither a TaskNode nor a RoutingRequest"
+            )
+        return item
+
+    def throw(self, *exc_info: object) -> TaskNode | RoutingRequest:  # type: ignore[override]
+        return self.plan.throw(*exc_info)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self.plan.close()
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from pathlib import Path
 
 from attrs import frozen
 
@@ -90,3 +92,43 @@ NON_NEGATIVE_INT = IntRange(0)
 FRACTION = FloatRange(0.0, 1.0)
 BYTES = ByteSize()
 PAGE_SIZE = ByteSize(64 * 2**10)  # smaller pages only multiply nodes: a 1B page is a million per expert
+
+
+@frozen
+class OutputFile:
+    """A file flowmoe will write: not a folder, in a folder that exists and can be written."""
+
+    def __call__(self, text: str) -> Path:
+        path = Path(text)
+        if not text.strip() or path.is_dir():
+            raise argparse.ArgumentTypeError(f"must be {self}, got {text!r} (a folder)")
+        folder = path.parent
+        if not folder.is_dir():
+            raise argparse.ArgumentTypeError(f"must be {self}; folder {str(folder)!r} does not exist")
+        if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise argparse.ArgumentTypeError(f"must be {self}; {text!r} cannot be written (permission)")
+        return path
+
+    def __str__(self) -> str:
+        return "a file path in an existing, writable folder"
+
+
+OUTPUT_FILE = OutputFile()
+
+
+@frozen
+class TokensOrSize:
+    """A positive token count (a plain integer) or a size such as 64MiB; returned as written."""
+
+    def __call__(self, text: str) -> str:
+        try:
+            POSITIVE_INT(text) if text.strip().isdigit() else BYTES(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"must be {self}, got {text!r}") from None
+        return text.strip()
+
+    def __str__(self) -> str:
+        return "tokens (an integer >= 1) or a size such as 64MiB"
+
+
+TOKENS_OR_SIZE = TokensOrSize()

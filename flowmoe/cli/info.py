@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from rich.table import Table
+from rich.markup import escape
 
-from flowmoe.cli.ui import out
+from flowmoe.cli.ui import out, table
 from flowmoe.core.presets import PRESETS, preset
-from flowmoe.schedulers.registry import available
+from flowmoe.schedulers.registry import available, broken
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,13 +19,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _presets(_args: argparse.Namespace) -> int:
-    table = Table(title="presets")
-    for column in ("name", "family", "layers", "hidden", "experts", "top-k", "params (B)"):
-        table.add_column(column)
+    presets = table("presets", ("name", "family", "layers", "hidden", "experts", "top-k", "params (B)"))
     for name in PRESETS:
         s = preset(name)
         params = s.total_bytes / s.dtype_bytes / 1e9
-        table.add_row(
+        presets.add_row(
             name,
             s.family,
             str(s.layers),
@@ -34,15 +32,15 @@ def _presets(_args: argparse.Namespace) -> int:
             str(s.moe.top_k),
             f"{params:.1f}",
         )
-    out.print(table)
+    out.print(presets)
     return 0
 
 
 def _schedulers(_args: argparse.Namespace) -> int:
-    table = Table(title="schedulers (--scheduler NAME)")
-    table.add_column("name")
-    table.add_column("what it does")
+    schedulers = table("schedulers (--scheduler NAME)", ("name", "what it does"))
     for name, cls in available().items():
-        table.add_row(name, cls.summary)
-    out.print(table)
+        schedulers.add_row(name, cls.summary)
+    for name, error in broken().items():
+        schedulers.add_row(name, f"[red]broken:[/] {escape(error)}")
+    out.print(schedulers)
     return 0

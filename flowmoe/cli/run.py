@@ -7,11 +7,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 import uvloop
+from rich.markup import escape
 from rich.progress import Progress, ProgressColumn, Task, TaskID, TextColumn
 from rich.table import Table
 from rich.text import Text
 
-from flowmoe.cli.ui import console, progress
+from flowmoe.cli.args import (
+    BYTES,
+    FRACTION,
+    NON_NEGATIVE_INT,
+    OUTPUT_FILE,
+    PAGE_SIZE,
+    POSITIVE_INT,
+    TOKENS_OR_SIZE,
+    FloatRange,
+)
+from flowmoe.cli.ui import console, progress, table
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.hardware import hardware
@@ -19,13 +30,14 @@ from flowmoe.core.policy import Policy, parse_bytes
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.jobs.job import JobReport, JobSpec, run_job
 from flowmoe.jobs.job import Progress as JobProgress
+from flowmoe.jobs.joblog import check_output
 from flowmoe.jobs.sampling import SamplingParams
 from flowmoe.model.builtin import ensure_builtin
 from flowmoe.model.loading import load_model
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.tokenizer import TextCodec
 from flowmoe.runtime.runner import Runtime
-from flowmoe.schedulers.registry import available
+from flowmoe.schedulers.registry import load as load_scheduler
 from flowmoe.traces.chrome import write_chrome
 
 
@@ -36,26 +48,35 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--prompts", required=True, type=Path, help="JSONL: {id, prompt}, {id, input_ids} or {id, messages}"
     )
     run.add_argument("--output", required=True, type=Path, help="JSONL results, appended and resumable")
-    run.add_argument("--max-new-tokens", type=int, default=32)
+    run.add_argument("--max-new-tokens", type=POSITIVE_INT, default=32, help="per request (%(type)s)")
     run.add_argument("--scheduler", default="eager", help="scheduler plugin (see `flowmoe schedulers`)")
-    run.add_argument("--trace", type=Path, help="write a Chrome trace (open it in Perfetto)")
-    run.add_argument("--record-routing", type=Path, help="write the gates' expert counts (flowmoe simulate)")
+    run.add_argument("--trace", type=OUTPUT_FILE, help="write a Chrome trace (open it in Perfetto)")
+    run.add_argument(
+        "--record-routing", type=OUTPUT_FILE, help="write the gates' expert counts (flowmoe simulate)"
+    )
     run.add_argument("--hardware", help="preset or calibrated profile the scheduler's latency model uses")
-    run.add_argument("--batch-size", type=int, default=16, help="sequences in flight, over all micro-batches")
+    run.add_argument(
+        "--batch-size",
+        type=POSITIVE_INT,
+        default=16,
+        help="sequences in flight, over all micro-batches (%(type)s)",
+    )
     run.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    run.add_argument("--layers", type=int, help="cut a preset to its first LAYERS layers")
+    run.add_argument("--layers", type=POSITIVE_INT, help="cut a preset to its first LAYERS layers (%(type)s)")
     run.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     add_policy_flags(run)
     mode = run.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
-    mode.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--top-k", type=int, default=0)
-    run.add_argument("--seed", type=int, default=0)
+    mode.add_argument("--temperature", type=FloatRange(0.0), default=0.0, help="0: greedy (%(type)s)")
+    run.add_argument("--top-p", type=FloatRange(0.0, 1.0, low_open=True), default=1.0, help="%(type)s")
+    run.add_argument("--top-k", type=NON_NEGATIVE_INT, default=0, help="0: no top-k cut (%(type)s)")
+    run.add_argument("--seed", type=int, default=0, help="sampling seed (an integer)")
     run.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
     run.add_argument("--chat", action="store_true", help="render each prompt with the chat template")
     run.add_argument(
-        "--kv-budget", help="KV cache per micro-batch: tokens (slots × capacity), or a size such as 64MiB"
+        "--kv-budget",
+        type=TOKENS_OR_SIZE,
+        help="KV cache per micro-batch (slots × capacity): %(type)s",
     )
     run.set_defaults(handler=_run)
 
@@ -63,26 +84,60 @@ def register(sub: argparse._SubParsersAction) -> None:
 def add_policy_flags(parser: argparse.ArgumentParser) -> None:
     """The Policy knobs (flowmoe/core/policy.py); `flowmoe plan` suggests values for a setup."""
     group = parser.add_argument_group("policy")
-    group.add_argument("--gpu-memory", help="GPU memory budget, e.g. 16GiB (flowmoe's own accounting)")
-    group.add_argument("--micro-batches", type=int, default=1, help="micro-batches per batch")
+    group.add_argument(
+        "--gpu-memory",
+        type=BYTES,
+        help="GPU memory budget, flowmoe's own accounting (%(type)s; default: no limit)",
+    )
+    group.add_argument(
+        "--micro-batches",
+        type=POSITIVE_INT,
+        default=1,
+        help="micro-batches per batch (%(type)s)",
+    )
     group.add_argument("--attention-on", choices=("gpu", "cpu"), default="gpu")
     group.add_argument("--ffn-on", choices=("gpu", "cpu"), default="gpu")
     group.add_argument(
-        "--weights-gpu-share", type=float, default=1.0, help="share of experts kept on the GPU"
+        "--weights-gpu-share",
+        type=FRACTION,
+        default=1.0,
+        help="share of experts kept on the GPU (%(type)s)",
     )
     group.add_argument(
-        "--kv-gpu-share", type=float, default=1.0, help="share of the KV cache kept on the GPU"
+        "--kv-gpu-share",
+        type=FRACTION,
+        default=1.0,
+        help="share of the KV cache kept on the GPU (%(type)s)",
     )
     group.add_argument(
-        "--expert-cache-slots", type=int, default=0, help="lru-cache: experts the GPU cache holds"
-    )
-    group.add_argument("--cache-ways", type=int, default=4, help="lru-cache: associativity")
-    group.add_argument("--group-size", type=int, default=0, help="klotski: micro-batches per group (0: plan)")
+        "--expert-cache-slots", type=POSITIVE_INT,
+        help="lru-cache: experts the GPU cache holds (%(type)s; default: --weights-gpu-share of them)",
+    )  # fmt: skip
     group.add_argument(
-        "--hot-experts", type=int, default=0, help="klotski: hot experts prefetched (0: top-k)"
+        "--cache-ways",
+        type=POSITIVE_INT,
+        default=4,
+        help="lru-cache: associativity (%(type)s)",
     )
-    group.add_argument("--page-size", default="16MiB", help="cgopipe: weight page size")
-    group.add_argument("--cpu-threads", type=int, help="torch threads per op on the CPU")
+    group.add_argument(
+        "--group-size",
+        type=NON_NEGATIVE_INT,
+        default=0,
+        help="klotski: micro-batches per group (0: plan; %(type)s)",
+    )
+    group.add_argument(
+        "--hot-experts",
+        type=NON_NEGATIVE_INT,
+        default=0,
+        help="klotski: hot experts prefetched (0: top-k; %(type)s)",
+    )
+    group.add_argument(
+        "--page-size",
+        type=PAGE_SIZE,
+        default=PAGE_SIZE("16MiB"),
+        help="cgopipe: weight page size (%(type)s)",
+    )
+    group.add_argument("--cpu-threads", type=POSITIVE_INT, help="torch threads per op on the CPU (%(type)s)")
 
 
 def policy_from(args: argparse.Namespace) -> Policy:
@@ -93,21 +148,19 @@ def policy_from(args: argparse.Namespace) -> Policy:
         ffn_on=args.ffn_on,
         weights_gpu_share=args.weights_gpu_share,
         kv_gpu_share=args.kv_gpu_share,
-        expert_cache_slots=args.expert_cache_slots,
+        expert_cache_slots=args.expert_cache_slots or 0,
         cache_ways=args.cache_ways,
         group_size=args.group_size,
         hot_experts=args.hot_experts,
-        page_bytes=parse_bytes(args.page_size),
-        gpu_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None,
+        page_bytes=args.page_size,
+        gpu_memory=args.gpu_memory,
         cpu_threads=args.cpu_threads,
     )
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.scheduler not in available():
-        raise FlowmoeError(f"unknown scheduler {args.scheduler!r}; available: {', '.join(available())}")
-    if args.max_new_tokens < 1:
-        raise FlowmoeError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    load_scheduler(args.scheduler)  # an unknown or broken plugin fails before the model loads
+    check_output(args.output, args.prompts)  # so does an --output that is not ours, or in use
     sampling = SamplingParams(0.0 if args.greedy else args.temperature, args.top_p, args.top_k, args.seed)
     policy = policy_from(args)
     source = args.model or str(ensure_builtin())
@@ -116,7 +169,7 @@ def _run(args: argparse.Namespace) -> int:
     job = job_from(args, model, sampling)
     cost = RooflineCost(hardware(args.hardware), model.spec) if args.hardware else None
     runtime = Runtime.create(model, args.scheduler, policy, args.device, cost)
-    runtime.routing = RoutingTrace() if args.record_routing else None
+    runtime.routing = RoutingTrace.for_model(model.spec) if args.record_routing else None
     try:
         with progress(TextColumn("{task.fields[tokens]} tokens"), TokenRateColumn()) as bar:
             task = bar.add_task("generating", total=None, tokens=0)
@@ -126,28 +179,50 @@ def _run(args: argparse.Namespace) -> int:
                 generated=token_counter(bar, task),
             )
             report = uvloop.run(run_job(job, model, codec, runtime, hooks))
-    finally:
+    except BaseException:  # interrupted or failed: what ran is still written, then the error goes on
         runtime.close()
-        if runtime.routing is not None:
-            runtime.routing.save(args.record_routing)
-        if args.trace:
-            write_chrome(args.trace, [runtime.trace])
-            console.print(
-                f"trace: {args.trace} ({len(runtime.trace.spans)} nodes; open in https://ui.perfetto.dev)"
-            )
+        for failure in save_records(args, runtime):
+            console.print(f"flowmoe: error: {failure}", soft_wrap=True, highlight=False, markup=False)
+        raise
+    runtime.close()
+    failures = save_records(args, runtime)
     for error in report.bad_lines:
-        console.print(f"[yellow]skipped[/] {error}", soft_wrap=True)
+        console.print(f"[yellow]skipped[/] {escape(error)}", soft_wrap=True)
     console.print(summary_table(report, source, args.scheduler))
     scheduler_report = getattr(runtime.scheduler, "report", None)
     if scheduler_report is not None:  # e.g. pre-gated's prediction hit rate, lru-cache's hits
-        figures = ", ".join(f"{k} {v:.3g}" for k, v in scheduler_report().items())
-        console.print(f"{args.scheduler}: {figures}")
-    return 0
+        console.print(f"{args.scheduler}: {figures(scheduler_report())}")
+    for failure in failures:  # the job's results are in --output; only a record could not be written
+        console.print(f"flowmoe: error: {failure}", soft_wrap=True, highlight=False, markup=False)
+    return 2 if failures else 0
+
+
+def save_records(args: argparse.Namespace, runtime: Runtime) -> list[str]:
+    """Write --record-routing and --trace; one line for each that could not be written."""
+    failures = []
+    if runtime.routing is not None:
+        try:
+            runtime.routing.save(args.record_routing)
+        except OSError as exc:
+            failures.append(f"--record-routing {args.record_routing}: {exc.strerror or exc}")
+    if args.trace:
+        try:
+            write_chrome(args.trace, [runtime.trace])
+        except OSError as exc:
+            failures.append(f"--trace {args.trace}: {exc.strerror or exc}")
+        else:
+            console.print(
+                f"trace: {args.trace} ({len(runtime.trace.spans)} nodes; open in https://ui.perfetto.dev)"
+            )
+    return failures
+
+
+def figures(report: dict[str, float]) -> str:
+    """A scheduler's report: counts as integers, rates to three digits."""
+    return ", ".join(f"{k} {int(v)}" if float(v).is_integer() else f"{k} {v:.3g}" for k, v in report.items())
 
 
 def job_from(args: argparse.Namespace, model: MoEModel, sampling: SamplingParams) -> JobSpec:
-    if args.batch_size < 1:
-        raise FlowmoeError(f"--batch-size must be at least 1, got {args.batch_size}")
     if any(not s for s in args.stop):
         raise FlowmoeError("--stop must not be empty")
     budget = kv_budget_tokens(args.kv_budget, model) if args.kv_budget else None
@@ -196,8 +271,7 @@ def load_with_progress(source: str, dtype: str | None, layers: int | None) -> Mo
 
 def summary_table(report: JobReport, model: str, scheduler: str) -> Table:
     stats = report.stats
-    table = Table(title=f"flowmoe run — {Path(model).name} — {scheduler}")
-    for column in (
+    columns = (
         "requests",
         "skipped (done)",
         "prompt tokens",
@@ -205,10 +279,10 @@ def summary_table(report: JobReport, model: str, scheduler: str) -> Table:
         "prefill s",
         "decode s",
         "tokens/s",
-    ):
-        table.add_column(column, justify="right")
-    table.add_row(
+    )
+    result = table(f"flowmoe run — {Path(model).name} — {scheduler}", columns, justify="right")
+    result.add_row(
         str(report.requests), str(report.skipped), str(stats.prompt_tokens), str(stats.generated_tokens),
         f"{stats.prefill_seconds:.3f}", f"{stats.decode_seconds:.3f}", f"{stats.tokens_per_second:.1f}",
     )  # fmt: skip
-    return table
+    return result

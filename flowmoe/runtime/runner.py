@@ -26,7 +26,7 @@ from flowmoe.jobs.engine import StepInput
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.actions import StepState
 from flowmoe.runtime.device_weights import Devices, DeviceWeights, pin_experts
-from flowmoe.schedulers.registry import create
+from flowmoe.schedulers.registry import checked_plan, create
 from flowmoe.traces.trace import CounterSample, Trace
 
 
@@ -113,7 +113,7 @@ class Runtime:
         simulation calls it with bookkeeping-only actions and a routing trace's answers)."""
         executor = Executor(self.workers, on_span=self._sample)
         try:
-            await drive(self.scheduler.plan(shape), executor, action_for, answer)
+            await drive(checked_plan(self.scheduler, shape), executor, action_for, answer)
         finally:
             if self.devices.cuda:
                 torch.cuda.synchronize(self.devices.gpu)

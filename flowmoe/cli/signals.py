@@ -1,0 +1,65 @@
+"""Ctrl-C (SIGINT) and SIGTERM end a flowmoe command the same way: the command's
+`finally` blocks run (results and the trace are written), one message is
+printed and the exit code is 128 + the signal number (130, 143).
+
+`main` installs the handlers before it imports torch. Until `armed()` is
+entered, a signal is only noted: an exception raised in Python code that C++
+called during an import can abort the interpreter. Entering `armed()` raises
+a noted signal at once; inside it every signal raises `Interrupted`.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A SIGINT or SIGTERM; a KeyboardInterrupt, so asyncio and the job treat both like Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class SignalGate:
+    def __init__(self) -> None:
+        self.noted: int | None = None
+        self.open = False
+
+    def handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self.open:
+            raise Interrupted(signum)
+        self.noted = self.noted or signum
+
+    @contextmanager
+    def installed(self) -> Iterator[SignalGate]:
+        """The handlers for the block, the previous ones restored after it."""
+        if threading.current_thread() is not threading.main_thread():  # only it may set handlers
+            yield self
+            return
+        previous = {s: signal.signal(s, self.handle) for s in SIGNALS}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    @contextmanager
+    def armed(self) -> Iterator[None]:
+        self.open = True
+        try:
+            if self.noted is not None:
+                raise Interrupted(self.noted)
+            yield
+        finally:
+            self.open = False
