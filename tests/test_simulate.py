@@ -74,7 +74,7 @@ def test_eager_prefill_is_the_sum_of_its_node_costs() -> None:
     """One lane, no overlap: the simulated prefill takes exactly the nodes' roofline costs."""
     sim = Simulation(setup(decode_samples=0))
     result = sim.run("eager")
-    cost = RooflineCost(hardware("t4"))
+    cost = RooflineCost(hardware("t4"), SPEC)
     scheduler = create("eager", SchedulerContext(SPEC, sim.policy, NodeFactory(SPEC)))
     nodes = list(replay(scheduler.plan(sim.steps[0]), lambda r: sim.trace.answer(0, r)))
     assert result.prefill_seconds == pytest.approx(sum(cost(n) for n in nodes), rel=1e-9)

@@ -59,11 +59,13 @@ PINNED = (
     "pinned copies sustain ~80% of the per-direction PCIe rate: 25.2 GB/s on PCIe 4.0 x16 (collaborative-"
     "inference paper, Table I: two Mixtral experts, 704.6 MB, in 28.0 ms on its RTX 4090 host) of 31.5; "
     "11 GB/s on PCIe 3.0 x16 (reader measurement under NVIDIA's 'How to Optimize Data Transfers in CUDA "
-    "C/C++') and 12.89 GiB/s fitted by FlexGen on a GCP T4 (FlexGen cost_model.py ctog_bdw) of 15.75"
+    "C/C++') and 12.89 GiB/s fitted by FlexGen on a GCP T4 (FMInference/FlexiGen "
+    "experimental/cost_model.py, ctog_bdw) of 15.75"
 )
 PAGEABLE = Figure(0.4, (
     "pageable copies stage through a pinned driver buffer (CUDA C++ Best Practices Guide, 'Pinned Memory'); "
-    "FlexGen's GCP-T4 constants (cost_model.py) put its unpinned GPU->CPU copies at 4.82 GiB/s against "
+    "FlexGen's GCP-T4 constants (FMInference/FlexiGen experimental/cost_model.py) put its unpinned "
+    "GPU->CPU copies at 4.82 GiB/s against "
     "12.89 GiB/s pinned CPU->GPU: 0.37 of pinned, rounded to 0.4"
 ))  # fmt: skip
 CPU_GEMM = Figure(0.58, (
@@ -120,7 +122,8 @@ T4 = Gpu(
     ),
     Figure(
         21.24 / 65,
-        "FlexGen cost_model.py (GCP T4): matmul 21.24 TFLOPS of 65 (fitted to FlexGen's "
+        "FlexGen's GCP-T4 cost model (FMInference/FlexiGen experimental/cost_model.py, mm_flops_p): "
+        "matmul 21.24 TFLOPS of 65 (fitted to FlexGen's "
         "own OPT runs, not to the papers checked here); the T4's 70 W cap throttles its "
         "clock under tensor load (Jia et al. 2019)",
     ),
@@ -317,7 +320,9 @@ S1_HOST = Host(
 )
 S2_HOST = Host(
     "MoE-Lightning Table 2 S2: Intel Xeon @ 2.20 GHz (GCP G2 Cascade Lake), 24 vCPU = 12 cores, 192 GB; "
-    "12 x 2.2 GHz x 64 (AVX-512) = 1.69 TFLOP/s; 6 x DDR4-2933 = 140.8 GB/s",
+    "12 x 2.2 GHz x 64 (AVX-512) = 1.69 TFLOP/s; 6 x DDR4-2933 = 140.8 GB/s (the artifact's likwid-bench "
+    "load_mem figure, --cpu-mem-bdw 100 GiB/s = 107 GB/s, is 0.76 of it: caoshiyi/artifacts "
+    "benchmarks/cpu_profile/mem_bdw.sh, benchmarks/mtbench/launch_server.sh)",
     1.69e12,
     140.8 * GB,
     192 * GiB,
