@@ -55,13 +55,7 @@ class JobLog:
 
     def _lock(self) -> None:
         assert self._fd is not None
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            raise FlowmoeError(
-                f"{self.path}: another flowmoe run is writing this file ({_holder_of(self.path)}); "
-                "wait for it to finish or choose another --output"
-            ) from exc
+        _lock_or_refuse(self._fd, self.path)
         self._holder = holder_file(self.path)
         try:  # who holds the lock, for the message of a second run; the lock works without it
             self._holder.write_text(f"pid {os.getpid()} on host {socket.gethostname()}\n")
@@ -72,16 +66,9 @@ class JobLog:
         """Read the ids done; every whole line must be a result before a torn tail is cut."""
         assert self._fd is not None
         data = _read_all(self._fd)
-        whole = data[: data.rfind(b"\n") + 1]
-        for number, line in enumerate(whole.split(b"\n")[:-1], start=1):
-            self.done.add(_result_id(line, f"{self.path}:{number}"))
-        tail = data[len(whole) :]
-        if tail and not (tail.startswith(LINE_START) or LINE_START.startswith(tail)):
-            last = whole.count(b"\n") + 1
-            raise _not_a_log(f"{self.path}:{last}", "its last line is not the start of a result")
-        if tail:  # the torn tail of an interrupted write: the request runs again
-            os.ftruncate(self._fd, len(whole))
-        self._size = len(whole)
+        self.done, self._size = _results(data, self.path)
+        if self._size < len(data):  # the torn tail of an interrupted write: the request runs again
+            os.ftruncate(self._fd, self._size)
 
     def append(self, record: dict[str, Any]) -> None:
         """Write one result as a single line with one write call, then flush it to disk; a failed
@@ -117,6 +104,27 @@ class JobLog:
             self._fd = None
 
 
+def check_output(path: str | Path, prompts: str | Path) -> None:
+    """The checks `JobLog.open` makes, without creating, locking or changing anything: a front end
+    calls it to fail before it spends minutes loading a model."""
+    path = Path(path)
+    _refuse_same_file(path, Path(prompts))
+    _check_folder(path)
+    if not path.exists():
+        return
+    if path.is_dir():
+        raise _cannot_open(path, os.strerror(errno.EISDIR))
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise _cannot_open(path, exc.strerror) from exc
+    try:
+        _lock_or_refuse(fd, path)
+        _results(_read_all(fd), path)
+    finally:
+        os.close(fd)  # and the lock with it
+
+
 def holder_file(path: Path) -> Path:
     """The sidecar where the lock's holder writes its pid and host."""
     return path.with_name(f".{path.name}.lock")
@@ -140,15 +148,34 @@ def _refuse_same_file(output: Path, prompts: Path) -> None:
         )
 
 
-def _open_for_append(path: Path) -> int:
-    """The log's descriptor (read and append), creating the file; the folder must exist."""
+def _check_folder(path: Path) -> None:
     if not path.parent.is_dir():
         raise FlowmoeError(f"--output {path}: folder {path.parent} does not exist; create it first")
+
+
+def _cannot_open(path: Path, why: str | None) -> FlowmoeError:
+    return FlowmoeError(f"--output {path}: cannot open for writing ({why})")
+
+
+def _lock_or_refuse(fd: int, path: Path) -> None:
+    """Lock the log exclusively, or say which process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        raise FlowmoeError(
+            f"{path}: another flowmoe run is writing this file ({_holder_of(path)}); "
+            "wait for it to finish or choose another --output"
+        ) from exc
+
+
+def _open_for_append(path: Path) -> int:
+    """The log's descriptor (read and append), creating the file; the folder must exist."""
+    _check_folder(path)
     created = not path.exists()
     try:
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError as exc:
-        raise FlowmoeError(f"--output {path}: cannot open for writing ({exc.strerror})") from exc
+        raise _cannot_open(path, exc.strerror) from exc
     if created:  # make the new file's name durable too
         _fsync_folder(path.parent)
     return fd
@@ -168,6 +195,18 @@ def _read_all(fd: int) -> bytes:
         chunks.append(chunk)
         offset += len(chunk)
     return b"".join(chunks)
+
+
+def _results(data: bytes, path: Path) -> tuple[set[JobId], int]:
+    """The ids of a log's results and the length of its whole lines; an error unless every whole
+    line is a result flowmoe wrote and what follows the last one is the start of another."""
+    whole = data[: data.rfind(b"\n") + 1]
+    lines = whole.split(b"\n")[:-1]
+    done = {_result_id(line, f"{path}:{number}") for number, line in enumerate(lines, start=1)}
+    tail = data[len(whole) :]
+    if tail and not (tail.startswith(LINE_START) or LINE_START.startswith(tail)):
+        raise _not_a_log(f"{path}:{len(lines) + 1}", "its last line is not the start of a result")
+    return done, len(whole)
 
 
 def _result_id(line: bytes, where: str) -> JobId:

@@ -105,6 +105,17 @@ def test_output_that_is_not_a_results_log_is_left_untouched(
     assert not holder_file(out).exists()
 
 
+def test_output_is_checked_before_the_model_loads(
+    good_prompts: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "notes.txt"
+    out.write_bytes(b"notes\n")
+    assert _run(good_prompts, out, "--model", str(tmp_path / "no-such-model")) == 2
+    assert "existing file is not a flowmoe results log" in _error(capsys)
+    assert _run(good_prompts, tmp_path / "new.jsonl", "--model", str(tmp_path / "no-such-model")) == 2
+    assert "no-such-model" in _error(capsys) and not (tmp_path / "new.jsonl").exists()
+
+
 def test_torn_tail_of_a_results_log_is_cut(good_prompts: Path, tmp_path: Path, reference: dict) -> None:
     out = tmp_path / "out.jsonl"
     out.write_bytes(b'{"id": "c", "output_i')  # killed in the middle of the first write
