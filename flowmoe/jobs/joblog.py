@@ -48,6 +48,9 @@ class JobLog:
         try:
             log._lock()
             log._recover()
+        except OSError as exc:  # an I/O error reading it, a file system without locks
+            log.close()
+            raise _cannot_use(log.path, exc) from exc
         except BaseException:
             log.close()
             raise
@@ -121,6 +124,8 @@ def check_output(path: str | Path, prompts: str | Path) -> None:
     try:
         _lock_or_refuse(fd, path)
         _results(_read_all(fd), path)
+    except OSError as exc:
+        raise _cannot_use(path, exc) from exc
     finally:
         os.close(fd)  # and the lock with it
 
@@ -157,6 +162,10 @@ def _cannot_open(path: Path, why: str | None) -> FlowmoeError:
     return FlowmoeError(f"--output {path}: cannot open for writing ({why})")
 
 
+def _cannot_use(path: Path, exc: OSError) -> FlowmoeError:
+    return FlowmoeError(f"--output {path}: cannot read or lock it ({exc.strerror or exc})")
+
+
 def _lock_or_refuse(fd: int, path: Path) -> None:
     """Lock the log exclusively, or say which process holds it."""
     try:
@@ -182,11 +191,13 @@ def _open_for_append(path: Path) -> int:
 
 
 def _fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Best effort: some file systems cannot sync a folder, and the file's data is synced anyway."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _read_all(fd: int) -> bytes:

@@ -313,23 +313,30 @@ def test_tokenizer_larger_than_the_model_is_a_bad_line(tmp_path: Path, capsys: p
 
 
 @pytest.mark.parametrize(
-    ("tensor", "value", "where"),
+    ("tensor", "value", "where", "scheduler"),
     [
-        ("model.layers.2.self_attn.o_proj.weight", float("nan"), "layer 2 (counting from 0)"),
-        ("model.layers.3.input_layernorm.weight", float("inf"), "layer 3 (counting from 0)"),
-        ("model.embed_tokens.weight", float("inf"), "the embedding"),
-        ("lm_head.weight", float("nan"), "the final norm and lm_head"),
+        ("model.layers.2.self_attn.o_proj.weight", float("nan"), "layer 2 (counting from 0)", "eager"),
+        ("model.layers.2.self_attn.o_proj.weight", float("nan"), "layer 2 (counting from 0)", "cgopipe"),
+        ("model.layers.3.input_layernorm.weight", float("inf"), "layer 3 (counting from 0)", "eager"),
+        ("model.embed_tokens.weight", float("inf"), "the embedding", "eager"),
+        ("lm_head.weight", float("nan"), "the final norm and lm_head", "eager"),
     ],
 )
 def test_non_finite_weights_fail_naming_the_layer(
-    good_prompts: Path, tmp_path: Path, capsys: pytest.CaptureFixture, tensor: str, value: float, where: str
+    good_prompts: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    tensor: str,
+    value: float,
+    where: str,
+    scheduler: str,
 ) -> None:
     model = _model_copy(tmp_path)
     tensors = load_file(model / "model.safetensors")
     tensors[tensor] = torch.full_like(tensors[tensor], value)
     save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
     out = tmp_path / "out.jsonl"
-    assert _run(good_prompts, out, "--model", str(model)) == 2
+    assert _run(good_prompts, out, "--model", str(model), "--scheduler", scheduler) == 2
     error = _error(capsys)
     assert "the model produced non-finite logits (NaN or Inf)" in error
     assert f"the eager re-run first produces them in {where}" in error
@@ -393,6 +400,22 @@ def test_output_that_cannot_be_opened(
     monkeypatch.setattr(joblog.os, "open", refusing_open)
     assert _run(good_prompts, out) == 2
     assert f"--output {out}: cannot open for writing ({text})" in _error(capsys)
+    assert out.read_bytes() == RESULT
+
+
+def test_output_that_cannot_be_locked(
+    good_prompts: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system without locks (ENOLCK) is one line too, not a traceback."""
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(joblog.fcntl, "flock", no_locks)
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(RESULT)
+    assert _run(good_prompts, out) == 2
+    assert f"--output {out}: cannot read or lock it (No locks available)" in _error(capsys)
     assert out.read_bytes() == RESULT
 
 
