@@ -55,30 +55,34 @@ def read_prompts(
     """Read a prompt file line by line as bytes: a line that is too long (`max_line_bytes`), not
     UTF-8, too deeply nested or otherwise not a prompt is reported and the others are read."""
     path = Path(path)
+    if path.is_dir():
+        raise PromptFileError(f"{path}: is a folder, not a prompt file")
     if not path.is_file():
         raise PromptFileError(f"{path}: prompt file not found")
     prompts: list[PromptLine] = []
     errors: list[str] = []
     seen: set[JobId] = set()
-    with path.open("rb") as handle:
-        for number, (raw, whole) in enumerate(_lines(handle, max_line_bytes), start=1):
-            if number == 1 and raw.startswith(BOM):
-                raw = raw[len(BOM) :]
-            try:
-                if not whole:
-                    raise PromptFileError(
-                        f"line longer than {max_line_bytes} bytes (the bound for this model)"
-                    )
-                text = _decode(raw)
-                if not text.strip():
-                    continue
-                prompt = _parse(_load(text), number, vocab, can_tokenize, can_chat)
-                if prompt.id in seen:
-                    raise PromptFileError(f"duplicate id {prompt.id!r}")
-                seen.add(prompt.id)
-                prompts.append(prompt)
-            except PromptFileError as exc:
-                errors.append(f"{path}:{number}: {exc}")
+    try:
+        with path.open("rb") as handle:
+            for number, (raw, whole) in enumerate(_lines(handle, max_line_bytes), start=1):
+                try:
+                    if not whole:
+                        raise PromptFileError(
+                            f"line longer than {max_line_bytes} bytes (the bound for this model)"
+                        )
+                    if number == 1 and raw.startswith(BOM):
+                        raw = raw[len(BOM) :]
+                    prompt = _prompt_line(raw, number, vocab, can_tokenize, can_chat)
+                    if prompt is None:
+                        continue
+                    if prompt.id in seen:
+                        raise PromptFileError(f"duplicate id {prompt.id!r}")
+                    seen.add(prompt.id)
+                    prompts.append(prompt)
+                except PromptFileError as exc:
+                    errors.append(f"{path}:{number}: {exc}")
+    except OSError as exc:
+        raise PromptFileError(f"{path}: cannot read the prompt file ({exc.strerror or exc})") from exc
     if not prompts:
         detail = f"; first problem: {errors[0]}" if errors else ""
         raise PromptFileError(f"{path}: no usable prompt lines{detail}")
@@ -96,6 +100,14 @@ def _lines(handle: BinaryIO, max_line_bytes: int | None) -> Iterator[tuple[bytes
         while raw and not raw.endswith(b"\n"):
             raw = handle.readline(1 << 20)
         yield b"", False
+
+
+def _prompt_line(
+    raw: bytes, number: int, vocab: int, can_tokenize: bool, can_chat: bool
+) -> PromptLine | None:
+    """One line's prompt, None for a blank line."""
+    text = _decode(raw)
+    return _parse(_load(text), number, vocab, can_tokenize, can_chat) if text.strip() else None
 
 
 def _decode(raw: bytes) -> str:

@@ -232,6 +232,40 @@ def test_bad_line_is_reported_and_the_rest_runs(
     assert _rows(out) == expected
 
 
+def _unreadable(path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path.write_text(_good(GOOD[0]).decode())
+    real_open = Path.open
+
+    def failing_open(self: Path, *args, **kwargs):
+        if self == path:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", failing_open)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda path, _: path, "prompt file not found"),
+        (lambda path, _: path.mkdir() or path, "is a folder, not a prompt file"),
+        (_unreadable, "cannot read the prompt file (Input/output error)"),
+    ],
+    ids=["missing", "a folder", "unreadable"],
+)
+def test_prompt_file_that_cannot_be_read(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    make: Callable[[Path, pytest.MonkeyPatch], Path],
+    message: str,
+) -> None:
+    prompts = make(tmp_path / "prompts.jsonl", monkeypatch)
+    assert _run(prompts, tmp_path / "out.jsonl") == 2
+    assert f"{prompts}: {message}" in _error(capsys)
+
+
 def test_byte_order_mark_is_ignored(tmp_path: Path, capsys: pytest.CaptureFixture, reference: dict) -> None:
     prompts = _prompts(tmp_path, b"\xef\xbb\xbf" + _good(GOOD[0]), _good(GOOD[1]))
     out = tmp_path / "out.jsonl"
