@@ -15,6 +15,10 @@ OS_REASONS = {
     errno.ELOOP: "a symlink loop",
     errno.EACCES: "permission denied",
     errno.EPERM: "permission denied",
+    errno.ENOTDIR: "a file is in the way of a folder",
+    errno.EEXIST: "a file is in the way of a folder",
+    errno.EROFS: "read-only file system",
+    errno.ENOSPC: "no space left on the disk",
 }
 
 

@@ -2,7 +2,8 @@
 
 A trace is recorded from a real run (`flowmoe run --record-routing`) or made
 synthetically; replaying it answers a scheduler's RoutingRequests, so a plan can
-be simulated or snapshot-tested with no tensors at all.
+be simulated or snapshot-tested with no tensors at all. A recorded trace starts
+with the model's shape (layers, experts, top-k), so it is refused for another model.
 """
 
 from __future__ import annotations
@@ -11,19 +12,57 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from attrs import define, field
+from attrs import asdict, define, field, frozen
 
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.plan import ExpertCounts, Lane, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import PlanStream
+from flowmoe.core.spec import ModelSpec
 
 Key = tuple[int, int, int]  # (step, layer, micro-batch)
+
+
+@frozen
+class RoutedShape:
+    """What a routing trace's numbers mean: layer and expert indices, experts per token."""
+
+    layers: int
+    experts: int
+    top_k: int
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> RoutedShape:
+        return cls(spec.layers, spec.moe.experts, spec.moe.top_k)
+
+    def describe(self) -> str:
+        return f"{self.layers} layers, {self.experts} experts, top-{self.top_k}"
 
 
 @define
 class RoutingTrace:
     counts: dict[Key, ExpertCounts] = field(factory=dict)
     predicted: dict[Key, ExpertCounts] = field(factory=dict)  # pre-gate predictions, when recorded
+    shape: RoutedShape | None = None  # the recorded model's; None for a synthetic or older trace
+
+    @classmethod
+    def for_model(cls, spec: ModelSpec) -> RoutingTrace:
+        """An empty trace to record `spec`'s routing into."""
+        return cls(shape=RoutedShape.of(spec))
+
+    def check_model(self, spec: ModelSpec, where: str | Path = "routing trace") -> None:
+        """Refuse a trace that was not recorded on a model of `spec`'s shape (an older trace
+        without a shape: refuse one naming a layer or expert the model lacks)."""
+        wanted = RoutedShape.of(spec)
+        if self.shape is not None and self.shape != wanted:
+            raise ConfigError(
+                f"{where}: routing trace recorded on a model with {self.shape.describe()}; "
+                f"this model has {wanted.describe()}"
+            )
+        for answer in [*self.counts.values(), *self.predicted.values()]:
+            bad = [e for e, _ in answer.counts if not 0 <= e < wanted.experts]
+            if not 0 <= answer.layer < wanted.layers or bad:
+                named = f"layer {answer.layer}" if not bad else f"expert {bad[0]}"
+                raise ConfigError(f"{where}: routing trace names {named}; this model has {wanted.describe()}")
 
     def record(self, step: int, answer: ExpertCounts, speculative: bool = False) -> None:
         table = self.predicted if speculative else self.counts
@@ -51,22 +90,36 @@ class RoutingTrace:
             for spec, table in ((False, self.counts), (True, self.predicted))
             for k, v in sorted(table.items())
         ]
+        if self.shape is not None:
+            rows.insert(0, {"model": asdict(self.shape)})
         Path(path).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> RoutingTrace:
+    def load(cls, path: str | Path, spec: ModelSpec | None = None) -> RoutingTrace:
+        """A saved trace; given `spec`, one recorded on a model of another shape is refused."""
         trace = cls()
-        for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read routing trace ({exc})") from exc
+        for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
+                if "model" in row:
+                    trace.shape = RoutedShape(
+                        **{k: int(row["model"][k]) for k in ("layers", "experts", "top_k")}
+                    )
+                    continue
                 answer = ExpertCounts(
                     row["layer"], row["mb"], tuple((int(e), int(n)) for e, n in row["counts"])
                 )
                 trace.record(int(row["step"]), answer, bool(row.get("speculative", False)))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, RecursionError) as exc:
                 raise ConfigError(f"{path}:{number}: not a routing trace line ({exc})") from exc
+        if spec is not None:
+            trace.check_model(spec, path)
         return trace
 
 

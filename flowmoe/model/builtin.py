@@ -14,9 +14,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from flowmoe.core.errors import ConfigError
+from flowmoe.core.jsonfile import os_reason
 from flowmoe.core.spec import ModelSpec
 from flowmoe.model.random_weights import RandomSource
 from flowmoe.model.tensor_map import TensorMap
@@ -50,20 +53,32 @@ def default_home() -> Path:
 
 
 def ensure_builtin(home: Path | None = None) -> Path:
-    """The folder of the built-in checkpoint, written atomically on first use."""
-    folder = (home or default_home()) / NAME
-    if (folder / "config.json").is_file():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=folder.parent))
+    """The folder of the built-in checkpoint, written atomically on first use (ConfigError naming
+    the folder when it cannot be: a file in the way, no permission, a full disk)."""
+    home = home or default_home()
+    folder = home / NAME
+    try:
+        if (folder / "config.json").is_file():
+            return folder
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=folder.parent))
+    except OSError as exc:
+        raise _unusable(home, exc) from exc
     try:
         write_checkpoint(staging)
         staging.rename(folder)
-    except OSError:
+    except (OSError, SafetensorError) as exc:
         shutil.rmtree(staging, ignore_errors=True)
-        if not (folder / "config.json").is_file():
-            raise
+        if not (folder / "config.json").is_file():  # else another process wrote it first
+            raise _unusable(home, exc) from exc
     return folder
+
+
+def _unusable(home: Path, exc: Exception) -> ConfigError:
+    reason = os_reason(exc) if isinstance(exc, OSError) else str(exc)
+    return ConfigError(
+        f"{home}: cannot write the built-in model there ({reason}); set FLOWMOE_HOME to a writable folder"
+    )
 
 
 def write_checkpoint(folder: Path) -> None:
