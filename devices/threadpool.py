@@ -4,13 +4,19 @@ Each lane gets one thread of its own, so its nodes run one at a time in
 emission order while different lanes overlap; torch ops release the GIL. The
 number of threads each torch op may use inside itself is configurable
 (default: what the machine has, split over the compute lanes).
+
+`LaneThreads` is the hop itself: a queue and a thread per lane, nothing else
+per node (no future, no work item), so handing a node to its lane costs one
+queue put. Lane threads run in torch's inference mode (no autograd bookkeeping
+on any op), set once per thread rather than once per node.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from queue import SimpleQueue
 
 import torch
 
@@ -18,6 +24,60 @@ from flowmoe.core.executor import Action, Finish
 from flowmoe.core.plan import Lane, TaskNode
 
 Hook = Callable[[TaskNode], None]
+Job = tuple[TaskNode, Action, Finish]
+
+
+class LaneThreads:
+    """One thread per lane running `serve(node, action, finish)` for each job put on that lane.
+
+    `serve` must report through `finish` and not raise; should it raise anyway, the node is
+    reported failed with that error, so the executor never waits on it forever."""
+
+    def __init__(self, serve: Callable[[TaskNode, Action, Finish], None], prefix: str = "flowmoe") -> None:
+        self._serve = serve
+        self._prefix = prefix
+        self._queues: dict[Lane, SimpleQueue[Job | None]] = {}
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def put(self, node: TaskNode, action: Action, finish: Finish) -> None:
+        queue = self._queues.get(node.lane)
+        if queue is None:
+            queue = self._open(node.lane)
+        queue.put((node, action, finish))
+
+    def _open(self, lane: Lane) -> SimpleQueue[Job | None]:
+        with self._lock:
+            queue = self._queues.get(lane)
+            if queue is None:
+                queue = SimpleQueue()
+                thread = threading.Thread(
+                    target=self._loop, args=(queue,), name=f"{self._prefix}-{lane}", daemon=True
+                )
+                thread.start()
+                self._threads.append(thread)
+                self._queues[lane] = queue
+        return queue
+
+    def _loop(self, queue: SimpleQueue[Job | None]) -> None:
+        serve = self._serve
+        with torch.inference_mode():
+            while (job := queue.get()) is not None:
+                try:
+                    serve(*job)
+                except BaseException as exc:  # handed to the executor, which names the node
+                    now = time.perf_counter()
+                    job[2](now, now, exc)
+
+    def close(self) -> None:
+        """Finish what is queued, then stop the threads."""
+        with self._lock:
+            queues, self._queues = self._queues, {}
+            threads, self._threads = self._threads, []
+        for queue in queues.values():
+            queue.put(None)
+        for thread in threads:
+            thread.join()
 
 
 class ThreadPoolWorker:
@@ -26,38 +86,33 @@ class ThreadPoolWorker:
     ) -> None:
         """`threads`: torch intra-op threads; `before(node)` runs on the lane thread ahead of the
         node (the CUDA worker hooks its event waits there); `profile_ranges` names each node
-        in torch's profiler."""
+        in torch's profiler while one records."""
         if threads is not None:
             torch.set_num_threads(max(1, threads))
         self._before = before
         self._ranges = profile_ranges
-        self._pools: dict[Lane, ThreadPoolExecutor] = {}
+        self._lanes = LaneThreads(self._run)
 
     def start(self, node: TaskNode, action: Action, finish: Finish) -> None:
-        pool = self._pools.get(node.lane)
-        if pool is None:
-            pool = self._pools[node.lane] = ThreadPoolExecutor(1, thread_name_prefix=f"flowmoe-{node.lane}")
-        pool.submit(self._run, node, action, finish)
+        self._lanes.put(node, action, finish)
 
     def _run(self, node: TaskNode, action: Action, finish: Finish) -> None:
-        start = time.perf_counter()
         error: BaseException | None = None
+        start = time.perf_counter()
         try:
             if self._before is not None:
                 self._before(node)
-            start = time.perf_counter()
+                start = time.perf_counter()
             if action is not None:
-                if self._ranges:
+                if self._ranges and torch.autograd._profiler_enabled():
                     with torch.profiler.record_function(node.label):
                         action()
                 else:
                     action()
         except BaseException as exc:  # reported through the executor, which names the node
             error = exc
-        end = time.perf_counter()
-        finish(start, end, error)
+        finish(start, time.perf_counter(), error)
 
     def close(self) -> None:
-        for pool in self._pools.values():
-            pool.shutdown(wait=True)
-        self._pools.clear()
+        self._lanes.close()
+

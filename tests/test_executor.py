@@ -16,9 +16,13 @@ from hypothesis import strategies as st
 from flowmoe.core.errors import NodeFailed, PlanError
 from flowmoe.core.executor import Executor, Span
 from flowmoe.core.plan import Lane, Op, TaskNode
+from flowmoe.core.scheduling import Residency
 from flowmoe.devices.inline import InlineWorker
 from flowmoe.devices.sim import SimWorker, run_virtual
 from flowmoe.devices.threadpool import ThreadPoolWorker
+from flowmoe.model.loading import load_model
+from flowmoe.runtime.device_weights import Devices, DeviceWeights
+from tests.hf_models import hf_model, save_hf
 
 LANES = list(Lane)
 
@@ -202,6 +206,112 @@ def test_waiting_for_a_node_never_submitted_is_reported() -> None:
 
     with pytest.raises(PlanError, match="waiting for node 3, which was never submitted"):
         asyncio.run(go())
+
+
+def _mixed(count: int) -> list[TaskNode]:
+    """A chain hopping over four lanes, with a second dependency two nodes back."""
+    lanes = [Lane.GPU_COMPUTE, Lane.GPU_H2D, Lane.CPU_COMPUTE, Lane.GPU_D2H]
+    return [TaskNode(i, Op.GATE, lanes[i % 4], layer=i, deps=tuple(d for d in (i - 1, i - 2) if d >= 0))
+            for i in range(count)]  # fmt: skip
+
+
+async def _drain_with(executor: Executor, nodes: list[TaskNode]) -> None:
+    for node in nodes:
+        executor.submit(node, lambda: time.sleep(1e-4))
+    await asyncio.wait_for(executor.drain(), timeout=30)  # a hang guard, not a timing assertion
+
+
+def test_a_span_callback_that_raises_fails_the_run_naming_the_node() -> None:
+    """An on_span that raises fails drain (NodeFailed naming the node), never leaves a lane busy."""
+
+    def on_span(span: Span) -> None:
+        if span.node.id == 37:
+            raise RuntimeError("dictionary changed size during iteration")
+
+    worker = ThreadPoolWorker()
+    try:
+        executor = Executor(dict.fromkeys(Lane, worker), on_span=on_span)
+        with pytest.raises(NodeFailed, match=r"gate L37 on gpu.h2d \(node 37\) failed in its span callback: "
+                                             r"RuntimeError: dictionary changed size"):  # fmt: skip
+            asyncio.run(_drain_with(executor, _mixed(200)))
+    finally:
+        worker.close()
+    assert 37 not in {s.node.id for s in executor.spans}
+    assert all(s.node.id < 37 + 4 for s in executor.spans)  # nothing downstream of 37 started after it
+
+
+class _Refusing:
+    """A worker that cannot take node 5 (as a pool after shutdown cannot)."""
+
+    def __init__(self) -> None:
+        self._inline = InlineWorker()
+
+    def start(self, node: TaskNode, action, finish) -> None:
+        if node.id == 5:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        self._inline.start(node, action, finish)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_worker_that_cannot_start_a_node_fails_the_run() -> None:
+    executor = Executor(dict.fromkeys(Lane, _Refusing()))
+    with pytest.raises(NodeFailed, match=r"\(node 5\) could not start: RuntimeError: cannot schedule"):
+        asyncio.run(_drain_with(executor, _mixed(20)))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory):
+    return load_model(save_hf(hf_model("mixtral"), tmp_path_factory.mktemp("executor") / "mixtral"))
+
+
+def test_residency_counters_hold_under_concurrent_lanes(tiny_model) -> None:
+    """Eight threads copy (in pages) and evict their own experts while two more read the counters
+    and the resident weights: no error, the counters stay within bounds, and they end where they began.
+    (Before: nbytes walked the dicts the other threads changed: 'dictionary changed size'.)"""
+    weights = DeviceWeights(tiny_model, Devices(torch.device("cpu")))
+    spec = tiny_model.spec
+    keys = [(layer, expert) for layer in range(spec.layers) for expert in range(spec.moe.experts)]
+    sizes = {k: tiny_model.weights.layers[k[0]].experts[k[1]].nbytes for k in keys}
+    weights.setup(Residency(dense=frozenset(range(spec.layers))), sum(sizes.values()))
+    base, ceiling = weights.nbytes, weights.nbytes + sum(sizes.values())
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def lane(own: list[tuple[int, int]]) -> None:
+        try:
+            for round_ in range(150):
+                for layer, expert in own:
+                    parts = 1 + round_ % 3
+                    for part in range(parts):
+                        weights.load(layer, expert, part, parts)
+                    assert weights.expert(layer, expert) is not None
+                for layer, expert in own:
+                    weights.evict(layer, expert)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                assert base <= weights.nbytes <= ceiling
+                assert 0 <= weights.resident_experts <= len(keys)
+                weights.layer(0)
+        except BaseException as exc:
+            errors.append(exc)
+
+    readers = [threading.Thread(target=reader) for _ in range(2)]
+    lanes = [threading.Thread(target=lane, args=(keys[i::8],)) for i in range(8)]
+    for thread in readers + lanes:
+        thread.start()
+    for thread in lanes:
+        thread.join()
+    stop.set()
+    for thread in readers:
+        thread.join()
+    assert not errors, errors[0]
+    assert weights.nbytes == base and weights.resident_experts == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

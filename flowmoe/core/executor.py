@@ -12,7 +12,9 @@ futures someone awaits (`wait`, `drain`).
 Failures never hang: a dependency that never arrives, a cycle, or lane order
 and dependencies waiting on each other are reported with the nodes involved; the
 first node that raises stops every lane from starting anything new and surfaces
-as NodeFailed naming the node.
+as NodeFailed naming the node. So does an exception in the executor's own
+hand-off after a node (a span callback that raises, a worker that refuses a
+node): the lanes it had claimed are released and every waiter is told.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any, Protocol
 
 from attrs import frozen
@@ -189,40 +192,79 @@ class Executor:
 
     def _start(self, start: Start) -> None:
         node, action = start
-        self._workers[node.lane].start(node, action, lambda s, e, err: self._finish(node, s, e, err))
+        try:
+            self._workers[node.lane].start(node, action, partial(self._finish, node))
+        except BaseException as exc:  # a worker that cannot take the node: the lane is not running it
+            self._crash(node, exc, "could not start", [start])
 
     def _finish(self, node: TaskNode, start: float, end: float, error: BaseException | None) -> None:
-        starts: list[Start] = []
+        """Called once per started node, from any thread; never raises (a failure here fails the
+        run). The span callback runs first, so a node is done only once it is recorded."""
         span = None
-        with self._lock:
-            self._busy.discard(node.lane)
-            if error is not None:
-                self._fail(node, error)
-            else:
-                self._done.add(node.id)
-                span = Span(node, start, end, self._queued.pop(node.id))
-                self.spans.append(span)
-                future = self._futures.pop(node.id, None)
-                if future is not None:
-                    self._resolve(future, None)
-                lanes = {node.lane}
-                for dependent in self._dependents.pop(node.id, ()):
-                    self._unmet[dependent] -= 1
-                    if self._unmet[dependent] == 0:
-                        lanes.add(self._nodes[dependent].lane)
-                starts = [s for s in map(self._take, lanes) if s is not None]
-            if not self._busy or self._error is not None:
-                self._wake()
-            self._check_stuck()
-        if span is not None and self._on_span is not None:
-            self._on_span(span)
+        if error is None:
+            span = Span(node, start, end, self._queued.pop(node.id))  # only this node's thread pops it
+            if self._on_span is not None:
+                try:
+                    self._on_span(span)
+                except BaseException as exc:
+                    self._crash(node, exc, "failed in its span callback", [])
+                    return
+        starts: list[Start] = []
+        try:
+            with self._lock:
+                busy = self._busy
+                busy.discard(node.lane)
+                if span is None:
+                    self._fail(node, error)  # type: ignore[arg-type]
+                else:
+                    self._complete(node, span, starts)
+                if not busy or self._error is not None:
+                    self._wake()
+                self._check_stuck()
+        except BaseException as exc:
+            self._crash(node, exc, "failed in the executor's hand-off", starts)
+            return
         for start_next in starts:
             self._start(start_next)
 
-    def _fail(self, node: TaskNode, error: BaseException) -> None:
+    def _complete(self, node: TaskNode, span: Span, starts: list[Start]) -> None:
+        """Under the lock: mark `node` done, release its dependents, claim the lanes that may start
+        (appending to `starts` as it goes, so a failure midway knows what it claimed)."""
+        node_id = node.id
+        self._done.add(node_id)
+        self.spans.append(span)
+        if self._futures:
+            future = self._futures.pop(node_id, None)
+            if future is not None:
+                self._resolve(future, None)
+        take = self._take
+        first = take(node.lane)
+        if first is not None:
+            starts.append(first)
+        dependents = self._dependents.pop(node_id, None)
+        if dependents:
+            unmet, nodes = self._unmet, self._nodes
+            for dependent in dependents:
+                unmet[dependent] -= 1
+                if not unmet[dependent]:
+                    released = take(nodes[dependent].lane)
+                    if released is not None:
+                        starts.append(released)
+
+    def _crash(self, node: TaskNode, error: BaseException, what: str, claimed: list[Start]) -> None:
+        """The executor itself failed around `node`: release the lanes claimed for nodes that will
+        not start, fail the run naming `node`, wake every waiter."""
+        with self._lock:
+            self._busy.discard(node.lane)  # whatever ran (or was to run) `node` holds its lane no more
+            for claimed_node, _ in claimed:
+                self._busy.discard(claimed_node.lane)
+            self._fail(node, error, what)
+            self._wake()
+
+    def _fail(self, node: TaskNode, error: BaseException, what: str = "failed") -> None:
         if self._error is None:
             where = f"{node.label} on {node.lane} (node {node.id})"
-            failure = NodeFailed(f"{where} failed: {type(error).__name__}: {error}")
+            failure = NodeFailed(f"{where} {what}: {type(error).__name__}: {error}")
             failure.__cause__ = error
             self._error = failure
             self._stopped = True

@@ -7,6 +7,8 @@ Without CUDA the "GPU" is the CPU and a resident copy is the CPU tensor itself.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from attrs import define, field, fields, frozen
 
@@ -86,17 +88,14 @@ def _copy_page(sources: list[torch.Tensor], targets: list[torch.Tensor], part: i
         offset += src.numel()
 
 
-def pin_experts(model: MoEModel) -> None:
-    """Page-lock the CPU copies of every expert, so H2D copies run asynchronously at full link
-    speed (a CUDA-only step; the papers' pinned staging area is the weights themselves)."""
-    for lw in model.weights.layers:
-        lw.experts = [
-            FFNWeights(*(None if t is None else t.pin_memory() for t in _fields(f))) for f in lw.experts
-        ]
-
-
 @define
 class DeviceWeights:
+    """Which weights are on the GPU, and how many bytes they hold.
+
+    PAGE_COPY and EVICT run on different lane threads (gpu.h2d and gpu.compute), so every change
+    and every read of the residency goes through one lock, and the byte and expert counters are
+    kept as they change: reading them is O(1), never a walk over the resident weights."""
+
     model: MoEModel
     devices: Devices
     _dense: dict[int, LayerWeights] = field(factory=dict)
@@ -105,6 +104,9 @@ class DeviceWeights:
     limit: int | None = None  # bytes of layer weights allowed on the GPU (set by setup)
     embed: torch.Tensor | None = None
     head: tuple[torch.Tensor, torch.Tensor] | None = None  # final norm, lm head
+    _bytes: int = 0  # bytes of every dense part, expert and partly copied expert held
+    _sizes: dict[tuple[int, int], int] = field(factory=dict)  # (layer, expert or -1) -> bytes
+    _lock: threading.Lock = field(factory=threading.Lock)
 
     def setup(self, residency: Residency, buffer_bytes: int) -> None:
         """Embedding and head always live on the GPU; then what the scheduler keeps resident.
@@ -112,26 +114,33 @@ class DeviceWeights:
         w = self.model.weights
         self.embed = self.devices.to_gpu(w.embed)
         self.head = (self.devices.to_gpu(w.final_norm), self.devices.to_gpu(w.lm_head))
+        for layer, lw in enumerate(w.layers):
+            self._sizes[(layer, -1)] = lw.dense_nbytes
+            self._sizes.update({(layer, e): ffn.nbytes for e, ffn in enumerate(lw.experts)})
         for layer in sorted(residency.dense):
             self.load(layer, -1)
         for layer, expert in sorted(residency.experts):
             self.load(layer, expert)
-        self.limit = self.nbytes + buffer_bytes
+        self.limit = self._bytes + buffer_bytes
 
     def load(self, layer: int, expert: int, part: int = -1, parts: int = 1) -> None:
         """PAGE_COPY: expert -1 is the layer's dense part (attention, router, shared/dense MLP).
-        With `part` >= 0 an expert arrives in `parts` pages and is resident after the last one."""
+        With `part` >= 0 an expert arrives in `parts` pages and is resident after the last one.
+        Copies are enqueued (asynchronous on CUDA), so holding the lock over them is short."""
         source = self.model.weights.layers[layer]
-        if (layer, expert) in self._experts or (expert < 0 and layer in self._dense):
-            what = f"expert {expert}" if expert >= 0 else "the dense part"
-            raise FlowmoeError(f"{what} of layer {layer} is copied to the GPU while already resident there")
-        self._check_room(layer, expert)
-        if expert < 0:
-            self._dense[layer] = _dense_to(self.devices, source)
-        elif part < 0:
-            self._experts[(layer, expert)] = _ffn_to(self.devices, source.experts[expert])
-        else:
-            self._load_page(layer, expert, part, parts)
+        key = (layer, expert)
+        with self._lock:
+            if key in self._experts or (expert < 0 and layer in self._dense):
+                what = f"expert {expert}" if expert >= 0 else "the dense part"
+                raise FlowmoeError(f"{what} of layer {layer} is copied to the GPU while already resident there")
+            if key not in self._partial:
+                self._reserve(layer, expert)
+            if expert < 0:
+                self._dense[layer] = _dense_to(self.devices, source)
+            elif part < 0:
+                self._experts[key] = _ffn_to(self.devices, source.experts[expert])
+            else:
+                self._load_page(layer, expert, part, parts)
 
     def _load_page(self, layer: int, expert: int, part: int, parts: int) -> None:
         key = (layer, expert)
@@ -153,44 +162,56 @@ class DeviceWeights:
             self._experts[key] = target
             del self._partial[key]
 
-    def _check_room(self, layer: int, expert: int) -> None:
-        if self.limit is None:
-            return
-        if (layer, expert) in self._partial:
-            return
-        source = self.model.weights.layers[layer]
-        size = source.experts[expert].nbytes if expert >= 0 else source.dense_nbytes
-        if self.nbytes + size > self.limit:
+    def _size(self, layer: int, expert: int) -> int:
+        size = self._sizes.get((layer, expert))
+        if size is None:  # setup not run (a bare DeviceWeights): measure once
+            source = self.model.weights.layers[layer]
+            size = self._sizes[(layer, expert)] = (
+                source.experts[expert].nbytes if expert >= 0 else source.dense_nbytes
+            )
+        return size
+
+    def _reserve(self, layer: int, expert: int) -> None:
+        """Under the lock: count a new dense part or expert (a paged one from its first page)."""
+        size = self._size(layer, expert)
+        if self.limit is not None and self._bytes + size > self.limit:
             what = f"expert {expert}" if expert >= 0 else "the dense part"
             raise MemoryBudgetError(
-                f"copying {what} of layer {layer} would hold {gib(self.nbytes + size)} of weights on the GPU "
+                f"copying {what} of layer {layer} would hold {gib(self._bytes + size)} of weights on the GPU "
                 f"(over the scheduler's declared {gib(self.limit)})"
             )
+        self._bytes += size
 
     def evict(self, layer: int, expert: int) -> None:
         """EVICT, launched on the lane that used the weights last: on CUDA their memory is only
         reused once that lane's stream has finished with them (record_stream)."""
-        if expert < 0:
-            dropped = self._dense.pop(layer, None)
-            tensors = [] if dropped is None else [t for t in _layer_tensors(dropped)]
-        else:
-            ffn = self._experts.pop((layer, expert), None)
-            partial = self._partial.pop((layer, expert), None)
-            tensors = [*(ffn.tensors() if ffn else []), *(partial[0].tensors() if partial else [])]
+        with self._lock:
+            if expert < 0:
+                dropped = self._dense.pop(layer, None)
+                tensors = [] if dropped is None else _layer_tensors(dropped)
+            else:
+                ffn = self._experts.pop((layer, expert), None)
+                partial = self._partial.pop((layer, expert), None)
+                dropped = ffn or partial
+                tensors = [*(ffn.tensors() if ffn else []), *(partial[0].tensors() if partial else [])]
+            if dropped is not None:
+                self._bytes -= self._size(layer, expert)
         if self.devices.cuda:
             stream = torch.cuda.current_stream(self.devices.gpu)
             for tensor in tensors:
                 tensor.record_stream(stream)
 
     def layer(self, layer: int) -> LayerWeights:
-        if layer not in self._dense:
+        lw = self._dense.get(layer)  # one dict read: atomic while another lane changes the dict
+        if lw is None:
             raise NotResident(f"the dense weights of layer {layer} are not resident on the GPU")
-        return self._dense[layer]
+        return lw
 
     def expert(self, layer: int, expert: int) -> FFNWeights:
-        if (layer, expert) not in self._experts:
+        ffn = self._experts.get((layer, expert))
+        if ffn is None:
             raise NotResident(f"expert {expert} of layer {layer} is not resident on the GPU")
-        return self._experts[(layer, expert)]
+        return ffn
 
     @property
     def resident_experts(self) -> int:
@@ -198,6 +219,5 @@ class DeviceWeights:
 
     @property
     def nbytes(self) -> int:
-        dense = sum(lw.dense_nbytes for lw in self._dense.values())
-        partial = sum(target.nbytes for target, _ in self._partial.values())
-        return dense + partial + sum(f.nbytes for f in self._experts.values())
+        """Bytes of layer weights held on the GPU (dense parts, experts, experts partly copied)."""
+        return self._bytes

@@ -25,7 +25,8 @@ from flowmoe.devices.factory import make_workers
 from flowmoe.jobs.engine import StepInput
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.actions import StepState
-from flowmoe.runtime.device_weights import Devices, DeviceWeights, pin_experts
+from flowmoe.runtime.device_weights import Devices, DeviceWeights
+from flowmoe.runtime.pinned import pin_layers
 from flowmoe.schedulers.registry import checked_plan, create
 from flowmoe.traces.trace import CounterSample, Trace
 
@@ -66,7 +67,7 @@ class Runtime:
         plugin = create(scheduler, context)
         devices = Devices.detect(device)
         if devices.cuda:
-            pin_experts(model)
+            pin_layers(model)
         weights = DeviceWeights(model, devices)
         weights.setup(plugin.residency(), plugin.weight_buffer_bytes())
         workers, events = make_workers(devices.gpu, policy.cpu_threads)
