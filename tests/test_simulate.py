@@ -139,6 +139,75 @@ def test_compare_writes_a_group_per_scheduler(tiny_model: str, tmp_path: Path) -
     assert sorted(s.group for s in summarize(data)) == names
 
 
+def test_compare_without_trace_writes_nothing(
+    tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    argv = ["compare", "--model", tiny_model, "--workload", "fixed:6:4", "--schedulers", "eager,on-demand"]
+    assert main([*argv, "--batch-size", "2", "--json"]) == 0
+    assert list(work.iterdir()) == []
+
+
+def simulated_policy(
+    tiny_model: str, scheduler: str, flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> dict:
+    argv = ["simulate", "--model", tiny_model, "--workload", "fixed:6:4", "--scheduler", scheduler,
+            "--decode-samples", "1", "--json", *flags]  # fmt: skip
+    assert main(argv) == 0
+    (result,) = json.loads(capsys.readouterr().out)["results"]
+    assert result["error"] is None, result["error"]
+    return result["policy"]
+
+
+# Each simulate flag, alone, and the policy field the result row must show for it.
+FLAGS = [
+    ("on-demand", ["--batch-size", "6"], {"batch_size": 6}),
+    ("klotski", ["--micro-batches", "3"], {"micro_batches": 3}),
+    ("fiddler", ["--attention-on", "cpu"], {"attention_on": "cpu"}),
+    ("fiddler", ["--ffn-on", "cpu"], {"ffn_on": "cpu"}),
+    ("lru-cache", ["--weights-gpu-share", "0.3"], {"weights_gpu_share": 0.3}),
+    ("flexgen", ["--kv-gpu-share", "0.25"], {"kv_gpu_share": 0.25}),
+    ("on-demand", ["--gpu-memory", "3GiB"], {"gpu_memory": 3 * 2**30}),
+    (
+        "lru-cache",
+        ["--expert-cache-slots", "4", "--cache-ways", "2"],
+        {"expert_cache_slots": 4, "cache_ways": 2},
+    ),
+    ("klotski", ["--group-size", "2"], {"group_size": 2}),
+    ("klotski", ["--hot-experts", "1"], {"hot_experts": 1}),
+    ("cgopipe", ["--page-size", "128KiB"], {"page_bytes": 128 * 2**10}),
+    ("fiddler", ["--cpu-threads", "3"], {"cpu_threads": 3}),
+]
+
+
+@pytest.mark.parametrize(("scheduler", "flags", "expected"), FLAGS, ids=[f[1][0] for f in FLAGS])
+def test_every_simulate_flag_is_honoured(
+    tiny_model: str, scheduler: str, flags: list[str], expected: dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = simulated_policy(tiny_model, scheduler, flags, capsys)
+    assert {k: policy[k] for k in expected} == expected
+
+
+def test_fields_not_given_come_from_the_scheduler_search(
+    tiny_model: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Micro-batches alone are honoured and the batch size is the search's, not a fixed default."""
+    policy = simulated_policy(tiny_model, "on-demand", ["--micro-batches", "2"], capsys)
+    assert policy["micro_batches"] == 2 and policy["batch_size"] > 16
+
+
+def test_a_scheduler_that_cannot_run_gets_one_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--model", "mixtral-8x7b", "--layers", "2", "--hardware", "t4", "--workload",
+            "fixed:8:2", "--scheduler", "eager,on-demand", "--gpu-memory", "2GiB", "--decode-samples",
+            "1"]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    results = {r["scheduler"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert "over the 2.0 GiB GPU" in results["eager"]["error"]
+    assert results["on-demand"]["error"] is None and results["on-demand"]["throughput_tokens_per_second"] > 0
+
+
 def test_plan_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plot = tmp_path / "roofline.png"
     argv = ["plan", "--model", "mixtral-8x7b", "--hardware", "l4", "--gen-len", "64", "--max-batch", "1024"]

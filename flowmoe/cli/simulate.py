@@ -2,9 +2,11 @@
 
 Both run a batch of the workload through the real schedulers under the
 roofline cost of a hardware spec, with routing from a recorded trace or a
-synthetic one; `compare` writes one Chrome trace with a process group per
-scheduler (stacked in Perfetto). The policy is the HRM plan's unless
---batch-size is given.
+synthetic one; `compare --trace` writes one Chrome trace with a process group
+per scheduler (stacked in Perfetto). Every policy flag given is honoured; the
+fields not given come from each scheduler's own best policy (a search per
+scheduler, `flowmoe.study.best_policy`), and each result row shows the policy
+it ran.
 """
 
 from __future__ import annotations
@@ -14,23 +16,25 @@ import json
 from pathlib import Path
 from typing import Any
 
-from attrs import evolve
+import uvloop
 from rich.table import Table
 
+from flowmoe.cli.args import BYTES, FRACTION, NON_NEGATIVE_INT, PAGE_SIZE, POSITIVE_INT
 from flowmoe.cli.plan import add_setup_flags, spec_from, workload_from
 from flowmoe.cli.ui import console, out
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import hardware
-from flowmoe.core.policy import Policy, parse_bytes
-from flowmoe.core.policy_search import search
+from flowmoe.core.memory import gib
+from flowmoe.core.policy import Policy
 from flowmoe.core.routing_trace import RoutingTrace
+from flowmoe.core.spec import ModelSpec
 from flowmoe.core.synthetic_routing import RoutingModel
 from flowmoe.schedulers.registry import available
+from flowmoe.study.best_policy import Given, best_policy
+from flowmoe.study.realtime import with_realtime
 from flowmoe.study.sim_report import SimulationResult
-from flowmoe.study.simulate import Setup, simulate_workload
+from flowmoe.study.simulate import Setup
 from flowmoe.traces.chrome import write_chrome
-
-LANES = ("gpu.compute", "cpu.compute", "gpu.h2d", "gpu.d2h")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,21 +47,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     compare = sub.add_parser("compare", help="several schedulers on one setup: one stacked trace and a table")
     _flags(compare)
     compare.add_argument("--schedulers", help="comma-separated names (default: every registered one)")
-    compare.add_argument("--trace", type=Path, default=Path("compare.json"), help="Chrome trace to write")
+    compare.add_argument("--trace", type=Path, help="write one Chrome trace, a process group per scheduler")
     compare.add_argument("--json", action="store_true", help="print the results as one JSON object")
     compare.set_defaults(handler=_compare)
 
 
 def _flags(parser: argparse.ArgumentParser) -> None:
     add_setup_flags(parser)
-    policy = parser.add_argument_group("policy (default: the HRM plan's)")
-    policy.add_argument("--batch-size", type=int, help="N sequences in the batch")
-    policy.add_argument("--micro-batches", type=int, default=1)
-    policy.add_argument("--attention-on", choices=("gpu", "cpu"), default="gpu")
-    policy.add_argument("--ffn-on", choices=("gpu", "cpu"), default="gpu")
-    policy.add_argument("--weights-gpu-share", type=float, default=0.0)
-    policy.add_argument("--kv-gpu-share", type=float, default=1.0)
-    policy.add_argument("--gpu-memory", help="GPU memory budget (default: the hardware's)")
+    policy = parser.add_argument_group(
+        "policy: each flag given is honoured; the fields not given come from each scheduler's best plan"
+    )
+    policy.add_argument("--batch-size", type=POSITIVE_INT, help="N sequences in the batch")
+    policy.add_argument("--micro-batches", type=POSITIVE_INT, help="micro-batches per batch")
+    policy.add_argument("--attention-on", choices=("gpu", "cpu"))
+    policy.add_argument("--ffn-on", choices=("gpu", "cpu"))
+    policy.add_argument("--weights-gpu-share", type=FRACTION, help="share of experts kept on the GPU")
+    policy.add_argument("--kv-gpu-share", type=FRACTION, help="share of the KV cache kept on the GPU")
+    policy.add_argument("--gpu-memory", type=BYTES, help="GPU memory budget (default: the hardware's)")
+    knobs = parser.add_argument_group("scheduler knobs (as `flowmoe run` takes them)")
+    knobs.add_argument(
+        "--expert-cache-slots", type=POSITIVE_INT, help="lru-cache: experts the GPU cache holds"
+    )
+    knobs.add_argument("--cache-ways", type=POSITIVE_INT, help="lru-cache: ways per set")
+    knobs.add_argument("--group-size", type=POSITIVE_INT, help="klotski: micro-batches per group (n)")
+    knobs.add_argument("--hot-experts", type=POSITIVE_INT, help="klotski: hot experts prefetched (K)")
+    knobs.add_argument("--page-size", type=PAGE_SIZE, help="cgopipe: weight page size")
+    knobs.add_argument("--cpu-threads", type=POSITIVE_INT, help="CPU threads per op")
     routing = parser.add_argument_group("routing")
     routing.add_argument(
         "--routing", type=Path, help="routing trace recorded by `flowmoe run --record-routing`"
@@ -66,32 +81,38 @@ def _flags(parser: argparse.ArgumentParser) -> None:
     routing.add_argument("--correlation", type=float, default=0.3, help="layer-to-layer routing correlation")
     routing.add_argument("--pregate-accuracy", type=float, default=0.9)
     routing.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--decode-samples", type=int, default=4, help="decode steps simulated (0: all)")
+    parser.add_argument(
+        "--decode-samples", type=NON_NEGATIVE_INT, default=4, help="decode steps simulated (0: all)"
+    )
+    realtime_help = (
+        "run the simulated steps again on the real clock: the real host stack, each "
+        "device action replaced by waiting its modelled time (--trace writes that run)"
+    )
+    parser.add_argument("--realtime", action="store_true", help=realtime_help)
+
+
+def given_from(args: argparse.Namespace) -> Given:
+    """The policy fields given on the command line (None: the search chooses)."""
+    return Given(
+        args.batch_size, args.micro_batches, args.attention_on, args.ffn_on, args.weights_gpu_share,
+        args.kv_gpu_share, args.expert_cache_slots, args.cache_ways, args.group_size, args.hot_experts,
+        args.page_size, args.gpu_memory, args.cpu_threads,
+    )  # fmt: skip
 
 
 def setup_from(args: argparse.Namespace) -> Setup:
+    """The setup without its policy (each scheduler gets its own, `best_policy`)."""
     spec, hw, work = spec_from(args), hardware(args.hardware), workload_from(args)
-    if args.batch_size is None:
-        policy = search(spec, hw, work).best.policy
-    else:
-        if args.batch_size < 1 or args.micro_batches < 1:
-            raise ConfigError("--batch-size and --micro-batches must be at least 1")
-        policy = Policy(
-            micro_batch_size=-(-args.batch_size // args.micro_batches), micro_batches=args.micro_batches,
-            attention_on=args.attention_on, ffn_on=args.ffn_on, weights_gpu_share=args.weights_gpu_share,
-            kv_gpu_share=args.kv_gpu_share,
-        )  # fmt: skip
-    if args.gpu_memory:
-        policy = evolve(policy, gpu_memory=parse_bytes(args.gpu_memory))
-    recorded = _recorded(args.routing) if args.routing else None
+    recorded = _recorded(args.routing, spec) if args.routing else None
     model = RoutingModel(args.skew, args.correlation, args.pregate_accuracy, args.seed)
+    policy = Policy(gpu_memory=args.gpu_memory)
     return Setup(spec, hw, work, policy, model, recorded, args.decode_samples, args.seed)
 
 
-def _recorded(path: Path) -> RoutingTrace:
+def _recorded(path: Path, spec: ModelSpec) -> RoutingTrace:
     if not path.is_file():
         raise ConfigError(f"{path}: routing trace not found")
-    return RoutingTrace.load(path)
+    return RoutingTrace.load(path, spec)
 
 
 def _names(requested: str | None) -> list[str]:
@@ -108,17 +129,24 @@ def _names(requested: str | None) -> list[str]:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    return _report(args, setup_from(args), _names(args.scheduler))
+    return _report(args, _names(args.scheduler))
 
 
 def _compare(args: argparse.Namespace) -> int:
-    return _report(args, setup_from(args), _names(args.schedulers))
+    return _report(args, _names(args.schedulers))
 
 
-def _report(args: argparse.Namespace, setup: Setup, names: list[str]) -> int:
-    with console.status(f"simulating {', '.join(names)}"):
-        results = simulate_workload(setup, names)
-    traces = [r.trace for r in results if r.trace is not None]
+def _report(args: argparse.Namespace, names: list[str]) -> int:
+    setup, given = setup_from(args), given_from(args)
+    results = []
+    with console.status("searching each scheduler's best policy") as status:
+        for name in names:
+            status.update(f"searching {name}'s best policy")
+            results.append(best_policy(setup, name, given))
+    if args.realtime:
+        with console.status("running the simulated steps on the real clock"):
+            results = [with_realtime(setup, r, uvloop.run) for r in results]
+    traces = [r.realtime.trace if r.realtime else r.trace for r in results if r.trace is not None]
     if args.trace and traces:
         write_chrome(args.trace, traces)
     if args.json:
@@ -127,45 +155,74 @@ def _report(args: argparse.Namespace, setup: Setup, names: list[str]) -> int:
     out.print(results_table(setup, results))
     for r in results:
         if r.error is not None:
-            out.print(f"[yellow]{r.scheduler}[/]: {r.error}", soft_wrap=True)
+            out.print(f"[yellow]{r.scheduler}[/] cannot run: {r.error}", soft_wrap=True)
     if len(results) == 1 and results[0].error is None:
         out.print(lanes_table(results[0]))
+    if args.realtime:
+        out.print(realtime_table(results))
     if args.trace and traces:
         out.print(f"trace: {args.trace} ({len(traces)} process groups; open in https://ui.perfetto.dev)")
     return 0
 
 
-def results_table(setup: Setup, results: list[SimulationResult]) -> Table:
-    p, work = setup.policy, setup.workload
-    title = (f"simulated: {setup.spec.name} on {setup.hardware.name}, {work.name} gen {work.gen_len}, "
-             f"N={p.batch_size} (μ={p.micro_batch_size} x {p.micro_batches}), attention {p.attention_on}, "
-             f"FFN {p.ffn_on}")  # fmt: skip
-    table = Table(title=title)
-    for column in (
-        "scheduler",
-        "tokens/s",
-        "vs best",
-        "prefill s",
-        "decode s",
-        *LANES,
-        "busiest",
-        "its bubbles s",
-    ):
+def realtime_table(results: list[SimulationResult]) -> Table:
+    table = Table(title="the simulated steps on the real clock (real host stack, modelled device time)")
+    for column in ("scheduler", "steps", "simulated s", "real-clock s", "ratio", "host CPU s/step", "top"):
         table.add_column(column, justify="right")
+    for r in results:
+        if (rt := r.realtime) is not None:
+            thread = max(rt.host_seconds, key=rt.host_seconds.__getitem__)
+            table.add_row(
+                r.scheduler,
+                str(rt.steps),
+                f"{rt.makespan_seconds:.3f}",
+                f"{rt.realtime_makespan_seconds:.3f}",
+                f"{rt.ratio:.3f}",
+                f"{rt.host_seconds_per_step:.3f}",
+                f"{thread} {rt.host_seconds[thread]:.2f} s",
+            )
+    return table
+
+
+KNOBS = {"lru-cache": ("expert_cache_slots", "cache_ways"), "klotski": ("group_size", "hot_experts"),
+         "cgopipe": ("page_bytes",)}  # fmt: skip
+
+
+def describe_policy(p: Policy, scheduler: str = "") -> str:
+    """The policy a result ran, in one cell: N (μ x count), placements, shares, and the scheduler's
+    own knobs where set."""
+    text = (f"N={p.batch_size} ({p.micro_batch_size}x{p.micro_batches}) attn {p.attention_on} "
+            f"ffn {p.ffn_on} w {p.weights_gpu_share:.0%} kv {p.kv_gpu_share:.0%}")  # fmt: skip
+    names = {"expert_cache_slots": "slots", "cache_ways": "ways", "group_size": "n", "hot_experts": "K"}
+    knobs = [f"{names.get(k, 'page')} {gib(v) if k == 'page_bytes' else v}"
+             for k in KNOBS.get(scheduler, ()) if (v := getattr(p, k))]  # fmt: skip
+    if p.cpu_threads:
+        knobs.append(f"threads {p.cpu_threads}")
+    return " ".join([text, *knobs])
+
+
+def results_table(setup: Setup, results: list[SimulationResult]) -> Table:
+    work = setup.workload
+    title = f"simulated: {setup.spec.name} on {setup.hardware.name}, {work.name} gen {work.gen_len}"
+    table = Table(title=title)
+    for column in ("scheduler", "tokens/s", "vs best", "prefill s", "decode s", "busiest lane", "bubbles s"):
+        table.add_column(column, justify="right")
+    table.add_column("policy ran", justify="left")
     best = max((r.throughput for r in results), default=0.0)
     for r in sorted(results, key=lambda r: -r.throughput):
+        policy = describe_policy(r.policy, r.scheduler)
         if r.error is not None:
-            table.add_row(r.scheduler, "-", "-", "-", "-", *("-" for _ in LANES), "[yellow]see below[/]", "-")
+            table.add_row(r.scheduler, "-", "-", "-", "-", "[yellow]cannot run, see below[/]", "-", policy)
             continue
-        util = {lane.lane: r.utilisation(lane) for lane in r.lanes}
         busiest = max(r.lanes, key=lambda lane: lane.busy_seconds)
-        table.add_row(r.scheduler, f"{r.throughput:.1f}", f"{r.throughput / best:.2f}" if best else "-",
-                      f"{r.prefill_seconds:.1f}", f"{r.decode_seconds:.1f}",
-                      *(f"{util[lane]:.0%}" if lane in util else "-" for lane in LANES), busiest.lane,
-                      f"{busiest.bubble_seconds:.2f}")  # fmt: skip
+        versus = f"{r.throughput / best:.2f}" if best else "-"
+        table.add_row(r.scheduler, f"{r.throughput:.1f}", versus, f"{r.prefill_seconds:.1f}",
+                      f"{r.decode_seconds:.1f}", f"{busiest.lane} {r.utilisation(busiest):.0%}",
+                      f"{busiest.bubble_seconds:.2f}", policy)  # fmt: skip
     table.caption = (
-        "utilisation = lane busy time / (prefill + decode); throughput = generated tokens / that time; "
-        "bubbles = time the busiest lane sat idle with its next node queued, waiting on dependencies"
+        "busiest lane: its busy time / (prefill + decode); throughput = generated tokens / that time; "
+        "bubbles = time the busiest lane sat idle with its next node queued, waiting on dependencies; "
+        "policy ran = each scheduler's best that fits, with every given flag"
     )
     return table
 
@@ -184,5 +241,5 @@ def results_json(setup: Setup, results: list[SimulationResult]) -> dict[str, Any
     return {
         "model": setup.spec.name, "hardware": setup.hardware.name, "workload": setup.workload.name,
         "gen_len": setup.workload.gen_len, "decode_samples": setup.decode_samples,
-        "results": [r.to_json() for r in results],
+        "results": [{**r.to_json(), "policy_text": describe_policy(r.policy, r.scheduler)} for r in results],
     }  # fmt: skip

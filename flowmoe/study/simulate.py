@@ -21,7 +21,7 @@ from flowmoe.core.driver import drive
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.executor import Executor, Span
 from flowmoe.core.hardware import HardwareSpec
-from flowmoe.core.memory import MemoryNeed, gpu_need
+from flowmoe.core.memory import MemoryNeed, gpu_need, host_need
 from flowmoe.core.plan import Lane, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.routing_trace import RoutingTrace
@@ -31,8 +31,7 @@ from flowmoe.core.synthetic_routing import RoutingModel, SyntheticRouting, obser
 from flowmoe.core.workloads import Workload
 from flowmoe.devices.sim import SimWorker, run_virtual
 from flowmoe.schedulers.registry import create
-from flowmoe.study.sim_report import SimulationResult, StepRun, interpolate, lane_totals
-from flowmoe.traces.trace import Trace
+from flowmoe.study.sim_report import SimulationResult, StepRun, batch_trace, interpolate, trace_stats
 
 
 def run_steps(
@@ -81,12 +80,15 @@ class Setup:
         return self.policy.gpu_memory if self.policy.gpu_memory is not None else self.hardware.gpu_memory
 
 
-def batch_steps(prompts: Sequence[int], gen: int, micro_batch: int) -> list[StepShape]:
-    """Prefill (step 0) and the gen - 1 decode steps of one batch in micro-batches of `micro_batch`."""
+def batch_steps(
+    prompts: Sequence[int], gen: int, micro_batch: int, decode: Sequence[int] | None = None
+) -> list[StepShape]:
+    """Prefill (step 0) and the gen - 1 decode steps of one batch in micro-batches of `micro_batch`;
+    with `decode`, only those decode steps (0-based among the decode steps)."""
     groups = [list(prompts[i : i + micro_batch]) for i in range(0, len(prompts), micro_batch)]
     prefill = tuple(MicroBatchShape.from_lengths(i, g, [0] * len(g)) for i, g in enumerate(groups))
     steps = [StepShape(0, True, prefill)]
-    for j in range(1, gen):
+    for j in range(1, gen) if decode is None else (d + 1 for d in decode):
         shapes = tuple(
             MicroBatchShape.from_lengths(i, [1] * len(g), [p + j - 1 for p in g])
             for i, g in enumerate(groups)
@@ -109,14 +111,31 @@ class Simulation:
 
     def __init__(self, setup: Setup) -> None:
         self.setup = setup
-        spec, policy = setup.spec, setup.policy
+        policy = setup.policy
         self.prompts = setup.workload.sample(policy.batch_size, setup.seed)
-        steps = batch_steps(self.prompts, setup.workload.gen_len, policy.micro_batch_size)
-        decode = steps[1:]
-        self.steps = [steps[0], *(decode[i] for i in sampled(len(decode), setup.decode_samples))]
-        self.decode_count = len(decode)
-        self.trace, self.popularity = self._routing(spec)
+        self.decode_count = setup.workload.gen_len - 1
+        at = sampled(self.decode_count, setup.decode_samples)
+        self.steps = batch_steps(self.prompts, setup.workload.gen_len, policy.micro_batch_size, at)
         self.policy = policy if policy.gpu_memory is not None else evolve(policy, gpu_memory=setup.budget)
+        self._routed: tuple[RoutingTrace, tuple[tuple[float, ...], ...] | None] | None = None
+
+    @property
+    def trace(self) -> RoutingTrace:
+        return self._routes()[0]
+
+    @property
+    def popularity(self) -> tuple[tuple[float, ...], ...] | None:
+        return self._routes()[1]
+
+    @popularity.setter
+    def popularity(self, shares: tuple[tuple[float, ...], ...] | None) -> None:
+        self._routed = (self.trace, shares)
+
+    def _routes(self) -> tuple[RoutingTrace, tuple[tuple[float, ...], ...] | None]:
+        """The routing, built on first use (a memory check needs none)."""
+        if self._routed is None:
+            self._routed = self._routing(self.setup.spec)
+        return self._routed
 
     def _routing(self, spec: ModelSpec) -> tuple[RoutingTrace, tuple[tuple[float, ...], ...]]:
         setup, uniform = self.setup, tuple(1 / spec.moe.experts for _ in range(spec.moe.experts))
@@ -128,33 +147,70 @@ class Simulation:
             return setup.recorded, seen
         return SyntheticRouting.observed(spec, setup.recorded, setup.routing).trace(self.steps), seen
 
+    def _scheduler(self, name: str, popularity: tuple[tuple[float, ...], ...] | None) -> Scheduler:
+        setup = self.setup
+        cost = RooflineCost(setup.hardware, setup.spec)
+        context = SchedulerContext(setup.spec, self.policy, NodeFactory(setup.spec), cost, popularity)
+        return create(name, context)
+
+    def _base(self, name: str, need: MemoryNeed) -> SimulationResult:
+        generated = len(self.prompts) * self.setup.workload.gen_len
+        return SimulationResult(
+            name, self.setup.policy, len(self.prompts), sum(self.prompts), generated, need
+        )
+
+    def _over(self, base: SimulationResult) -> SimulationResult | None:
+        budget = self.setup.budget
+        if base.memory.total <= budget:
+            return None
+        return evolve(base, error=f"needs {base.memory.describe()}, over the {budget / 2**30:.1f} GiB GPU")
+
+    def refusal(self, name: str) -> SimulationResult | None:
+        """Why scheduler `name` cannot run this policy (its memory accounting), or None: it fits.
+        Builds no routing: the check is cheap next to a run."""
+        scheduler = self._scheduler(name, None)
+        base = self._base(name, self._memory(scheduler))
+        return self._over(base) or self._host_over(base, scheduler)
+
+    def failed(self, name: str, why: str) -> SimulationResult:
+        """A result that records why scheduler `name` refused this policy."""
+        return evolve(self._base(name, MemoryNeed(0, 0, 0, 0)), error=why)
+
     def run(self, name: str) -> SimulationResult:
         setup = self.setup
-        context = SchedulerContext(setup.spec, self.policy, NodeFactory(setup.spec),
-                                   cost=RooflineCost(setup.hardware), popularity=self.popularity)  # fmt: skip
-        scheduler = create(name, context)
-        need = self._memory(scheduler)
-        generated = len(self.prompts) * setup.workload.gen_len
-        base = SimulationResult(name, setup.policy, len(self.prompts), sum(self.prompts), generated, need)
-        if need.total > setup.budget:
-            return evolve(base, error=f"needs {need.describe()}, over the {setup.budget / 2**30:.1f} GiB GPU")
+        scheduler = self._scheduler(name, self.popularity)
+        base = self._base(name, self._memory(scheduler))
+        over = self._over(base) or self._host_over(base, scheduler)
+        if over is not None:
+            return over
         try:
-            runs = run_steps(scheduler, self.steps, self.trace, RooflineCost(setup.hardware))
+            runs = run_steps(scheduler, self.steps, self.trace, RooflineCost(setup.hardware, setup.spec))
         except FlowmoeError as exc:
             return evolve(base, error=str(exc))
         prefill, decode = runs[0], runs[1:]
         indices = [s.step.step - 1 for s in decode]
-        lanes = lane_totals(prefill, decode, indices, self.decode_count)
+        trace = batch_trace(name, runs, indices, self.decode_count)
         decode_s = interpolate([r.seconds for r in decode], indices, self.decode_count)
-        spans = [span for r in runs for span in r.spans]
-        return evolve(base, prefill_seconds=prefill.seconds, decode_seconds=decode_s, lanes=lanes,
-                      trace=Trace(name=name, spans=spans), simulated_steps=len(runs))  # fmt: skip
+        return evolve(base, prefill_seconds=prefill.seconds, decode_seconds=decode_s,
+                      stats=trace_stats(trace), trace=trace, simulated_steps=len(runs),
+                      simulated_seconds=sum(r.seconds for r in runs))  # fmt: skip
+
+    def _kv_slots(self) -> int:
+        """KV cache tokens: the engine sizes each micro-batch's cache for its longest prompt."""
+        mu, gen = self.policy.micro_batch_size, self.setup.workload.gen_len
+        groups = [self.prompts[i : i + mu] for i in range(0, len(self.prompts), mu)]
+        return sum(len(g) * (max(g) + gen) for g in groups)
+
+    def _host_over(self, base: SimulationResult, scheduler: Scheduler) -> SimulationResult | None:
+        """The host-memory refusal (weights off the GPU + the CPU-side KV cache), or None: it fits."""
+        spec = self.setup.spec
+        kv = 0 if scheduler.kv_on_gpu() else self._kv_slots() * spec.kv_bytes_per_token
+        why = host_need(spec, scheduler.residency(), kv).refusal(self.setup.hardware, "this policy")
+        return None if why is None else evolve(base, error=why)
 
     def _memory(self, scheduler: Scheduler) -> MemoryNeed:
-        spec, mu, gen = self.setup.spec, self.policy.micro_batch_size, self.setup.workload.gen_len
-        groups = [self.prompts[i : i + mu] for i in range(0, len(self.prompts), mu)]
-        slots = sum(len(g) * (max(g) + gen) for g in groups)  # the engine sizes each micro-batch's cache
-        kv = slots * spec.kv_bytes_per_token if scheduler.kv_on_gpu() else 0
+        spec = self.setup.spec
+        kv = self._kv_slots() * spec.kv_bytes_per_token if scheduler.kv_on_gpu() else 0
         tokens = max(mb.tokens for mb in self.steps[0].micro_batches)
         return gpu_need(spec, scheduler.residency(), scheduler.weight_buffer_bytes(), kv, tokens,
                         self.policy.micro_batch_size)  # fmt: skip
@@ -169,7 +225,3 @@ def _covers(trace: RoutingTrace, spec: ModelSpec, steps: Sequence[StepShape]) ->
         if spec.is_moe_layer(layer)
     )
 
-
-def simulate_workload(setup: Setup, schedulers: Sequence[str]) -> list[SimulationResult]:
-    simulation = Simulation(setup)
-    return [simulation.run(name) for name in schedulers]

@@ -1,0 +1,145 @@
+"""The best policy for one scheduler on one setup: a search constrained by the fields the user fixed.
+
+`Given` holds the policy fields a user set (None: let the search choose). The
+candidates are the HRM plan's best policy per placement (`policy_search.search`,
+restricted to the given placements and batch size) and a grid of batch sizes
+and micro-batch counts at the largest resident weight share that fits; every
+given field overrides the candidate's. Each candidate's memory is checked with
+the scheduler's own accounting (cheap: no simulation); the few fitting ones
+with the largest batches are simulated quickly (two decode steps) and the
+fastest is simulated at the setup's full sampling. A scheduler no candidate
+fits gets its smallest candidate's memory error, so the reason is one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from attrs import asdict, evolve, frozen
+
+from flowmoe.core.errors import FlowmoeError
+from flowmoe.core.policy import Place, Policy
+from flowmoe.core.policy_search import search
+from flowmoe.study.sim_report import SimulationResult
+from flowmoe.study.simulate import Setup, Simulation
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+COUNTS = (1, 8)  # micro-batches per batch tried when not given (8: Klotski's released default)
+SHARES = tuple(i / 20 for i in range(20, -1, -1))  # resident weight shares tried, largest first
+PER_GROUP = 2  # fitting batch sizes simulated per (placement, micro-batch count)
+
+
+@frozen
+class Given:
+    """Policy fields fixed by the user; None leaves a field to the search."""
+
+    batch_size: int | None = None
+    micro_batches: int | None = None
+    attention_on: Place | None = None
+    ffn_on: Place | None = None
+    weights_gpu_share: float | None = None
+    kv_gpu_share: float | None = None
+    expert_cache_slots: int | None = None
+    cache_ways: int | None = None
+    group_size: int | None = None
+    hot_experts: int | None = None
+    page_bytes: int | None = None
+    gpu_memory: int | None = None
+    cpu_threads: int | None = None
+
+    def apply(self, policy: Policy) -> Policy:
+        """`policy` with every given field; N and the micro-batch count fix μ = ceil(N / count)."""
+        n = self.batch_size or policy.batch_size
+        count = min(n, self.micro_batches or policy.micro_batches)
+        knobs = {
+            k: v
+            for k, v in asdict(self).items()
+            if v is not None and k not in ("batch_size", "micro_batches")
+        }
+        return evolve(policy, micro_batch_size=-(-n // count), micro_batches=count, **knobs)
+
+    @property
+    def complete(self) -> bool:
+        """Every field the search would choose is given: one candidate only."""
+        fields = (self.batch_size, self.micro_batches, self.attention_on, self.ffn_on,
+                  self.weights_gpu_share, self.kv_gpu_share)  # fmt: skip
+        return all(f is not None for f in fields)
+
+
+def best_policy(setup: Setup, name: str, given: Given, quick_samples: int = 2) -> SimulationResult:
+    """The fastest fitting policy for scheduler `name`, simulated at the setup's sampling."""
+    fitting, smallest = _fitting(setup, name, given)
+    if not fitting:
+        return smallest
+    quick = [Simulation(evolve(setup, policy=p, decode_samples=quick_samples)).run(name) for p in fitting]
+    ran = [r for r in quick if r.error is None]
+    if not ran:
+        return quick[0]
+    choice = max(ran, key=lambda r: r.throughput).policy
+    if setup.decode_samples == quick_samples:
+        return next(r for r in ran if r.policy == choice)
+    return Simulation(evolve(setup, policy=choice)).run(name)
+
+
+def _fitting(setup: Setup, name: str, given: Given) -> tuple[list[Policy], SimulationResult]:
+    """Candidates that fit the scheduler's memory accounting (largest batches first per group), and
+    the memory refusal of the smallest candidate, reported when none fits."""
+    chosen: list[Policy] = []
+    groups: dict[tuple[str, str, int], int] = {}
+    smallest: SimulationResult | None = None
+    for policy in _candidates(setup, given):
+        key = (policy.attention_on, policy.ffn_on, policy.micro_batches)
+        if groups.get(key, 0) >= PER_GROUP or policy in chosen:
+            continue
+        refusal = _refusal(setup, name, policy)
+        if refusal is None:
+            chosen.append(policy)
+            groups[key] = groups.get(key, 0) + 1
+        elif smallest is None or refusal.policy.batch_size <= smallest.policy.batch_size:
+            smallest = refusal
+    if smallest is None:  # every candidate fitted
+        smallest = Simulation(evolve(setup, policy=chosen[0], decode_samples=1)).run(name)
+    return chosen, smallest
+
+
+def _refusal(setup: Setup, name: str, policy: Policy) -> SimulationResult | None:
+    """None where `policy` fits scheduler `name`; else the result that says why not."""
+    try:
+        return Simulation(evolve(setup, policy=policy, decode_samples=1)).refusal(name)
+    except FlowmoeError as exc:
+        return Simulation(evolve(setup, policy=policy, decode_samples=1)).failed(name, str(exc))
+
+
+def _candidates(setup: Setup, given: Given) -> Iterator[Policy]:
+    if given.complete:
+        yield given.apply(Policy())
+        return
+    yield from _planned(setup, given)
+    for attention in (given.attention_on,) if given.attention_on else ("gpu",):
+        for ffn in (given.ffn_on,) if given.ffn_on else ("gpu",):
+            for count in (given.micro_batches,) if given.micro_batches else COUNTS:
+                for n in _batches(given, count):
+                    base = Policy(max(1, n // count), count, attention, ffn, kv_gpu_share=1.0)
+                    yield from (given.apply(evolve(base, weights_gpu_share=s)) for s in _shares(given))
+
+
+def _planned(setup: Setup, given: Given) -> Iterator[Policy]:
+    """The HRM plan's best policy per placement, within the given placements and batch size."""
+    attention: Sequence[Place] = (given.attention_on,) if given.attention_on else ("gpu", "cpu")
+    ffn: Sequence[Place] = (given.ffn_on,) if given.ffn_on else ("gpu", "cpu")
+    try:
+        plan = search(setup.spec, setup.hardware, setup.workload, attention, ffn,
+                      max_batch=given.batch_size or 8192)  # fmt: skip
+    except FlowmoeError:
+        return
+    yield from (given.apply(c.policy) for c in plan.per_placement)
+
+
+def _batches(given: Given, count: int) -> list[int]:
+    if given.batch_size is not None:
+        return [given.batch_size]
+    return [n for n in reversed(BATCHES) if n >= count]
+
+
+def _shares(given: Given) -> Sequence[float]:
+    return (given.weights_gpu_share,) if given.weights_gpu_share is not None else SHARES
