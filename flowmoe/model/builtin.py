@@ -49,7 +49,7 @@ CONFIG: dict[str, Any] = {
 
 
 def default_home() -> Path:
-    return Path(os.environ.get("FLOWMOE_HOME", Path.home() / ".cache" / "flowmoe"))
+    return Path(os.environ.get("FLOWMOE_HOME") or Path.home() / ".cache" / "flowmoe")  # "" is unset
 
 
 def ensure_builtin(home: Path | None = None) -> Path:

@@ -22,7 +22,7 @@ from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.spec import ModelSpec
 from flowmoe.model import template_sandbox
 from flowmoe.model.builtin import CONFIG as BUILTIN_CONFIG
-from flowmoe.model.builtin import ensure_builtin
+from flowmoe.model.builtin import default_home, ensure_builtin
 from flowmoe.model.chat import ChatTemplate
 from flowmoe.model.checkpoint import INDEX, Checkpoint
 from tests.hf_models import hf_model, save_hf
@@ -91,10 +91,10 @@ def _config_dir(tmp_path: Path, **changes: object) -> Path:
 
 
 BAD_FIELDS = [
-    ("num_hidden_layers", 0, "an integer ≥ 1 ≤ 4096, got 0"),
-    ("num_hidden_layers", -2, "an integer ≥ 1 ≤ 4096, got -2"),
-    ("num_hidden_layers", 2.7, "an integer ≥ 1 ≤ 4096, got 2.7"),
-    ("num_hidden_layers", True, "an integer ≥ 1 ≤ 4096, got true"),
+    ("num_hidden_layers", 0, "an integer from 1 to 4096, got 0"),
+    ("num_hidden_layers", -2, "an integer from 1 to 4096, got -2"),
+    ("num_hidden_layers", 2.7, "an integer from 1 to 4096, got 2.7"),
+    ("num_hidden_layers", True, "an integer from 1 to 4096, got true"),
     ("num_experts_per_tok", 0, "an integer ≥ 1, got 0"),
     ("num_experts_per_tok", 9, "an integer from 1 to the 8 experts, got 9"),
     ("num_local_experts", 0, "an integer ≥ 1, got 0"),
@@ -145,8 +145,8 @@ def test_every_family_and_preset_config_passes_the_table() -> None:
     for name in PRESETS:
         assert preset(name).layers > 0
     for family in FAMILY_CONFIGS:
-        config = hf_model(family).config.to_dict()
-        config["architectures"] = [type(hf_model(family)).__name__]
+        model = hf_model(family)
+        config = {**model.config.to_dict(), "architectures": [type(model).__name__]}
         assert ModelSpec.from_hf(json.loads(json.dumps(config, default=str))).layers == 3
 
 
@@ -571,3 +571,8 @@ def test_unusable_flowmoe_home(
     message = _fails("", tmp_path, capsys)
     assert message.startswith(f"{home}: cannot write the built-in model there (")
     assert message.endswith("); set FLOWMOE_HOME to a writable folder")
+
+
+def test_empty_flowmoe_home_means_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLOWMOE_HOME", "")
+    assert default_home() == Path.home() / ".cache" / "flowmoe"  # not "" (the working directory)

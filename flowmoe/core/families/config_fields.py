@@ -18,7 +18,7 @@ from flowmoe.core.errors import ConfigError
 
 Kind = Literal["int", "number", "bool", "str"]
 LAYER_TYPES = ("full_attention", "sliding_attention")
-MAX_LAYERS = 4096  # per-layer tables are built eagerly; the deepest published MoE has 94
+MAX_LAYERS = 4096  # per-layer tables are built eagerly; Qwen3-235B-A22B's config.json has 94
 
 
 @frozen
@@ -68,6 +68,8 @@ class Field:
         if self.kind == "str":
             return f"one of {', '.join(self.choices)}" if self.choices else "a string"
         text = "an integer" if self.kind == "int" else "a number"
+        if self.at_least is not None and self.at_most is not None:
+            return f"{text} from {_num(self.at_least)} to {_num(self.at_most)}"
         bounds = [
             f"≥ {_num(self.at_least)}" if self.at_least is not None else "",
             f"> {_num(self.above)}" if self.above is not None else "",
