@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rich.table import Table
-
+from flowmoe.cli.args import OUTPUT_FILE, POSITIVE_INT
 from flowmoe.cli.plan import spec_from
-from flowmoe.cli.ui import console, out
+from flowmoe.cli.ui import out, status
+from flowmoe.cli.ui import table as ui_table
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.hardware import save_profile
 
@@ -17,14 +17,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     calibrate = sub.add_parser(
         "calibrate", help="measure this machine's flop/s and bandwidths into a profile"
     )
-    calibrate.add_argument("--output", type=Path, default=Path("hardware.json"), help="profile JSON to write")
+    calibrate.add_argument(
+        "--output", type=OUTPUT_FILE, default=Path("hardware.json"), help="profile JSON to write"
+    )
     calibrate.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
     calibrate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    calibrate.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu: ignore CUDA")
+    calibrate.add_argument(
+        "--device", choices=("auto", "cpu"), default="auto",
+        help="auto: this machine's GPU (refused without one); cpu: a profile of CPU-only runs (gpu.* lanes "
+        "on the CPU), for simulating runs on this machine",
+    )  # fmt: skip
     calibrate.add_argument(
         "--model", help="measure the matmul and attention shapes of this preset or checkpoint"
     )
-    calibrate.add_argument("--threads", type=int, help="torch threads per op (match the runs' --cpu-threads)")
+    calibrate.add_argument(
+        "--threads", type=POSITIVE_INT, help="torch threads per op, as the runs' --cpu-threads (%(type)s)"
+    )
     calibrate.set_defaults(handler=_calibrate)
 
 
@@ -33,9 +41,12 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from flowmoe.study.calibrate import Shapes, calibrate
 
+    if args.device == "auto" and not torch.cuda.is_available():
+        raise FlowmoeError(
+            "calibrate: this machine has no GPU (CUDA) to measure; `--device cpu` writes a profile of "
+            "CPU-only runs (gpu.* lanes on the CPU, host copies free) for simulating runs here"
+        )
     if args.threads is not None:
-        if args.threads < 1:
-            raise FlowmoeError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
 
     shapes = (
@@ -43,14 +54,12 @@ def _calibrate(args: argparse.Namespace) -> int:
         if args.model
         else None
     )
-    with console.status("calibrating") as status:
+    with status("calibrating") as spinner:
         spec, measurements = calibrate(
-            args.quick, args.dtype, lambda step: status.update(step), args.device, shapes
+            args.quick, args.dtype, lambda step: spinner.update(step), args.device, shapes
         )
     save_profile(spec, args.output)
-    table = Table(title=f"calibration of {spec.name}")
-    for column in ("measurement", "value", "unit"):
-        table.add_column(column, justify="right")
+    table = ui_table(f"calibration of {spec.name}", ("measurement", "value", "unit"), justify="right")
     for m in measurements:
         table.add_row(m.name, f"{m.value:.3g}", m.unit)
     table.caption = spec.source

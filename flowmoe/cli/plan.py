@@ -9,8 +9,9 @@ from typing import Any
 
 from rich.table import Table
 
+from flowmoe.cli.args import OUTPUT_FILE, POSITIVE_INT
 from flowmoe.cli.ui import out
-from flowmoe.core.errors import ConfigError
+from flowmoe.cli.ui import table as ui_table
 from flowmoe.core.hardware import HardwareSpec, hardware
 from flowmoe.core.hrm import balance_point
 from flowmoe.core.memory import gib
@@ -25,21 +26,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_setup_flags(plan)
     plan.add_argument("--attention-on", choices=("gpu", "cpu"), help="fix where attention runs")
     plan.add_argument("--ffn-on", choices=("gpu", "cpu"), help="fix where the MoE FFN runs")
-    plan.add_argument("--max-batch", type=int, default=8192, help="largest batch size N to consider")
-    plan.add_argument("--plot", type=Path, help="write a roofline figure (.png, .svg or .pdf)")
+    plan.add_argument(
+        "--max-batch", type=POSITIVE_INT, default=8192, help="largest batch size N to consider (%(type)s)"
+    )
+    plan.add_argument("--plot", type=OUTPUT_FILE, help="write a roofline figure (.png, .svg or .pdf)")
     plan.add_argument("--json", action="store_true", help="print the result as one JSON object")
     plan.set_defaults(handler=_plan)
 
 
 def add_setup_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help=f"preset ({', '.join(PRESETS)}) or checkpoint folder")
-    parser.add_argument("--layers", type=int, help="cut the model to its first LAYERS layers")
+    parser.add_argument(
+        "--layers", type=POSITIVE_INT, help="cut the model to its first LAYERS layers (%(type)s)"
+    )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     parser.add_argument(
         "--hardware", default="t4", help="hardware preset or a profile from `flowmoe calibrate`"
     )
     parser.add_argument("--workload", default="mtbench", help=f"{', '.join(WORKLOADS)} or fixed:PROMPT:GEN")
-    parser.add_argument("--gen-len", type=int, help="generation length (default: the workload's)")
+    parser.add_argument(
+        "--gen-len", type=POSITIVE_INT, help="generation length (%(type)s; default: the workload's)"
+    )
 
 
 def spec_from(args: argparse.Namespace) -> ModelSpec:
@@ -48,8 +55,6 @@ def spec_from(args: argparse.Namespace) -> ModelSpec:
         return preset(args.model, layers=args.layers, dtype=args.dtype)
     spec = ModelSpec.from_hf(path)
     if args.layers is not None:
-        if args.layers < 1:
-            raise ConfigError(f"--layers must be at least 1, got {args.layers}")
         spec = spec.with_layers(args.layers)
     return spec.with_dtype(args.dtype) if args.dtype else spec
 
@@ -61,8 +66,6 @@ def workload_from(args: argparse.Namespace) -> Workload:
 
 def _plan(args: argparse.Namespace) -> int:
     spec, hw, work = spec_from(args), hardware(args.hardware), workload_from(args)
-    if args.max_batch < 1:
-        raise ConfigError(f"--max-batch must be at least 1, got {args.max_batch}")
     attention = (args.attention_on,) if args.attention_on else ("gpu", "cpu")
     ffn = (args.ffn_on,) if args.ffn_on else ("gpu", "cpu")
     result = search(spec, hw, work, attention=attention, ffn=ffn, max_batch=args.max_batch)
@@ -91,13 +94,16 @@ def _plan(args: argparse.Namespace) -> int:
 
 def policy_table(spec: ModelSpec, hw: HardwareSpec, work: Workload, best: Candidate) -> Table:
     p = best.policy
-    table = Table(title=f"plan: {spec.name} on {hw.name}, {work.name} (prompt {best.prompt}, gen {best.gen})")
-    for column in ("N", "μ", "micro-batches", "attention", "MoE FFN", "weights on GPU", "KV on GPU",
-                   "tokens/s", "bound by"):  # fmt: skip
-        table.add_column(column, justify="right")
-    shares = f"{p.weights_gpu_share:.0%}", f"{p.kv_gpu_share:.0%}"
-    table.add_row(str(p.batch_size), str(p.micro_batch_size), str(p.micro_batches), p.attention_on, p.ffn_on,
-                  *shares, f"{best.throughput:.1f}", best.bound)  # fmt: skip
+    title = f"plan: {spec.name} on {hw.name}, {work.name} (prompt {best.prompt}, gen {best.gen})"
+    table = ui_table(title, ("policy", "value"))
+    rows = {
+        "batch size N": p.batch_size, "micro-batch size μ": p.micro_batch_size,
+        "micro-batches": p.micro_batches, "attention on": p.attention_on, "MoE FFN on": p.ffn_on,
+        "weights on GPU": f"{p.weights_gpu_share:.0%}", "KV cache on GPU": f"{p.kv_gpu_share:.0%}",
+        "tokens/s": f"{best.throughput:.1f}", "bound by": best.bound,
+    }  # fmt: skip
+    for name, value in rows.items():
+        table.add_row(name, str(value))
     table.caption = (
         f"GPU memory {gib(best.gpu_bytes)} of {gib(GPU_USABLE * hw.gpu_memory)} usable; "
         f"CPU memory {gib(best.cpu_bytes)} of {gib(CPU_USABLE * hw.cpu_memory)} usable"
@@ -106,11 +112,11 @@ def policy_table(spec: ModelSpec, hw: HardwareSpec, work: Workload, best: Candid
 
 
 def times_table(spec: ModelSpec, best: Candidate) -> Table:
-    table = Table(
-        title="predicted time per layer (ms): each resource's busy time; the layer takes the largest"
+    table = ui_table(
+        "predicted time per layer (ms): each resource's busy time; the layer takes the largest",
+        ("phase", "GPU", "CPU", "CPU->GPU", "GPU->CPU", "layer", "bound by"),
+        justify="right",
     )
-    for column in ("phase", "GPU", "CPU", "CPU->GPU", "GPU->CPU", "layer", "bound by"):
-        table.add_column(column, justify="right")
     for name, times in (("prefill", best.prefill), ("decode step", best.decode)):
         b = times.busy
         cells = [b.gpu, b.cpu, b.h2d, b.d2h, times.seconds]
@@ -119,9 +125,8 @@ def times_table(spec: ModelSpec, best: Candidate) -> Table:
 
 
 def placements_table(result: PlanResult) -> Table:
-    table = Table(title="best policy per placement")
-    for column in ("attention", "MoE FFN", "N", "μ", "weights on GPU", "tokens/s", "bound by"):
-        table.add_column(column, justify="right")
+    columns = ("attention", "MoE FFN", "N", "μ", "weights on GPU", "tokens/s", "bound by")
+    table = ui_table("best policy per placement", columns, justify="right")
     for c in result.per_placement:
         p = c.policy
         table.add_row(p.attention_on, p.ffn_on, str(p.batch_size), str(p.micro_batch_size),

@@ -11,6 +11,7 @@ from typing import Any
 from rich.table import Table
 
 from flowmoe.cli.ui import out
+from flowmoe.cli.ui import table as ui_table
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.traces.stats import RunStats
 from flowmoe.traces.summary import TraceSummary, summarize
@@ -58,11 +59,9 @@ def _summarize(args: argparse.Namespace) -> int:
 
 def summary_table(summary: TraceSummary) -> Table:
     stats = summary.stats
-    table = Table(
-        title=f"{summary.group}: makespan {stats.makespan_seconds * 1e3:.3f} ms, {stats_line(stats)}"
-    )
-    for column in ("lane", "nodes", "MB moved", "busy ms", "busy share", "bubbles ms"):
-        table.add_column(column, justify="right")
+    title = f"{summary.group}: makespan {stats.makespan_seconds * 1e3:.3f} ms, {stats_line(stats)}"
+    columns = ("lane", "nodes", "MB moved", "busy ms", "busy share", "bubbles ms")
+    table = ui_table(title, columns, justify="right")
     for lane in stats.lanes:
         busy, bubbles = f"{lane.busy_seconds * 1e3:.3f}", f"{lane.bubble_seconds * 1e3:.3f}"
         table.add_row(

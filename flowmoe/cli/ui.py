@@ -43,7 +43,7 @@ def status(text: str) -> Iterator[object]:
 def table(title: str, columns: tuple[str, ...], justify: Literal["left", "right"] = "left") -> Table:
     """A table whose first column never wraps and whose other cells fold rather than truncate."""
     result = Table(title=title)
-    result.add_column(columns[0], no_wrap=True)
+    result.add_column(columns[0], justify=justify, no_wrap=True)
     for column in columns[1:]:
         result.add_column(column, justify=justify, overflow="fold")
     return result

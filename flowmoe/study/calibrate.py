@@ -288,7 +288,10 @@ def _measurements(
                 for i, f in spec.gpu_attention_roofline
             ),
         ]
-    return found + [Measurement(name.replace("_", " "), value / 1e9, "GB/s") for name, value in links.items()]
+    link = "{}" if cuda else "{} (no GPU: gpu.* lanes on the CPU, the copy a no-op)"
+    return found + [
+        Measurement(link.format(name.replace("_", " ")), value / 1e9, "GB/s") for name, value in links.items()
+    ]
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
