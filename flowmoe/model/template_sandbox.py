@@ -28,6 +28,7 @@ from jinja2.visitor import NodeTransformer
 
 RENDER_SECONDS = 2.0  # real templates render in milliseconds
 MAX_CHARS = 1 << 22  # characters (or list items) of any value or of the output; ~1M tokens of text
+MAX_TOTAL = 64 * MAX_CHARS  # of all the values one render builds (what it can hold alive at once)
 MAX_EXPONENT = 4096
 Sized = str | list | tuple
 
@@ -39,6 +40,7 @@ class RenderLimitError(jinja2.TemplateError):
 @define
 class Budget:
     deadline: float
+    built: int = 0  # characters and items of the values built so far
 
     def tick(self) -> None:
         if time.monotonic() > self.deadline:
@@ -47,6 +49,13 @@ class Budget:
     def size(self, n: int, what: str = "a value") -> None:
         if n > MAX_CHARS:
             raise RenderLimitError(f"{what} of {n} characters or items is over the limit of {MAX_CHARS}")
+
+    def spend(self, n: int) -> None:
+        """A value of `n` characters or items was built; all of them together are bounded too."""
+        self.size(n)
+        self.built += n
+        if self.built > MAX_TOTAL:
+            raise RenderLimitError(f"built over {MAX_TOTAL} characters or items in all; stopped")
 
 
 _current: ContextVar[Budget | None] = ContextVar("chat_template_budget", default=None)
@@ -61,7 +70,7 @@ def _tick() -> Budget | None:
 
 def _checked(budget: Budget | None, value: Any) -> Any:
     if budget is not None and isinstance(value, Sized):
-        budget.size(len(value))
+        budget.spend(len(value))
     return value
 
 
@@ -85,7 +94,7 @@ class Bounds(Extension):
         budget = _tick()
         texts = [str(p) for p in parts]
         if budget is not None:
-            budget.size(sum(map(len, texts)))
+            budget.spend(sum(map(len, texts)))
         return "".join(texts)
 
 

@@ -446,6 +446,8 @@ TEMPLATES = [
      LIMITS),
     ("{% set n = namespace(s='x') %}{% for i in range(64) %}{% set n.s = n.s + n.s %}{% endfor %}{{ n.s }}",
      LIMITS),
+    ("{% set n = namespace(l=[], b='x' * 4000000) %}{% for i in range(9999) %}{% set n.l = n.l + [n.b ~ i] %}"
+     "{% endfor %}", "built over 268435456 characters or items in all"),
     ("{{ 'x'.center(3000000000) }}", LIMITS),
     ("{{ 'x' | center(3000000000) }}", LIMITS),
     ("{{ messages | tojson(indent=3000000000) }}", LIMITS),
