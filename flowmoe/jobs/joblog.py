@@ -117,8 +117,8 @@ def check_output(path: str | Path, prompts: str | Path) -> None:
         return
     if path.is_dir():
         raise _cannot_open(path, os.strerror(errno.EISDIR))
-    try:
-        fd = os.open(path, os.O_RDONLY)
+    try:  # for writing, as the run will (and as an NFS lock needs), but nothing is written
+        fd = os.open(path, os.O_RDWR)
     except OSError as exc:
         raise _cannot_open(path, exc.strerror) from exc
     try:
