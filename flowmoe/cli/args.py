@@ -132,3 +132,17 @@ class TokensOrSize:
 
 
 TOKENS_OR_SIZE = TokensOrSize()
+
+
+MAX_PAGES_PER_EXPERT = 256  # a paged expert is one copy node per page: bound the nodes of a step
+
+
+def check_page_size(page_bytes: int, expert_bytes: int) -> None:
+    """--page-size against the model: at most MAX_PAGES_PER_EXPERT pages per expert."""
+    pages = -(-expert_bytes // page_bytes)
+    if pages > MAX_PAGES_PER_EXPERT:
+        least = -(-expert_bytes // MAX_PAGES_PER_EXPERT)
+        raise ConfigError(
+            f"--page-size {gib(page_bytes)} cuts each expert ({gib(expert_bytes)}) into {pages} pages; "
+            f"at most {MAX_PAGES_PER_EXPERT} are allowed: use --page-size {gib(least)} or more"
+        )

@@ -21,6 +21,7 @@ from flowmoe.cli.args import (
     POSITIVE_INT,
     TOKENS_OR_SIZE,
     FloatRange,
+    check_page_size,
 )
 from flowmoe.cli.ui import console, progress, table
 from flowmoe.core.cost import RooflineCost
@@ -68,7 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     mode = run.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
     mode.add_argument("--temperature", type=FloatRange(0.0), default=0.0, help="0: greedy (%(type)s)")
-    run.add_argument("--top-p", type=FloatRange(0.0, 1.0, low_open=True), default=1.0, help="%(type)s")
+    run.add_argument(
+        "--top-p", type=FloatRange(0.0, 1.0, low_open=True), default=1.0,
+        help="sample from the most likely tokens holding this much probability (%(type)s)",
+    )  # fmt: skip
     run.add_argument("--top-k", type=NON_NEGATIVE_INT, default=0, help="0: no top-k cut (%(type)s)")
     run.add_argument("--seed", type=int, default=0, help="sampling seed (an integer)")
     run.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
@@ -165,6 +169,7 @@ def _run(args: argparse.Namespace) -> int:
     policy = policy_from(args)
     source = args.model or str(ensure_builtin())
     model = load_with_progress(source, args.dtype, args.layers)
+    check_page_size(policy.page_bytes, model.spec.expert_bytes)
     codec = TextCodec.from_folder(source) if Path(source).is_dir() else None
     job = job_from(args, model, sampling)
     cost = RooflineCost(hardware(args.hardware), model.spec) if args.hardware else None

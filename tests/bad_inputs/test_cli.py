@@ -22,8 +22,10 @@ import torch
 from flowmoe import __version__
 from flowmoe.cli import main
 from flowmoe.cli import run as run_command
+from flowmoe.cli.args import check_page_size
 from flowmoe.cli.ui import out
-from flowmoe.core.presets import PRESETS
+from flowmoe.core.errors import ConfigError
+from flowmoe.core.presets import PRESETS, preset
 from flowmoe.core.scheduling import Residency, SchedulerContext, StepShape
 from flowmoe.schedulers import registry
 from flowmoe.schedulers.eager import EagerScheduler
@@ -155,6 +157,17 @@ def test_tables_never_cut_names(
     assert "…" not in text
     cells = {cell.strip() for line in text.splitlines() for cell in re.split(r"[│┃]", line)}
     assert set(registry.names()) | set(PRESETS) <= cells
+
+
+def test_pages_per_expert_are_bounded() -> None:
+    """A page size that would cut each expert into more than 256 copy nodes is refused (a
+    Mixtral-8x7B expert is 336 MiB: 64 KiB pages would make 5376 of them)."""
+    expert = preset("mixtral-8x7b").expert_bytes
+    with pytest.raises(ConfigError, match=r"cuts each expert \(336.00 MiB\) into 5376 pages; at most 256"):
+        check_page_size(64 * 2**10, expert)
+    check_page_size(expert // 256, expert)  # exactly 256 pages
+    with pytest.raises(ConfigError, match="into 257 pages"):
+        check_page_size(expert // 256 - 1, expert)
 
 
 def test_scheduler_reports_print_counts_as_integers() -> None:
