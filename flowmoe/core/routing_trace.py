@@ -15,6 +15,7 @@ from pathlib import Path
 from attrs import asdict, define, field, frozen
 
 from flowmoe.core.errors import ConfigError
+from flowmoe.core.jsonfile import os_reason, read_bytes
 from flowmoe.core.plan import ExpertCounts, Lane, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import PlanStream
 from flowmoe.core.spec import ModelSpec
@@ -92,16 +93,19 @@ class RoutingTrace:
         ]
         if self.shape is not None:
             rows.insert(0, {"model": asdict(self.shape)})
-        Path(path).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        try:
+            Path(path).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot write the routing trace ({os_reason(exc)})") from exc
 
     @classmethod
     def load(cls, path: str | Path, spec: ModelSpec | None = None) -> RoutingTrace:
         """A saved trace; given `spec`, one recorded on a model of another shape is refused."""
         trace = cls()
         try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path}: cannot read routing trace ({exc})") from exc
+            text = read_bytes(Path(path)).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
         for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue

@@ -552,6 +552,36 @@ def test_routing_trace_without_a_shape_is_checked_by_its_entries(tmp_path: Path)
     )
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "routing.jsonl: is a directory, not a file"),
+        (
+            b'{"step": 0, "layer": 0, "mb": 0, "counts": [[1, 2]]}\n\xff\n',
+            "routing.jsonl: not UTF-8 text (byte 53)",
+        ),
+        (b'{"step": 0, "layer": 0}\n', "routing.jsonl:1: not a routing trace line ('mb')"),
+        (b'{"model": {"layers": 4}}\n', "routing.jsonl:1: not a routing trace line ('experts')"),
+        (b"[" * 100_000 + b"\n", "routing.jsonl:1: not a routing trace line (maximum recursion depth"),
+    ],
+)
+def test_unreadable_routing_trace(tmp_path: Path, content: bytes | None, message: str) -> None:
+    path = tmp_path / "routing.jsonl"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        RoutingTrace.load(path)
+    assert str(info.value).startswith(f"{tmp_path}/{message}")
+
+
+def test_routing_trace_write_failure_is_one_line(tmp_path: Path) -> None:
+    trace = RoutingTrace.for_model(ModelSpec.from_hf(BUILTIN_CONFIG))
+    with pytest.raises(ConfigError, match=f"^{tmp_path}: cannot write the routing trace \\(is a directory"):
+        trace.save(tmp_path)
+
+
 # ---- FLOWMOE_HOME that cannot hold the built-in model
 
 
