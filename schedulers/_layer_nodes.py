@@ -16,6 +16,7 @@ from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import hardware
 from flowmoe.core.plan import Lane, Op, RoutingRequest, TaskNode
+from flowmoe.core.policy import Policy
 from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, PlanStream, SchedulerContext, StepShape
 from flowmoe.core.spec import ModelSpec
 
@@ -26,6 +27,20 @@ DEFAULT_HARDWARE = "t4"
 def latency_model(context: SchedulerContext) -> Cost:
     """The context's cost function, else the roofline of the default hardware preset."""
     return context.cost or RooflineCost(hardware(DEFAULT_HARDWARE), context.spec)
+
+
+def check_placement(
+    name: str, policy: Policy, attention: Sequence[str] = ("gpu",), ffn: Sequence[str] = ("gpu",)
+) -> None:
+    """Refuse, in one line naming the scheduler and the flag, a placement its paper does not have."""
+    for flag, value, allowed in (
+        ("--attention-on", policy.attention_on, attention),
+        ("--ffn-on", policy.ffn_on, ffn),
+    ):
+        if value not in allowed:
+            raise ConfigError(
+                f"scheduler {name} does not support {flag} {value} (its paper has {' or '.join(allowed)})"
+            )
 
 
 def needs_shared(spec: ModelSpec, layer: int) -> bool:
@@ -54,6 +69,18 @@ def gpu_attention(f: NodeFactory, layer: int, mb: MicroBatchShape, after: int) -
     pre = f.node(Op.PRE_ATTN, gpu, layer, mb, deps=[after])
     attn = f.node(Op.GPU_ATTN, gpu, layer, mb, deps=[pre.id])
     return [pre, attn, f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id])]
+
+
+def offloaded_kv_attention(
+    f: NodeFactory, layer: int, mb: MicroBatchShape, after: int, kv_load: int
+) -> list[TaskNode]:
+    """PRE_ATTN -> GPU_ATTN (after `kv_load` brought the cache layer in) -> KV_STORE of this step's
+    k, v (d2h) -> POST_ATTN, for a KV cache whose home is the CPU; the last node is POST_ATTN."""
+    gpu = Lane.GPU_COMPUTE
+    pre = f.node(Op.PRE_ATTN, gpu, layer, mb, deps=[after])
+    attn = f.node(Op.GPU_ATTN, gpu, layer, mb, deps=[pre.id, kv_load])
+    store = f.node(Op.KV_STORE, Lane.GPU_D2H, layer, mb, deps=[attn.id])
+    return [pre, attn, store, f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id])]
 
 
 def layer_tail(

@@ -1,27 +1,45 @@
-"""`cgopipe`: MoE-Lightning's CPU-GPU-I/O pipeline (Cao et al., 2024, §4.1 "CGOPipe", Algorithm 1).
+"""`cgopipe`: MoE-Lightning's CPU-GPU-I/O pipeline (Cao et al., ASPLOS '25, §4 and §4.1, Algorithm 1).
 
-Attention runs on the CPU next to the KV cache: PRE_ATTN on the GPU, q/k/v
-offloaded (d2h), CPU_ATTN, the attention output loaded back (h2d), then
-POST_ATTN, the gate and every expert FFN on the GPU. The GPU issues the
-pre-attention of micro-batch j+2 before the post-attention of micro-batch j, so
-the CPU attention of j+2 runs while the GPU computes the FFN of j (the pipeline
-runs on across layers: (layer, micro-batch) slots in order; with fewer than
-three micro-batches the lead shrinks to n-1, since a micro-batch's next layer
-cannot start before its combine).
+Decode (§4.1, Algorithm 1): attention runs on the CPU next to the KV cache. For
+each (layer i, micro-batch j) slot in order the launcher issues
 
-Weights (§4.1 "paged weights"): `weights_gpu_share` of each layer's experts
+    LOADH(i, j)            the attention output of j back to the GPU (h2d)
+    W_PINTOG(i + 1, j)     chunk j of the next layer's paged weights (h2d)
+    POSTATTN(i, j)         O projection, gate and every routed expert FFN, the tail (GPU)
+    PREATTN(i, j + 2)      norm + QKV of the micro-batch two ahead (GPU),
+    OFFLOADQKV(i, j + 2)   its q, k, v to the CPU (d2h),
+    CPUATTN(i, j + 2)      and its attention on the CPU
+
+so on the h2d lane the hidden load of j goes ahead of the weight chunk issued
+with it, and the CPU attention of j + 2 runs while the GPU computes the FFN of
+j. Slots run on across layers (j + 2 past the last micro-batch is the next
+layer's first ones), which is what the prologue (PREATTN..CPUATTN of the first
+two slots) starts.
+
+Prefill (§4: "for the prefill stage, we perform all the computation on GPU and
+offload KV cache to CPU"): the FlexGen zig-zag order on the GPU: per layer and
+micro-batch the (empty) cache layer is brought in, attention runs on the GPU
+and this step's k, v go back to the CPU (KV_STORE); the next layer's weight
+chunks are issued one per micro-batch as in decode.
+
+Weights (§4.1 "weights paging"): `weights_gpu_share` of each layer's experts
 stay resident (the most popular by the profile, else the lowest ids); the rest
-of a layer is transferred in pages of at most `page_bytes` into a GPU weight
-buffer of twice that offloaded share (one half in use, one half filling). The
-pages of layer l+1 are issued in n chunks, one after each hidden-state load of
-layer l, so on the h2d lane they interleave with the hidden-state transfers; a
-layer's experts are evicted after its last micro-batch, and the first page of
-an expert waits for the eviction of the matching expert two MoE layers back.
-The paper's staging copy CPU -> pinned memory is not a node here: the CPU
-copies of the weights are the staging area, and a page goes pinned -> GPU.
+of a layer is transferred in n chunks, n = the number of micro-batches ("we
+chunk the weights to be transferred into n pages where n equals the number of
+micro-batches"), into a GPU weight buffer of two layers' offloaded experts (one
+in use, one filling). A layer's experts are evicted after its last
+micro-batch, and the first page of an expert waits for the eviction of the
+matching expert two MoE layers back.
 
-Micro-batches come as the engine forms them (MoE-Lightning's balanced request
-batching lives there).
+Deviations: a chunk is issued as PAGE_COPY nodes of at most `page_bytes` each
+(one per expert when `page_bytes` is an expert or more), not one node per
+chunk; the staging copy CPU -> pinned memory (W_CTOPIN) is not a node: flowmoe
+pins the experts' CPU copies once at start-up, so a page goes pinned -> GPU
+directly. Decode attention is always on the CPU (CGOPipe is defined with CPU
+attention, §4.1; GPU attention with the KV cache prefetched is FlexGen's
+schedule S4, `flexgen`), so `--attention-on` selects nothing here;
+`--ffn-on cpu` is refused. Micro-batches come as the engine forms them
+(MoE-Lightning's balanced request batching lives there).
 """
 
 from __future__ import annotations
@@ -31,7 +49,15 @@ from typing import ClassVar
 
 from flowmoe.core.plan import Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
-from flowmoe.schedulers._layer_nodes import embeddings, kept_per_layer, layer_tail, lm_heads, moe_layers
+from flowmoe.schedulers._layer_nodes import (
+    check_placement,
+    embeddings,
+    kept_per_layer,
+    layer_tail,
+    lm_heads,
+    moe_layers,
+    offloaded_kv_attention,
+)
 
 LOOKAHEAD = 2  # CPU attention runs this many micro-batches ahead of the GPU FFN
 Slot = tuple[int, MicroBatchShape]  # (layer, micro-batch)
@@ -40,13 +66,14 @@ Slot = tuple[int, MicroBatchShape]  # (layer, micro-batch)
 class CGOPipeScheduler:
     name: ClassVar[str] = "cgopipe"
     summary: ClassVar[str] = (
-        "MoE-Lightning CGOPipe: CPU attention 2 micro-batches ahead, next layer's weights paged between "
-        "hidden-state loads"
+        "MoE-Lightning CGOPipe: decode attention on the CPU 2 micro-batches ahead, each hidden load then "
+        "a chunk of the next layer's weights; prefill on the GPU"
     )
 
     def __init__(self, context: SchedulerContext) -> None:
         self.context = context
         spec, policy = context.spec, context.policy
+        check_placement(self.name, policy, attention=("cpu", "gpu"))
         split = kept_per_layer(spec, context.popularity, policy.weights_gpu_share)
         self.moe = moe_layers(spec)
         self.resident = {m: sorted(kept) for m, (kept, _) in split.items()}  # experts kept on the GPU
@@ -75,45 +102,70 @@ class _Plan:
         self.s, self.step = scheduler, step
         self.f, self.spec = scheduler.context.factory, scheduler.context.spec
         self.last: dict[int, int] = {}  # micro-batch -> its last node so far
-        self.hidden: dict[tuple[int, int], int] = {}  # (layer, mb) -> HIDDEN_LOAD
+        self.attended: dict[tuple[int, int], int] = {}  # (layer, mb) -> CPU_ATTN
         self.arrived: dict[tuple[int, int], int] = {}  # (layer, expert) -> its last page
         self.evicted: dict[int, list[int]] = {}  # layer -> EVICT of each paged expert
 
     def run(self) -> PlanStream:
-        mbs = self.step.micro_batches
-        slots: list[Slot] = [(layer, mb) for layer in range(self.spec.layers) for mb in mbs]
-        ahead = min(LOOKAHEAD, len(mbs) - 1)
         nodes, self.last = embeddings(self.f, self.step)
         yield from nodes
         if self._paged_at(0):
             yield from self._pages(0, 0, 1)
+        yield from (self._prefill() if self.step.prefill else self._decode())
+        yield from lm_heads(self.f, self.step, self.last)
+
+    def _decode(self) -> PlanStream:
+        """Algorithm 1: the prologue, then LOADH, W_PINTOG, POSTATTN, PREATTN..CPUATTN(j + 2) per slot."""
+        mbs = self.step.micro_batches
+        slots: list[Slot] = [(layer, mb) for layer in range(self.spec.layers) for mb in mbs]
+        ahead = min(LOOKAHEAD, len(slots))
         for slot in slots[:ahead]:
-            yield from self._attention(slot)
+            yield from self._cpu_attention(slot)
         for k, (layer, mb) in enumerate(slots):
-            if k + ahead < len(slots):
-                yield from self._attention(slots[k + ahead])
+            load = self.f.node(
+                Op.HIDDEN_LOAD, Lane.GPU_H2D, layer, mb, deps=[self.attended[(layer, mb.index)]]
+            )
+            yield load
             if self._paged_at(layer + 1):
                 yield from self._pages(layer + 1, mb.index, len(mbs))
-            yield from self._ffn(layer, mb)
+            post = self.f.node(Op.POST_ATTN, Lane.GPU_COMPUTE, layer, mb, deps=[load.id])
+            yield post
+            yield from self._ffn(layer, mb, post.id)
             if mb is mbs[-1] and self._paged_at(layer):
                 yield from self._evict(layer)
-        yield from lm_heads(self.f, self.step, self.last)
+            if k + ahead < len(slots):
+                yield from self._cpu_attention(slots[k + ahead])
+
+    def _prefill(self) -> PlanStream:
+        """All on the GPU, layer by layer (zig-zag): the cache layer in, GPU attention, this step's
+        k, v back to the CPU; a chunk of the next layer's weights with each micro-batch."""
+        mbs = self.step.micro_batches
+        for layer in range(self.spec.layers):
+            for mb in mbs:
+                kv = self.f.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb)
+                yield kv
+                if self._paged_at(layer + 1):
+                    yield from self._pages(layer + 1, mb.index, len(mbs))
+                attention = offloaded_kv_attention(self.f, layer, mb, self.last[mb.index], kv.id)
+                yield from attention
+                yield from self._ffn(layer, mb, attention[-1].id)
+            if self._paged_at(layer):
+                yield from self._evict(layer)
 
     def _paged_at(self, layer: int) -> bool:
         return layer in self.s.paged and bool(self.s.paged[layer])
 
-    def _attention(self, slot: Slot) -> Iterator[TaskNode]:
-        """PRE_ATTN (gpu) -> QKV_OFFLOAD (d2h) -> CPU_ATTN -> HIDDEN_LOAD (h2d)."""
+    def _cpu_attention(self, slot: Slot) -> Iterator[TaskNode]:
+        """PREATTN (gpu) -> OFFLOADQKV (d2h) -> CPUATTN."""
         layer, mb = slot
         pre = self.f.node(Op.PRE_ATTN, Lane.GPU_COMPUTE, layer, mb, deps=[self.last[mb.index]])
         qkv = self.f.node(Op.QKV_OFFLOAD, Lane.GPU_D2H, layer, mb, deps=[pre.id])
         attn = self.f.node(Op.CPU_ATTN, Lane.CPU_COMPUTE, layer, mb, deps=[qkv.id])
-        load = self.f.node(Op.HIDDEN_LOAD, Lane.GPU_H2D, layer, mb, deps=[attn.id])
-        self.hidden[(layer, mb.index)] = load.id
-        yield from (pre, qkv, attn, load)
+        self.attended[(layer, mb.index)] = attn.id
+        yield from (pre, qkv, attn)
 
     def _pages(self, layer: int, chunk: int, chunks: int) -> Iterator[TaskNode]:
-        """Chunk `chunk` of `chunks` of the pages of `layer`'s offloaded experts."""
+        """W_PINTOG: chunk `chunk` of `chunks` of the pages of `layer`'s offloaded experts."""
         paged, parts = self.s.paged[layer], self.s.parts
         pages = [(i, e, p) for i, e in enumerate(paged) for p in range(parts)]
         position = self.s.moe.index(layer)
@@ -125,14 +177,12 @@ class _Plan:
                 self.arrived[(layer, e)] = node.id
             yield node
 
-    def _ffn(self, layer: int, mb: MicroBatchShape) -> PlanStream:
-        """POST_ATTN after the hidden-state load, the gate, every routed expert on the GPU, the tail."""
+    def _ffn(self, layer: int, mb: MicroBatchShape, post: int) -> PlanStream:
+        """After POST_ATTN: the gate, every routed expert on the GPU, the tail."""
         f, gpu = self.f, Lane.GPU_COMPUTE
-        post = f.node(Op.POST_ATTN, gpu, layer, mb, deps=[self.hidden[(layer, mb.index)]])
-        yield post
         outputs: list[int] = []
         if self.spec.is_moe_layer(layer):
-            gate = f.node(Op.GATE, gpu, layer, mb, deps=[post.id])
+            gate = f.node(Op.GATE, gpu, layer, mb, deps=[post])
             yield gate
             counts = yield RoutingRequest(layer, mb.index, gate.id)
             for e, tokens in counts.counts:
@@ -140,7 +190,7 @@ class _Plan:
                 ffn = f.node(Op.EXPERT_FFN, gpu, layer, mb, e, deps=[gate.id, arrived], tokens=tokens)
                 yield ffn
                 outputs.append(ffn.id)
-        tail = layer_tail(f, self.spec, layer, mb, post.id, outputs)
+        tail = layer_tail(f, self.spec, layer, mb, post, outputs)
         yield from tail
         self.last[mb.index] = tail[-1].id
 

@@ -1,18 +1,40 @@
-"""`lru-cache`: a set-associative LRU expert cache on the GPU, misses computed on the CPU.
+"""`lru-cache`: the CPU-GPU collaborative expert cache (collaborative-inference paper, §III, Fig. 4).
 
-After the CPU-GPU collaborative inference design (Zhang et al. style, §3:
-expert cache and CPU-GPU collaboration): the GPU holds
-`expert_cache_slots` experts as an N-set, M-way (`cache_ways`) set-associative
-cache; expert e of layer l maps to set (l * experts + e) mod N. An expert found
-in the cache (a hit) runs on the GPU. A miss runs on the CPU next to its
-weights (HIDDEN_OFFLOAD, EXPERT_FFN on cpu.compute, EXPERT_LOAD) while the
-expert is fetched into its set in the background (EVICT of the least recently
-used way after its last GPU use, then PAGE_COPY on h2d), so later micro-batches
-and tokens hit. Lookups go micro-batch by micro-batch in model order, experts in
-ascending id; the cache starts empty and lives across steps.
+The cache (§III-A): `expert_cache_slots` S experts on the GPU as an N-index,
+M-way set-associative cache *by layer*, M = `cache_ways`, N = ⌊S / M⌋. MoE
+layers 0..N-1 (counted over the MoE layers) each own one index, that is M slots
+for their experts; MoE layers N and beyond have no slots and compute every
+expert on the CPU, and never copy one. Without `expert_cache_slots`, S is
+`weights_gpu_share` of all experts (the paper's S = ⌊free GPU memory / expert
+size⌋ is what the planner's share stands for). Attention, routers, shared
+experts and the KV cache stay on the GPU (§III: "reside continuously").
 
-Without `expert_cache_slots` the cache holds `weights_gpu_share` of all experts,
-rounded to whole sets (at least one set).
+Per layer and micro-batch (Fig. 4 (a)): ① cache check of each routed expert
+(ascending id); ②(a) a hit runs on the GPU; ②(b) a miss runs on the CPU next to
+its weights (HIDDEN_OFFLOAD, EXPERT_FFN on cpu.compute, EXPERT_LOAD); ③ the
+missed expert is fetched into its layer's set in the background for later
+tokens ("post-fetching"): the least recently used way is evicted (EVICT after
+its last GPU use) and the expert copied in. LRU order is per set (layer), the
+cache starts empty and lives across steps. An expert whose fetch has not been
+issued completely yet holds its way but is not usable: a lookup of it counts
+as a miss and runs on the CPU (no second fetch).
+
+One h2d link, two kinds of traffic: the few-KiB expert outputs a CPU expert
+sends back (EXPERT_LOAD, on the critical path) and whole-expert fetches (off
+it). A lane runs in emission order, so a fetch issued as one node would hold
+up every output returned after it. Fetches are therefore copied in pages of
+`page_bytes` and issued paced: after a micro-batch's EXPERT_LOAD, only as many
+pending pages as the cost model says fit in that micro-batch's CPU expert time
+(at least one, so fetches always progress), the rest wait for the next
+EXPERT_LOAD; what is left at the end of a step is issued then. An output thus
+waits for at most the pages issued in the slack before it, not for whole
+experts. This pacing is flowmoe's: the paper issues the copies asynchronously
+and does not say how they share the link with the outputs.
+
+Deviations: the cache covers the first N *MoE* layers (the paper's models have
+no dense layers); lookups in a micro-batched step go micro-batch by micro-batch
+(the paper runs batch 1). `--attention-on cpu` and `--ffn-on cpu` are refused:
+the paper keeps attention on the GPU and places each expert by its cache.
 """
 
 from __future__ import annotations
@@ -20,52 +42,77 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import ClassVar
 
-from attrs import define
+from attrs import define, field
 
 from flowmoe.core.errors import ConfigError
-from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
-from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
+from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest
+from flowmoe.core.scheduling import (
+    MicroBatchShape,
+    NodeFactory,
+    PlanStream,
+    Residency,
+    SchedulerContext,
+    StepShape,
+)
 from flowmoe.schedulers._layer_nodes import (
+    check_placement,
     cpu_experts,
     embeddings,
     gpu_attention,
+    latency_model,
     layer_tail,
     lm_heads,
     moe_layers,
 )
 
-Key = tuple[int, int]  # (layer, expert)
-
 
 @define
 class _Line:
-    """A cached expert: the copy that brought it in, and its last GPU use, in this step (None
-    once done in an earlier step: each step's plan runs on its own)."""
+    """A way of a set: its expert, the pages still to issue, the last page issued (None once done
+    in an earlier step: each step's plan runs on its own) and its last GPU use in this step."""
 
-    copy: int | None
+    expert: int
+    room: int | None  # the EVICT of the way it replaced: its first page waits for it
+    pending: list[int] = field(factory=list)  # pages not issued yet
+    copy: int | None = None
     last_use: int | None = None
+
+    @property
+    def usable(self) -> bool:
+        return not self.pending
 
 
 class LRUCacheScheduler:
     name: ClassVar[str] = "lru-cache"
     summary: ClassVar[str] = (
-        "set-associative LRU expert cache on the GPU; misses run on the CPU, fetched behind"
+        "collaborative inference: N-index x M-way LRU expert cache by layer; misses on the CPU, "
+        "post-fetched behind; layers >= N on the CPU"
     )
 
     def __init__(self, context: SchedulerContext) -> None:
         self.context = context
         spec, policy = context.spec, context.policy
-        self.ways = policy.cache_ways
-        if self.ways < 1:
-            raise ConfigError(f"cache_ways must be at least 1, got {self.ways}")
-        experts = len(moe_layers(spec)) * spec.moe.experts
-        slots = policy.expert_cache_slots or self.ways * max(
-            1, round(policy.weights_gpu_share * experts / self.ways)
+        check_placement(self.name, policy)
+        if policy.cache_ways < 1:
+            raise ConfigError(f"cache_ways must be at least 1, got {policy.cache_ways}")
+        self.moe = moe_layers(spec)
+        self.ways = min(policy.cache_ways, spec.moe.experts)
+        total = len(self.moe) * spec.moe.experts
+        slots = policy.expert_cache_slots or round(policy.weights_gpu_share * total)
+        self.covered = self.moe[: slots // policy.cache_ways]  # the N indexes: MoE layers 0..N-1
+        self.sets: dict[int, OrderedDict[int, _Line]] = {layer: OrderedDict() for layer in self.covered}
+        self.parts = max(1, -(-spec.expert_bytes // policy.page_bytes))
+        self._pending: list[tuple[_Line, int]] = []
+        self._evicted: dict[
+            tuple[int, int], int
+        ] = {}  # (layer, expert) -> its EVICT in this step  # (line, layer) with pages to issue, oldest first
+        self._cost = latency_model(context)
+        probe = NodeFactory(spec)
+        self._page_seconds = self._cost(
+            probe.node(
+                Op.PAGE_COPY, Lane.GPU_H2D, self.moe[0] if self.moe else 0, expert=0, part=0, parts=self.parts
+            )
         )
-        if slots % self.ways:
-            raise ConfigError(f"expert_cache_slots ({slots}) must be a multiple of cache_ways ({self.ways})")
-        self.slots = slots
-        self.sets: list[OrderedDict[Key, _Line]] = [OrderedDict() for _ in range(slots // self.ways)]
         self.hits = 0
         self.misses = 0
 
@@ -73,7 +120,7 @@ class LRUCacheScheduler:
         return Residency.dense_only(self.context.spec)
 
     def weight_buffer_bytes(self) -> int:
-        return self.slots * self.context.spec.expert_bytes
+        return len(self.covered) * self.ways * self.context.spec.expert_bytes
 
     def kv_on_gpu(self) -> bool:
         return True
@@ -83,63 +130,90 @@ class LRUCacheScheduler:
         return {"hits": float(self.hits), "misses": float(self.misses),
                 "hit_rate": self.hits / lookups if lookups else 0.0}  # fmt: skip
 
-    def set_of(self, layer: int, expert: int) -> int:
-        return (layer * self.context.spec.moe.experts + expert) % len(self.sets)
-
     def plan(self, step: StepShape) -> PlanStream:
         f, spec = self.context.factory, self.context.spec
-        for line in (line for ways in self.sets for line in ways.values()):
-            line.copy = line.last_use = None
+        for line in (line for ways in self.sets.values() for line in ways.values()):
+            line.room = line.copy = line.last_use = None
+        self._evicted.clear()
         nodes, last = embeddings(f, step)
         yield from nodes
         for layer in range(spec.layers):
             for mb in step.micro_batches:
                 attention = gpu_attention(f, layer, mb, last[mb.index])
                 yield from attention
-                post, outputs, fetches = attention[-1].id, [], []
+                post, outputs = attention[-1].id, []
                 if spec.is_moe_layer(layer):
                     gate = f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[post])
                     yield gate
                     counts = yield RoutingRequest(layer, mb.index, gate.id)
-                    outputs, fetches = yield from self._experts(layer, mb, gate.id, counts)
+                    outputs = yield from self._experts(layer, mb, gate.id, counts)
                 tail = layer_tail(f, spec, layer, mb, post, outputs)
                 yield from tail
-                yield from fetches
                 last[mb.index] = tail[-1].id
         yield from lm_heads(f, step, last)
+        yield from self._issue(float("inf"))
 
     def _experts(self, layer: int, mb: MicroBatchShape, gate: int, counts: ExpertCounts) -> PlanStream:
-        """Hits on the GPU, misses on the CPU. -> (outputs' last nodes, the misses' fetch nodes, to
-        emit after the micro-batch's combine so a victim's eviction never holds up its GPU lane)."""
-        f, outputs, missed, fetches = self.context.factory, [], [], []
+        """Hits on the GPU, misses on the CPU (and fetched), then the paced pages. -> outputs' last nodes."""
+        f, outputs, missed = self.context.factory, [], []
+        ways = self.sets.get(layer)
         for e, tokens in counts.counts:
-            ways, key = self.sets[self.set_of(layer, e)], (layer, e)
-            if key in ways:
+            line = ways.get(e) if ways is not None else None
+            if line is not None and line.usable:
                 self.hits += 1
-                ways.move_to_end(key)
-                line = ways[key]
+                ways.move_to_end(e)  # type: ignore[union-attr]
                 ffn = f.node(
                     Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, e, deps=[gate, line.copy], tokens=tokens
                 )
                 line.last_use = ffn.id
                 outputs.append(ffn.id)
                 yield ffn
-            else:
-                self.misses += 1
-                missed.append((e, tokens))
-                fetches += self._fetch(ways, key)
+                continue
+            self.misses += 1
+            missed.append((e, tokens))
+            if ways is not None and line is None:
+                yield from self._fetch(layer, ways, e)
+            elif line is not None:
+                ways.move_to_end(e)  # type: ignore[union-attr]
         on_cpu = cpu_experts(f, layer, mb, gate, missed)
         yield from on_cpu
-        return ([*outputs, on_cpu[-1].id] if on_cpu else outputs), fetches
+        if on_cpu:  # the pages that fit the CPU experts' time go behind this output
+            yield from self._issue(sum(self._cost(n) for n in on_cpu if n.lane is Lane.CPU_COMPUTE))
+        return [*outputs, on_cpu[-1].id] if on_cpu else outputs
 
-    def _fetch(self, ways: OrderedDict[Key, _Line], key: Key) -> list[TaskNode]:
-        """Evict the set's least recently used way if it is full, copy `key` in as most recent."""
-        f, nodes = self.context.factory, []
+    def _fetch(self, layer: int, ways: OrderedDict[int, _Line], expert: int) -> PlanStream:
+        """Evict the set's least recently used way if it is full; queue `expert`'s pages as most recent."""
+        room = None
         if len(ways) >= self.ways:
-            (layer, expert), victim = ways.popitem(last=False)
-            deps = [victim.copy, victim.last_use]
-            nodes.append(f.node(Op.EVICT, Lane.GPU_COMPUTE, layer, expert=expert, deps=deps))
-        room = nodes[0].id if nodes else None
-        copy = f.node(Op.PAGE_COPY, Lane.GPU_H2D, key[0], expert=key[1], deps=[room])
-        ways[key] = _Line(copy.id)
-        return [*nodes, copy]
+            _, victim = ways.popitem(last=False)
+            self._pending = [(line, at) for line, at in self._pending if line is not victim]
+            if len(victim.pending) < self.parts:  # some of it was copied in
+                deps = [victim.room, victim.copy, victim.last_use]
+                evict = self.context.factory.node(
+                    Op.EVICT, Lane.GPU_COMPUTE, layer, expert=victim.expert, deps=deps
+                )
+                room = evict.id
+                self._evicted[(layer, victim.expert)] = evict.id
+                yield evict
+            else:  # nothing of it arrived: its way is still waiting for the eviction it was to follow
+                room = victim.room
+        line = _Line(expert, room, list(range(self.parts)))
+        line.copy = self._evicted.get((layer, expert))  # its own earlier eviction, if this step had one
+        ways[expert] = line
+        self._pending.append((line, layer))
+
+    def _issue(self, seconds: float) -> PlanStream:
+        """Pending pages, oldest first, while they fit in `seconds` of link time (at least one)."""
+        f, spent = self.context.factory, 0.0
+        while self._pending and (spent == 0.0 or spent + self._page_seconds <= seconds):
+            line, layer = self._pending[0]
+            part = line.pending.pop(0)
+            deps = [line.room, line.copy]
+            page = f.node(
+                Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=line.expert, deps=deps, part=part, parts=self.parts
+            )
+            line.copy = page.id
+            spent += self._page_seconds
+            if not line.pending:
+                self._pending.pop(0)
+            yield page

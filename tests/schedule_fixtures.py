@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Sequence
 
 import torch
+from attrs import evolve
 
 from flowmoe.core.plan import ExpertCounts
 from flowmoe.core.policy import Policy
@@ -23,6 +24,9 @@ TINY_CONFIG = {
     "num_experts_per_tok": 2,
 }  # fmt: skip
 GOLDEN_POLICY = Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.0, page_bytes=8192)
+# where the common policy would hide what a scheduler does: lru-cache with one 2-way index (layer 0
+# cached, layer 1 on the CPU)
+GOLDEN_POLICIES = {"lru-cache": evolve(GOLDEN_POLICY, expert_cache_slots=2, cache_ways=2)}
 
 
 def golden_steps() -> list[StepShape]:
@@ -46,7 +50,8 @@ def golden_trace() -> RoutingTrace:
     return trace
 
 
-def golden_listing(name: str, policy: Policy = GOLDEN_POLICY) -> str:
+def golden_listing(name: str, policy: Policy | None = None) -> str:
+    policy = policy or GOLDEN_POLICIES.get(name, GOLDEN_POLICY)
     spec = ModelSpec.from_hf(TINY_CONFIG)
     scheduler = create(name, SchedulerContext(spec, policy, NodeFactory(spec)))
     trace = golden_trace()

@@ -3,10 +3,13 @@ and each paper's signature on the virtual clock at paper-size shapes (Mixtral-8x
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from attrs import evolve
 
 from flowmoe.core.cost import RooflineCost
+from flowmoe.core.errors import ConfigError
 from flowmoe.core.executor import Span
 from flowmoe.core.hardware import hardware
 from flowmoe.core.plan import ExpertCounts, Lane, Op
@@ -111,22 +114,39 @@ def test_same_tokens_as_eager_with_weights_offloaded(model, reference, case: str
 # ---- cgopipe: CPU attention two micro-batches ahead, the next layer's pages between hidden loads
 
 
-def test_cgopipe_runs_cpu_attention_two_ahead_and_pages_between_hidden_loads() -> None:
+def test_cgopipe_runs_cpu_attention_two_ahead_and_loads_each_hidden_state_before_its_weight_chunk() -> None:
+    """Algorithm 1: LOADH(i, j) then W_PINTOG(i + 1, j) on h2d; PREATTN(i, j + 2) after POSTATTN(i, j) on
+    the GPU, so the CPU attention of j + 2 runs while the GPU computes the FFN of j + 1."""
     policy = Policy(micro_batch_size=256, micro_batches=4, attention_on="cpu", weights_gpu_share=0.75)
     step = decode_step(4, 256, 512)
     spans = simulate(scheduler("cgopipe", MIXTRAL, policy), [step], uniform_trace(MIXTRAL, [step]), T4)
     for layer in range(1, MIXTRAL.layers):  # layer 0 fills the pipeline while its weights arrive
         for j in range(2):
             attn = window(spans_of(spans, Op.CPU_ATTN, layer, j + 2))
-            ffn = window(spans_of(spans, Op.EXPERT_FFN, layer, j))
+            assert window(spans_of(spans, Op.EXPERT_FFN, layer, j))[1] <= attn[0]
+            ffn = window(spans_of(spans, Op.EXPERT_FFN, layer, j + 1))
             assert attn[0] < ffn[1] and ffn[0] < attn[1], (layer, j, attn, ffn)
     h2d = sorted((s for s in spans if s.node.lane is Lane.GPU_H2D), key=lambda s: s.start)
+    pages_per_layer = 2 * -(-MIXTRAL.expert_bytes // policy.page_bytes)  # 2 of 8 experts paged
     for layer in range(1, MIXTRAL.layers):
-        pages = [i for i, s in enumerate(h2d) if s.node.op is Op.PAGE_COPY and s.node.layer == layer]
-        assert len(pages) == 2 * -(-MIXTRAL.expert_bytes // policy.page_bytes)  # 2 of 8 experts paged
-        between = [s.node for s in h2d[pages[0] : pages[-1]] if s.node.op is Op.HIDDEN_LOAD]
-        assert len(between) == 3  # one chunk of pages after each of 4 hidden loads
+        chunks: list[tuple[int, int]] = []  # (layer, mb) of the hidden load each chunk follows
+        for before, item in itertools.pairwise(h2d):
+            if item.node.op is Op.PAGE_COPY and item.node.layer == layer and before.node.op is Op.HIDDEN_LOAD:
+                chunks.append((before.node.layer, before.node.mb))
+                assert before.end <= item.start + 1e-12
+        assert chunks == [(layer - 1, j) for j in range(4)]
+        assert len(spans_of(spans, Op.PAGE_COPY, layer)) == pages_per_layer
     assert not spans_of(spans, Op.GPU_ATTN) and len(spans_of(spans, Op.CPU_ATTN)) == 16
+
+
+def test_cgopipe_prefills_on_the_gpu_with_the_kv_cache_sent_to_the_cpu() -> None:
+    policy = Policy(micro_batch_size=4, micro_batches=2, weights_gpu_share=0.5)
+    prompt = tuple(MicroBatchShape.from_lengths(i, [64] * 4, [0] * 4) for i in range(2))
+    step = StepShape(0, True, prompt)
+    spans = simulate(scheduler("cgopipe", MIXTRAL, policy), [step], uniform_trace(MIXTRAL, [step]), T4)
+    assert not spans_of(spans, Op.CPU_ATTN) and len(spans_of(spans, Op.GPU_ATTN)) == 8
+    assert len(spans_of(spans, Op.KV_STORE)) == 8
+    assert all(s.node.bytes == 0 for s in spans_of(spans, Op.KV_LOAD))  # nothing cached before a prefill
 
 
 # ---- klotski: hot experts prefetched before the gate and computed first, the planner's n
@@ -236,21 +256,21 @@ def test_fiddler_latency_model_sends_big_token_counts_to_the_gpu() -> None:
     assert 16 < fiddler.threshold < 100_000
 
 
-# ---- lru-cache: set-associative LRU hits and misses, misses on the CPU
+# ---- lru-cache: an N-index x M-way cache by layer, misses on the CPU, fetched behind
 
 
-def test_lru_cache_counts_hits_and_misses_of_a_two_set_two_way_cache() -> None:
-    """4 slots, 2 ways -> 2 sets; expert e of layer l goes to set (4l + e) mod 2 = e mod 2.
+def test_lru_cache_gives_each_of_the_first_n_layers_its_own_lru_set() -> None:
+    """4 slots, 2 ways -> 2 indexes: layer 0 and layer 1 each own 2 ways (LRU within the layer).
 
-    step 0  L0 mb0 {0,2}: miss, miss                 set0 [L0e0 L0e2]
-            L0 mb1 {0,1}: hit, miss                  set0 [L0e2 L0e0]  set1 [L0e1]
-            L1 mb0 {1,3}: miss, miss (evict L0e1)    set1 [L1e1 L1e3]
-            L1 mb1 {1,3}: hit, hit                   set1 [L1e1 L1e3]
-    step 1  L0 mb0 {0,1}: hit, miss (evict L1e1)     set0 [L0e2 L0e0]  set1 [L1e3 L0e1]
-            L0 mb1 {0,2}: hit, hit                   set0 [L0e0 L0e2]
-            L1 mb0 {1,3}: miss (evict L1e3), miss (evict L0e1)        set1 [L1e1 L1e3]
-            L1 mb1 {0,3}: miss (evict L0e0), hit     set0 [L0e2 L1e0]  set1 [L1e1 L1e3]
-    -> 7 hits, 9 misses; evictions L0e1, L1e1, L1e3, L0e1, L0e0."""
+    step 0  L0 mb0 {0,2}: miss, miss                 L0 [0 2]
+            L0 mb1 {0,1}: hit, miss (evict L0e2)     L0 [0 1]
+            L1 mb0 {1,3}: miss, miss                 L1 [1 3]
+            L1 mb1 {1,3}: hit, hit                   L1 [1 3]
+    step 1  L0 mb0 {0,1}: hit, hit                   L0 [0 1]
+            L0 mb1 {0,2}: hit, miss (evict L0e1)     L0 [0 2]
+            L1 mb0 {1,3}: hit, hit                   L1 [1 3]
+            L1 mb1 {0,3}: miss (evict L1e1), hit     L1 [0 3]
+    -> 9 hits, 7 misses; evictions L0e2, L0e1, L1e1."""
     routes = {
         (0, 0, 0): (0, 2), (0, 0, 1): (0, 1), (0, 1, 0): (1, 3), (0, 1, 1): (1, 3),
         (1, 0, 0): (0, 1), (1, 0, 1): (0, 2), (1, 1, 0): (1, 3), (1, 1, 1): (0, 3),
@@ -262,12 +282,49 @@ def test_lru_cache_counts_hits_and_misses_of_a_two_set_two_way_cache() -> None:
     cache = scheduler("lru-cache", spec, Policy(micro_batch_size=2, micro_batches=2, expert_cache_slots=4,
                                                cache_ways=2))  # fmt: skip
     spans = simulate(cache, [decode_step(2, 2, 4, step=s) for s in range(2)], trace, T4)
-    assert cache.report() == {"hits": 7.0, "misses": 9.0, "hit_rate": 7 / 16}
+    assert cache.report() == {"hits": 9.0, "misses": 7.0, "hit_rate": 9 / 16}
     ffns = spans_of(spans, Op.EXPERT_FFN)
-    assert sum(s.node.lane is Lane.CPU_COMPUTE for s in ffns) == 9
-    assert sum(s.node.lane is Lane.GPU_COMPUTE for s in ffns) == 7
-    assert len(spans_of(spans, Op.PAGE_COPY)) == 9
+    assert sum(s.node.lane is Lane.CPU_COMPUTE for s in ffns) == 7
+    assert sum(s.node.lane is Lane.GPU_COMPUTE for s in ffns) == 9
+    assert len(spans_of(spans, Op.PAGE_COPY)) == 7
     evicted = [
         (s.node.layer, s.node.expert) for s in sorted(spans_of(spans, Op.EVICT), key=lambda s: s.node.id)
     ]
-    assert evicted == [(0, 1), (1, 1), (1, 3), (0, 1), (0, 0)]
+    assert evicted == [(0, 2), (0, 1), (1, 1)]
+
+
+def test_lru_cache_layers_past_the_indexes_never_copy_and_outputs_do_not_queue_behind_fetches() -> None:
+    """Mixtral, 4 layers, batch 1: 8 slots in 4 ways cover layers 0 and 1; layers 2 and 3 compute
+    every expert on the CPU and never copy one. A CPU expert's output (EXPERT_LOAD) waits on the
+    h2d lane for at most one page of a background fetch, never for whole experts."""
+    steps = [decode_step(1, 1, 128, step=s) for s in range(3)]
+    trace, m = RoutingTrace(), MIXTRAL.moe
+    for step in steps:
+        for layer in range(MIXTRAL.layers):
+            chosen = ((layer + step.step) % m.experts, (layer + 3 * step.step + 1) % m.experts)
+            trace.record(step.step, ExpertCounts(layer, 0, tuple((e, 1) for e in sorted(chosen))))
+    policy = Policy(micro_batch_size=1, expert_cache_slots=8, cache_ways=4, page_bytes=64 * 2**20)
+    cache = scheduler("lru-cache", MIXTRAL, policy, cost=T4)
+    spans = simulate(cache, steps, trace, T4)
+    copies = spans_of(spans, Op.PAGE_COPY)
+    assert copies and {s.node.layer for s in copies} == {0, 1}
+    for layer in (2, 3):
+        assert all(s.node.lane is Lane.CPU_COMPUTE for s in spans_of(spans, Op.EXPERT_FFN, layer))
+    assert cache.hits > 0
+    ends = {s.node.id: s.end for s in spans}
+    page = max(s.end - s.start for s in copies)
+    for load in spans_of(spans, Op.EXPERT_LOAD):
+        ready = max(ends[d] for d in load.node.deps)
+        assert load.start - ready <= page + 1e-9, load.node.label
+    whole = -(-MIXTRAL.expert_bytes // policy.page_bytes)
+    assert whole > 1 and all(s.node.parts == whole for s in copies)
+
+
+def test_lru_cache_refuses_placements_its_paper_does_not_have() -> None:
+    spec = ModelSpec.from_hf(TINY_CONFIG)
+    for flag, policy in (
+        ("--attention-on cpu", Policy(attention_on="cpu")),
+        ("--ffn-on cpu", Policy(ffn_on="cpu")),
+    ):
+        with pytest.raises(ConfigError, match=f"scheduler lru-cache does not support {flag}"):
+            scheduler("lru-cache", spec, policy)

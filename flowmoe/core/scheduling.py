@@ -159,8 +159,8 @@ class NodeFactory:
         if op in (Op.CPU_ATTN, Op.GPU_ATTN):
             kv_tokens, attended = (mb.kv_tokens, mb.attended) if mb else (0, 0)
             return kv_tokens * 2 * kv * b + 2 * t * q * b, 4 * attended * q
-        if op in (Op.KV_LOAD, Op.KV_STORE):
-            cached = (mb.kv_tokens if mb else 0) if op is Op.KV_LOAD else t
+        if op in (Op.KV_LOAD, Op.KV_STORE):  # load: the tokens cached before this step; store: its new ones
+            cached = (mb.kv_tokens - t if mb else 0) if op is Op.KV_LOAD else t
             return cached * 2 * kv * b, 0
         if op is Op.LM_HEAD:
             rows = mb.sequences if mb else 0
