@@ -4,6 +4,11 @@ Opening a checkpoint reads only the shard headers and checks every tensor the
 model needs (present, right shape, floating dtype) before any weight is read,
 so a bad checkpoint fails at once with one line naming the file and tensor.
 Weights are then read lazily, a layer at a time, straight from the mapped files.
+
+The index (`model.safetensors.index.json`) may only name files inside the folder,
+judged by their spelling (no absolute path, no `..`); the files themselves may be
+links, as in a Hugging Face cache snapshot. It also decides which shard a tensor
+comes from; a tensor in two shards that it does not place is an error.
 """
 
 from __future__ import annotations
