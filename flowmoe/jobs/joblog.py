@@ -77,6 +77,7 @@ class JobLog:
         """Write one result as a single line with one write call, then flush it to disk; a failed
         write is cut off again, so the log keeps only whole lines."""
         assert self._fd is not None, "log is closed"
+        assert next(iter(record)) == "id", "a result line starts with its id (LINE_START)"
         line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
         try:
             written = os.write(self._fd, line)
