@@ -5,7 +5,8 @@ printed and the exit code is 128 + the signal number (130, 143).
 `main` installs the handlers before it imports torch. Until `armed()` is
 entered, a signal is only noted: an exception raised in Python code that C++
 called during an import can abort the interpreter. Entering `armed()` raises
-a noted signal at once; inside it every signal raises `Interrupted`.
+a noted signal at once; inside it the first signal raises `Interrupted`, and
+later ones are only noted so that the cleanup it starts runs to its end.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class SignalGate:
         self.open = False
 
     def handle(self, signum: int, _frame: FrameType | None) -> None:
-        if self.open:
+        if self.open:  # the first signal raises; later ones wait, so cleanup still writes the trace
+            self.open = False
             raise Interrupted(signum)
         self.noted = self.noted or signum
 
@@ -47,7 +49,8 @@ class SignalGate:
         if threading.current_thread() is not threading.main_thread():  # only it may set handlers
             yield self
             return
-        previous = {s: signal.signal(s, self.handle) for s in SIGNALS}
+        ignored = {s for s in SIGNALS if signal.getsignal(s) == signal.SIG_IGN}  # e.g. nohup: stay so
+        previous = {s: signal.signal(s, self.handle) for s in SIGNALS if s not in ignored}
         try:
             yield self
         finally:

@@ -23,6 +23,7 @@ from flowmoe import __version__
 from flowmoe.cli import main
 from flowmoe.cli import run as run_command
 from flowmoe.cli.args import check_page_size
+from flowmoe.cli.signals import Interrupted, SignalGate
 from flowmoe.cli.ui import out
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.presets import PRESETS, preset
@@ -340,6 +341,18 @@ def test_ctrl_c_while_flowmoe_starts_ends_in_one_message(tmp_path: Path) -> None
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err.decode()
     assert err.decode().strip() == "flowmoe: interrupted; results written so far are kept"
+
+
+def test_a_second_signal_waits_for_the_cleanup_of_the_first() -> None:
+    gate = SignalGate()
+    with gate.installed(), pytest.raises(Interrupted) as caught, gate.armed():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises in here
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)  # during the cleanup: only noted
+            time.sleep(0.01)
+    assert caught.value.exit_code == 143 and gate.noted == signal.SIGINT
 
 
 def test_sigterm_during_a_job_keeps_a_valid_trace(tmp_path: Path) -> None:
