@@ -27,6 +27,7 @@ from flowmoe.cli.ui import console, progress, table
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.hardware import hardware
+from flowmoe.core.jsonfile import os_reason
 from flowmoe.core.policy import Policy, parse_bytes
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.jobs.job import JobReport, JobSpec, run_job
@@ -209,12 +210,12 @@ def save_records(args: argparse.Namespace, runtime: Runtime) -> list[str]:
         try:
             runtime.routing.save(args.record_routing)
         except OSError as exc:
-            failures.append(f"--record-routing {args.record_routing}: {exc.strerror or exc}")
+            failures.append(f"--record-routing {args.record_routing}: {os_reason(exc)}")
     if args.trace:
         try:
             write_chrome(args.trace, [runtime.trace])
         except OSError as exc:
-            failures.append(f"--trace {args.trace}: {exc.strerror or exc}")
+            failures.append(f"--trace {args.trace}: {os_reason(exc)}")
         else:
             console.print(
                 f"trace: {args.trace} ({len(runtime.trace.spans)} nodes; open in https://ui.perfetto.dev)"

@@ -13,6 +13,7 @@ from rich.table import Table
 from flowmoe.cli.ui import out
 from flowmoe.cli.ui import table as ui_table
 from flowmoe.core.errors import FlowmoeError
+from flowmoe.core.jsonfile import os_reason
 from flowmoe.traces.stats import RunStats
 from flowmoe.traces.summary import TraceSummary, summarize
 
@@ -30,9 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def load_trace(path: Path) -> dict[str, Any]:
     """A Chrome trace in either of its formats: an object with traceEvents, or a bare event array."""
     if not path.is_file():
-        raise FlowmoeError(f"{path}: no such file")
+        raise FlowmoeError(f"{path}: {'a folder, not a trace file' if path.is_dir() else 'no such file'}")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise FlowmoeError(f"{path}: cannot be read ({os_reason(exc)})") from exc
     except UnicodeDecodeError as exc:
         raise FlowmoeError(f"{path}: not UTF-8 text ({exc.reason})") from exc
     except json.JSONDecodeError as exc:

@@ -187,6 +187,25 @@ def test_calibrate_without_a_gpu_refuses_the_gpu_part(
     assert not path.exists()
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["trace", "summarize", "."], ".: a folder, not a trace file"),
+        (["trace", "summarize", "missing.json"], "missing.json: no such file"),
+        ([*RUN, "--stop", ""], "--stop must not be empty"),
+        ([*RUN, "--scheduler", "nope"], "unknown scheduler 'nope'; available: cgopipe, eager"),
+    ],
+)
+def test_other_one_line_errors(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert _one_error(capsys.readouterr().err).startswith(f"flowmoe: error: {message}")
+    assert list(tmp_path.iterdir()) == []
+
+
 def _job(tmp_path: Path, *extra: str) -> list[str]:
     return ["run", "--prompts", str(PROMPTS), "--output", str(tmp_path / "out.jsonl"),
             "--max-new-tokens", "2", *extra]  # fmt: skip
@@ -202,7 +221,7 @@ def test_a_failed_trace_write_after_the_job_reports_the_job_then_one_error(
     assert main(_job(tmp_path, "--trace", str(tmp_path / "t.json"))) == 2
     err = capsys.readouterr().err
     line = _one_error(err)
-    assert line == f"flowmoe: error: --trace {tmp_path / 't.json'}: No space left on device"
+    assert line == f"flowmoe: error: --trace {tmp_path / 't.json'}: no space left on the disk"
     assert err.index("flowmoe run") < err.index(line)  # the summary table came first
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 4  # the job's results are all there
 
