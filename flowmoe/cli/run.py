@@ -174,7 +174,7 @@ def _run(args: argparse.Namespace) -> int:
     codec = TextCodec.from_folder(source) if Path(source).is_dir() else None
     job = job_from(args, model, sampling)
     cost = RooflineCost(hardware(args.hardware), model.spec) if args.hardware else None
-    runtime = Runtime.create(model, args.scheduler, policy, args.device, cost)
+    runtime = Runtime.create(model, args.scheduler, policy, args.device, cost, record=bool(args.trace))
     runtime.routing = RoutingTrace.for_model(model.spec) if args.record_routing else None
     try:
         with progress(TextColumn("{task.fields[tokens]} tokens"), TokenRateColumn()) as bar:
