@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from flowmoe.core.scheduling import PlanStream, Residency, SchedulerContext, StepShape
-from flowmoe.schedulers._layer_nodes import copied_experts, model_order
+from flowmoe.schedulers._layer_nodes import check_placement, copied_experts, model_order
 
 
 class EagerScheduler:
@@ -19,6 +19,7 @@ class EagerScheduler:
 
     def __init__(self, context: SchedulerContext) -> None:
         self.context = context
+        check_placement(self.name, context.policy)
 
     def residency(self) -> Residency:
         return Residency.everything(self.context.spec)

@@ -1,4 +1,5 @@
-"""`flexgen`: FlexGen's zig-zag block schedule (Sheng et al., ICML 2023, Sec. 4.2 and Algorithm 1).
+"""`flexgen`: FlexGen's zig-zag block schedule (Sheng et al., ICML 2023, §4.2 and Algorithm 1), as
+MoE-Lightning runs it as a baseline (Cao et al., ASPLOS '25, §5: "FlexGen" and "FlexGen(c)").
 
 FlexGen runs a *block* of N = μ × n sequences (n micro-batches, FlexGen's "GPU
 batches", of μ sequences) column by column: layer after layer, and within a
@@ -6,50 +7,57 @@ layer over every micro-batch, so a layer's weights are loaded once per block and
 reused by all its micro-batches. Algorithm 1 ("block schedule with
 overlapping"), iteration (layer j, micro-batch k):
 
-    load_weight(j + 1)     the next layer's weights (FlexGen issues them at k = 0)
-    load_cache(j, k + 1)   the next micro-batch's KV cache (wrapping to layer j + 1)
+    load_weight(j + 1)         the next layer's weights (issued at k = 0)
+    store_activation(j, k - 1) store_cache(j, k - 1)
+    load_cache(j, k + 1)       load_activation(j, k + 1)
     compute(j, k)
-    store_cache(j, k)
+    synchronize()
 
-Here that is: the KV cache lives on the CPU (`kv_on_gpu` False; FlexGen's cache
-placement with no GPU share) and attention runs on the GPU. Each (layer,
-micro-batch) gets a KV_LOAD on `gpu.h2d` issued one iteration ahead and held
-until the compute of the micro-batch before has begun (its PRE_ATTN), so it
-overlaps that compute and about two micro-batches' cache layers are on the GPU
-at once (FlexGen's cache double buffer), and a KV_STORE on `gpu.d2h` right after
-its attention (the only step that writes the cache). Weights: the dense part of
-every layer is resident, and `policy.weights_gpu_share` of each layer's experts
-(the lowest-numbered ones: FlexGen's static per-layer split, not routing-aware)
-stays resident too. The rest of layer j + 1's experts, every one whether routed
-or not, since FlexGen knows nothing of routing, are copied in while layer j
-computes, into a double buffer of two layers (FlexGen's `weight_read_buf`), and
-evicted after layer j + 1's last micro-batch. Every routed expert's FFN runs on
-the GPU.
+Here: the KV cache lives on the CPU (`kv_on_gpu` False) and so do the
+activations between layers (FlexGen's policy with the cache and activations on
+the CPU, `--percent x y 0 100 0 100`): each micro-batch's residual stream goes
+to the CPU after its layer (ACT_STORE, d2h) and comes back before the next
+(ACT_LOAD, h2d). The I/O of iteration (j, k) is the next layer's weights (at
+k = 0), the stores of (j, k - 1) and the loads of the next iteration's cache
+layer and activations; `synchronize()` is a barrier: every node of iteration
+(j, k), its compute and its I/O alike, finishes before anything of iteration
+(j, k + 1) starts, so I/O overlaps only the compute issued with it.
 
-FlexGen issues weight and cache loads on two CUDA streams that share one PCIe
-link (one copy engine); flowmoe has one `gpu.h2d` lane, so where both are issued
-the cache load goes first (it is small, and the next micro-batch waits for it)
-and the weights after it. The prologue is the first micro-batch's cache load;
-layer 0's weights follow the second cache load. FlexGen's wrap-around prefetch
-of the next step's layer 0 has no counterpart, since a plan covers one step. On
-one lane, a cache load issued at k >= 1 queues behind the next layer's weights
-issued at k = 0: when those copies outlast the compute of micro-batch k - 1 (an
-I/O-bound step), micro-batch k computes during the weight copy and its
-successor's cache load follows the weights instead of overlapping it (FlexGen's
-per-iteration synchronisation would instead hold micro-batch k back). In a
-prefill step KV_LOAD brings an empty cache layer: the GPU working copy that
-attention writes into.
+Attention (`--attention-on`): `gpu` is FlexGen (MoE-Lightning's schedule S4):
+the cache layer is loaded (KV_LOAD, h2d) and this step's k, v stored back
+(KV_STORE, d2h); `cpu` is FlexGen(c) (schedule S3): q, k, v go to the CPU
+(QKV_OFFLOAD), attention runs there next to the cache (CPU_ATTN), and its
+output comes back (HIDDEN_LOAD) inside the iteration, unoverlapped.
+
+Weights: the dense part of every layer is resident, and `weights_gpu_share`
+of each layer's experts (the lowest-numbered ones: FlexGen's static per-layer
+split, not routing-aware) stays resident too. The rest of layer j + 1's
+experts, every one whether routed or not, since FlexGen knows nothing of
+routing, are copied in at iteration (j, 0) into a double buffer of two layers
+(FlexGen's `weight_read_buf`) and evicted after layer j + 1's last iteration.
+Every routed expert's FFN runs on the GPU (`--ffn-on cpu` is refused: FlexGen
+computes every layer on the GPU).
+
+Deviations: FlexGen issues weight and cache loads on separate CUDA streams
+over one link; flowmoe has one `gpu.h2d` lane, where the cache load goes first
+(the next micro-batch waits for it) and the weights after it. FlexGen's
+wrap-around prefetch of the next step's layer 0 has no counterpart, since a
+plan covers one step; layer 0's weights are copied at the step's start. The
+cache moves as pinned copies (FlexGen's pageable-memory transfers of the
+cache, where its cache is on the CPU, are not modelled). In a prefill step
+KV_LOAD brings an empty cache layer (no bytes cross the link).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
-from flowmoe.core.plan import Lane, Op
+from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
 from flowmoe.schedulers._layer_nodes import (
+    check_placement,
     copied_experts,
-    copy_experts,
     embeddings,
     evict_experts,
     layer_tail,
@@ -61,13 +69,15 @@ from flowmoe.schedulers._layer_nodes import (
 class FlexGenScheduler:
     name: ClassVar[str] = "flexgen"
     summary: ClassVar[str] = (
-        "FlexGen zig-zag block schedule: KV cache on the CPU loaded a micro-batch ahead, "
-        "next layer's experts copied while this layer computes"
+        "FlexGen zig-zag block schedule: KV cache and activations on the CPU, loaded a micro-batch "
+        "ahead, one synchronisation per (layer, micro-batch); --attention-on cpu is FlexGen(c)"
     )
 
     def __init__(self, context: SchedulerContext) -> None:
         self.context = context
         spec = context.spec
+        check_placement(self.name, context.policy, attention=("gpu", "cpu"))
+        self.cpu_attention = context.policy.attention_on == "cpu"
         self.resident_per_layer = int(context.policy.weights_gpu_share * spec.moe.experts + 1e-9)
 
     def offloaded(self, layer: int) -> range:
@@ -98,60 +108,137 @@ class FlexGenScheduler:
         return False
 
     def plan(self, step: StepShape) -> PlanStream:
-        f, spec = self.context.factory, self.context.spec
-        mbs, layers = step.micro_batches, spec.layers
-        if not mbs:
-            return
-        nodes, last = embeddings(f, step)
-        yield from nodes
-        kv: dict[tuple[int, int], int] = {}  # (layer, mb) -> KV_LOAD id
-        copies: dict[int, dict[int, int]] = {}  # layer -> expert -> PAGE_COPY id
-        combines: dict[int, list[int]] = {}  # layer -> COMBINE ids
-        # prologue: the first micro-batch's cache (layer 0's weights follow the next cache load)
-        first = f.node(Op.KV_LOAD, Lane.GPU_H2D, 0, mbs[0])
-        yield first
-        kv[(0, mbs[0].index)] = first.id
-        for layer in range(layers):
-            combines[layer] = []
-            for k, mb in enumerate(mbs):
-                pre = f.node(Op.PRE_ATTN, Lane.GPU_COMPUTE, layer, mb, deps=[last[mb.index]])
-                yield pre
-                nxt = (layer, mbs[k + 1]) if k + 1 < len(mbs) else (layer + 1, mbs[0])
-                if nxt[0] < layers:  # load_cache(j, k + 1), once compute(j, k) has begun
-                    load = f.node(Op.KV_LOAD, Lane.GPU_H2D, nxt[0], nxt[1], deps=[pre.id])
-                    yield load
-                    kv[(nxt[0], nxt[1].index)] = load.id
-                if k == 0:  # load_weight(j + 1), behind the cache load on the one copy lane
-                    if layer == 0:
-                        copies[0] = yield from copy_experts(f, 0, self.offloaded(0))
-                    else:
-                        yield from evict_experts(f, layer - 1, copies.pop(layer - 1), combines[layer - 1])
-                    if layer + 1 < layers:
-                        copies[layer + 1] = yield from copy_experts(f, layer + 1, self.offloaded(layer + 1))
-                combine = yield from self._compute(
-                    layer, mb, pre.id, kv.pop((layer, mb.index)), copies[layer]
-                )
-                combines[layer].append(combine)
-                last[mb.index] = combine
-        yield from evict_experts(f, layers - 1, copies.pop(layers - 1), combines[layers - 1])
-        yield from lm_heads(f, step, last)
+        return _Block(self, step).run()
 
-    def _compute(
-        self, layer: int, mb: MicroBatchShape, pre: int, kv_load: int, copies: dict[int, int]
-    ) -> PlanStream:
-        """compute(j, k) after its PRE_ATTN, with store_cache(j, k) after the attention.
-        Returns the COMBINE id."""
-        f, spec = self.context.factory, self.context.spec
-        gpu = Lane.GPU_COMPUTE
-        attn = f.node(Op.GPU_ATTN, gpu, layer, mb, deps=[pre, kv_load])
-        store = f.node(Op.KV_STORE, Lane.GPU_D2H, layer, mb, deps=[attn.id])
-        post = f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id])
-        yield attn
-        yield store
+
+class _Block:
+    """One step: the iterations (layer, micro-batch) of Algorithm 1, each ended by synchronize()."""
+
+    def __init__(self, s: FlexGenScheduler, step: StepShape) -> None:
+        self.s, self.step = s, step
+        self.f, self.spec = s.context.factory, s.context.spec
+        self.order = [(layer, mb) for layer in range(self.spec.layers) for mb in step.micro_batches]
+        self.last: dict[int, int] = {}  # micro-batch -> its last node so far
+        self.kv: dict[tuple[int, int], int] = {}  # (layer, mb) -> KV_LOAD
+        self.attn: dict[tuple[int, int], int] = {}  # (layer, mb) -> GPU_ATTN (what KV_STORE waits for)
+        self.stored: dict[tuple[int, int], int] = {}  # (layer, mb) -> ACT_STORE of its output
+        self.loaded: dict[tuple[int, int], int] = {}  # (layer, mb) -> ACT_LOAD of its input
+        self.copies: dict[int, dict[int, int]] = {}  # layer -> expert -> PAGE_COPY
+        self.combines: dict[int, list[int]] = {}  # layer -> COMBINE ids
+        self.lanes: dict[Lane, int] = {}  # this iteration's last node on each lane
+        self.barrier: list[int] = []  # the iteration before's last node on each lane (synchronize())
+
+    def run(self) -> PlanStream:
+        f, mbs, layers = self.f, self.step.micro_batches, self.spec.layers
+        nodes, self.last = embeddings(f, self.step)
+        yield from map(self._emit, nodes)
+        if self.s.cpu_attention is False:
+            yield self._emit(self._kv_load(*self.order[0]))
+        self.copies[0] = yield from self._copy(0)
+        for i, (layer, mb) in enumerate(self.order):
+            self.barrier, self.lanes = list(self.lanes.values()), {}
+            if mb is mbs[0]:  # load_weight(j + 1), after freeing layer j - 1's buffer
+                if layer >= 1:
+                    done = [*self.combines[layer - 1], *self.barrier]
+                    evicts = evict_experts(f, layer - 1, self.copies.pop(layer - 1), done)
+                    yield from map(self._emit, evicts)
+                if layer + 1 < layers:
+                    self.copies[layer + 1] = yield from self._copy(layer + 1)
+                self.combines[layer] = []
+            if i >= 1:  # store_activation(j, k - 1), store_cache(j, k - 1)
+                yield from self._stores(*self.order[i - 1])
+            ahead = self.order[i + 1] if i + 1 < len(self.order) else None
+            if ahead is not None and not self.s.cpu_attention:  # load_cache(j, k + 1)
+                yield self._emit(self._kv_load(*ahead))
+            if self._act_load_ready(layer, mb):  # load_activation(j, k), if its store was too late
+                yield self._act_load(layer, mb)
+            if ahead is not None and self._act_load_ready(*ahead):  # load_activation(j, k + 1)
+                yield self._act_load(*ahead)
+            yield from self._compute(layer, mb)
+        self.barrier, self.lanes = list(self.lanes.values()), {}
+        yield from self._stores(*self.order[-1])
+        evicts = evict_experts(f, layers - 1, self.copies.pop(layers - 1), self.combines[layers - 1])
+        yield from map(self._emit, evicts)
+        yield from lm_heads(f, self.step, self.last)
+
+    def _emit(self, node: TaskNode) -> TaskNode:
+        self.lanes[node.lane] = node.id
+        return node
+
+    def _copy(self, layer: int) -> PlanStream:
+        """load_weight(layer): every offloaded expert, after the barrier. -> expert -> PAGE_COPY id."""
+        copies = {}
+        for e in self.s.offloaded(layer):
+            node = self._emit(self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=e, deps=self.barrier))
+            copies[e] = node.id
+            yield node
+        return copies
+
+    def _kv_load(self, layer: int, mb: MicroBatchShape) -> TaskNode:
+        node = self.f.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb, deps=self.barrier)
+        self.kv[(layer, mb.index)] = node.id
+        return node
+
+    def _act_load_ready(self, layer: int, mb: MicroBatchShape) -> bool:
+        """Whether the input of (layer, mb) is stored on the CPU and not loaded back yet."""
+        key = (layer, mb.index)
+        return layer >= 1 and key not in self.loaded and (layer - 1, mb.index) in self.stored
+
+    def _act_load(self, layer: int, mb: MicroBatchShape) -> TaskNode:
+        deps = [self.stored[(layer - 1, mb.index)], *self.barrier]
+        node = self._emit(self.f.node(Op.ACT_LOAD, Lane.GPU_H2D, layer, mb, deps=deps))
+        self.loaded[(layer, mb.index)] = node.id
+        return node
+
+    def _stores(self, layer: int, mb: MicroBatchShape) -> PlanStream:
+        """store_activation and store_cache of an iteration, in the one after it."""
+        key = (layer, mb.index)
+        if key in self.attn:
+            yield self._emit(
+                self.f.node(Op.KV_STORE, Lane.GPU_D2H, layer, mb, deps=[self.attn.pop(key), *self.barrier])
+            )
+        if layer + 1 < self.spec.layers:  # the last layer's output stays for the LM head
+            deps = [self.last[mb.index], *self.barrier]
+            node = self._emit(self.f.node(Op.ACT_STORE, Lane.GPU_D2H, layer, mb, deps=deps))
+            self.stored[key] = node.id
+            yield node
+
+    def _compute(self, layer: int, mb: MicroBatchShape) -> PlanStream:
+        """compute(j, k): attention (on the GPU, or FlexGen(c)'s on the CPU), the gate, the routed
+        experts and the tail."""
+        f, spec, gpu = self.f, self.spec, Lane.GPU_COMPUTE
+        key = (layer, mb.index)
+        deps = [self.last[mb.index], self.loaded.get(key), *self.barrier]
+        pre = self._emit(f.node(Op.PRE_ATTN, gpu, layer, mb, deps=deps))
+        yield pre
+        if self.s.cpu_attention:
+            qkv = self._emit(f.node(Op.QKV_OFFLOAD, Lane.GPU_D2H, layer, mb, deps=[pre.id]))
+            attn = self._emit(f.node(Op.CPU_ATTN, Lane.CPU_COMPUTE, layer, mb, deps=[qkv.id]))
+            back = self._emit(f.node(Op.HIDDEN_LOAD, Lane.GPU_H2D, layer, mb, deps=[attn.id]))
+            yield from (qkv, attn, back)
+            post = self._emit(f.node(Op.POST_ATTN, gpu, layer, mb, deps=[back.id]))
+        else:
+            attn = self._emit(f.node(Op.GPU_ATTN, gpu, layer, mb, deps=[pre.id, self.kv.pop(key)]))
+            self.attn[key] = attn.id
+            yield attn
+            post = self._emit(f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id]))
         yield post
-        outputs = (
-            (yield from copied_experts(f, layer, mb, post.id, copies)) if spec.is_moe_layer(layer) else []
-        )
-        tail = layer_tail(f, spec, layer, mb, post.id, outputs)
+        outputs: list[int] = []
+        if spec.is_moe_layer(layer):
+            stream = copied_experts(f, layer, mb, post.id, self.copies[layer])
+            outputs = yield from _emitted(stream, self._emit)
+        tail = [self._emit(n) for n in layer_tail(f, spec, layer, mb, post.id, outputs)]
         yield from tail
-        return tail[-1].id
+        self.combines[layer].append(tail[-1].id)
+        self.last[mb.index] = tail[-1].id
+
+
+def _emitted(stream: PlanStream, emit: Callable[[TaskNode], TaskNode]) -> PlanStream:
+    """Pass a sub-plan through, recording each node it yields; returns the sub-plan's value."""
+    answer = None
+    try:
+        while True:
+            item = stream.send(answer)
+            answer = yield emit(item) if isinstance(item, TaskNode) else item
+    except StopIteration as done:
+        return done.value

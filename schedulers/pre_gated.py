@@ -38,7 +38,14 @@ from typing import ClassVar
 
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
-from flowmoe.schedulers._layer_nodes import embeddings, gpu_attention, layer_tail, lm_heads, two_layers_bytes
+from flowmoe.schedulers._layer_nodes import (
+    check_placement,
+    embeddings,
+    gpu_attention,
+    layer_tail,
+    lm_heads,
+    two_layers_bytes,
+)
 
 
 class PreGatedScheduler:
@@ -50,6 +57,7 @@ class PreGatedScheduler:
 
     def __init__(self, context: SchedulerContext) -> None:
         self.context = context
+        check_placement(self.name, context.policy)
         self.hits = 0  # routed experts the pre-gate predicted (per layer and micro-batch)
         self.misses = 0  # routed experts it did not predict (fetched on demand, unless already in)
 

@@ -24,6 +24,7 @@ from typing import ClassVar
 
 from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
 from flowmoe.schedulers._layer_nodes import (
+    check_placement,
     copied_experts,
     copy_experts,
     embeddings,
@@ -41,6 +42,7 @@ class PrefetchAllScheduler:
 
     def __init__(self, context: SchedulerContext) -> None:
         self.context = context
+        check_placement(self.name, context.policy)
 
     def residency(self) -> Residency:
         return Residency.dense_only(self.context.spec)

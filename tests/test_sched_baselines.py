@@ -222,6 +222,58 @@ def test_flexgen_with_nothing_resident_copies_whole_layers_and_keeps_the_kv_cach
     assert resident_peak(spans) == 2 * E
 
 
+def iterations(spans: list[Span]) -> list[list[Span]]:
+    """Spans grouped by FlexGen iteration: nodes are emitted iteration by iteration, each ending with
+    its COMBINE, so iteration i is every node after the COMBINE of iteration i - 1 up to its own."""
+    ordered = sorted(spans, key=lambda s: s.node.id)
+    groups: list[list[Span]] = [[]]
+    for span in ordered:
+        groups[-1].append(span)
+        if span.node.op is Op.COMBINE:
+            groups.append([])
+    return groups[:-1]
+
+
+@pytest.mark.parametrize("attention", ["gpu", "cpu"])
+def test_flexgen_synchronises_once_per_layer_and_micro_batch(attention: str) -> None:
+    """Algorithm 1's synchronize(): nothing of iteration (j, k + 1), compute or I/O, starts before
+    every node of iteration (j, k) has finished; the I/O of an iteration overlaps its compute."""
+    steps = [decode(4, 512, micro_batches=3)]
+    routes = {(layer, mb): (mb, 7) for layer in range(3) for mb in range(3)}
+    sched, spans = run("flexgen", steps, routes, weights_gpu_share=0.5, micro_batch_size=4, micro_batches=3,
+                       attention_on=attention)  # fmt: skip
+    assert not sched.kv_on_gpu()
+    groups = iterations(spans)
+    assert len(groups) == 3 * 3
+    overlapped = 0
+    for before, after in itertools.pairwise(groups):
+        done = max(s.end for s in before)
+        assert all(s.start >= done - EPS for s in after)
+        io = [s for s in after if s.node.lane in (Lane.GPU_H2D, Lane.GPU_D2H) and s.node.op is not Op.EVICT]
+        overlapped += any(overlaps(i, c) for i in io for c in after if c.node.lane is Lane.GPU_COMPUTE)
+    assert overlapped >= 6
+    assert len(of(spans, Op.ACT_STORE)) == len(of(spans, Op.ACT_LOAD)) == 2 * 3  # layers 0-1 out, 1-2 in
+    if attention == "cpu":  # FlexGen(c): attention next to the cache, no cache transfers
+        assert len(of(spans, Op.CPU_ATTN)) == 9 and not of(spans, Op.GPU_ATTN) and not of(spans, Op.KV_LOAD)
+    else:
+        assert len(of(spans, Op.GPU_ATTN)) == len(of(spans, Op.KV_LOAD)) == len(of(spans, Op.KV_STORE)) == 9
+
+
+@pytest.mark.parametrize(
+    ("name", "flag", "policy"),
+    [
+        ("flexgen", "--ffn-on cpu", {"ffn_on": "cpu"}),
+        ("on-demand", "--attention-on cpu", {"attention_on": "cpu"}),
+        ("prefetch-all", "--ffn-on cpu", {"ffn_on": "cpu"}),
+        ("pre-gated", "--attention-on cpu", {"attention_on": "cpu"}),
+        ("eager", "--ffn-on cpu", {"ffn_on": "cpu"}),
+    ],
+)
+def test_unsupported_placements_are_refused_in_one_line(name: str, flag: str, policy: dict) -> None:
+    with pytest.raises(FlowmoeError, match=f"^scheduler {name} does not support {flag} "):
+        scheduler(name, **policy)
+
+
 # ---- pre-gated
 
 # step -> (layer, mb) -> experts; layer 0 has no prediction

@@ -39,6 +39,8 @@ class Op(StrEnum):
     KV_LOAD = "kv_load"  # a micro-batch's KV cache: CPU -> GPU (FlexGen)
     KV_STORE = "kv_store"  # the KV cache back: GPU -> CPU
     HIDDEN_LOAD = "hidden_load"  # attention output: CPU -> GPU
+    ACT_STORE = "act_store"  # a micro-batch's residual stream (the layer's activations): GPU -> CPU
+    ACT_LOAD = "act_load"  # ... and back: CPU -> GPU (FlexGen with activations on the CPU)
     POST_ATTN = "post_attn"  # O projection + residual + norm
     GATE = "gate"  # router: top-k experts of each token
     PREGATE = "pregate"  # next layer's router on this layer's hidden state (speculative)

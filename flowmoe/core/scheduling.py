@@ -180,6 +180,8 @@ class NodeFactory:
             Op.QKV_OFFLOAD: q + 2 * kv,
             Op.HIDDEN_LOAD: q,
             Op.HIDDEN_OFFLOAD: s.hidden,
+            Op.ACT_STORE: s.hidden,
+            Op.ACT_LOAD: s.hidden,
             Op.EXPERT_LOAD: s.hidden,
             Op.COMBINE: s.hidden * (s.moe.top_k + 2),
         }[op]

@@ -125,6 +125,15 @@ def _hidden_load(s: StepState, n: TaskNode) -> None:
     s.attn[key] = s.devices.to_gpu(s.attn[key])
 
 
+def _act_store(s: StepState, n: TaskNode) -> None:
+    """A micro-batch's residual stream to the CPU between layers (FlexGen's activations on the CPU)."""
+    s.hidden[n.mb] = s.devices.to_cpu(s.hidden[n.mb])
+
+
+def _act_load(s: StepState, n: TaskNode) -> None:
+    s.hidden[n.mb] = s.devices.to_gpu(s.hidden[n.mb])
+
+
 def _post_attn(s: StepState, n: TaskNode) -> None:
     key = (n.layer, n.mb)
     lw = s.weights.layer(n.layer)
@@ -200,6 +209,8 @@ _HANDLERS: dict[Op, Callable[[StepState, TaskNode], None]] = {
     Op.CPU_ATTN: _attention,
     Op.GPU_ATTN: _attention,
     Op.HIDDEN_LOAD: _hidden_load,
+    Op.ACT_STORE: _act_store,
+    Op.ACT_LOAD: _act_load,
     Op.KV_LOAD: _kv_load,
     Op.KV_STORE: _kv_store,
     Op.POST_ATTN: _post_attn,
