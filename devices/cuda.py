@@ -1,45 +1,70 @@
 """CudaStreamWorker: the GPU lanes on CUDA streams, cross-lane order through CUDA events.
 
-Each GPU lane owns a stream and a launch thread. A node waits for producers on
+Each GPU lane owns a stream and a launch thread (whose current device and
+stream are set once, when the thread starts). A node waits for producers on
 other streams with `stream.wait_event`, so the host never blocks on GPU work
-it only needs to order; a blocking sync inside an action (a routing count read
-back to the host) stalls that lane's launch thread only, never the event loop.
-CPU-lane nodes that consume GPU results wait on the producer's event on their
-own thread (`EventBook.wait_host`). Spans are timed with CUDA events against
-one anchor event, then mapped onto the host clock.
+it only needs to order; producers on its own stream are ordered by the stream
+itself. CPU-lane nodes that consume GPU results wait on the producer's event on
+their own thread (`EventBook.wait_host`).
+
+Events come from a pool and go back to it when the step ends (`end_step`), so
+a run holds a step's worth of events, not two per node it ever ran. Spans are
+timed with CUDA events against an anchor event re-recorded at every step end
+(float32 `elapsed_time` from one anchor at run start would lose resolution as
+the run grows long), then mapped onto the host clock.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from torch import cuda
 
 from flowmoe.core.executor import Action, Finish, Span
 from flowmoe.core.plan import Lane, TaskNode
+from flowmoe.devices.threadpool import LaneThreads
+
+Entry = tuple["cuda.Event", "cuda.Event", "cuda.Stream"]
+NVTX = os.environ.get("FLOWMOE_NVTX") == "1"  # name each node in Nsight Systems (costs µs per node)
 
 
 class EventBook:
-    """CUDA begin/end events of every GPU node of a run, and the anchor that dates them."""
+    """The begin/end events of the GPU nodes of the current step, the pool they are drawn from, and
+    the anchor that dates them."""
 
     def __init__(self, device: torch.device) -> None:
-        self._events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Stream]] = {}
-        self._anchor = torch.cuda.Event(enable_timing=True)
-        self._anchor.record(torch.cuda.current_stream(device))
-        torch.cuda.synchronize(device)
-        self._anchor_host = time.perf_counter()
+        self._device = device
+        self._events: dict[int, Entry] = {}
+        self._free: list[cuda.Event] = []
+        self._lock = threading.Lock()
+        self.anchor_slack = 0.0  # seconds: the anchor's host time is at most this late
+        self._anchor, self._anchor_host = self._reanchor()
 
-    def put(
-        self, node_id: int, begin: torch.cuda.Event, end: torch.cuda.Event, stream: torch.cuda.Stream
-    ) -> None:
+    def take(self) -> cuda.Event:
+        """A timing event from the pool (a new one when the pool is empty)."""
+        try:
+            return self._free.pop()  # atomic: lane threads take concurrently
+        except IndexError:
+            return cuda.Event(enable_timing=True)
+
+    def release(self, event: cuda.Event) -> None:
+        """Give back an event no one waits on any more."""
+        self._free.append(event)
+
+    def put(self, node_id: int, begin: cuda.Event, end: cuda.Event, stream: cuda.Stream) -> None:
         self._events[node_id] = (begin, end, stream)
 
-    def wait_gpu(self, node: TaskNode, stream: torch.cuda.Stream) -> None:
+    def entry(self, node_id: int) -> Entry | None:
+        return self._events.get(node_id)
+
+    def wait_gpu(self, node: TaskNode, stream: cuda.Stream) -> None:
         """Order `stream` after every GPU producer of `node` that ran on another stream."""
         for dep in node.deps:
             entry = self._events.get(dep)
-            if entry is not None and entry[2] != stream:
+            if entry is not None and entry[2] is not stream:
                 stream.wait_event(entry[1])
 
     def wait_host(self, node: TaskNode) -> None:
@@ -49,8 +74,33 @@ class EventBook:
             if entry is not None:
                 entry[1].synchronize()
 
+    def end_step(self, spans: list[Span] | None) -> list[Span]:
+        """After a step's last node: its GPU spans retimed from their events (`spans` given: waits for
+        the device, then re-anchors), and every event back to the pool. Every wait on this step's
+        events has been issued by then, so they may be recorded again."""
+        retimed: list[Span] = []
+        if spans is not None:
+            cuda.synchronize(self._device)
+            retimed = [self.retime(s) for s in spans]
+            self._anchor, self._anchor_host = self._reanchor(self._anchor)
+        with self._lock:
+            for begin, end, _ in self._events.values():
+                self._free += (begin, end)
+            self._events.clear()
+        return retimed
+
+    def _reanchor(self, event: cuda.Event | None = None) -> tuple[cuda.Event, float]:
+        """Record the anchor on an idle device and read the host clock once it has passed."""
+        anchor = event or cuda.Event(enable_timing=True)
+        before = time.perf_counter()
+        anchor.record(cuda.current_stream(self._device))
+        anchor.synchronize()
+        host = time.perf_counter()
+        self.anchor_slack = host - before
+        return anchor, host
+
     def retime(self, span: Span) -> Span:
-        """The span of a GPU node with its real GPU start and end (call after synchronizing)."""
+        """The span of a GPU node with its real GPU start and end (its events have completed)."""
         entry = self._events.get(span.node.id)
         if entry is None:
             return span
@@ -60,42 +110,54 @@ class EventBook:
 
 
 class CudaStreamWorker:
-    def __init__(self, device: torch.device, events: EventBook) -> None:
+    def __init__(self, device: torch.device, events: EventBook, nvtx: bool = NVTX) -> None:
         self._device = device
         self._events = events
-        self._streams: dict[Lane, torch.cuda.Stream] = {}
-        self._pools: dict[Lane, ThreadPoolExecutor] = {}
+        self._nvtx = nvtx
+        self._streams: dict[Lane, cuda.Stream] = {}
+        self._lock = threading.Lock()
+        self._lanes = LaneThreads(self._launch, prefix="flowmoe-cuda", init=self._bind)
 
-    def stream(self, lane: Lane) -> torch.cuda.Stream:
-        if lane not in self._streams:
-            self._streams[lane] = torch.cuda.Stream(self._device)
-        return self._streams[lane]
+    def stream(self, lane: Lane) -> cuda.Stream:
+        with self._lock:
+            if lane not in self._streams:
+                self._streams[lane] = cuda.Stream(self._device)
+            return self._streams[lane]
+
+    def _bind(self, lane: Lane) -> None:
+        """On the lane's thread, once: the device and the lane's stream become current there."""
+        cuda.set_device(self._device)
+        cuda.set_stream(self.stream(lane))
 
     def start(self, node: TaskNode, action: Action, finish: Finish) -> None:
-        pool = self._pools.get(node.lane)
-        if pool is None:
-            pool = self._pools[node.lane] = ThreadPoolExecutor(1, thread_name_prefix=f"flowmoe-{node.lane}")
-        pool.submit(self._launch, node, action, finish)
+        self._lanes.put(node, action, finish)
 
     def _launch(self, node: TaskNode, action: Action, finish: Finish) -> None:
         start = time.perf_counter()
         error: BaseException | None = None
+        events = self._events
         try:
-            stream = self.stream(node.lane)
-            self._events.wait_gpu(node, stream)
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.device(self._device), torch.cuda.stream(stream):
-                begin.record(stream)
-                if action is not None:
-                    with torch.cuda.nvtx.range(node.label), torch.profiler.record_function(node.label):
+            stream = self._streams[node.lane]
+            events.wait_gpu(node, stream)
+            begin, end = events.take(), events.take()
+            begin.record(stream)
+            if action is not None:
+                if self._nvtx:
+                    cuda.nvtx.range_push(node.label)
+                try:
+                    if torch.autograd._profiler_enabled():
+                        with torch.profiler.record_function(node.label):
+                            action()
+                    else:
                         action()
-                end.record(stream)
-            self._events.put(node.id, begin, end, stream)
+                finally:
+                    if self._nvtx:
+                        cuda.nvtx.range_pop()
+            end.record(stream)
+            events.put(node.id, begin, end, stream)
         except BaseException as exc:  # reported through the executor, which names the node
             error = exc
         finish(start, time.perf_counter(), error)
 
     def close(self) -> None:
-        for pool in self._pools.values():
-            pool.shutdown(wait=True)
-        self._pools.clear()
+        self._lanes.close()

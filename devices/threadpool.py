@@ -33,9 +33,16 @@ class LaneThreads:
     `serve` must report through `finish` and not raise; should it raise anyway, the node is
     reported failed with that error, so the executor never waits on it forever."""
 
-    def __init__(self, serve: Callable[[TaskNode, Action, Finish], None], prefix: str = "flowmoe") -> None:
+    def __init__(
+        self,
+        serve: Callable[[TaskNode, Action, Finish], None],
+        prefix: str = "flowmoe",
+        init: Callable[[Lane], None] | None = None,
+    ) -> None:
+        """`init(lane)` runs once on each lane's thread before its first job."""
         self._serve = serve
         self._prefix = prefix
+        self._init = init
         self._queues: dict[Lane, SimpleQueue[Job | None]] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -52,18 +59,25 @@ class LaneThreads:
             if queue is None:
                 queue = SimpleQueue()
                 thread = threading.Thread(
-                    target=self._loop, args=(queue,), name=f"{self._prefix}-{lane}", daemon=True
+                    target=self._loop, args=(lane, queue), name=f"{self._prefix}-{lane}", daemon=True
                 )
                 thread.start()
                 self._threads.append(thread)
                 self._queues[lane] = queue
         return queue
 
-    def _loop(self, queue: SimpleQueue[Job | None]) -> None:
-        serve = self._serve
+    def _loop(self, lane: Lane, queue: SimpleQueue[Job | None]) -> None:
+        serve, broken = self._serve, None
+        if self._init is not None:
+            try:
+                self._init(lane)
+            except BaseException as exc:  # every job of this lane then fails with it
+                broken = exc
         with torch.inference_mode():
             while (job := queue.get()) is not None:
                 try:
+                    if broken is not None:
+                        raise broken
                     serve(*job)
                 except BaseException as exc:  # handed to the executor, which names the node
                     now = time.perf_counter()
@@ -115,4 +129,3 @@ class ThreadPoolWorker:
 
     def close(self) -> None:
         self._lanes.close()
-

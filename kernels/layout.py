@@ -8,6 +8,8 @@ past[i] tokens cached before this step.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from attrs import field, frozen
 
@@ -44,6 +46,17 @@ class TokenLayout:
     def last_rows(self) -> torch.Tensor:
         """[B] int64: the row of each sequence's last token (the one that predicts the next)."""
         return torch.tensor([s + c - 1 for s, c in zip(self.starts, self.counts, strict=True)])
+
+    def to(self, device: torch.device) -> TokenLayout:
+        """The same layout with its index tensors on `device` (copied without blocking the host
+        where the source is page-locked), so kernels on that device upload nothing per layer."""
+        moved = copy.copy(self)
+        for name in ("positions", "token_slots"):
+            tensor = getattr(self, name)
+            if device.type == "cuda":
+                tensor = tensor.pin_memory()
+            object.__setattr__(moved, name, tensor.to(device, non_blocking=True))
+        return moved
 
     def advanced(self) -> tuple[int, ...]:
         """Cached lengths after this step."""

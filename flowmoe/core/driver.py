@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from attrs import frozen
+
+from flowmoe.core.errors import PlanError
 from flowmoe.core.executor import Action, Executor
 from flowmoe.core.plan import ExpertCounts, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import PlanStream
@@ -12,14 +15,30 @@ ActionFor = Callable[[TaskNode], Action]
 Answer = Callable[[RoutingRequest], ExpertCounts]
 
 
-async def drive(plan: PlanStream, executor: Executor, action_for: ActionFor, answer: Answer) -> None:
+@frozen
+class NodeBudget:
+    """The most nodes one step's plan may emit, and what to say when a plan goes past it."""
+
+    limit: int
+    refusal: str
+
+
+async def drive(
+    plan: PlanStream,
+    executor: Executor,
+    action_for: ActionFor,
+    answer: Answer,
+    budget: NodeBudget | None = None,
+) -> None:
     """Feed `plan` to `executor` until it is exhausted and every node has run.
 
     A routing request is answered once the node it names is done, from `answer`
-    (the gate's real output, or a routing trace). Any failure or cancellation
-    stops every lane from starting new work and waits for in-flight nodes before
-    it propagates, so what ran is fully recorded."""
+    (the gate's real output, or a routing trace). A plan that emits more nodes than
+    `budget` allows is refused (PlanError) before they pile up in memory. Any
+    failure or cancellation stops every lane from starting new work and waits for
+    in-flight nodes before it propagates, so what ran is fully recorded."""
     reply: ExpertCounts | None = None
+    left = budget.limit if budget is not None else -1
     try:
         while True:
             try:
@@ -28,6 +47,9 @@ async def drive(plan: PlanStream, executor: Executor, action_for: ActionFor, ans
                 break
             reply = None
             if isinstance(item, TaskNode):
+                left -= 1
+                if left == -1 and budget is not None:
+                    raise PlanError(f"{budget.refusal} (more than {budget.limit} nodes in one step)")
                 executor.submit(item, action_for(item))
             else:
                 await executor.wait(item.after)

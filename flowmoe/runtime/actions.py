@@ -4,24 +4,53 @@ StepState keeps every intermediate of a step (per layer and micro-batch) until
 the step ends, so no tensor is freed while another lane or stream may still
 read it. Where a tensor lives follows the lane: gpu.* lanes compute on the
 GPU device, cpu.compute on the CPU; copy nodes move tensors between them.
+
+On CUDA nothing here waits for the device on a lane's behalf except copies to
+the host: a gate leaves its routing on the GPU and sends the host only its
+tokens per expert, one asynchronous copy into page-locked memory and an event
+(`PendingRouting`); whoever needs the routing on the host first (the driver
+answering the scheduler, usually) waits for that event alone. The token layout
+is uploaded once per lane and micro-batch, not once per layer.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
-from attrs import define, field
+from attrs import define, field, frozen
 
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
+from flowmoe.devices.cuda import EventBook
 from flowmoe.jobs.engine import StepInput
 from flowmoe.kernels.kv_cache import read_kv, write_kv
-from flowmoe.kernels.router import Routing
+from flowmoe.kernels.layout import TokenLayout
+from flowmoe.kernels.router import Routing, choose, sort_by_expert, split_by_expert
 from flowmoe.model.moe_model import MoEModel, Rope
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
 
 Key = tuple[int, int]  # (layer, micro-batch)
+
+
+@frozen
+class PendingRouting:
+    """A gate's decision still on the GPU; `counts` [E] (page-locked) arrives when `ready` has."""
+
+    indices: torch.Tensor  # [T, k]
+    weights: torch.Tensor  # [T, k]
+    rows: torch.Tensor  # [T * k] token rows sorted by expert
+    scales: torch.Tensor  # [T * k]
+    counts: torch.Tensor  # [E] int64 on the host
+    ready: torch.cuda.Event
+
+    def resolve(self, events: EventBook) -> Routing:
+        self.ready.synchronize()  # this gate's work only, not the whole stream
+        counts = self.counts.tolist()
+        events.release(self.ready)
+        return split_by_expert(self.indices, self.weights, self.rows, self.scales, counts)
 
 
 @define
@@ -37,42 +66,83 @@ class StepState:
     attn: dict[Key, torch.Tensor] = field(factory=dict)
     x: dict[Key, torch.Tensor] = field(factory=dict)  # post-attention norm (GPU)
     x_cpu: dict[Key, torch.Tensor] = field(factory=dict)
-    routing: dict[Key, Routing] = field(factory=dict)
-    predicted: dict[Key, Routing] = field(factory=dict)  # pre-gate predictions
+    routing: dict[Key, Routing | PendingRouting] = field(factory=dict)
+    predicted: dict[Key, Routing | PendingRouting] = field(factory=dict)  # pre-gate predictions
     outputs: dict[Key, dict[int, torch.Tensor]] = field(factory=dict)  # expert outputs, any device
     shared: dict[Key, torch.Tensor] = field(factory=dict)
     logits: dict[int, torch.Tensor] = field(factory=dict)
+    layouts: dict[tuple[int, Lane], TokenLayout] = field(factory=dict)  # on the lane's device
+    events: EventBook | None = None  # CUDA: where routing events come from
+    _lock: threading.Lock = field(factory=threading.Lock)
 
     @classmethod
-    def create(cls, model: MoEModel, inputs: Sequence[StepInput], devices: Devices, weights: DeviceWeights):
-        return cls(model, {i.micro_batch: i for i in inputs}, devices, weights)
+    def create(
+        cls,
+        model: MoEModel,
+        inputs: Sequence[StepInput],
+        devices: Devices,
+        weights: DeviceWeights,
+        events: EventBook | None = None,
+    ) -> StepState:
+        return cls(model, {i.micro_batch: i for i in inputs}, devices, weights, events=events)
 
     # ---- routing answers for the driver
 
     def expert_counts(self, request: RoutingRequest) -> ExpertCounts:
         table = self.predicted if request.speculative else self.routing
-        routing = table[(request.layer, request.mb)]
+        routing = self.routing_of(table, (request.layer, request.mb))
         return ExpertCounts(request.layer, request.mb, tuple(routing.counts().items()))
+
+    def routing_of(self, table: dict[Key, Routing | PendingRouting], key: Key) -> Routing:
+        """The gate's routing on the host, waiting for its counts the first time it is asked for."""
+        routing = table[key]
+        if isinstance(routing, PendingRouting):
+            with self._lock:  # the driver and a lane thread may ask at once: one resolves it
+                routing = table[key]
+                if isinstance(routing, PendingRouting):
+                    routing = table[key] = routing.resolve(self.events)  # type: ignore[arg-type]
+        return routing
+
+    def gate_into(
+        self, table: dict[Key, Routing | PendingRouting], key: Key, x: torch.Tensor, layer: int
+    ) -> None:
+        """Route x [T, hidden] with layer `layer`'s router into table[key]: on the host at once without
+        CUDA; on CUDA left on the GPU, its counts on their way to the host."""
+        lw = self.weights.layer(layer)
+        if self.events is None:
+            table[key] = self.model.gate(layer, x, lw)
+            return
+        indices, weights = choose(x, lw.router, lw.router_bias, self.model.spec.moe)
+        rows, scales, counts = sort_by_expert(indices, weights, self.model.spec.moe.experts)
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
+        ready = self.events.take()
+        ready.record()
+        table[key] = PendingRouting(indices, weights, rows, scales, host, ready)
 
     # ---- binding
 
     def action(self, node: TaskNode) -> Callable[[], None]:
-        """The node's work, in inference mode (thread-local, so set on whichever lane thread runs it):
-        no autograd bookkeeping on any op."""
+        """The node's work (lane threads run in inference mode: no autograd bookkeeping on any op)."""
         handler = _HANDLERS.get(node.op)
         if handler is None:
             raise FlowmoeError(f"no action for op {node.op}")
+        return partial(handler, self, node)
 
-        def run() -> None:
-            with torch.inference_mode():
-                handler(self, node)
+    def _layout(self, mb: int, lane: Lane) -> TokenLayout:
+        """The micro-batch's token layout with its indices where `lane` computes, uploaded once per
+        lane (so the lane's own stream orders the upload before every use)."""
+        key = (mb, lane)
+        layout = self.layouts.get(key)
+        if layout is None:
+            layout = self.layouts[key] = self.inputs[mb].layout.to(self._place(lane))
+        return layout
 
-        return run
-
-    def _rope(self, mb: int, device: torch.device) -> Rope:
-        key = (mb, device.type)
+    def _rope(self, mb: int, lane: Lane) -> Rope:
+        key = (mb, str(lane))
         if key not in self.rope:
-            self.rope[key] = self.model.rope(self.inputs[mb].layout, device)
+            device = self._place(lane)
+            self.rope[key] = self.model.rope(self._layout(mb, lane), device)
         return self.rope[key]
 
     def _place(self, lane: Lane) -> torch.device:
@@ -85,7 +155,7 @@ def _embed(s: StepState, n: TaskNode) -> None:
 
 
 def _pre_attn(s: StepState, n: TaskNode) -> None:
-    rope = s._rope(n.mb, s.devices.gpu)
+    rope = s._rope(n.mb, n.lane)
     s.qkv[(n.layer, n.mb)] = s.model.pre_attention(n.layer, s.hidden[n.mb], rope, s.weights.layer(n.layer))
 
 
@@ -99,7 +169,8 @@ def _attention(s: StepState, n: TaskNode) -> None:
     q, k, v = s.qkv[key]
     lw = s.weights.layer(n.layer) if n.lane.on_gpu else s.model.weights.layers[n.layer]
     kv = s.kv_work.get(key) or step.cache.layer(n.layer)
-    s.attn[key] = s.model.attention(n.layer, q, k, v, kv, step.layout, lw)
+    layout = s._layout(n.mb, n.lane) if kv[0].device == s._place(n.lane) else step.layout
+    s.attn[key] = s.model.attention(n.layer, q, k, v, kv, layout, lw)
 
 
 def _kv_load(s: StepState, n: TaskNode) -> None:
@@ -117,7 +188,7 @@ def _kv_store(s: StepState, n: TaskNode) -> None:
     home = step.cache.layer(n.layer)
     work = s.kv_work[key]  # kept until the step ends: the copy back may still be reading it
     if work[0] is not home[0]:
-        write_kv(*home, step.layout, *read_kv(*work, step.layout))
+        write_kv(*home, step.layout, *read_kv(*work, s._layout(n.mb, n.lane)))
 
 
 def _hidden_load(s: StepState, n: TaskNode) -> None:
@@ -142,13 +213,12 @@ def _post_attn(s: StepState, n: TaskNode) -> None:
 
 def _gate(s: StepState, n: TaskNode) -> None:
     key = (n.layer, n.mb)
-    s.routing[key] = s.model.gate(n.layer, s.x[key], s.weights.layer(n.layer))
+    s.gate_into(s.routing, key, s.x[key], n.layer)
 
 
 def _pregate(s: StepState, n: TaskNode) -> None:
     """Layer n.layer's router applied to the previous layer's post-attention hidden state."""
-    source = (n.layer - 1, n.mb)
-    s.predicted[(n.layer, n.mb)] = s.model.gate(n.layer, s.x[source], s.weights.layer(n.layer))
+    s.gate_into(s.predicted, (n.layer, n.mb), s.x[(n.layer - 1, n.mb)], n.layer)
 
 
 def _hidden_offload(s: StepState, n: TaskNode) -> None:
@@ -158,7 +228,7 @@ def _hidden_offload(s: StepState, n: TaskNode) -> None:
 
 def _expert(s: StepState, n: TaskNode) -> None:
     key = (n.layer, n.mb)
-    routing = s.routing[key]
+    routing = s.routing_of(s.routing, key)
     if n.lane is Lane.CPU_COMPUTE:
         x, ffn = s.x_cpu[key], s.model.weights.layers[n.layer].experts[n.expert]
     else:
@@ -180,7 +250,7 @@ def _shared(s: StepState, n: TaskNode) -> None:
 
 def _combine(s: StepState, n: TaskNode) -> None:
     key = (n.layer, n.mb)
-    routing = s.routing.get(key)
+    routing = s.routing_of(s.routing, key) if key in s.routing else None
     outputs = {e: t.to(s.devices.gpu) for e, t in s.outputs.get(key, {}).items()}
     if routing is not None and set(outputs) != set(routing.experts):
         missing = sorted(set(routing.experts) - set(outputs))

@@ -132,7 +132,9 @@ class DeviceWeights:
         with self._lock:
             if key in self._experts or (expert < 0 and layer in self._dense):
                 what = f"expert {expert}" if expert >= 0 else "the dense part"
-                raise FlowmoeError(f"{what} of layer {layer} is copied to the GPU while already resident there")
+                raise FlowmoeError(
+                    f"{what} of layer {layer} is copied to the GPU while already resident there"
+                )
             if key not in self._partial:
                 self._reserve(layer, expert)
             if expert < 0:

@@ -3,7 +3,11 @@
 Per step: the scheduler emits the nodes of every layer and micro-batch, the
 driver submits them to the executor with their actions bound to this step's
 tensors, routing requests are answered from the gates' real output, and the
-spans (and memory counters) go into the run's trace.
+spans (and memory counters) go into the run's trace when one is kept
+(`record`): without it a run keeps nothing per node, so a long job runs in
+bounded memory. A plan may emit at most a budget of nodes per step, derived
+from the model (`node_budget`), so no policy can make a step's plan grow
+without bound.
 """
 
 from __future__ import annotations
@@ -13,13 +17,14 @@ from collections.abc import Callable, Sequence
 import torch
 from attrs import define, field
 
-from flowmoe.core.driver import drive
+from flowmoe.core.driver import NodeBudget, drive
 from flowmoe.core.executor import Action, Executor, Span, Worker
 from flowmoe.core.memory import MemoryNeed, gpu_need
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, Scheduler, SchedulerContext, StepShape
+from flowmoe.core.spec import ModelSpec
 from flowmoe.devices.cuda import EventBook
 from flowmoe.devices.factory import make_workers
 from flowmoe.jobs.engine import StepInput
@@ -29,6 +34,24 @@ from flowmoe.runtime.device_weights import Devices, DeviceWeights
 from flowmoe.runtime.pinned import pin_layers
 from flowmoe.schedulers.registry import checked_plan, create
 from flowmoe.traces.trace import CounterSample, Trace
+
+NODES_PER_WEIGHT = 16  # compute, copy and evict nodes one expert (or dense part) may need per micro-batch
+PAGES_PER_WEIGHT = 256  # page copies one expert (or dense part) may be split into
+
+
+def node_budget(spec: ModelSpec, policy: Policy, scheduler: str, micro_batches: int) -> NodeBudget:
+    """At most every weight of every layer touched by every micro-batch, each copied in at most
+    PAGES_PER_WEIGHT pages: far above what any built-in scheduler plans (cgopipe at
+    Mixtral-8x7B, 4 micro-batches: ~6,150 nodes against ~313,000), far below a plan gone wild."""
+    weights = spec.layers * micro_batches * (spec.moe.experts + 1)
+    pages = -(-spec.expert_bytes // policy.page_bytes)
+    refusal = (
+        f"scheduler {scheduler} plans too many nodes for one step of this model: --page-size "
+        f"{policy.page_bytes} B (policy page_bytes) copies each {spec.expert_bytes} B expert in {pages} "
+        f"pages; at most {PAGES_PER_WEIGHT} pages per weight, so a page size of at least "
+        f"{-(-spec.expert_bytes // PAGES_PER_WEIGHT)} B"
+    )
+    return NodeBudget(weights * (NODES_PER_WEIGHT + PAGES_PER_WEIGHT) + 64, refusal)
 
 
 def step_shape(step: int, inputs: Sequence[StepInput]) -> StepShape:
@@ -50,6 +73,7 @@ class Runtime:
     trace: Trace = field(factory=Trace)
     steps: int = 0
     routing: RoutingTrace | None = None  # when set, every gate's (and pre-gate's) answer is recorded
+    record: bool = True  # keep every span and memory counter in `trace` (False: keep nothing per node)
     _kv_bytes: int = 0
 
     @classmethod
@@ -60,18 +84,21 @@ class Runtime:
         policy: Policy | None = None,
         device: str = "auto",
         cost: Callable[[TaskNode], float] | None = None,
+        record: bool = True,
     ) -> Runtime:
-        """`cost`: the latency model the scheduler plans with (a hardware profile's roofline)."""
+        """`cost`: the latency model the scheduler plans with (a hardware profile's roofline);
+        `record`: keep a trace of every node (what --trace writes)."""
         policy = policy or Policy()
         context = SchedulerContext(model.spec, policy, NodeFactory(model.spec), cost)
         plugin = create(scheduler, context)
         devices = Devices.detect(device)
         if devices.cuda:
+            cap_allocator(devices.gpu, policy.gpu_memory)
             pin_layers(model)
         weights = DeviceWeights(model, devices)
         weights.setup(plugin.residency(), plugin.weight_buffer_bytes())
         workers, events = make_workers(devices.gpu, policy.cpu_threads)
-        return cls(model, plugin, devices, weights, workers, events, Trace(name=scheduler))
+        return cls(model, plugin, devices, weights, workers, events, Trace(name=scheduler), record=record)
 
     @property
     def kv_on_gpu(self) -> bool:
@@ -100,7 +127,7 @@ class Runtime:
         shape = step_shape(self.steps, inputs)
         self.steps += 1
         self._kv_bytes = sum(i.cache.nbytes for i in inputs)
-        state = StepState.create(model, inputs, self.devices, self.weights)
+        state = StepState.create(model, inputs, self.devices, self.weights, self.events)
         await self.run_plan(shape, state.action, self._answer(shape.step, state))
         return [state.logits[i.micro_batch] for i in inputs]
 
@@ -112,16 +139,21 @@ class Runtime:
     ) -> None:
         """One step's plan on this runtime's workers, its spans into the trace (the real-clock
         simulation calls it with bookkeeping-only actions and a routing trace's answers)."""
-        executor = Executor(self.workers, on_span=self._sample)
+        executor = Executor(self.workers, on_span=self._sample if self.record else None)
+        context = getattr(self.scheduler, "context", None)  # a third-party plugin may keep none
+        name = getattr(self.scheduler, "name", type(self.scheduler).__name__)
+        policy = context.policy if context is not None else Policy()
+        budget = node_budget(self.model.spec, policy, name, len(shape.micro_batches))
         try:
-            await drive(checked_plan(self.scheduler, shape), executor, action_for, answer)
+            await drive(checked_plan(self.scheduler, shape), executor, action_for, answer, budget)
         finally:
-            if self.devices.cuda:
-                torch.cuda.synchronize(self.devices.gpu)
-            spans = executor.spans
+            # The host already waited for what it reads (logits, routing counts, copies to the
+            # host); the device is waited for here only to date a recorded step's GPU spans.
+            spans = executor.spans if self.record else None
             if self.events is not None:
-                spans = [self.events.retime(s) for s in spans]
-            self.trace.extend(spans)
+                spans = self.events.end_step(spans)
+            if spans is not None:
+                self.trace.extend(spans)
 
     def _answer(self, step: int, state: StepState) -> Callable[[RoutingRequest], ExpertCounts]:
         """Routing answers from the gates' output, recorded into `routing` when one is attached."""
@@ -155,3 +187,12 @@ class Runtime:
     def close(self) -> None:
         for worker in {id(w): w for w in self.workers.values()}.values():
             worker.close()
+
+
+def cap_allocator(gpu: torch.device, budget: int | None) -> None:
+    """Hold torch's CUDA caching allocator to the --gpu-memory budget as well, so an emulated small
+    GPU (a T4's 16 GiB on an H100) fails where the small GPU would, not only in flowmoe's accounting."""
+    if budget is None:
+        return
+    total = torch.cuda.get_device_properties(gpu).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), gpu)

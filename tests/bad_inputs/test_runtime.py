@@ -1,0 +1,61 @@
+"""Bad input to the runtime itself: a plan that would emit an unbounded number of nodes is refused in
+one line naming the scheduler and the policy knob, before the nodes pile up in memory."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+
+import pytest
+
+from flowmoe.core.driver import NodeBudget, drive
+from flowmoe.core.errors import PlanError
+from flowmoe.core.executor import Executor
+from flowmoe.core.plan import Lane, Op, TaskNode
+from flowmoe.core.policy import Policy
+from flowmoe.devices.inline import InlineWorker
+from flowmoe.model.loading import load_model
+from flowmoe.runtime.runner import node_budget
+from tests.hf_models import hf_model, save_hf
+from tests.schedule_fixtures import run_scheduler
+
+
+def test_an_endless_plan_is_refused_at_the_budget() -> None:
+    started: list[int] = []
+
+    def endless() -> Iterator[TaskNode]:
+        for i in itertools.count():
+            yield TaskNode(i, Op.PAGE_COPY, Lane.GPU_H2D, deps=(i - 1,) if i else ())
+
+    async def go() -> None:
+        executor = Executor(dict.fromkeys(Lane, InlineWorker()))
+        budget = NodeBudget(1000, "scheduler endless plans too many nodes")
+        await drive(endless(), executor, lambda n: lambda: started.append(n.id), lambda r: None, budget)
+
+    with pytest.raises(PlanError, match=r"^scheduler endless plans too many nodes \(more than 1000 nodes"):
+        asyncio.run(go())
+    assert len(started) <= 1000
+
+
+def test_the_budget_is_far_above_a_paper_scale_plan() -> None:
+    """cgopipe at Mixtral-8x7B with 4 micro-batches plans ~6,150 nodes per step (issue 13)."""
+    from flowmoe.core.presets import preset
+
+    budget = node_budget(preset("mixtral-8x7b"), Policy(), "cgopipe", micro_batches=4)
+    assert budget.limit > 40 * 6_150
+
+
+def test_a_one_byte_page_is_refused_naming_the_scheduler_and_the_knob(tmp_path) -> None:
+    """`--scheduler cgopipe --weights-gpu-share 0 --page-size 1B`: 3 GB RSS and no progress before;
+    the CLI bounds --page-size, and the runtime refuses any plan past its budget."""
+    model = load_model(save_hf(hf_model("mixtral"), tmp_path / "mixtral"))
+    policy = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.0, page_bytes=1)
+    with pytest.raises(PlanError) as info:
+        run_scheduler(model, "cgopipe", policy)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "scheduler cgopipe plans too many nodes for one step of this model: --page-size 1 B"
+    )
+    assert f"at least {-(-model.spec.expert_bytes // 256)} B" in message
