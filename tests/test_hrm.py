@@ -41,6 +41,19 @@ def test_turning_points_by_hand() -> None:
     assert levels.p2(50e12) == pytest.approx(5000.0)  # a 50 TFLOP/s kernel stops being link bound at 5000
 
 
+def test_roofs_are_the_sustained_figures_the_simulator_prices_with() -> None:
+    """Presets: a large GEMM's share of the tensor peak, the streaming share of memory bandwidth, the
+    CPU's sustained flop/s and GEMM bandwidth, the pinned link; tensor parallel GPUs add up."""
+    t4, two = hardware("t4"), hardware("2xt4")
+    levels = Hierarchy.from_hardware(t4)
+    assert levels.gpu.peak == pytest.approx(t4.gpu_flops * t4.gemm_share(4096)) != t4.gpu_flops
+    assert levels.gpu.bandwidth == pytest.approx(t4.gpu_bandwidth * t4.gpu_memory_efficiency)
+    assert levels.cpu.bandwidth == pytest.approx(t4.cpu_bandwidth * t4.cpu_gemm_efficiency)
+    assert levels.link == t4.h2d_bandwidth
+    pair = Hierarchy.from_hardware(two)
+    assert (pair.gpu.peak, pair.link) == pytest.approx((2 * levels.gpu.peak, 2 * levels.link))
+
+
 def test_attainable_is_the_lowest_roof() -> None:
     levels = Hierarchy.from_hardware(HW)
     # on the GPU: min(100e12, 1e12 * 10, 10e9 * 50) = 0.5 TFLOP/s, bound by the link

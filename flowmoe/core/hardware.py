@@ -119,11 +119,12 @@ class HardwareSpec:
 
     @property
     def pageable_h2d(self) -> float:
-        return self.h2d_pageable_bandwidth or self.h2d_bandwidth
+        """Pageable host -> device copies: never faster than pinned ones."""
+        return min(self.h2d_pageable_bandwidth or self.h2d_bandwidth, self.h2d_bandwidth)
 
     @property
     def pageable_d2h(self) -> float:
-        return self.d2h_pageable_bandwidth or self.d2h_bandwidth
+        return min(self.d2h_pageable_bandwidth or self.d2h_bandwidth, self.d2h_bandwidth)
 
     def source_of(self, name: str) -> str:
         return dict(self.sources).get(name, "")
