@@ -83,7 +83,7 @@ class ByteSize:
         return value
 
     def __str__(self) -> str:
-        least = "more than 0 bytes" if self.minimum <= 1 else f"at least {gib(self.minimum)}"
+        least = "more than 0 bytes" if self.minimum <= 1 else f"at least {size_flag(self.minimum)}"
         return f"a size such as 16GiB, 24GB or 512MiB, {least}"
 
 
@@ -141,8 +141,16 @@ def check_page_size(page_bytes: int, expert_bytes: int) -> None:
     """--page-size against the model: at most MAX_PAGES_PER_EXPERT pages per expert."""
     pages = -(-expert_bytes // page_bytes)
     if pages > MAX_PAGES_PER_EXPERT:
-        least = -(-expert_bytes // MAX_PAGES_PER_EXPERT)
+        least = -(-expert_bytes // MAX_PAGES_PER_EXPERT // 2**16) * 2**16  # rounded up to 64 KiB
         raise ConfigError(
-            f"--page-size {gib(page_bytes)} cuts each expert ({gib(expert_bytes)}) into {pages} pages; "
-            f"at most {MAX_PAGES_PER_EXPERT} are allowed: use --page-size {gib(least)} or more"
+            f"--page-size {size_flag(page_bytes)} cuts each expert ({gib(expert_bytes)}) into {pages} "
+            f"pages; at most {MAX_PAGES_PER_EXPERT} are allowed: use --page-size {size_flag(least)} or more"
         )
+
+
+def size_flag(n: int) -> str:
+    """Bytes as a flag value: 64KiB, 16MiB, 1344KiB (the largest unit that divides n)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B"

@@ -51,7 +51,7 @@ BAD_FLAGS = [
     ([*RUN, "--hot-experts", "-2"], "--hot-experts", "an integer >= 0"),
     ([*RUN, "--weights-gpu-share", "1.5"], "--weights-gpu-share", "a number in [0, 1]"),
     ([*RUN, "--kv-gpu-share", "nan"], "--kv-gpu-share", "a number in [0, 1]"),
-    ([*RUN, "--scheduler", "cgopipe", "--page-size", "1B"], "--page-size", "at least 64.00 KiB"),
+    ([*RUN, "--scheduler", "cgopipe", "--page-size", "1B"], "--page-size", "at least 64KiB"),
     ([*RUN, "--max-new-tokens", "0"], "--max-new-tokens", "an integer >= 1"),
     ([*RUN, "--max-new-tokens", "-1"], "--max-new-tokens", "an integer >= 1"),
     ([*RUN, "--max-new-tokens", "many"], "--max-new-tokens", "an integer >= 1"),
@@ -104,7 +104,7 @@ def test_bad_flag_values_are_refused_as_they_are_parsed(
     [
         (["run"], "--group-size", "an integer >= 0"),
         (["run"], "--weights-gpu-share", "a number in [0, 1]"),
-        (["run"], "--page-size", "at least 64.00 KiB"),
+        (["run"], "--page-size", "at least 64KiB"),
         (["run"], "--top-p", "a number in (0, 1]"),
         (["plan"], "--max-batch", "an integer >= 1"),
         (["calibrate"], "--threads", "an integer >= 1"),
@@ -161,14 +161,15 @@ def test_tables_never_cut_names(
 
 
 def test_pages_per_expert_are_bounded() -> None:
-    """A page size that would cut each expert into more than 256 copy nodes is refused (a
-    Mixtral-8x7B expert is 336 MiB: 64 KiB pages would make 5376 of them)."""
+    """A page size that would cut each expert into more than 256 copy nodes is refused, with a
+    page size that fits (a Mixtral-8x7B expert is 336 MiB: 64 KiB pages would make 5376)."""
     expert = preset("mixtral-8x7b").expert_bytes
-    with pytest.raises(ConfigError, match=r"cuts each expert \(336.00 MiB\) into 5376 pages; at most 256"):
+    message = r"--page-size 64KiB cuts each expert \(336.00 MiB\) into 5376 pages; at most 256 are allowed"
+    with pytest.raises(ConfigError, match=rf"{message}: use --page-size 1344KiB or more"):
         check_page_size(64 * 2**10, expert)
-    check_page_size(expert // 256, expert)  # exactly 256 pages
+    check_page_size(1344 * 2**10, expert)  # the size it suggests: 256 pages
     with pytest.raises(ConfigError, match="into 257 pages"):
-        check_page_size(expert // 256 - 1, expert)
+        check_page_size(1344 * 2**10 - 1, expert)
 
 
 def test_scheduler_reports_print_counts_as_integers() -> None:
