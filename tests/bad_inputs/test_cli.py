@@ -397,7 +397,7 @@ def test_sigterm_during_a_job_keeps_a_valid_trace(tmp_path: Path) -> None:
 
 # --- the README tour --------------------------------------------------------------------------
 
-CHEAP = ("flowmoe schedulers", "flowmoe presets", "flowmoe run ", "flowmoe trace summarize ")
+CHEAP = ("flowmoe schedulers", "flowmoe presets", "flowmoe run ", "flowmoe trace summarize ", "flowmoe plan ")
 
 
 def _tour() -> list[str]:
@@ -410,8 +410,8 @@ def _tour() -> list[str]:
 def test_the_readme_tour_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    """The tour's cheap commands (no download, no GPU, no paper-scale search), copied as written
-    into a fresh folder holding the repository's examples, all succeed."""
+    """The tour's cheap commands (no download, no GPU, no paper-scale simulation), copied as
+    written into a fresh folder holding the repository's examples, all succeed."""
     (tmp_path / "examples").mkdir()
     (tmp_path / "examples" / "prompts.jsonl").write_bytes(PROMPTS.read_bytes())
     monkeypatch.chdir(tmp_path)
@@ -426,5 +426,5 @@ def test_the_readme_tour_runs(
         argv = [a.strip('"') for a in command.split()][1:]
         assert main(argv) == 0, command
         ran.append(argv[0])
-    assert ran == ["schedulers", "presets", "run", "run", "trace"]
+    assert ran == ["schedulers", "presets", "run", "run", "trace", "plan"]
     assert "Traceback" not in capsys.readouterr().err
