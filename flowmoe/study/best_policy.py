@@ -93,7 +93,7 @@ def _fitting(setup: Setup, name: str, given: Given) -> tuple[list[Policy], Simul
             continue
         refusal = _refusal(setup, name, policy)
         if refusal is None:
-            chosen.append(policy)
+            chosen.append(_unused_share(setup, name, policy, given))
             groups[key] = groups.get(key, 0) + 1
         elif smallest is None or refusal.policy.batch_size <= smallest.policy.batch_size:
             smallest = refusal
@@ -108,6 +108,16 @@ def _refusal(setup: Setup, name: str, policy: Policy) -> SimulationResult | None
         return Simulation(evolve(setup, policy=policy, decode_samples=1)).refusal(name)
     except FlowmoeError as exc:
         return Simulation(evolve(setup, policy=policy, decode_samples=1)).failed(name, str(exc))
+
+
+def _unused_share(setup: Setup, name: str, policy: Policy, given: Given) -> Policy:
+    """`policy` with no resident weight share where the scheduler keeps none for it (its memory need
+    is the same without), so the row does not show a share the run never used."""
+    if given.weights_gpu_share is not None or policy.weights_gpu_share == 0.0:
+        return policy
+    bare = evolve(policy, weights_gpu_share=0.0)
+    need = (Simulation(evolve(setup, policy=p, decode_samples=1)).need(name) for p in (policy, bare))
+    return bare if next(need) == next(need) else policy
 
 
 def _candidates(setup: Setup, given: Given) -> Iterator[Policy]:

@@ -172,6 +172,10 @@ class Simulation:
         base = self._base(name, self._memory(scheduler))
         return self._over(base) or self._host_over(base, scheduler)
 
+    def need(self, name: str) -> MemoryNeed:
+        """The GPU memory scheduler `name` takes for this policy (its own accounting)."""
+        return self._memory(self._scheduler(name, None))
+
     def failed(self, name: str, why: str) -> SimulationResult:
         """A result that records why scheduler `name` refused this policy."""
         return evolve(self._base(name, MemoryNeed(0, 0, 0, 0)), error=why)

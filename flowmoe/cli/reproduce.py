@@ -1,0 +1,110 @@
+"""`flowmoe reproduce`: the five source papers' published numbers next to the simulator's.
+
+One table per setting (paper vs simulated per system, their ratio, the lane that bounds the run,
+the policy run), the speedups between systems, whether the ranking holds, and a summary against
+the targets (ranking equal in every setting; speedups within ±25% median and 2x worst; absolute
+tokens/s within ±35% median). `--json` prints it all as one object, `--plot` draws paper vs
+simulated bars per setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from flowmoe.cli.ui import console, out
+from flowmoe.core.errors import ConfigError
+from flowmoe.study.reproduce import PAPERS, run_setting, settings, summary
+
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("reproduce", help="the source papers' published numbers, simulated side by side")
+    parser.add_argument("paper", nargs="?", default="all", choices=(*PAPERS, "all"))
+    parser.add_argument("--quick", action="store_true", help="one small setting per paper")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    parser.add_argument("--plot", type=Path, help="paper vs simulated bars per setting (.png, .svg or .pdf)")
+    parser.set_defaults(handler=_reproduce)
+
+
+def _reproduce(args: argparse.Namespace) -> int:
+    if args.plot is not None and args.plot.suffix not in PLOT_SUFFIXES:
+        raise ConfigError(f"--plot {args.plot}: use a .png, .svg or .pdf file name")
+    chosen = settings(args.paper, args.quick)
+    results = []
+    with console.status("reproducing") as status:
+        for i, setting in enumerate(chosen):
+            status.update(f"[{i + 1}/{len(chosen)}] {setting.paper}: {setting.name}")
+            results.append(run_setting(setting))
+    data = {"paper": args.paper, "quick": args.quick, "settings": results, "summary": summary(results)}
+    if args.plot is not None:
+        from flowmoe.study.reproduce_plot import plot_reproduction
+
+        plot_reproduction(results, args.plot)
+    if args.json:
+        print(json.dumps(data))
+        return 0
+    for result in results:
+        out.print(setting_table(result))
+        if result["speedups"]:
+            out.print(speedup_table(result))
+        out.print(f"[dim]{result['note']}[/]", soft_wrap=True)
+    out.print(summary_table(data["summary"]))
+    if args.plot is not None:
+        out.print(f"plot: {args.plot}")
+    return 0
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def setting_table(result: dict[str, Any]) -> Table:
+    ranking = result["ranking"]
+    holds = {True: "[green]ranking holds[/]", False: "[red]ranking differs[/]", None: ""}[ranking["holds"]]
+    table = Table(title=f"{result['setting']} — {result['where']} {holds}", title_justify="left")
+    metric = result["rows"][0]["metric"] if result["rows"] else ""
+    for column in ("system", "stand-in", f"paper {metric}", "simulated", "sim / paper", "bound by", "policy"):
+        table.add_column(column, justify="left" if column in ("system", "stand-in", "policy") else "right")
+    for r in result["rows"]:
+        simulated = _num(r["simulated"], 3) if r["error"] is None else f"[yellow]cannot run[/]: {r['error']}"
+        table.add_row(r["system"], r["scheduler"], _num(r["published"], 3), simulated,
+                      _num(r["ratio"]), r["bound"], r["policy"])  # fmt: skip
+    if ranking["holds"] is False:
+        table.caption = (
+            f"paper: {' > '.join(ranking['paper'])}; simulated: {' > '.join(ranking['simulated'])}"
+        )
+    return table
+
+
+def speedup_table(result: dict[str, Any]) -> Table:
+    table = Table(title=f"{result['setting']}: speedups", title_justify="left")
+    for column in ("faster / slower", "paper", "simulated", "sim / paper"):
+        table.add_column(column, justify="right")
+    for s in result["speedups"]:
+        paper = _num(s["published"]) + (f" ({s['low']}-{s['high']})" if s["low"] is not None else "")
+        table.add_row(f"{s['faster']} / {s['slower']}", paper, _num(s["simulated"]), _num(s["ratio"]))
+    return table
+
+
+def summary_table(data: dict[str, Any]) -> Table:
+    table = Table(title="reproduction summary (ratios simulated / paper; 'off' = max(r, 1/r))")
+    for column in ("figures", "count", "median ratio", "median off", "worst off", "≤1.25x", "≤1.35x", "≤2x"):
+        table.add_column(column, justify="right")
+    for label, key in (("absolute tok/s", "absolute"), ("speedups", "speedups"), ("hit rates", "hit_rates")):
+        s = data[key]
+        if not s["count"]:
+            continue
+        table.add_row(label, str(s["count"]), _num(s["median"]), _num(s["median_off"]), _num(s["worst_off"]),
+                      str(s["within_25"]), str(s["within_35"]), str(s["within_2x"]))  # fmt: skip
+    table.caption = (
+        f"rankings equal to the paper's: {data['rankings_held']} of {data['rankings']} settings; "
+        f"published figures not run (the stand-in could not run): {data['not_run']}. Targets: every "
+        "ranking; speedups median off ≤ 1.25, worst ≤ 2; absolute median off ≤ 1.35"
+    )
+    return table
