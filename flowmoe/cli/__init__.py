@@ -53,14 +53,14 @@ def configure_logging(json_logs: bool, verbose: bool) -> None:
 
 
 def parser() -> Parser:
-    from flowmoe.cli import calibrate, info, plan, run, simulate, trace
+    from flowmoe.cli import calibrate, info, plan, reproduce, run, simulate, trace
 
     top = Parser(prog="flowmoe", description="MoE inference with offloaded experts")
     top.add_argument("--version", action="version", version=f"flowmoe {__version__}")
     top.add_argument("--log-json", action="store_true", help="structured logs as JSON lines")
     top.add_argument("-v", "--verbose", action="store_true", help="debug logs (every node, every load)")
     sub = top.add_subparsers(dest="command", required=True)
-    for command in (run, info, trace, plan, simulate, calibrate):
+    for command in (run, info, trace, plan, simulate, calibrate, reproduce):
         command.register(sub)
     _name_each_parser(top)
     return top
