@@ -72,12 +72,13 @@ def gpu_attention(f: NodeFactory, layer: int, mb: MicroBatchShape, after: int) -
 
 
 def offloaded_kv_attention(
-    f: NodeFactory, layer: int, mb: MicroBatchShape, after: int, kv_load: int
+    f: NodeFactory, layer: int, mb: MicroBatchShape, after: int, kv_load: int, weights: int | None = None
 ) -> list[TaskNode]:
-    """PRE_ATTN -> GPU_ATTN (after `kv_load` brought the cache layer in) -> KV_STORE of this step's
-    k, v (d2h) -> POST_ATTN, for a KV cache whose home is the CPU; the last node is POST_ATTN."""
+    """PRE_ATTN (after `weights`, the copy of the layer's dense part, if any) -> GPU_ATTN (after
+    `kv_load` brought the cache layer in) -> KV_STORE of this step's k, v (d2h) -> POST_ATTN, for a
+    KV cache whose home is the CPU; the last node is POST_ATTN."""
     gpu = Lane.GPU_COMPUTE
-    pre = f.node(Op.PRE_ATTN, gpu, layer, mb, deps=[after])
+    pre = f.node(Op.PRE_ATTN, gpu, layer, mb, deps=[after, weights])
     attn = f.node(Op.GPU_ATTN, gpu, layer, mb, deps=[pre.id, kv_load])
     store = f.node(Op.KV_STORE, Lane.GPU_D2H, layer, mb, deps=[attn.id])
     return [pre, attn, store, f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id])]

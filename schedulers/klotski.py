@@ -1,27 +1,55 @@
-"""`klotski`: Klotski's expert-aware multi-batch pipeline (Fang et al., 2025, §3 and §4).
+"""`klotski`: Klotski's expert-aware multi-batch pipeline (Fang et al., 2025, §5 Algorithm 1, §6, §7).
 
 A group of n micro-batches goes through each layer together, so one copy of a
-layer's experts serves all n (§3, multi-batch pipeline). Per MoE layer:
+layer's weights serves all n (§5). Per layer l, as Algorithm 1 orders it:
 
-- the K hot experts were prefetched while the group's attention ran: their
-  copies are issued as soon as the previous MoE layer's routing is known, the
-  choice made by the correlation-aware prefetcher (§4.1): a table of which
-  experts of layer l+1 follow which of layer l, seeded from the routing profile
-  (`popularity`) and updated from every routing seen (the first steps are the
-  warm-up). The first MoE layer's hot experts are the most popular so far;
-- after each micro-batch's gate the cold experts it needs and nobody fetched
-  yet are copied, in arrival order;
-- the GPU computes the hot experts first for every micro-batch of the group,
-  then the cold experts in arrival order, and evicts each expert after its
-  last micro-batch (a hot expert nobody routed to is evicted after the gates).
+- attention layer, batch by batch: the KV cache of batch k + 1 is loaded
+  (KV_LOAD, h2d) while batch k computes (line 14), attention runs on the GPU
+  and this step's k, v go back to the CPU (KV_STORE, d2h, line 17). The K hot
+  experts of an MoE layer are prefetched here, during the attention (§5, §6.2),
+  issued right after the second batch's cache load;
+- gate: after each batch's gate the cold experts it needs and nobody fetched
+  yet are copied, in arrival order ("real-time transfer", line 3);
+- expert layer: first the next layer's attention weights and its first
+  batch's cache are issued (lines 4, 6); the GPU computes the hot experts
+  first for every batch of the group, then the cold ones in arrival order,
+  and evicts each expert after its last batch (a hot expert nobody routed to
+  is evicted after the gates).
 
-The planner (§4.2) picks the smallest n for which the group's attention
-(pre, attention, post, gate) covers the copy of the K hot experts, and one
-expert's FFN over the group covers the copy of the next cold expert, priced by
-the cost model; if no n up to the step's micro-batch count satisfies both, all
-of them form one group. `group_size` in the policy overrides it. Dense parts
-and `weights_gpu_share` of the experts (the most popular) stay resident; the
-KV cache stays on the GPU.
+Weights and cache (§6.1): the KV cache lives on the CPU (`kv_on_gpu` False);
+each layer's dense part (attention, router, shared experts: flowmoe copies
+them as one) is copied in during the previous layer's experts and evicted
+after the layer's last batch, into a buffer of two layers; `weights_gpu_share`
+of the experts (the most popular) stay resident.
+
+Prefetcher (§6.2): the hot experts of MoE layer l are the K (`hot_experts`,
+default top-k) best scored by a correlation table from the previous MoE
+layer's routing of the same batches (path length 1), seeded from the routing
+profile (`popularity`) and updated from every routing seen (the first steps
+are the warm-up); the first MoE layer's are the most popular so far.
+
+Planner (§7): the smallest n in 1..(micro-batches) meeting Eqs. (5)-(7) with
+the cost model's times, one batch's attention t_A and gate t_G, one expert's
+copy t_E (for the tokens of n batches: t_cE), a layer's dense copy t_dense:
+
+    (5)  n(t_A + t_G)                       >= K t_E
+    (6)  n(t_A + t_G) + K t_cE              >= (K + 1) t_E
+    (7)  n(t_A + t_G) + (K + |Q|) t_cE      >= (K + |Q|) t_E + t_dense
+
+with |Q| the expected number of cold experts a layer activates (uniform
+routing of n batches' tokens; the paper takes it from statistics); if no n
+satisfies them, all micro-batches form one group. `group_size` overrides it.
+
+Deviations: the gate's weights travel with the attention weights (one dense
+copy), so Eq. (4) holds by construction and t_io_G is 0 in (5)-(7); the
+correlation table is kept from per-(layer, micro-batch) expert counts, not
+per-token paths (routing reaches a scheduler as counts: a pair (a, b) seen in
+one micro-batch adds the tokens the two would share if independent within
+it); the hidden states stay on the GPU between layers (the paper moves them
+too; they are small next to the cache); there is no disk tier; the paper loads
+caches and weights on separate streams that share the link, flowmoe's one h2d
+lane runs them in that order instead. `--attention-on cpu` and
+`--ffn-on cpu` are refused: Klotski computes everything on the GPU.
 """
 
 from __future__ import annotations
@@ -40,13 +68,15 @@ from flowmoe.core.scheduling import (
 )
 from flowmoe.schedulers._correlation import CorrelationTable
 from flowmoe.schedulers._layer_nodes import (
+    check_placement,
     embeddings,
-    gpu_attention,
     kept_per_layer,
     latency_model,
     layer_tail,
     lm_heads,
     moe_layers,
+    offloaded_kv_attention,
+    two_layers_bytes,
 )
 
 Group = tuple[MicroBatchShape, ...]
@@ -55,12 +85,14 @@ Group = tuple[MicroBatchShape, ...]
 class KlotskiScheduler:
     name: ClassVar[str] = "klotski"
     summary: ClassVar[str] = (
-        "Klotski: n micro-batches per layer, hot experts prefetched by correlation and computed first"
+        "Klotski: n micro-batches per layer; attention weights and KV cache loaded per layer and batch, "
+        "hot experts prefetched by correlation during attention and computed first"
     )
 
     def __init__(self, context: SchedulerContext) -> None:
         self.context = context
         spec, policy = context.spec, context.policy
+        check_placement(self.name, policy)
         split = kept_per_layer(spec, context.popularity, policy.weights_gpu_share)
         self.moe = moe_layers(spec)
         self.resident = {m: set(kept) for m, (kept, _) in split.items()}
@@ -72,30 +104,42 @@ class KlotskiScheduler:
 
     def residency(self) -> Residency:
         experts = frozenset((m, e) for m, kept in self.resident.items() for e in kept)
-        return Residency(Residency.dense_only(self.context.spec).dense, experts)
+        return Residency(frozenset(), experts)
 
     def weight_buffer_bytes(self) -> int:
-        """A layer's offloaded experts, plus the next layer's hot ones prefetched meanwhile."""
-        return (self.offloaded + self.k) * self.context.spec.expert_bytes if self.moe else 0
+        """Two layers' dense parts; a layer's offloaded experts plus the next layer's hot ones."""
+        spec = self.context.spec
+        dense = two_layers_bytes([spec.layer_dense_bytes(layer) for layer in range(spec.layers)])
+        return dense + ((self.offloaded + self.k) * spec.expert_bytes if self.moe else 0)
 
     def kv_on_gpu(self) -> bool:
-        return True
+        return False
 
     def group_size(self, step: StepShape) -> int:
-        """Policy's n, else the smallest n meeting the overlap constraints (all micro-batches if none)."""
+        """Policy's n, else the smallest n meeting Eqs. (5)-(7) (all micro-batches if none does)."""
         count = len(step.micro_batches)
         if self.context.policy.group_size:
             return min(self.context.policy.group_size, count)
-        spec, mb = self.context.spec, step.micro_batches[0]
-        probe, cost = NodeFactory(spec), self._cost
+        spec, mb, cost = self.context.spec, step.micro_batches[0], self._cost
+        probe = NodeFactory(spec)
         layer = self.moe[0] if self.moe else 0
-        attention = [*gpu_attention(probe, layer, mb, 0), probe.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb)]
-        per_expert = max(1, -(-mb.tokens * spec.moe.top_k // spec.moe.experts))
-        ffn = cost(probe.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, 0, tokens=per_expert))
-        copy = cost(probe.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=0))
-        attend = sum(cost(n) for n in attention)
+        attention = offloaded_kv_attention(probe, layer, mb, 0, 0)
+        t_attend = sum(cost(n) for n in attention if n.lane is Lane.GPU_COMPUTE)
+        t_attend += cost(probe.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb))
+        t_copy = cost(probe.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=0))
+        t_dense = cost(probe.node(Op.PAGE_COPY, Lane.GPU_H2D, layer))
+        m = spec.moe
         for n in range(1, count + 1):
-            if n * attend >= self.k * copy and n * ffn >= copy:
+            tokens = n * mb.tokens
+            per_expert = max(1, -(-tokens * m.top_k // m.experts))
+            t_ffn = cost(probe.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, 0, tokens=per_expert))
+            cold = (self.offloaded - self.k) * (1 - (1 - m.top_k / m.experts) ** tokens)
+            ahead = n * t_attend
+            if (
+                ahead >= self.k * t_copy
+                and ahead + self.k * t_ffn >= (self.k + 1) * t_copy
+                and ahead + (self.k + cold) * t_ffn >= (self.k + cold) * t_copy + t_dense
+            ):
                 return n
         return count
 
@@ -117,32 +161,68 @@ class _Group:
         self.f, self.spec = s.context.factory, s.context.spec
         self.copies: dict[int, int] = {}  # expert of the current layer -> its PAGE_COPY
         self.hot: list[int] = []
+        self.dense: dict[int, int] = {}  # layer -> PAGE_COPY of its dense part
+        self.freed: dict[int, int] = {}  # layer -> EVICT of its dense part
+        self.kv: dict[tuple[int, int], int] = {}  # (layer, mb) -> KV_LOAD
 
     def run(self) -> PlanStream:
         routing: list[ExpertCounts] = []
-        if self.s.moe:
-            yield from self._prefetch(self.s.moe[0], [], None)
+        yield from self._next_layer(0)
         for layer in range(self.spec.layers):
-            posts, gates = {}, {}
-            for mb in self.group:
-                nodes = gpu_attention(self.f, layer, mb, self.last[mb.index])
-                if self.spec.is_moe_layer(layer):
-                    nodes.append(self.f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[nodes[-1].id]))
-                    gates[mb.index] = nodes[-1].id
-                posts[mb.index] = nodes[2].id
-                yield from nodes
+            posts, gates = yield from self._attention(layer, routing)
             outputs: dict[int, list[int]] = {mb.index: [] for mb in self.group}
             if self.spec.is_moe_layer(layer):
                 routing = yield from self._moe(layer, gates, outputs, routing)
+            elif layer + 1 < self.spec.layers:
+                yield from self._next_layer(layer + 1)
+            combines = []
             for mb in self.group:
                 tail = layer_tail(self.f, self.spec, layer, mb, posts[mb.index], outputs[mb.index])
                 yield from tail
                 self.last[mb.index] = tail[-1].id
+                combines.append(tail[-1].id)
+            evict = self.f.node(Op.EVICT, Lane.GPU_COMPUTE, layer, deps=combines)
+            self.freed[layer] = evict.id
+            yield evict
+
+    def _next_layer(self, layer: int) -> Iterator[TaskNode]:
+        """Lines 4 and 6: the layer's dense weights (into the buffer of layer - 2) and its first
+        batch's cache."""
+        copy = self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, deps=[self.freed.get(layer - 2)])
+        self.dense[layer] = copy.id
+        yield copy
+        yield self._kv_load(layer, self.group[0])
+
+    def _kv_load(self, layer: int, mb: MicroBatchShape) -> TaskNode:
+        node = self.f.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb)
+        self.kv[(layer, mb.index)] = node.id
+        return node
+
+    def _attention(self, layer: int, before: list[ExpertCounts]) -> PlanStream:
+        """Batch by batch: the next batch's cache in, attention with the cache store, the gate; the hot
+        experts prefetched after the second batch's cache load. -> (POST_ATTN ids, GATE ids)."""
+        posts, gates = {}, {}
+        moe = self.spec.is_moe_layer(layer)
+        hot = self._predict(layer, before) if moe else []
+        for k, mb in enumerate(self.group):
+            if k + 1 < len(self.group):
+                yield self._kv_load(layer, self.group[k + 1])
+            if k == max(0, len(self.group) - 2):  # behind the layer's last cache load
+                yield from (self._copy(layer, e, None) for e in hot)
+            kv = self.kv.pop((layer, mb.index))
+            nodes = offloaded_kv_attention(self.f, layer, mb, self.last[mb.index], kv, self.dense[layer])
+            posts[mb.index] = nodes[-1].id
+            if moe:
+                nodes.append(self.f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[nodes[-1].id]))
+                gates[mb.index] = nodes[-1].id
+            yield from nodes
+        return posts, gates
 
     def _moe(
         self, layer: int, gates: dict[int, int], outputs: dict[int, list[int]], before: list[ExpertCounts]
     ) -> PlanStream:
-        """Routing, cold copies in arrival order, next layer's hot prefetch, FFNs hot first. -> routing."""
+        """Routing and cold copies in arrival order, the next layer's weights and first cache, then the
+        FFNs hot first. -> this layer's routing."""
         routing, hot, cold = [], self.hot, []
         resident = self.s.resident[layer]
         for mb in self.group:
@@ -157,13 +237,11 @@ class _Group:
             if e not in used:
                 yield self.f.node(Op.EVICT, Lane.GPU_COMPUTE, layer, expert=e, deps=[self.copies[e]])
         self.s.table.learn(before, routing)
-        copies = self.copies
-        position = self.s.moe.index(layer)
-        if position + 1 < len(self.s.moe):
-            yield from self._prefetch(self.s.moe[position + 1], routing, gates[self.group[-1].index])
+        if layer + 1 < self.spec.layers:
+            yield from self._next_layer(layer + 1)
         first = sorted(e for e in used if e in resident or e in hot)
         for e in first + cold:
-            yield from self._ffns(layer, e, routing, gates, outputs, copies.get(e))
+            yield from self._ffns(layer, e, routing, gates, outputs, self.copies.get(e))
         return routing
 
     def _ffns(
@@ -188,13 +266,12 @@ class _Group:
         if copy is not None:
             yield self.f.node(Op.EVICT, Lane.GPU_COMPUTE, layer, expert=expert, deps=[copy])
 
-    def _prefetch(self, layer: int, before: list[ExpertCounts], after: int | None) -> Iterator[TaskNode]:
-        """Copy the K hot experts of `layer` predicted from `before` (after node `after`)."""
+    def _predict(self, layer: int, before: list[ExpertCounts]) -> list[int]:
+        """The K hot experts of `layer` predicted from `before` (the previous MoE layer's routing)."""
         among = [e for e in range(self.spec.moe.experts) if e not in self.s.resident[layer]]
         self.hot = self.s.table.hot(layer, before, self.s.k, among)
         self.copies = {}
-        for e in self.hot:
-            yield self._copy(layer, e, after)
+        return self.hot
 
     def _copy(self, layer: int, expert: int, after: int | None) -> TaskNode:
         node = self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=expert, deps=[after])
