@@ -106,11 +106,11 @@ def broken() -> dict[str, str]:
 
 
 def create(name: str, context: SchedulerContext) -> Scheduler:
-    """The scheduler `name` built for `context`, its residency checked against the model."""
+    """The scheduler `name` built for `context`, its residency and weight buffer checked."""
     cls = load(name)
     try:
         scheduler = cls(context)
-        residency = scheduler.residency()
+        residency, buffer = scheduler.residency(), scheduler.weight_buffer_bytes()
     except FlowmoeError:
         raise
     except Exception as exc:  # a plugin's own bug
@@ -118,6 +118,8 @@ def create(name: str, context: SchedulerContext) -> Scheduler:
     problem = _residency_problem(residency, context.spec)
     if problem:
         raise ConfigError(f"scheduler {name!r}: its residency {problem}")
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 0:
+        raise ConfigError(f"scheduler {name!r}: weight_buffer_bytes() is {buffer!r}, not a byte count >= 0")
     return scheduler
 
 

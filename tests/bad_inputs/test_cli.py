@@ -280,11 +280,19 @@ class BadResidency(EagerScheduler):
         return Residency(frozenset({0}), frozenset({(0, 999)}))
 
 
+class NegativeBuffer(EagerScheduler):
+    name = "negative-buffer"
+
+    def weight_buffer_bytes(self) -> int:
+        return -1
+
+
 PLUGINS = {
     "missing-package": "no_such_flowmoe_plugin:Scheduler",
     "not-a-class": f"{__name__}:PLUGINS",
     **{cls.name: f"{__name__}:{cls.__name__}" for cls in
-       (NoSummary, RaisesInInit, PlanReturnsNone, EmptyPlan, YieldsJunk, FailsMidPlan, BadResidency)},
+       (NoSummary, RaisesInInit, PlanReturnsNone, EmptyPlan, YieldsJunk, FailsMidPlan, BadResidency,
+        NegativeBuffer)},
 }  # fmt: skip
 
 
@@ -320,6 +328,7 @@ def test_broken_plugins_are_listed_and_break_nothing_else(
                        "`summary`"),
         ("raises-in-init", "scheduler 'raises-in-init' failed to start: RuntimeError: cannot start"),
         ("bad-residency", "scheduler 'bad-residency': its residency names expert (0, 999)"),
+        ("negative-buffer", "scheduler 'negative-buffer': weight_buffer_bytes() is -1, not a byte count"),
         ("plan-none", "scheduler 'plan-none': plan() returned NoneType, not a generator of TaskNodes"),
         ("empty-plan", "scheduler 'empty-plan' planned no node for step 0"),
         ("yields-junk", "scheduler 'yields-junk' yielded a str, neither a TaskNode nor a RoutingRequest"),
