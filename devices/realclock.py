@@ -1,14 +1,18 @@
-"""RealClockWorker: a lane thread per lane; each node runs its host-side action, then holds its lane
-until the cost model's duration has passed on the real clock.
+"""RealClockWorker: the CUDA worker's timing on the real clock, with every device action replaced by
+the cost model's duration.
 
-The host work of a node (its action's bookkeeping, the executor's hand-off to
-what it released) overlaps the node's modelled device time, as a kernel launch
-overlaps the kernel: a node takes max(host work, cost) on its lane. Long waits
-sleep (releasing the GIL); the last `spin` seconds are spun, yielding the GIL
-at every turn, because a sleep overshoots by the kernel's timer slack.
+Each lane has a thread of its own, as with `CudaStreamWorker`. A GPU-lane node runs its host-side
+action and is then *enqueued*: its device time starts when the action is done, its lane's previous
+node has ended and every producer has ended (the stream's event waits), and lasts `cost(node)`;
+the executor hears `finish` at once, so the lane's next node launches while this one "runs", as
+a stream's launch thread runs ahead of the GPU. Host-side consumers wait for the device: a
+cpu.compute or disk.read node first waits until its producers' device time has ended (the CUDA
+worker's `wait_host`), then holds its thread for its cost; `sync(node)` is a routing read-back
+(`.tolist()` on the gate's output) and `synchronize()` the step's device synchronize.
 
-Each lane thread's CPU time is counted, less the spinning, so what the host
-stack costs per lane is measured next to the wall clock.
+Waits sleep while far (releasing the GIL) and spin the last `spin` seconds, yielding the GIL at
+every turn, because a sleep overshoots by the kernel's timer slack. Each lane thread's CPU time is
+counted without its waits, so what the host stack costs per lane is measured next to the wall clock.
 """
 
 from __future__ import annotations
@@ -39,8 +43,11 @@ class RealClockWorker:
         self._cost = cost
         self._spin = spin
         self._pools: dict[Lane, ThreadPoolExecutor] = {}
-        self._busy: dict[Lane, float] = {}  # lane -> host CPU seconds (written by that lane's thread only)
         self._lock = threading.Lock()
+        self._ends: dict[int, float] = {}  # node id -> end of its device time (this step's nodes)
+        self._free: dict[Lane, float] = {}  # GPU lane -> end of its last enqueued node
+        self._busy: dict[Lane, float] = {}  # lane -> host CPU seconds (written by that lane's thread only)
+        self.sync_cpu_seconds = 0.0  # CPU the caller of sync / synchronize spent waiting (spinning)
 
     def start(self, node: TaskNode, action: Action, finish: Finish) -> None:
         pool = self._pools.get(node.lane)
@@ -50,24 +57,57 @@ class RealClockWorker:
                 if pool is None:
                     pool = ThreadPoolExecutor(1, thread_name_prefix=f"flowmoe-realclock-{node.lane}")
                     self._pools[node.lane] = pool
-        pool.submit(self._run, node, action, finish)
+        pool.submit(self._launch if node.lane.on_gpu else self._run, node, action, finish)
+
+    def _launch(self, node: TaskNode, action: Action, finish: Finish) -> None:
+        """A GPU node: the action on the host, then the device time queued behind lane and producers."""
+        cpu = time.thread_time()
+        cost, error = self._act(node, action)
+        begin = max(time.perf_counter(), self._free.get(node.lane, 0.0), self._after(node))
+        end = self._ends[node.id] = self._free[node.lane] = begin + cost
+        finish(begin, end, error)  # enqueued; the executor's hand-off to released nodes runs here
+        self._busy[node.lane] = self._busy.get(node.lane, 0.0) + time.thread_time() - cpu
 
     def _run(self, node: TaskNode, action: Action, finish: Finish) -> None:
+        """A host node: wait for its GPU producers, run the action, hold the thread for its cost."""
+        wait_until(self._after(node), self._spin)
         cpu = time.thread_time()
         start = time.perf_counter()
-        error: BaseException | None = None
+        cost, error = self._act(node, action)
+        host = time.thread_time() - cpu
+        wait_until(start + cost, self._spin)
+        end = self._ends[node.id] = time.perf_counter()
+        cpu = time.thread_time()
+        finish(start, end, error)
+        self._busy[node.lane] = self._busy.get(node.lane, 0.0) + host + time.thread_time() - cpu
+
+    def _act(self, node: TaskNode, action: Action) -> tuple[float, BaseException | None]:
+        """Run the node's host-side action; its modelled duration, or the error (reported through
+        the executor, which names the node) and no duration."""
         try:
             if action is not None:
                 action()
-            cost = max(0.0, self._cost(node))
-        except BaseException as exc:  # reported through the executor, which names the node
-            error, cost = exc, 0.0
-        host = time.thread_time() - cpu
-        wait_until(start + cost, self._spin)
-        end = time.perf_counter()
+            return max(0.0, self._cost(node)), None
+        except BaseException as exc:
+            return 0.0, exc
+
+    def _after(self, node: TaskNode) -> float:
+        return max((self._ends.get(dep, 0.0) for dep in node.deps), default=0.0)
+
+    def sync(self, node_id: int) -> None:
+        """Block the calling thread until node `node_id`'s device time has ended (a read-back)."""
+        self._wait(self._ends.get(node_id, 0.0))
+
+    def synchronize(self) -> None:
+        """Block until every enqueued node has ended; a new step starts from an idle device."""
+        self._wait(max(self._ends.values(), default=0.0))
+        self._ends.clear()
+        self._free.clear()
+
+    def _wait(self, deadline: float) -> None:
         cpu = time.thread_time()
-        finish(start, end, error)  # the executor's hand-off to released nodes runs here: host work too
-        self._busy[node.lane] = self._busy.get(node.lane, 0.0) + host + time.thread_time() - cpu
+        wait_until(deadline, self._spin)
+        self.sync_cpu_seconds += time.thread_time() - cpu
 
     def host_seconds(self) -> dict[str, float]:
         """CPU seconds each lane thread spent on host work (actions and the executor), waits excluded."""

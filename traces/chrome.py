@@ -62,8 +62,9 @@ def chrome_trace(traces: list[Trace]) -> dict[str, Any]:
             }  # fmt: skip
             where = {"pid": pid_of[node.lane.device], "tid": _tid(node.lane)}
             start, end = _ns(span.start - origin), _ns(span.end - origin)
-            events.append({"name": node.label, "cat": str(node.op), "ph": "X", "ts": _us(start),
-                           "dur": _us(end - start), **where, "args": args})  # fmt: skip
+            ts, dur = _us(start), _us(end - start)
+            events.append({"name": node.label, "cat": str(node.op), "ph": "X", "ts": ts, "dur": dur, **where,
+                           "args": args})  # fmt: skip
             for dep in node.deps:
                 producer = by_id.get(dep)
                 if producer is None or producer.node.lane == node.lane:

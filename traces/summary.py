@@ -117,14 +117,17 @@ def windows_by_group(data: dict[str, Any]) -> dict[str, list[Window]]:
     out: dict[str, list[Window]] = {}
     for event in events:
         if event.get("ph") == "M" and event.get("name") == STEPS_EVENT:
-            steps = event.get("args", {}).get("steps", [])
-            out[_group(names, event.get("pid", 0))] = [
-                Window(
-                    float(s["start_us"]), float(s["end_us"]), float(s.get("weight", 1.0)), s.get("host_us")
-                )
-                for s in steps
-            ]
+            try:
+                out[_group(names, event.get("pid", 0))] = [_window(s) for s in event["args"]["steps"]]
+            except (KeyError, TypeError, ValueError) as exc:
+                raise FlowmoeError(f"{STEPS_EVENT} event: malformed step windows ({exc!r})") from exc
     return out
+
+
+def _window(step: dict[str, Any]) -> Window:
+    host = step.get("host_us")
+    return Window(float(step["start_us"]), float(step["end_us"]), float(step.get("weight", 1.0)),
+                  None if host is None else float(host))  # fmt: skip
 
 
 def summarize(data: dict[str, Any]) -> list[TraceSummary]:

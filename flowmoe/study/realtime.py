@@ -2,10 +2,12 @@
 paper scale, every device action replaced by waiting the cost model's duration.
 
 What runs for real: the scheduler (`Runtime.run_plan` on the simulation's scheduler), the driver,
-the executor, one thread per lane (`RealClockWorker`), the runtime's counters and trace, and the
+the executor, one thread per lane (`RealClockWorker`), the runtime's counters and trace, the
 weight-residency bookkeeping of PAGE_COPY and EVICT (`DeviceWeights` over a model whose weights are
-torch `meta` tensors: shapes and bytes, no storage). The tensor math of the other nodes is what
-the wait stands for; routing is answered from the simulation's routing (a trace or synthetic).
+torch `meta` tensors: shapes and bytes, no storage), and each GPU node's lookup of the weights it
+uses (a plan that forgot a copy fails as in a real run). The tensor math is what the wait stands
+for (kernels on meta tensors would need the gates' real routing); routing is answered from the
+simulation's routing (a trace or synthetic).
 The virtual-clock makespan of the same steps comes next to the wall clock's, so their ratio is
 what the host stack costs a GPU run that the simulator does not see.
 """
@@ -22,7 +24,7 @@ from attrs import evolve
 
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.executor import Action
-from flowmoe.core.plan import Lane, Op, TaskNode
+from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import StepShape
 from flowmoe.core.spec import ModelSpec
 from flowmoe.devices.realclock import RealClockWorker
@@ -40,6 +42,9 @@ T = TypeVar("T")
 Runner = Callable[[Coroutine[Any, Any, T]], T]
 
 BOOKKEEPING = frozenset({Op.PAGE_COPY, Op.EVICT})  # actions that run for real, on meta weights
+# GPU nodes that look their weights up where they are resident (NotResident when a plan forgot a copy)
+USES_EXPERT = frozenset({Op.EXPERT_FFN})
+USES_LAYER = frozenset({Op.PRE_ATTN, Op.GPU_ATTN, Op.POST_ATTN, Op.GATE, Op.PREGATE, Op.SHARED_FFN})
 META = torch.device("meta")
 
 
@@ -87,21 +92,32 @@ def realtime_run(
     state = StepState.create(model, [], devices, weights)
 
     def action_for(node: TaskNode) -> Action:
-        return state.action(node) if node.op in BOOKKEEPING else None
+        if node.op in BOOKKEEPING:
+            return state.action(node)
+        if node.lane.on_gpu and node.op in USES_EXPERT:
+            return lambda: weights.expert(node.layer, node.expert)
+        if node.lane.on_gpu and node.op in USES_LAYER:
+            return lambda: weights.layer(node.layer)
+        return None
+
+    def answer_for(step: int) -> Callable[[RoutingRequest], ExpertCounts]:
+        def answer(request: RoutingRequest) -> ExpertCounts:
+            worker.sync(request.after)  # the gate's counts read back to the host wait for the gate
+            return routing.answer(step, request)
+
+        return answer
 
     async def run() -> tuple[float, float]:
         wall = main = 0.0
         for step in steps:
-            lanes_before, cpu, start = (
-                sum(worker.host_seconds().values()),
-                time.thread_time(),
-                time.perf_counter(),
-            )
-            await runtime.run_plan(step, action_for, lambda request, s=step.step: routing.answer(s, request))
+            lanes, waited = sum(worker.host_seconds().values()), worker.sync_cpu_seconds
+            cpu, start = time.thread_time(), time.perf_counter()
+            await runtime.run_plan(step, action_for, answer_for(step.step))
+            worker.synchronize()  # the step's device synchronize
             wall += time.perf_counter() - start
-            main_step = time.thread_time() - cpu
+            main_step = time.thread_time() - cpu - (worker.sync_cpu_seconds - waited)
             main += main_step
-            host = main_step + sum(worker.host_seconds().values()) - lanes_before
+            host = main_step + sum(worker.host_seconds().values()) - lanes
             if runtime.trace.steps:
                 runtime.trace.steps[-1] = evolve(runtime.trace.steps[-1], host_seconds=host)
         return wall, main

@@ -96,7 +96,10 @@ class SimulationResult:
         p = self.policy
         policy = {"batch_size": p.batch_size, "micro_batch_size": p.micro_batch_size,
                   "micro_batches": p.micro_batches, "attention_on": p.attention_on, "ffn_on": p.ffn_on,
-                  "weights_gpu_share": p.weights_gpu_share, "kv_gpu_share": p.kv_gpu_share}  # fmt: skip
+                  "weights_gpu_share": p.weights_gpu_share, "kv_gpu_share": p.kv_gpu_share,
+                  "expert_cache_slots": p.expert_cache_slots, "cache_ways": p.cache_ways,
+                  "group_size": p.group_size, "hot_experts": p.hot_experts, "page_bytes": p.page_bytes,
+                  "gpu_memory": p.gpu_memory, "cpu_threads": p.cpu_threads}  # fmt: skip
         lanes = [{**lane.to_json(), "utilisation": lane.share} for lane in self.lanes]
         stats = self.stats.to_json() if self.stats is not None else None
         realtime = self.realtime.to_json() if self.realtime is not None else {}
@@ -111,7 +114,7 @@ class SimulationResult:
 
 
 def records(spans: Sequence[Span]) -> list[SpanRecord]:
-    """Spans as the statistics read them (microseconds)."""
+    """Spans as the statistics read them (microseconds; a saved trace holds them to the nanosecond)."""
     return [
         SpanRecord(
             s.node.id,
@@ -131,7 +134,7 @@ def records(spans: Sequence[Span]) -> list[SpanRecord]:
 
 
 def trace_stats(trace: Trace) -> RunStats:
-    """The run statistics of a trace, exactly as `flowmoe trace summarize` computes them."""
+    """The run statistics of a trace, as `flowmoe trace summarize` computes them from its file."""
     windows = [
         Window(w.start * 1e6, w.end * 1e6, w.weight, None if w.host_seconds is None else w.host_seconds * 1e6)
         for w in trace.steps
