@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
+from attrs import evolve
 from rich.table import Table
 
 from flowmoe.cli.args import BYTES, FRACTION, NON_NEGATIVE_INT, PAGE_SIZE, POSITIVE_INT
@@ -25,11 +26,15 @@ from flowmoe.cli.ui import console, out
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import hardware
 from flowmoe.core.memory import gib
-from flowmoe.core.policy import Policy
+from flowmoe.core.policy import Policy, parse_bytes
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.synthetic_routing import RoutingModel
+from flowmoe.jobs.job import JobSpec, build_requests
+from flowmoe.model.moe_model import MoEModel
+from flowmoe.model.tokenizer import TextCodec
 from flowmoe.schedulers.registry import available
+from flowmoe.study.auto_choice import choice, job_workload, rank
 from flowmoe.study.best_policy import Given, best_policy
 from flowmoe.study.realtime import with_realtime
 from flowmoe.study.sim_report import SimulationResult
@@ -186,6 +191,34 @@ def realtime_table(results: list[SimulationResult]) -> Table:
 
 KNOBS = {"lru-cache": ("expert_cache_slots", "cache_ways"), "klotski": ("group_size", "hot_experts"),
          "cgopipe": ("page_bytes",)}  # fmt: skip
+
+
+def auto_scheduler(args: argparse.Namespace, model: MoEModel, codec: TextCodec | None,
+                   job: JobSpec) -> tuple[str, Policy, JobSpec]:  # fmt: skip
+    """`run --scheduler auto`: rank every scheduler on this job's workload (prompt lengths, max new
+    tokens) and hardware (--hardware, or a quick CPU-only calibration of this machine), print the
+    ranking, and give the best one with its policy and the job at that policy's batch."""
+    requests, _errors = build_requests(job, model, codec, job.limits(model))
+    work = job_workload([len(r.input_ids) for r in requests], job.max_new_tokens)
+    if args.hardware:
+        hw = hardware(args.hardware)
+    else:
+        from flowmoe.study.calibrate import calibrate
+
+        with console.status("describing this machine (quick CPU-only calibration)"):
+            hw, _measured = calibrate(quick=True, dtype=model.spec.dtype, device="cpu")
+    given = Given(gpu_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None)
+    with console.status(f"simulating every scheduler on this job ({len(requests)} requests) on {hw.name}"):
+        results = rank(model.spec, hw, work, list(available()), max(1, len(requests)), given)
+    console.print(results_table(Setup(model.spec, hw, work, Policy()), results))
+    best = choice(results)
+    console.print(f"auto: running {best.scheduler} ({describe_policy(best.policy, best.scheduler)})")
+    policy = evolve(best.policy, gpu_memory=given.gpu_memory)
+    return (
+        best.scheduler,
+        policy,
+        evolve(job, batch_size=policy.batch_size, micro_batches=policy.micro_batches),
+    )
 
 
 def describe_policy(p: Policy, scheduler: str = "") -> str:

@@ -46,6 +46,7 @@ class Given:
     page_bytes: int | None = None
     gpu_memory: int | None = None
     cpu_threads: int | None = None
+    max_batch: int | None = None  # a cap on N where N is not given (e.g. the requests a job has)
 
     def apply(self, policy: Policy) -> Policy:
         """`policy` with every given field; N and the micro-batch count fix μ = ceil(N / count)."""
@@ -54,7 +55,7 @@ class Given:
         knobs = {
             k: v
             for k, v in asdict(self).items()
-            if v is not None and k not in ("batch_size", "micro_batches")
+            if v is not None and k not in ("batch_size", "micro_batches", "max_batch")
         }
         return evolve(policy, micro_batch_size=-(-n // count), micro_batches=count, **knobs)
 
@@ -139,7 +140,7 @@ def _planned(setup: Setup, given: Given) -> Iterator[Policy]:
     ffn: Sequence[Place] = (given.ffn_on,) if given.ffn_on else ("gpu", "cpu")
     try:
         plan = search(setup.spec, setup.hardware, setup.workload, attention, ffn,
-                      max_batch=given.batch_size or 8192)  # fmt: skip
+                      max_batch=given.batch_size or given.max_batch or 8192)  # fmt: skip
     except FlowmoeError:
         return
     yield from (given.apply(c.policy) for c in plan.per_placement)
@@ -148,7 +149,8 @@ def _planned(setup: Setup, given: Given) -> Iterator[Policy]:
 def _batches(given: Given, count: int) -> list[int]:
     if given.batch_size is not None:
         return [given.batch_size]
-    return [n for n in reversed(BATCHES) if n >= count]
+    cap = given.max_batch or BATCHES[-1]
+    return sorted({cap, *(n for n in BATCHES if count <= n <= cap)}, reverse=True)
 
 
 def _shares(given: Given) -> Sequence[float]:
