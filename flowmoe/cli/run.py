@@ -23,6 +23,7 @@ from flowmoe.cli.args import (
     FloatRange,
     check_page_size,
 )
+from flowmoe.cli.simulate import auto_scheduler
 from flowmoe.cli.ui import console, progress, table
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import FlowmoeError
@@ -51,7 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     run.add_argument("--output", required=True, type=Path, help="JSONL results, appended and resumable")
     run.add_argument("--max-new-tokens", type=POSITIVE_INT, default=32, help="per request (%(type)s)")
-    run.add_argument("--scheduler", default="eager", help="scheduler plugin (see `flowmoe schedulers`)")
+    run.add_argument(
+        "--scheduler", default="eager", help="scheduler plugin (see `flowmoe schedulers`), or auto"
+    )
     run.add_argument("--trace", type=OUTPUT_FILE, help="write a Chrome trace (open it in Perfetto)")
     run.add_argument(
         "--record-routing", type=OUTPUT_FILE, help="write the gates' expert counts (flowmoe simulate)"
@@ -164,7 +167,8 @@ def policy_from(args: argparse.Namespace) -> Policy:
 
 
 def _run(args: argparse.Namespace) -> int:
-    load_scheduler(args.scheduler)  # an unknown or broken plugin fails before the model loads
+    if args.scheduler != "auto":
+        load_scheduler(args.scheduler)  # an unknown or broken plugin fails before the model loads
     check_output(args.output, args.prompts)  # so does an --output that is not ours, or in use
     sampling = SamplingParams(0.0 if args.greedy else args.temperature, args.top_p, args.top_k, args.seed)
     policy = policy_from(args)
@@ -173,6 +177,8 @@ def _run(args: argparse.Namespace) -> int:
     check_page_size(policy.page_bytes, model.spec.expert_bytes)
     codec = TextCodec.from_folder(source) if Path(source).is_dir() else None
     job = job_from(args, model, sampling)
+    if args.scheduler == "auto":  # every scheduler simulated on this job; the best runs, its policy too
+        args.scheduler, policy, job = auto_scheduler(args, model, codec, job)
     cost = RooflineCost(hardware(args.hardware), model.spec) if args.hardware else None
     runtime = Runtime.create(model, args.scheduler, policy, args.device, cost, record=bool(args.trace))
     runtime.routing = RoutingTrace.for_model(model.spec) if args.record_routing else None
