@@ -18,6 +18,7 @@ from flowmoe.core.presets import preset
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, SchedulerContext, StepShape
 from flowmoe.core.spec import ModelSpec
+from flowmoe.core.synthetic_routing import RoutingModel, SyntheticRouting
 from flowmoe.jobs.engine import eager_step
 from flowmoe.model.loading import load_model
 from flowmoe.runtime.runner import Runtime
@@ -357,6 +358,29 @@ def test_lru_cache_layers_past_the_indexes_never_copy_and_outputs_do_not_queue_b
         assert load.start - ready <= page + 1e-9, load.node.label
     whole = -(-MIXTRAL.expert_bytes // policy.page_bytes)
     assert whole > 1 and all(s.node.parts == whole for s in copies)
+
+
+def test_synthetic_routing_reuses_experts_token_to_token_and_the_cache_sees_it() -> None:
+    """Batch-1 decode on Mixtral, uniform popularity: with the default reuse a selected expert is
+    re-employed by the next token 30-50% of the time (the collaborative-inference paper's Fig. 2),
+    by chance alone about 2/8; the LRU cache hits more often than without temporal locality."""
+    steps = [decode_step(1, 1, 64 + s, step=s) for s in range(24)]
+    rates = {}
+    for reuse in (0.0, RoutingModel().reuse):
+        trace = SyntheticRouting(MIXTRAL, RoutingModel(skew=0.0, reuse=reuse)).trace(steps)
+        kept = [
+            len(set(trace.counts[(s, layer, 0)].experts) & set(trace.counts[(s - 1, layer, 0)].experts))
+            for s in range(1, len(steps))
+            for layer in range(MIXTRAL.layers)
+        ]
+        cache = scheduler(
+            "lru-cache", MIXTRAL, Policy(micro_batch_size=1, expert_cache_slots=16, cache_ways=4)
+        )
+        simulate(cache, steps, trace, T4)
+        rates[reuse] = (sum(kept) / (2 * len(kept)), cache.report()["hit_rate"])
+    default = RoutingModel().reuse
+    assert rates[0.0][0] < 0.3 < rates[default][0] < 0.5
+    assert rates[default][1] > rates[0.0][1]
 
 
 def test_lru_cache_refuses_placements_its_paper_does_not_have() -> None:

@@ -1,12 +1,20 @@
-"""Synthetic routing traces: expert popularity skew and layer-to-layer correlation, from a seed.
+"""Synthetic routing traces: popularity skew, layer-to-layer correlation and token-to-token reuse.
 
 Each layer ranks its experts in a random order and gives the r-th most popular
 a weight 1 / r**skew (skew 0: uniform). A token picks its top-k experts at a
-layer one at a time: with probability `correlation` it follows its previous
-layer's expert through a fixed per-layer successor map (expert e at layer l-1
-leads to succ[l][e]), otherwise it draws from the popularity weights; a pick
-already taken is redrawn. Pre-gate predictions (for pre-gated schedulers) keep
-each true expert with probability `pregate_accuracy`, else name another one.
+layer one at a time. Temporal locality first: in a decode step, with
+probability `reuse` a slot keeps the expert the same sequence's previous token
+chose in that slot at that layer (the collaborative-inference paper, §I and
+§II-B, Fig. 2: on Mixtral-8x7B a selected expert is re-employed by the next
+token with 30-50% probability, at least one of the two with 40-60%). The
+default 0.2 is the forced share: with the chance reuse of draws (k / experts
+of the rest, 2/8 on Mixtral) a selected expert is re-employed about 40% of
+the time, the middle of the paper's range. Otherwise, with probability
+`correlation` it follows its previous layer's expert through a fixed per-layer
+successor map (expert e at layer l-1 leads to succ[l][e]), otherwise it draws
+from the popularity weights; a pick already taken is redrawn. Pre-gate
+predictions (for pre-gated schedulers) keep each true expert with probability
+`pregate_accuracy`, else name another one.
 
 Large micro-batches are routed from a sample of at most `max_tokens` tokens
 whose counts are scaled up to the real token count: the expert shares and which
@@ -34,11 +42,12 @@ class RoutingModel:
     pregate_accuracy: float = 0.9
     seed: int = 0
     max_tokens: int = 256
+    reuse: float = 0.2  # forced token-to-token expert reuse (collaborative-inference paper, Fig. 2)
 
     def __attrs_post_init__(self) -> None:
         if self.skew < 0:
             raise ConfigError(f"--skew must be >= 0, got {self.skew}")
-        for name in ("correlation", "pregate_accuracy"):
+        for name in ("correlation", "pregate_accuracy", "reuse"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"{name.replace('_', '-')} must be in [0, 1], got {value}")
@@ -81,33 +90,54 @@ class SyntheticRouting:
 
     def trace(self, steps: Sequence[StepShape]) -> RoutingTrace:
         trace = RoutingTrace()
+        before: dict[tuple[int, int], list[list[int]]] = {}  # (mb, layer) -> last step's picks per token
         for step in steps:
             rng = random.Random(f"routing:{self.model.seed}:{step.step}")
             for mb in step.micro_batches:
                 if mb.tokens:
-                    self._route_micro_batch(trace, step.step, mb.index, mb.tokens, rng)
+                    self._route_micro_batch(trace, step, mb.index, mb.tokens, rng, before)
         return trace
 
     def _route_micro_batch(
-        self, trace: RoutingTrace, step: int, mb: int, tokens: int, rng: random.Random
+        self,
+        trace: RoutingTrace,
+        step: StepShape,
+        mb: int,
+        tokens: int,
+        rng: random.Random,
+        before: dict[tuple[int, int], list[list[int]]],
     ) -> None:
+        """Route one micro-batch; in a decode step token i is the next token of the sequence whose
+        previous token was token i of the step before (`before`, updated here)."""
         sampled = min(tokens, self.model.max_tokens)
         previous: list[list[int]] | None = None
         for layer in range(self.spec.layers):
             if not self.spec.is_moe_layer(layer):
                 previous = None
                 continue
-            chosen = [self._pick(layer, prev, rng) for prev in (previous or [None] * sampled)]
-            trace.record(step, ExpertCounts(layer, mb, _scaled(chosen, tokens)))
+            last = before.get((mb, layer), []) if not step.prefill else []
+            chosen = [
+                self._pick(layer, previous[i] if previous else None, last[i] if i < len(last) else None, rng)
+                for i in range(sampled)
+            ]
+            before[(mb, layer)] = chosen
+            trace.record(step.step, ExpertCounts(layer, mb, _scaled(chosen, tokens)))
             if layer > 0:
                 guessed = [self._guess(picks, rng) for picks in chosen]
-                trace.record(step, ExpertCounts(layer, mb, _scaled(guessed, tokens)), speculative=True)
+                trace.record(step.step, ExpertCounts(layer, mb, _scaled(guessed, tokens)), speculative=True)
             previous = chosen
 
-    def _pick(self, layer: int, previous: list[int] | None, rng: random.Random) -> list[int]:
+    def _pick(
+        self, layer: int, previous: list[int] | None, last: list[int] | None, rng: random.Random
+    ) -> list[int]:
+        """Top-k of one token: `previous` its picks at the layer before, `last` its sequence's previous
+        token's picks at this layer."""
         k, weights = self.spec.moe.top_k, self.weights[layer]
         picks: list[int] = []
         for slot in range(k):
+            if last is not None and rng.random() < self.model.reuse and last[slot] not in picks:
+                picks.append(last[slot])
+                continue
             if previous is not None and rng.random() < self.model.correlation:
                 expert = self.successor[layer][previous[slot]]
                 if expert not in picks:
