@@ -312,7 +312,9 @@ PREGATED_LINK = Link(32 * GB, Figure(0.8 * 32 * GB, f"{PINNED}; applied to the 3
 # --- Hosts (datasheet: cores x clock x fp32 flop/cycle; channels x MT/s x 8 B) ---------------------
 S1_HOST = Host(
     "MoE-Lightning Table 2 S1: Intel Xeon @ 2.30 GHz (GCP N1 Haswell), 24 vCPU = 12 cores, 192 GB; "
-    "12 x 2.3 GHz x 32 (AVX2 FMA) = 0.88 TFLOP/s; Haswell-EP 4 x DDR4-2133 = 68.3 GB/s",
+    "12 x 2.3 GHz x 32 (AVX2 FMA) = 0.88 TFLOP/s (the artifact's HardwareConfig: 0.8); Haswell-EP "
+    "4 x DDR4-2133 = 68.3 GB/s per socket (the artifact's launch script passes --cpu-mem-bdw 100 GiB/s "
+    "for every setting, more than one Haswell socket can deliver, so the socket's datasheet is kept)",
     0.88e12,
     68.3 * GB,
     192 * GiB,
