@@ -118,7 +118,7 @@ class ThreadPoolWorker:
                 self._before(node)
                 start = time.perf_counter()
             if action is not None:
-                if self._ranges and torch.autograd._profiler_enabled():
+                if self._ranges and torch.autograd.profiler._is_profiler_enabled:
                     with torch.profiler.record_function(node.label):
                         action()
                 else:
