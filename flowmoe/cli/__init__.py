@@ -58,7 +58,9 @@ def parser() -> Parser:
     top = Parser(prog="flowmoe", description="MoE inference with offloaded experts")
     top.add_argument("--version", action="version", version=f"flowmoe {__version__}")
     top.add_argument("--log-json", action="store_true", help="structured logs as JSON lines")
-    top.add_argument("-v", "--verbose", action="store_true", help="debug logs (every node, every load)")
+    top.add_argument(
+        "-v", "--verbose", action="store_true", help="debug logs too (first: the command's settings)"
+    )
     sub = top.add_subparsers(dest="command", required=True)
     for command in (run, info, trace, plan, simulate, calibrate, reproduce):
         command.register(sub)
@@ -85,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if unknown:
                 getattr(args, "parser", top).error(f"unrecognized arguments: {' '.join(unknown)}")
             configure_logging(args.log_json, args.verbose)
+            _log_command(args)
             with gate.armed():
                 return args.handler(args)
         except SystemExit as exc:  # usage errors (2), --help and --version (0)
@@ -96,6 +99,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except FlowmoeError as exc:
             print(f"flowmoe: error: {exc}", file=sys.stderr)
             return 2
+
+
+def _log_command(args: argparse.Namespace) -> None:
+    """The command's settings, defaults included, as one debug line."""
+    import structlog
+
+    settings = {k: str(v) for k, v in vars(args).items() if k not in ("handler", "parser")}
+    structlog.get_logger("flowmoe.cli").debug("command", version=__version__, **settings)
 
 
 def _interrupted(code: int) -> int:

@@ -144,6 +144,8 @@ def test_version_and_verbose_help(capsys: pytest.CaptureFixture) -> None:
     help_text = capsys.readouterr().out
     verbose = next(line for line in help_text.splitlines() if "--verbose" in line)
     assert verbose.split("--verbose", 1)[1].strip(), "-v has no help text"
+    assert main(["-v", "presets"]) == 0
+    assert "[debug    ] command" in capsys.readouterr().err  # and it does what it says
 
 
 @pytest.mark.parametrize("width", [80, 50])
