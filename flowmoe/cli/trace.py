@@ -11,7 +11,6 @@ from typing import Any
 from rich.table import Table
 
 from flowmoe.cli.ui import out
-from flowmoe.cli.ui import table as ui_table
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.jsonfile import os_reason
 from flowmoe.traces.stats import RunStats
@@ -61,18 +60,23 @@ def _summarize(args: argparse.Namespace) -> int:
 
 
 def summary_table(summary: TraceSummary) -> Table:
-    stats = summary.stats
-    title = f"{summary.group}: makespan {stats.makespan_seconds * 1e3:.3f} ms, {stats_line(stats)}"
-    columns = ("lane", "nodes", "MB moved", "busy ms", "busy share", "bubbles ms")
-    table = ui_table(title, columns, justify="right")
+    table = stats_table(summary.group, summary.stats)
+    path = summary.critical_path
+    shares = ", ".join(f"{op} {us / 1e3:.2f} ms" for op, us in list(summary.critical_by_op().items())[:5])
+    table.caption = f"critical path: {len(path)} nodes; {shares}"
+    return table
+
+
+def stats_table(name: str, stats: RunStats) -> Table:
+    """The run statistics (traces/stats.py) as `run`, `trace summarize` and the CLI print them."""
+    table = Table(title=f"{name}: makespan {stats.makespan_seconds * 1e3:.3f} ms, {stats_line(stats)}")
+    for column in ("lane", "nodes", "MB moved", "busy ms", "busy share", "bubbles ms"):
+        table.add_column(column, justify="right")
     for lane in stats.lanes:
         busy, bubbles = f"{lane.busy_seconds * 1e3:.3f}", f"{lane.bubble_seconds * 1e3:.3f}"
         table.add_row(
             lane.lane, f"{lane.nodes:.0f}", f"{lane.bytes / 1e6:.1f}", busy, f"{lane.share:.1%}", bubbles
         )
-    path = summary.critical_path
-    shares = ", ".join(f"{op} {us / 1e3:.2f} ms" for op, us in list(summary.critical_by_op().items())[:5])
-    table.caption = f"critical path: {len(path)} nodes; {shares}"
     return table
 
 
