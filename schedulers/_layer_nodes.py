@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 
+import structlog
+
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import hardware
@@ -22,11 +24,17 @@ from flowmoe.core.spec import ModelSpec
 
 Cost = Callable[[TaskNode], float]
 DEFAULT_HARDWARE = "t4"
+log = structlog.get_logger("flowmoe.schedulers")
 
 
-def latency_model(context: SchedulerContext) -> Cost:
-    """The context's cost function, else the roofline of the default hardware preset."""
-    return context.cost or RooflineCost(hardware(DEFAULT_HARDWARE), context.spec)
+def latency_model(context: SchedulerContext, scheduler: str) -> Cost:
+    """The context's cost function (a hardware preset's or a `flowmoe calibrate` profile's roofline);
+    without one, the default preset's, said in a warning since it describes another machine."""
+    if context.cost is not None:
+        return context.cost
+    log.warning("latency model defaulted", scheduler=scheduler, hardware=DEFAULT_HARDWARE,
+                fix="pass --hardware with a preset or a `flowmoe calibrate` profile")  # fmt: skip
+    return RooflineCost(hardware(DEFAULT_HARDWARE), context.spec)
 
 
 def check_placement(

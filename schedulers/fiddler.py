@@ -1,18 +1,31 @@
-"""`fiddler`: Fiddler's CPU-GPU orchestration of experts (Kamahori et al., 2024, §3).
+"""`fiddler`: Fiddler's CPU-GPU orchestration of experts (Kamahori et al., 2024, §3, Algorithm 1).
 
-Placement (§3, expert placement from a popularity profile): the most popular
-experts of the whole model, `weights_gpu_share` of all of them, live on the GPU
-(by `popularity`, else uniform: expert 0 of every layer first, then expert 1,
-...). Everything else but the experts stays on the GPU, KV cache included.
+Initialization (§3.3, §3.4): non-expert weights and the KV cache live on the
+GPU; then the most popular experts of the whole model, `weights_gpu_share` of
+all of them, are placed on the GPU. Popularity is a routing profile: in
+`flowmoe run`, `--routing-profile` (a trace written by `--record-routing`,
+Fiddler's offline ShareGPT profile in its place); in `flowmoe simulate`, the
+routing the simulation uses. Without one every expert is equally popular and
+the ties go to expert 0 of every layer, then expert 1, ... (the placement is
+then arbitrary, as the paper's "random selection" baseline).
 
-Execution (§3, CPU or GPU per expert from a latency model): an expert that is
-not resident either runs on the CPU, where its weights are, with the
+Execution (§3.2-3.3, Algorithm 1): after a layer's gate, each routed expert that
+is not resident either runs on the CPU, where its weights are, with the
 activations moving instead (HIDDEN_OFFLOAD, EXPERT_FFN on cpu.compute,
 EXPERT_LOAD), or has its weights copied to the GPU and runs there (PAGE_COPY,
-EXPERT_FFN on the GPU, EVICT). The latency model is calibrated once at start-up
-from the cost function: the smallest token count n for which copy + GPU time
-beats CPU time (activation transfers included); an expert given fewer tokens
-than that runs on the CPU. Copied experts go through a buffer of top_k slots.
+EXPERT_FFN on the GPU, EVICT), whichever Algorithm 1's comparison
+cpu_lat(s) > transfer_lat() + gpu_lat(s) says for its input size s. The
+latencies come from the context's cost function: a hardware preset's roofline
+or a `flowmoe calibrate` profile of this machine (`--hardware`); since both
+are monotone in s, the comparison reduces to a token threshold found once at
+start-up, as Fiddler's measured constants are. Copied experts go through a
+buffer of top_k slots.
+
+Deviations: Fiddler measures cpu_lat, gpu_lat and transfer_lat with kernels
+at start-up; a scheduler here does not run kernels, so without `--hardware`
+it falls back to the T4 preset's roofline and logs a warning saying so.
+`--attention-on cpu` and `--ffn-on cpu` are refused: Fiddler keeps attention
+on the GPU and places each expert by Algorithm 1.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from flowmoe.core.scheduling import (
 )
 from flowmoe.schedulers._layer_nodes import (
     Cost,
+    check_placement,
     cpu_experts,
     embeddings,
     gpu_attention,
@@ -46,15 +60,17 @@ MAX_TOKENS = 1 << 24  # beyond this many tokens an expert is never worth copying
 class FiddlerScheduler:
     name: ClassVar[str] = "fiddler"
     summary: ClassVar[str] = (
-        "Fiddler: popular experts resident; each other expert on the CPU or copied in, by a latency model"
+        "Fiddler: popular experts resident (a routing profile's); each other expert on the CPU or copied "
+        "in, by Algorithm 1 on the latency model"
     )
 
     def __init__(self, context: SchedulerContext) -> None:
         self.context = context
         spec = context.spec
+        check_placement(self.name, context.policy)
         ranked = popularity_ranking(spec, context.popularity)
         self.resident = frozenset(ranked[: round(context.policy.weights_gpu_share * len(ranked))])
-        self.threshold = self._calibrate(latency_model(context))
+        self.threshold = self._calibrate(latency_model(context, self.name))
         kept = [sum(1 for layer, _ in self.resident if layer == m) for m in moe_layers(spec)]
         missing = max((spec.moe.experts - k for k in kept), default=0)
         self.slots = min(spec.moe.top_k, missing) if self.threshold is not None else 0

@@ -100,7 +100,7 @@ class KlotskiScheduler:
         self.k = min(policy.hot_experts or spec.moe.top_k, offloaded)
         self.offloaded = offloaded
         self.table = CorrelationTable.seeded(self.moe, spec.moe.experts, context.popularity)
-        self._cost = latency_model(context)
+        self._cost = latency_model(context, self.name)
 
     def residency(self) -> Residency:
         experts = frozenset((m, e) for m, kept in self.resident.items() for e in kept)

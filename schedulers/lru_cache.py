@@ -106,7 +106,7 @@ class LRUCacheScheduler:
         self._evicted: dict[
             tuple[int, int], int
         ] = {}  # (layer, expert) -> its EVICT in this step  # (line, layer) with pages to issue, oldest first
-        self._cost = latency_model(context)
+        self._cost = latency_model(context, self.name)
         probe = NodeFactory(spec)
         self._page_seconds = self._cost(
             probe.node(

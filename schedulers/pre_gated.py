@@ -4,14 +4,25 @@ In Pre-gated MoE each MoE block N carries a *pre-gate* that, from the same input
 as block N's gate, selects the experts of block N+1; those experts are migrated
 to the GPU while block N's experts execute, so only the activated experts (not
 all of the next block's, as in "MoE-Prefetch") cross PCIe, and the copy is off
-the critical path (Sec. IV-A, the pre-gate function; Sec. IV-B, the system that
+the critical path (Sec. IV-B, the pre-gate function; Sec. IV-C, the system that
 overlaps expert migration of block N+1 with the execution of block N). The first
 MoE block has no predecessor, so its experts are fetched on demand.
 
+How flowmoe's variant differs from the paper's (it is speculative, the paper's
+is not): in Pre-gated MoE the pre-gate is *trained* (during fine-tuning, Sec. IV-B) and
+its choice is the decision: block N+1 runs exactly the experts block N's
+pre-gate selected, so no expert is ever fetched on demand, and the model's
+outputs are those of the fine-tuned pre-gated model, not of the original one.
 Checkpoints carry no trained pre-gate, so flowmoe's PREGATE applies layer l+1's
 own router to layer l's post-attention hidden state (the input of layer l's
-gate), and `RoutingRequest(l+1, mb, after=pregate, speculative=True)` returns
-its choice. Per layer l and micro-batch: POST_ATTN, GATE of layer l, PREGATE of
+gate) as a *prediction* (`RoutingRequest(l+1, mb, after=pregate,
+speculative=True)`); layer l+1's real gate still decides, and an expert it
+picks that was not predicted is fetched on demand after it. The outputs are
+the original model's (every scheduler gives eager's tokens), at the price of
+on-demand copies wherever the prediction misses, which the trained pre-gate
+would not have (nor its effect on accuracy, Sec. VI-C). `hit_rate` measures that.
+
+Per layer l and micro-batch: POST_ATTN, GATE of layer l, PREGATE of
 layer l+1 (both on the GPU), then the expert FFNs of layer l, whose weights were
 prefetched during layer l-1 where the prediction was right and are fetched on
 demand (after layer l's real gate) where it was wrong; then the predicted
@@ -30,6 +41,9 @@ after the first), `hits` counts routed experts the pre-gate predicted for that
 micro-batch and `misses` the routed experts it did not; both add up over every
 step the scheduler plans. `hit_rate` is hits / (hits + misses), and `report()`
 returns them as a dict of floats for a front end (the CLI) to print after a run.
+
+`--attention-on cpu` and `--ffn-on cpu` are refused: the paper computes
+everything on the GPU.
 """
 
 from __future__ import annotations
@@ -51,8 +65,9 @@ from flowmoe.schedulers._layer_nodes import (
 class PreGatedScheduler:
     name: ClassVar[str] = "pre-gated"
     summary: ClassVar[str] = (
-        "Pre-gated MoE: next layer's router on this layer's hidden state picks the experts to prefetch; "
-        "mispredictions fetched on demand"
+        "Pre-gated MoE, speculative: the next layer's own router on this layer's hidden state predicts "
+        "the experts to prefetch, misses fetched on demand (the paper's trained pre-gate decides instead; "
+        "outputs stay the original model's)"
     )
 
     def __init__(self, context: SchedulerContext) -> None:

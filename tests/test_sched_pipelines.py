@@ -8,6 +8,7 @@ import itertools
 import pytest
 from attrs import evolve
 
+from flowmoe.cli.run import routing_profile
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.executor import Span
@@ -294,6 +295,29 @@ def test_fiddler_latency_model_sends_big_token_counts_to_the_gpu() -> None:
     assert fiddler.threshold is not None
     assert fiddler.on_cpu(fiddler.threshold - 1) and not fiddler.on_cpu(fiddler.threshold)
     assert 16 < fiddler.threshold < 100_000
+
+
+def test_fiddler_places_the_experts_a_recorded_routing_trace_made_popular(model, reference, tmp_path) -> None:
+    """`flowmoe run --routing-profile`: the gates' counts recorded in one run place the experts of the
+    next; the tokens stay eager's."""
+    recorder = Runtime.create(model, "eager", Policy(**MBS))
+    recorder.routing = RoutingTrace.for_model(model.spec)
+    try:
+        generate(model, recorder, micro_batches=3)
+    finally:
+        recorder.close()
+    recorder.routing.save(tmp_path / "routing.jsonl")
+    profile = routing_profile(tmp_path / "routing.jsonl", model)
+    runtime = Runtime.create(model, "fiddler", Policy(**MBS, weights_gpu_share=0.25), popularity=profile)
+    try:
+        results, _ = generate(model, runtime, micro_batches=3)
+    finally:
+        runtime.close()
+    assert [r.output_ids for r in results] == [r.output_ids for r in reference[0]]
+    resident = runtime.scheduler.residency().experts
+    rest = {(layer, e) for layer, row in enumerate(profile) for e in range(len(row))} - resident
+    share = {(layer, e): row[e] for layer, row in enumerate(profile) for e in range(len(row))}
+    assert resident and min(share[k] for k in resident) >= max(share[k] for k in rest)
 
 
 # ---- lru-cache: an N-index x M-way cache by layer, misses on the CPU, fetched behind

@@ -31,6 +31,7 @@ from flowmoe.core.hardware import hardware
 from flowmoe.core.jsonfile import os_reason
 from flowmoe.core.policy import Policy, parse_bytes
 from flowmoe.core.routing_trace import RoutingTrace
+from flowmoe.core.synthetic_routing import observed_popularity
 from flowmoe.jobs.job import JobReport, JobSpec, run_job
 from flowmoe.jobs.job import Progress as JobProgress
 from flowmoe.jobs.joblog import check_output
@@ -60,6 +61,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--record-routing", type=OUTPUT_FILE, help="write the gates' expert counts (flowmoe simulate)"
     )
     run.add_argument("--hardware", help="preset or calibrated profile the scheduler's latency model uses")
+    run.add_argument(
+        "--routing-profile",
+        type=Path,
+        help="a --record-routing trace: its expert popularity places experts (fiddler, cgopipe, klotski)",
+    )
     run.add_argument(
         "--batch-size",
         type=POSITIVE_INT,
@@ -180,7 +186,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.scheduler == "auto":  # every scheduler simulated on this job; the best runs, its policy too
         args.scheduler, policy, job = auto_scheduler(args, model, codec, job)
     cost = RooflineCost(hardware(args.hardware), model.spec) if args.hardware else None
-    runtime = Runtime.create(model, args.scheduler, policy, args.device, cost, record=bool(args.trace))
+    popularity = routing_profile(args.routing_profile, model) if args.routing_profile else None
+    runtime = Runtime.create(
+        model, args.scheduler, policy, args.device, cost, record=bool(args.trace), popularity=popularity
+    )
     runtime.routing = RoutingTrace.for_model(model.spec) if args.record_routing else None
     try:
         with progress(TextColumn("{task.fields[tokens]} tokens"), TokenRateColumn()) as bar:
@@ -207,6 +216,13 @@ def _run(args: argparse.Namespace) -> int:
     for failure in failures:  # the job's results are in --output; only a record could not be written
         console.print(f"flowmoe: error: {failure}", soft_wrap=True, highlight=False, markup=False)
     return 2 if failures else 0
+
+
+def routing_profile(path: Path, model: MoEModel) -> tuple[tuple[float, ...], ...]:
+    """Each layer's expert token shares in a recorded routing trace (uniform where it has none)."""
+    uniform = (1.0 / model.spec.moe.experts,) * model.spec.moe.experts
+    shares = observed_popularity(model.spec, RoutingTrace.load(path, model.spec))
+    return tuple(row or uniform for row in shares)
 
 
 def save_records(args: argparse.Namespace, runtime: Runtime) -> list[str]:

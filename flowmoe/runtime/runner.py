@@ -85,11 +85,13 @@ class Runtime:
         device: str = "auto",
         cost: Callable[[TaskNode], float] | None = None,
         record: bool = True,
+        popularity: tuple[tuple[float, ...], ...] | None = None,
     ) -> Runtime:
         """`cost`: the latency model the scheduler plans with (a hardware profile's roofline);
-        `record`: keep a trace of every node (what --trace writes)."""
+        `record`: keep a trace of every node (what --trace writes); `popularity`: each expert's
+        token share per layer (a recorded routing trace's), for schedulers that place by it."""
         policy = policy or Policy()
-        context = SchedulerContext(model.spec, policy, NodeFactory(model.spec), cost)
+        context = SchedulerContext(model.spec, policy, NodeFactory(model.spec), cost, popularity)
         plugin = create(scheduler, context)
         devices = Devices.detect(device)
         if devices.cuda:
