@@ -12,7 +12,9 @@ Per step window (weighted by how many steps it stands for, 1 in a real run):
   the share that ran on the GPU without a PAGE_COPY bringing them in during that step;
 - prefetch accuracy: of the distinct (layer, expert) pairs copied to the GPU in the step, the
   share an expert FFN then used on the GPU in the same step;
-- host time per step: the host stack's CPU time per step where it was measured.
+- host time per step: the host's CPU time per step where it was measured (a run: the process's,
+  tensor math on host threads included; the real-clock simulation: its lane threads' and event
+  loop's, waits excluded; the virtual-clock simulation has none).
 """
 
 from __future__ import annotations

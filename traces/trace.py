@@ -38,13 +38,18 @@ class Trace:
     steps: list[StepWindow] = field(factory=list)
 
     def extend(
-        self, spans: list[Span], counters: list[CounterSample] | None = None, window: StepWindow | None = None
+        self,
+        spans: list[Span],
+        counters: list[CounterSample] | None = None,
+        window: StepWindow | None = None,
+        host_seconds: float | None = None,
     ) -> None:
-        """One step's spans; its window is `window`, or from its first start to its last end."""
+        """One step's spans; its window is `window`, or from its first start to its last end (with
+        `host_seconds`, the host's CPU time in the step)."""
         self.spans.extend(spans)
         self.counters.extend(counters or [])
         if window is None and spans:
-            window = StepWindow(min(s.start for s in spans), max(s.end for s in spans))
+            window = StepWindow(min(s.start for s in spans), max(s.end for s in spans), 1.0, host_seconds)
         if window is not None:
             self.steps.append(window)
 

@@ -12,6 +12,7 @@ without bound.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -146,6 +147,7 @@ class Runtime:
         name = getattr(self.scheduler, "name", type(self.scheduler).__name__)
         policy = context.policy if context is not None else Policy()
         budget = node_budget(self.model.spec, policy, name, len(shape.micro_batches))
+        cpu = time.process_time()
         try:
             await drive(checked_plan(self.scheduler, shape), executor, action_for, answer, budget)
         finally:
@@ -154,8 +156,8 @@ class Runtime:
             spans = executor.spans if self.record else None
             if self.events is not None:
                 spans = self.events.end_step(spans)
-            if spans is not None:
-                self.trace.extend(spans)
+            if spans is not None:  # with the process's CPU time in the step (host time per step)
+                self.trace.extend(spans, host_seconds=time.process_time() - cpu)
 
     def _answer(self, step: int, state: StepState) -> Callable[[RoutingRequest], ExpertCounts]:
         """Routing answers from the gates' output, recorded into `routing` when one is attached."""
