@@ -7,7 +7,11 @@ On an NVIDIA GPU (H100/H200 class), with a Mixtral-8x7B-shaped model at its real
   * each scheduler's tokens/s, its decode H2D link busy share and achieved bandwidth against the
     pinned peak, and its overlap efficiency (makespan / busiest lane) from its own trace;
   * Accelerate offload (transformers + accelerate, device_map with the same budget) tokens/s;
-  * tokens: every scheduler on CUDA against the CPU path on a small fp32 model.
+  * tokens: every scheduler on CUDA against the CPU path on a small fp32 model;
+  * memory: flowmoe's own accounting of the GPU memory a run keeps alive against
+    torch.cuda.max_memory_allocated (the caching allocator is capped at the budget as well).
+Schedulers plan with the cost model of the machine the run is on (--hardware, an H100 by
+default), not the T4 roofline their defaults assume.
 The budget is the whole GPU's (16 GiB for a T4, 24 GiB for an L4) and --layers is chosen so the
 model does not fit it (12 layers: 34 GiB of experts); each row says which share of the experts the
 scheduler kept resident. Split a long run over calls with --budgets / --schedulers.
@@ -30,7 +34,10 @@ from gpu_support import accelerate_baseline, link_peaks, write_results
 from rich.console import Console
 from rich.table import Table
 
+from flowmoe.core.cost import RooflineCost
+from flowmoe.core.hardware import hardware
 from flowmoe.core.memory import gpu_need
+from flowmoe.core.plan import Lane, Op
 from flowmoe.core.policy import Policy, parse_bytes
 from flowmoe.core.scheduling import NodeFactory, SchedulerContext
 from flowmoe.jobs.batching import BatchLimits
@@ -56,14 +63,16 @@ SHARES = (1.0, 0.75, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05, 0.0)
 console = Console()
 
 
-def fit_policy(model, scheduler: str, budget: int, base: Policy, sequences: int, max_len: int, tokens: int):
+def fit_policy(
+    model, scheduler: str, budget: int, base: Policy, sequences: int, max_len: int, tokens: int, cost=None
+):
     """The policy with the largest resident expert share (or cache) this scheduler fits in `budget`."""
     spec, need = model.spec, None
     for share in SHARES:
         ways = base.cache_ways
         slots = max(ways, int(share * spec.moe.experts * spec.layers) // ways * ways)
         policy = attrs.evolve(base, weights_gpu_share=share, expert_cache_slots=slots, gpu_memory=budget)
-        plugin = create(scheduler, SchedulerContext(spec, policy, NodeFactory(spec)))
+        plugin = create(scheduler, SchedulerContext(spec, policy, NodeFactory(spec), cost))
         kv = sequences * max_len * spec.kv_bytes_per_token if plugin.kv_on_gpu() else 0
         need = gpu_need(spec, plugin.residency(), plugin.weight_buffer_bytes(), kv, tokens, sequences)
         if need.total <= budget:
@@ -86,8 +95,8 @@ async def generate(model, runner, requests, limits, cache_device):
     return sorted(results, key=lambda r: r.id), engine.stats
 
 
-def run_one(model, name, policy, requests, limits, device):
-    runtime = Runtime.create(model, name, policy, device)
+def run_one(model, name, policy, requests, limits, device, cost=None):
+    runtime = Runtime.create(model, name, policy, device, cost)
     phases: list[tuple[bool, int, int]] = []  # (prefill, first span, end span) per step
 
     async def recording(m, inputs):
@@ -111,7 +120,7 @@ def decode_metrics(runtime: Runtime, phases, pinned_peak: float) -> dict:
     summary = summarize_records("decode", records)
     lanes = {lane.lane: lane for lane in summary.lanes}
     h2d = lanes.get("gpu.h2d")
-    copied = sum(s.node.bytes for s in spans if s.node.lane.value == "gpu.h2d")
+    copied = sum(s.node.bytes for s in spans if s.node.lane is Lane.GPU_H2D and s.node.op is not Op.EVICT)
     achieved = copied / (h2d.busy_us / 1e6) if h2d and h2d.busy_us else 0.0
     return {
         "h2d_busy": h2d.utilisation if h2d else 0.0,
@@ -148,6 +157,7 @@ def main() -> None:
     parser.add_argument("--schedulers", nargs="+", default=list(SCHEDULERS))
     parser.add_argument("--budgets", nargs="+", default=list(BUDGETS))
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--hardware", default="h100", help="cost model the schedulers plan with")
     parser.add_argument("--tiny", action="store_true", help="a CPU dry run: tiny shapes, every code path")
     parser.add_argument("--no-accelerate", action="store_true")
     parser.add_argument("--trace-dir", type=Path, default=Path("bench/gpu-traces"))
@@ -180,15 +190,18 @@ def run(args) -> None:
     rows = []
     args.trace_dir.mkdir(parents=True, exist_ok=True)
     base = Policy(micro_batch_size=size, micro_batches=args.micro_batches)
+    cost = RooflineCost(hardware(args.hardware), model.spec)
     for budget_name, budget in budgets.items():
         for name in args.schedulers:
             row = {"budget": budget_name, "budget_bytes": budget, "scheduler": name}
             sequences = size * args.micro_batches
-            policy, need = fit_policy(model, name, budget, base, sequences, max_len, size * max_len)
+            policy, need = fit_policy(model, name, budget, base, sequences, max_len, size * max_len, cost)
             if policy is None:
                 rows.append({**row, "status": f"does not fit: needs {need.describe()}"})
                 continue
-            _, stats, runtime, phases = run_one(model, name, policy, requests, limits, args.device)
+            if args.device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            _, stats, runtime, phases = run_one(model, name, policy, requests, limits, args.device, cost)
             write_chrome(args.trace_dir / f"{budget_name}-{name}.json", [runtime.trace])
             measured = {
                 "status": "ok",
@@ -197,6 +210,8 @@ def run(args) -> None:
                 "prefill_s": stats.prefill_seconds,
                 "decode_s": stats.decode_seconds,
                 "tokens_match_cpu": tokens_agree.get(name),
+                "accounted_bytes": need.total,  # flowmoe's accounting of what the run keeps alive
+                "peak_allocated_bytes": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
             }
             rows.append({**row, **measured, **decode_metrics(runtime, phases, peaks["h2d_pinned"])})
         if not args.no_accelerate:
@@ -220,12 +235,13 @@ def show(rows: list[dict], meta: dict) -> None:
         "H2D busy",
         "H2D GB/s (of peak)",
         "overlap",
+        "GiB accounted / peak",
         "tokens = CPU",
     ):
         table.add_column(column, justify="right")
     for r in rows:
         if r.get("status") != "ok":
-            table.add_row(r["budget"], r["scheduler"], "", "", "", r.get("status", ""), "", "")
+            table.add_row(r["budget"], r["scheduler"], "", "", "", r.get("status", ""), "", "", "")
             continue
         link = f"{r.get('h2d_gbps', 0):.1f} ({r.get('h2d_of_peak', 0):.0%})"
         busy, overlap, agree = (
@@ -234,8 +250,16 @@ def show(rows: list[dict], meta: dict) -> None:
             r.get("tokens_match_cpu"),
         )
         share, speed = f"{r.get('share', '')}", f"{r['tokens_per_s']:.1f}"
-        table.add_row(r["budget"], r["scheduler"], share, speed, busy, link, overlap, str(agree))
+        table.add_row(r["budget"], r["scheduler"], share, speed, busy, link, overlap, memory(r), str(agree))
     console.print(table)
+
+
+def memory(row: dict) -> str:
+    """Accounted GiB / the caching allocator's peak GiB (the peak only where CUDA ran)."""
+    accounted, peak = row.get("accounted_bytes"), row.get("peak_allocated_bytes")
+    if accounted is None:
+        return ""
+    return f"{accounted / 2**30:.2f} / " + (f"{peak / 2**30:.2f}" if peak is not None else "-")
 
 
 if __name__ == "__main__":

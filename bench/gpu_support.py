@@ -104,6 +104,10 @@ def accelerate_baseline(args, requests, budget: int) -> dict:
     return {"status": "ok", "tokens_per_s": len(requests) * args.new_tokens / elapsed, "decode_s": elapsed}
 
 
+def gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f}"
+
+
 def write_results(path: Path, meta: dict, peaks: dict, rows: list[dict]) -> None:
     """Replace (or add) this benchmark's section of RESULTS.md, other sections untouched."""
     lines = [
@@ -115,17 +119,20 @@ def write_results(path: Path, meta: dict, peaks: dict, rows: list[dict]) -> None
         + ".",
         "",
         "| budget | scheduler | expert share resident | tokens/s | H2D busy (decode) "
-        "| H2D GB/s (of pinned peak) | makespan / busiest lane | tokens = CPU path |",
-        "|---|---|---|---|---|---|---|---|",
+        "| H2D GB/s (of pinned peak) | makespan / busiest lane | GiB accounted / allocator peak "
+        "| tokens = CPU path |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| {r['budget']} | {r['scheduler']} | | | | {r.get('status', '')} | | |")
+            lines.append(f"| {r['budget']} | {r['scheduler']} | | | | {r.get('status', '')} | | | |")
             continue
         lines.append(
             f"| {r['budget']} | {r['scheduler']} | {r.get('share', '')} | {r['tokens_per_s']:.1f} "
             f"| {r.get('h2d_busy', 0):.0%} | {r.get('h2d_gbps', 0):.1f} ({r.get('h2d_of_peak', 0):.0%}) "
-            f"| {r.get('overlap', 0):.2f} | {r.get('tokens_match_cpu', '')} |"
+            f"| {r.get('overlap', 0):.2f} "
+            f"| {gib(r.get('accounted_bytes'))} / {gib(r.get('peak_allocated_bytes'))} "
+            f"| {r.get('tokens_match_cpu', '')} |"
         )
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     block = "\n".join(lines) + "\n"

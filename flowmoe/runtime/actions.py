@@ -16,7 +16,7 @@ is uploaded once per lane and micro-batch, not once per layer.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
 import torch
@@ -120,6 +120,15 @@ class StepState:
         ready.record()
         table[key] = PendingRouting(indices, weights, rows, scales, host, ready)
 
+    def retire(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Drop tensors whose last reader was just launched on this lane: on CUDA their memory is
+        reused only once this lane's stream is past that read (they may come from another stream)."""
+        if self.devices.cuda:
+            stream = torch.cuda.current_stream(self.devices.gpu)
+            for tensor in tensors:
+                if tensor.is_cuda:
+                    tensor.record_stream(stream)
+
     # ---- binding
 
     def action(self, node: TaskNode) -> Callable[[], None]:
@@ -186,9 +195,10 @@ def _kv_store(s: StepState, n: TaskNode) -> None:
     """This step's new k, v from the GPU working copy back into the home cache."""
     step, key = s.inputs[n.mb], (n.layer, n.mb)
     home = step.cache.layer(n.layer)
-    work = s.kv_work[key]  # kept until the step ends: the copy back may still be reading it
+    work = s.kv_work.pop(key)  # the copy back waits for the device, so the working copy is dead after it
     if work[0] is not home[0]:
         write_kv(*home, step.layout, *read_kv(*work, s._layout(n.mb, n.lane)))
+    s.retire(work)
 
 
 def _hidden_load(s: StepState, n: TaskNode) -> None:
@@ -256,10 +266,17 @@ def _combine(s: StepState, n: TaskNode) -> None:
         missing = sorted(set(routing.experts) - set(outputs))
         raise FlowmoeError(f"combine of layer {n.layer} mb {n.mb}: experts {missing} never ran")
     s.hidden[n.mb] = s.model.combine(s.hidden[n.mb], routing, outputs, s.shared.get(key))
+    # What only this layer's attention, experts and combine read dies here, not at the step's end
+    # (x stays: the next layer's pre-gate reads it).
+    dead = [s.qkv.pop(key, ()), [s.attn.pop(key, None)], s.outputs.pop(key, {}).values(), outputs.values(),
+            [s.shared.pop(key, None), s.x_cpu.pop(key, None)]]  # fmt: skip
+    s.retire(t for group in dead for t in group if t is not None)
 
 
 def _page_copy(s: StepState, n: TaskNode) -> None:
-    s.weights.load(n.layer, n.expert, n.part, n.parts)
+    """One page: part of an expert (or a dense part), or whole experts (`n.experts`)."""
+    for expert in n.experts or (n.expert,):
+        s.weights.load(n.layer, expert, n.part, n.parts)
 
 
 def _evict(s: StepState, n: TaskNode) -> None:

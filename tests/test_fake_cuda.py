@@ -1,0 +1,140 @@
+"""The CUDA stream worker's ordering logic, checked without a GPU: a stand-in for torch.cuda's
+streams and events records every record / wait_event / synchronize call, and for any DAG
+  * every dependency on a GPU node of another lane is waited on (stream.wait_event on its end event)
+    before the node's begin event is recorded,
+  * a dependency on the same lane is not (the stream orders it),
+  * a host consumer (cpu.compute) synchronizes on its GPU producers' end events before it runs,
+  * each GPU node's action runs with its lane's stream current,
+and a step's events go back to a pool: a second step creates no new event."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import types
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import flowmoe.devices.cuda as cuda_worker
+from flowmoe.core.executor import Executor, Span
+from flowmoe.core.plan import TaskNode
+from flowmoe.devices.factory import make_workers
+from tests.test_executor import check_order, dags
+
+
+class FakeCuda:
+    """Streams, events and the calls made on them, in the order they were made (any thread)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.events_made = 0
+        self._ids = itertools.count()
+        self._local = threading.local()
+        self.default = self.Stream()
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                fake.events_made += 1
+                self.at: float | None = None
+
+            def record(self, stream=None) -> None:
+                fake.log.append(("record", self, stream or fake.current_stream()))
+                self.at = time.perf_counter()
+
+            def synchronize(self) -> None:
+                fake.log.append(("sync", self, threading.current_thread().name))
+
+            def elapsed_time(self, other: Event) -> float:
+                return (other.at - self.at) * 1e3  # type: ignore[operator]
+
+        self.Event = Event
+        self.nvtx = types.SimpleNamespace(range_push=lambda label: None, range_pop=lambda: None)
+
+    def Stream(self, device=None) -> types.SimpleNamespace:
+        stream = types.SimpleNamespace(id=next(self._ids))
+        stream.wait_event = lambda event: self.log.append(("wait", stream, event))
+        return stream
+
+    def current_stream(self, device=None):
+        return getattr(self._local, "stream", self.default)
+
+    def set_stream(self, stream) -> None:
+        self._local.stream = stream
+
+    def set_device(self, device) -> None:
+        pass
+
+    def synchronize(self, device=None) -> None:
+        self.log.append(("device sync", None, threading.current_thread().name))
+
+
+def run_step(nodes: list[TaskNode], workers, fake: FakeCuda) -> list[Span]:
+    def action(node: TaskNode):
+        return lambda: fake.log.append(("run", node.id, fake.current_stream()))
+
+    async def go() -> list[Span]:
+        executor = Executor(workers)
+        for node in nodes:
+            executor.submit(node, action(node))
+        await executor.drain()
+        return executor.spans
+
+    return asyncio.run(go())
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dags())
+def test_cross_lane_dependencies_are_waited_on_and_same_lane_ones_are_not(nodes: list[TaskNode]) -> None:
+    fake = FakeCuda()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuda_worker, "cuda", fake)
+        workers, book = make_workers(torch.device("cuda"))
+        try:
+            spans = run_step(nodes, workers, fake)
+            check(nodes, fake, book)
+            made = fake.events_made
+            retimed = book.end_step(spans)
+            check_order(nodes, retimed)  # GPU spans on their events' clock, the rest on the host's
+            assert not book._events and len(book._free) == 2 * sum(n.lane.on_gpu for n in nodes)
+            fake.log.clear()
+            run_step(nodes, workers, fake)  # the next step draws its events from the pool
+            assert fake.events_made == made
+            check(nodes, fake, book)
+        finally:
+            for worker in {id(w): w for w in workers.values()}.values():
+                worker.close()
+
+
+def check(nodes: list[TaskNode], fake: FakeCuda, book: cuda_worker.EventBook) -> None:
+    by_id = {n.id: n for n in nodes}
+    at = {}  # (kind, object id, other) -> first position in the log
+    for position, (kind, what, where) in enumerate(fake.log):
+        at.setdefault((kind, id(what) if kind != "run" else what, id(where)), position)
+    runs = {what: (position, where) for position, (kind, what, where) in enumerate(fake.log) if kind == "run"}
+    for node in nodes:
+        entry = book.entry(node.id)
+        if not node.lane.on_gpu:
+            assert entry is None
+            for dep in (by_id[d] for d in node.deps if by_id[d].lane.on_gpu):
+                produced = book.entry(dep.id)[1]
+                syncs = [p for p, (k, e, _) in enumerate(fake.log) if k == "sync" and e is produced]
+                assert syncs and min(syncs) < runs[node.id][0], f"{node.id} ran before producer {dep.id}"
+            continue
+        begin, end, stream = entry
+        position, current = runs[node.id]
+        assert current is stream, f"node {node.id} ran off its lane's stream"
+        recorded = at[("record", id(begin), id(stream))]
+        assert recorded < position < at[("record", id(end), id(stream))]
+        for dep in map(by_id.get, node.deps):
+            if not dep.lane.on_gpu:
+                continue
+            waited = ("wait", id(stream), id(book.entry(dep.id)[1]))
+            if dep.lane is node.lane:
+                assert waited not in at, f"{node.id} waits on {dep.id} of its own stream"
+            else:
+                assert at.get(waited, recorded) < recorded, f"{node.id} does not wait for {dep.id}"
