@@ -167,3 +167,19 @@ def test_a_runs_trace_has_a_window_per_step() -> None:
     trace.extend([Span(TaskNode(0, Op.GATE, Lane.GPU_COMPUTE, layer=0, mb=0), 1.0, 2.0)])
     trace.extend([], window=StepWindow(3.0, 4.0, 2.0))
     assert trace.steps == [StepWindow(1.0, 2.0), StepWindow(3.0, 4.0, 2.0)]
+
+
+def test_a_runs_trace_carries_its_steps_and_host_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace, out = tmp_path / "t.json", tmp_path / "o.jsonl"
+    prompts = Path(__file__).parent.parent / "examples" / "prompts.jsonl"
+    argv = ["run", "--prompts", str(prompts), "--output", str(out), "--max-new-tokens", "3",
+            "--scheduler", "cgopipe", "--weights-gpu-share", "0.5", "--trace", str(trace)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().err  # the summary goes to the console (stderr)
+    (summary,) = summarize(json.loads(trace.read_text()))
+    stats = summary.stats
+    assert stats.steps >= 3 and stats.host_seconds_per_step is not None and stats.host_seconds_per_step > 0
+    assert stats.prefetch_accuracy is not None and stats.expert_cache_hit_rate is not None
+    assert f"{stats.makespan_seconds * 1e3:.3f}" in printed  # run prints the same figures
