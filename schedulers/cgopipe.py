@@ -31,9 +31,12 @@ in use, one filling). A layer's experts are evicted after its last
 micro-batch, and the first page of an expert waits for the eviction of the
 matching expert two MoE layers back.
 
-Deviations: a chunk is issued as PAGE_COPY nodes of at most `page_bytes` each
-(one per expert when `page_bytes` is an expert or more), not one node per
-chunk; the staging copy CPU -> pinned memory (W_CTOPIN) is not a node: flowmoe
+A page (`page_bytes`, the policy's knob) is one PAGE_COPY node: with pages of
+an expert or more, a node copies as many whole experts of the chunk as fit
+(one node per chunk once a page holds the chunk); with smaller pages each
+expert goes in ceil(expert / page) nodes.
+
+Deviations: the staging copy CPU -> pinned memory (W_CTOPIN) is not a node: flowmoe
 pins the experts' CPU copies once at start-up, so a page goes pinned -> GPU
 directly. Decode attention is always on the CPU (CGOPipe is defined with CPU
 attention, §4.1; GPU attention with the KV cache prefetched is FlexGen's
@@ -78,7 +81,8 @@ class CGOPipeScheduler:
         self.moe = moe_layers(spec)
         self.resident = {m: sorted(kept) for m, (kept, _) in split.items()}  # experts kept on the GPU
         self.paged = {m: sorted(rest) for m, (_, rest) in split.items()}  # paged in for every use
-        self.parts = max(1, -(-spec.expert_bytes // policy.page_bytes))
+        self.parts = max(1, -(-spec.expert_bytes // policy.page_bytes))  # pages per expert
+        self.per_page = max(1, policy.page_bytes // spec.expert_bytes)  # whole experts per page
 
     def residency(self) -> Residency:
         experts = frozenset((m, e) for m, kept in self.resident.items() for e in kept)
@@ -165,14 +169,27 @@ class _Plan:
         yield from (pre, qkv, attn)
 
     def _pages(self, layer: int, chunk: int, chunks: int) -> Iterator[TaskNode]:
-        """W_PINTOG: chunk `chunk` of `chunks` of the pages of `layer`'s offloaded experts."""
-        paged, parts = self.s.paged[layer], self.s.parts
-        pages = [(i, e, p) for i, e in enumerate(paged) for p in range(parts)]
+        """W_PINTOG: chunk `chunk` of `chunks` of `layer`'s offloaded experts, in pages of `page_bytes`:
+        whole experts per page where a page holds one or more, else each expert in `parts` pages."""
+        paged, parts, per_page = self.s.paged[layer], self.s.parts, self.s.per_page
         position = self.s.moe.index(layer)
         freed = self.evicted.get(self.s.moe[position - 2], []) if position >= 2 else []
-        for i, e, p in pages[len(pages) * chunk // chunks : len(pages) * (chunk + 1) // chunks]:
-            room = freed[i] if p == 0 and i < len(freed) else None
-            node = self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=e, deps=[room], part=p, parts=parts)
+        room = dict(zip(paged, freed, strict=False))  # the eviction whose buffer each expert reuses
+        if per_page > 1:
+            mine = paged[len(paged) * chunk // chunks : len(paged) * (chunk + 1) // chunks]
+            for start in range(0, len(mine), per_page):
+                group = mine[start : start + per_page]
+                deps = [room.get(e) for e in group]
+                node = self.f.node(
+                    Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=group[0], deps=deps, more=group[1:]
+                )
+                self.arrived.update(dict.fromkeys(((layer, e) for e in group), node.id))
+                yield node
+            return
+        pages = [(e, p) for e in paged for p in range(parts)]
+        for e, p in pages[len(pages) * chunk // chunks : len(pages) * (chunk + 1) // chunks]:
+            deps = [room.get(e) if p == 0 else None]
+            node = self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=e, deps=deps, part=p, parts=parts)
             if p == parts - 1:
                 self.arrived[(layer, e)] = node.id
             yield node

@@ -21,7 +21,9 @@ to the CPU after its layer (ACT_STORE, d2h) and comes back before the next
 k = 0), the stores of (j, k - 1) and the loads of the next iteration's cache
 layer and activations; `synchronize()` is a barrier: every node of iteration
 (j, k), its compute and its I/O alike, finishes before anything of iteration
-(j, k + 1) starts, so I/O overlaps only the compute issued with it.
+(j, k + 1) starts, so I/O overlaps only the compute issued with it; the
+iteration's last node carries `sync`, which the cost model charges the
+hardware's synchronisation latency.
 
 Attention (`--attention-on`): `gpu` is FlexGen (MoE-Lightning's schedule S4):
 the cache layer is loaded (KV_LOAD, h2d) and this step's k, v stored back
@@ -52,6 +54,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import ClassVar
+
+from attrs import evolve
 
 from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
@@ -227,7 +231,9 @@ class _Block:
         if spec.is_moe_layer(layer):
             stream = copied_experts(f, layer, mb, post.id, self.copies[layer])
             outputs = yield from _emitted(stream, self._emit)
-        tail = [self._emit(n) for n in layer_tail(f, spec, layer, mb, post.id, outputs)]
+        tail = layer_tail(f, spec, layer, mb, post.id, outputs)
+        tail[-1] = evolve(tail[-1], sync=True)  # synchronize(): the host waits for the iteration's end
+        tail = [self._emit(n) for n in tail]
         yield from tail
         self.combines[layer].append(tail[-1].id)
         self.last[mb.index] = tail[-1].id

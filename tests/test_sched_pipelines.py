@@ -86,6 +86,7 @@ CHEAP_CPU = evolve(hardware("t4"), name="cheap-cpu", h2d_bandwidth=1e7, cpu_laun
 MBS = {"micro_batch_size": 2, "micro_batches": 3}
 OFFLOADED = {  # case -> scheduler, policy, hardware its latency model prices work on (None: default)
     "cgopipe": ("cgopipe", Policy(**MBS, weights_gpu_share=0.25, page_bytes=4096), None),
+    "cgopipe-chunks": ("cgopipe", Policy(**MBS, weights_gpu_share=0.25, page_bytes=2**30), None),
     "klotski": ("klotski", Policy(**MBS, weights_gpu_share=0.0, hot_experts=2), None),
     "fiddler-copies": ("fiddler", Policy(**MBS, weights_gpu_share=0.25), None),
     "fiddler-cpu": ("fiddler", Policy(**MBS, weights_gpu_share=0.25), CHEAP_CPU),
@@ -139,6 +140,27 @@ def test_cgopipe_runs_cpu_attention_two_ahead_and_loads_each_hidden_state_before
         assert chunks == [(layer - 1, j) for j in range(4)]
         assert len(spans_of(spans, Op.PAGE_COPY, layer)) == pages_per_layer
     assert not spans_of(spans, Op.GPU_ATTN) and len(spans_of(spans, Op.CPU_ATTN)) == 16
+
+
+def test_cgopipe_pages_of_several_experts_make_one_copy_per_chunk() -> None:
+    """Pages of 4 experts, 8 experts paged per layer in 4 chunks (one per micro-batch): each chunk of 2
+    experts is one PAGE_COPY; every expert's FFN waits for the copy that brought it."""
+    policy = Policy(
+        micro_batch_size=64, micro_batches=4, weights_gpu_share=0.0, page_bytes=4 * MIXTRAL.expert_bytes
+    )
+    step = decode_step(4, 64, 512)
+    spans = simulate(scheduler("cgopipe", MIXTRAL, policy), [step], uniform_trace(MIXTRAL, [step]), T4)
+    ids = {s.node.id: s for s in spans}
+    for layer in range(MIXTRAL.layers):
+        copies = spans_of(spans, Op.PAGE_COPY, layer)
+        assert sorted(e for c in copies for e in c.node.experts) == list(range(8))
+        if layer == 0:  # before the first slot: one chunk, in two full pages
+            assert [len(c.node.experts) for c in copies] == [4, 4]
+        else:
+            assert len(copies) == 4 and all(c.node.bytes == 2 * MIXTRAL.expert_bytes for c in copies)
+        for ffn in spans_of(spans, Op.EXPERT_FFN, layer):
+            (copy,) = [ids[d] for d in ffn.node.deps if ids[d].node.op is Op.PAGE_COPY]
+            assert ffn.node.expert in copy.node.experts and copy.end <= ffn.start + 1e-12
 
 
 def test_cgopipe_prefills_on_the_gpu_with_the_kv_cache_sent_to_the_cpu() -> None:

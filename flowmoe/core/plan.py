@@ -72,6 +72,12 @@ class TaskNode:
     rows: int = 0  # tokens (GEMM rows) a compute node processes; the cost model's GEMM efficiency
     pageable: bool = False  # a copy from (or to) pageable host memory, not pinned
     sync: bool = False  # the host waits for this node before it issues more (a synchronisation point)
+    more: tuple[int, ...] = ()  # PAGE_COPY of whole experts: the experts after `expert` in one page
+
+    @property
+    def experts(self) -> tuple[int, ...]:
+        """Every expert the node concerns (several for a PAGE_COPY of a chunk of experts)."""
+        return (self.expert, *self.more) if self.expert >= 0 else ()
 
     @property
     def label(self) -> str:
@@ -82,7 +88,7 @@ class TaskNode:
         if self.mb >= 0:
             parts.append(f"mb{self.mb}")
         if self.expert >= 0:
-            parts.append(f"e{self.expert}")
+            parts.append("+".join(f"e{e}" for e in self.experts))
         if self.part >= 0:
             parts.append(f"p{self.part}/{self.parts}")
         return " ".join(parts)

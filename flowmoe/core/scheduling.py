@@ -128,20 +128,23 @@ class NodeFactory:
         parts: int = 1,
         pageable: bool = False,
         sync: bool = False,
+        more: Sequence[int] = (),
     ) -> TaskNode:
         """`tokens`: tokens an expert FFN processes (default: the micro-batch's tokens).
-        `part`/`parts`: a PAGE_COPY of page `part` of `parts` (its bytes are that page's share).
+        `part`/`parts`: a PAGE_COPY of page `part` of `parts` (its bytes are that page's share);
+        `more`: a PAGE_COPY of whole experts, `expert` and these after it, as one page.
         `pageable`: a copy whose host side is not pinned; `sync`: the host waits for this node.
         `None` deps are dropped, so optional producers can be passed as is."""
         clean = tuple(dict.fromkeys(d for d in deps if d is not None))
         n_bytes, flops = self._cost(op, layer, mb, expert, tokens)
         if part >= 0:
             n_bytes = n_bytes * (part + 1) // parts - n_bytes * part // parts
+        n_bytes *= 1 + len(more)
         index = mb.index if mb else -1
         rows = 0 if flops == 0 else (mb.sequences if op is Op.LM_HEAD and mb else tokens if tokens is not None
                                      else mb.tokens if mb else 0)  # fmt: skip
         return TaskNode(next(self._ids), op, lane, layer, index, expert, clean, n_bytes, flops, part, parts,
-                        rows, pageable, sync)  # fmt: skip
+                        rows, pageable, sync, tuple(more))  # fmt: skip
 
     def _cost(
         self, op: Op, layer: int, mb: MicroBatchShape | None, expert: int, tokens: int | None
