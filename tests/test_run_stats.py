@@ -13,7 +13,11 @@ import pytest
 
 from flowmoe.cli import main
 from flowmoe.core.executor import Span
+from flowmoe.core.hardware import hardware, save_profile
 from flowmoe.core.plan import Lane, Op, TaskNode
+from flowmoe.core.policy import Policy
+from flowmoe.core.presets import preset
+from flowmoe.study.roofline_plot import plot_roofline
 from flowmoe.traces.chrome import chrome_trace, write_chrome
 from flowmoe.traces.stats import SpanRecord, Window, run_stats, union_us
 from flowmoe.traces.summary import summarize
@@ -125,13 +129,17 @@ def test_consecutive_slices_of_a_lane_never_overlap() -> None:
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])
-def test_a_trace_gets_the_users_umask(tmp_path: Path, umask: int) -> None:
+def test_traces_images_and_profiles_get_the_users_umask(tmp_path: Path, umask: int) -> None:
     old = os.umask(umask)
     try:
-        path = write_chrome(tmp_path / "t.json", [Trace(spans=[])])
+        trace = write_chrome(tmp_path / "t.json", [Trace(spans=[])])
+        image = plot_roofline(preset("mixtral-8x7b"), hardware("t4"), Policy(), 512, tmp_path / "r.png")
+        profile = save_profile(hardware("t4"), tmp_path / "hw.json")
     finally:
         os.umask(old)
-    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert trace.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert image.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert profile.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_summarize_reads_a_bare_event_array_and_events_without_pid(
