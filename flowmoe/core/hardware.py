@@ -167,7 +167,9 @@ def save_profile(spec: HardwareSpec, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~os.umask(os.umask(0o077)))  # mkstemp's 0600 -> the user's umask, as any output
+        umask = os.umask(0o077)  # read it (setting the strictest mask meanwhile, never a looser one)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 -> the user's umask, as any output
         with os.fdopen(fd, "w") as handle:
             json.dump(to_json(spec), handle, indent=2)
         os.replace(tmp, path)
