@@ -21,11 +21,14 @@ are monotone in s, the comparison reduces to a token threshold found once at
 start-up, as Fiddler's measured constants are. Copied experts go through a
 buffer of top_k slots.
 
+`--ffn-on cpu` takes the copy out of Algorithm 1's choice: every expert that
+is not resident runs on the CPU (what Algorithm 1 picks at small batches,
+where the copy rarely wins); `--ffn-on gpu` (the default) lets Algorithm 1
+decide. `--attention-on cpu` is refused: Fiddler keeps attention on the GPU.
+
 Deviations: Fiddler measures cpu_lat, gpu_lat and transfer_lat with kernels
 at start-up; a scheduler here does not run kernels, so without `--hardware`
 it falls back to the T4 preset's roofline and logs a warning saying so.
-`--attention-on cpu` and `--ffn-on cpu` are refused: Fiddler keeps attention
-on the GPU and places each expert by Algorithm 1.
 """
 
 from __future__ import annotations
@@ -67,10 +70,11 @@ class FiddlerScheduler:
     def __init__(self, context: SchedulerContext) -> None:
         self.context = context
         spec = context.spec
-        check_placement(self.name, context.policy)
+        check_placement(self.name, context.policy, ffn=("gpu", "cpu"))
         ranked = popularity_ranking(spec, context.popularity)
         self.resident = frozenset(ranked[: round(context.policy.weights_gpu_share * len(ranked))])
-        self.threshold = self._calibrate(latency_model(context, self.name))
+        on_cpu_only = context.policy.ffn_on == "cpu"  # never copy: every other expert on the CPU
+        self.threshold = None if on_cpu_only else self._calibrate(latency_model(context, self.name))
         kept = [sum(1 for layer, _ in self.resident if layer == m) for m in moe_layers(spec)]
         missing = max((spec.moe.experts - k for k in kept), default=0)
         self.slots = min(spec.moe.top_k, missing) if self.threshold is not None else 0

@@ -319,6 +319,22 @@ def test_fiddler_latency_model_sends_big_token_counts_to_the_gpu() -> None:
     assert 16 < fiddler.threshold < 100_000
 
 
+def test_fiddler_with_ffn_on_cpu_never_copies_an_expert() -> None:
+    policy = Policy(micro_batch_size=64, micro_batches=2, weights_gpu_share=0.25, ffn_on="cpu")
+    fiddler = scheduler("fiddler", MIXTRAL, policy, cost=T4, popularity=SKEWED)
+    step = decode_step(2, 64, 128)
+    spans = simulate(fiddler, [step], uniform_trace(MIXTRAL, [step]), T4)
+    assert not spans_of(spans, Op.PAGE_COPY) and fiddler.weight_buffer_bytes() == 0
+    on_cpu = {
+        (s.node.layer, s.node.expert)
+        for s in spans_of(spans, Op.EXPERT_FFN)
+        if s.node.lane is Lane.CPU_COMPUTE
+    }
+    assert on_cpu and not on_cpu & fiddler.residency().experts
+    with pytest.raises(ConfigError, match=r"^scheduler fiddler does not support --attention-on cpu "):
+        scheduler("fiddler", MIXTRAL, Policy(attention_on="cpu"), cost=T4)
+
+
 def test_fiddler_places_the_experts_a_recorded_routing_trace_made_popular(model, reference, tmp_path) -> None:
     """`flowmoe run --routing-profile`: the gates' counts recorded in one run place the experts of the
     next; the tokens stay eager's."""

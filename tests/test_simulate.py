@@ -166,7 +166,7 @@ def simulated_policy(
 FLAGS = [
     ("on-demand", ["--batch-size", "6"], {"batch_size": 6}),
     ("klotski", ["--micro-batches", "3"], {"micro_batches": 3}),
-    ("fiddler", ["--attention-on", "cpu"], {"attention_on": "cpu"}),
+    ("flexgen", ["--attention-on", "cpu"], {"attention_on": "cpu"}),
     ("fiddler", ["--ffn-on", "cpu"], {"ffn_on": "cpu"}),
     ("lru-cache", ["--weights-gpu-share", "0.3"], {"weights_gpu_share": 0.3}),
     ("flexgen", ["--kv-gpu-share", "0.25"], {"kv_gpu_share": 0.25}),
