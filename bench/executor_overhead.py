@@ -1,9 +1,11 @@
 """The executor's own cost per node: 100k no-op nodes through the dataflow executor.
 
 Three DAG shapes (lane-local chains, a pipeline whose every edge crosses lanes,
-and a schedule-like mix) on three workers (inline: the executor alone; threads:
-one host thread per lane, as CPU runs use; sim: the virtual clock), on uvloop and
-on asyncio's default loop. Prints a rich table, writes bench/executor_overhead.json.
+and a schedule-like mix) on four workers (inline: the executor alone; threads:
+one host thread per lane, as CPU runs use; runtime: the same threads as the
+runtime configures them, profiler ranges on and a span callback; sim: the
+virtual clock), on uvloop and on asyncio's default loop. Prints a rich table,
+writes bench/executor_overhead.json.
 
     python bench/executor_overhead.py [--nodes 100000]
 """
@@ -24,7 +26,7 @@ import uvloop
 from rich.console import Console
 from rich.table import Table
 
-from flowmoe.core.executor import Executor
+from flowmoe.core.executor import Executor, Span
 from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.devices.inline import InlineWorker
 from flowmoe.devices.sim import SimWorker, run_virtual
@@ -54,7 +56,13 @@ def schedule_like(n: int) -> list[TaskNode]:
     return nodes
 
 
-RUNS = (("inline", "uvloop"), ("inline", "asyncio"), ("threads", "uvloop"), ("sim", "virtual"))
+RUNS = (
+    ("inline", "uvloop"),
+    ("inline", "asyncio"),
+    ("threads", "uvloop"),
+    ("runtime", "uvloop"),
+    ("sim", "virtual"),
+)
 SHAPES: dict[str, Callable[[int], list[TaskNode]]] = {
     "lane chains": lane_chains,
     "crossing": crossing,
@@ -62,8 +70,16 @@ SHAPES: dict[str, Callable[[int], list[TaskNode]]] = {
 }
 
 
-async def run(nodes: list[TaskNode], worker, clock: Callable[[], float] = time.perf_counter) -> float:
-    executor = Executor(dict.fromkeys(Lane, worker), clock=clock)
+def sample(span: Span) -> None:
+    """What the runtime's span callback does for a node that changes no memory counter."""
+    if span.node.op in (Op.PAGE_COPY, Op.EVICT, Op.EMBED):
+        raise AssertionError("the benchmark's nodes are gates")
+
+
+async def run(
+    nodes: list[TaskNode], worker, clock: Callable[[], float] = time.perf_counter, on_span=None
+) -> float:
+    executor = Executor(dict.fromkeys(Lane, worker), on_span=on_span, clock=clock)
     started = time.perf_counter()
     for node in nodes:
         executor.submit(node)
@@ -79,11 +95,15 @@ def measure(shape: str, worker: str, loop: str, n: int) -> float:
             return await run(nodes, SimWorker(lambda _n: 1e-6), asyncio.get_running_loop().time)
 
         return run_virtual(simulated()) / n
-    make = {"inline": InlineWorker, "threads": lambda: ThreadPoolWorker(profile_ranges=False)}[worker]
+    make = {
+        "inline": InlineWorker,
+        "threads": lambda: ThreadPoolWorker(profile_ranges=False),
+        "runtime": ThreadPoolWorker,
+    }[worker]
     instance = make()
     try:
         runner = uvloop.run if loop == "uvloop" else asyncio.run
-        return runner(run(nodes, instance)) / n
+        return runner(run(nodes, instance, on_span=sample if worker == "runtime" else None)) / n
     finally:
         instance.close()
 

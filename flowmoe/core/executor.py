@@ -90,22 +90,30 @@ class Executor:
 
     def submit(self, node: TaskNode, action: Action = None) -> None:
         """Queue a node on its lane; it may depend on nodes not submitted yet."""
-        self._bind_loop()
+        if self._loop is None:
+            self._bind_loop()
+        node_id, lane, deps = node.id, node.lane, node.deps
         with self._lock:
             if self._stopped:
                 raise self._error or asyncio.CancelledError()
-            self._validate(node)
-            self._nodes[node.id] = node
-            self._actions[node.id] = action
-            self._queued[node.id] = self._clock()
+            if node_id in self._nodes or lane not in self._queues or node_id in deps:
+                self._validate(node)
+            self._nodes[node_id] = node
+            self._actions[node_id] = action
+            self._queued[node_id] = self._clock()
             unmet = 0
-            for dep in node.deps:
-                if dep not in self._done:
+            done, dependents = self._done, self._dependents
+            for dep in deps:
+                if dep not in done:
                     unmet += 1
-                    self._dependents.setdefault(dep, []).append(node.id)
-            self._unmet[node.id] = unmet
-            self._queues[node.lane].append(node.id)
-            start = self._take(node.lane)
+                    waiting = dependents.get(dep)
+                    if waiting is None:
+                        dependents[dep] = [node_id]
+                    else:
+                        waiting.append(node_id)
+            self._unmet[node_id] = unmet
+            self._queues[lane].append(node_id)
+            start = self._take(lane)
         if start is not None:
             self._start(start)
 
@@ -114,6 +122,7 @@ class Executor:
             self.submit(node, (actions or {}).get(node.id))
 
     def _validate(self, node: TaskNode) -> None:
+        """Raise the PlanError that explains why `node` may not be submitted."""
         if node.id in self._nodes:
             raise PlanError(f"node {node.id} ({node.label}) submitted twice")
         if node.lane not in self._workers:
