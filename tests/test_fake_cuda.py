@@ -5,7 +5,9 @@ streams and events records every record / wait_event / synchronize call, and for
   * a dependency on the same lane is not (the stream orders it),
   * a host consumer (cpu.compute) synchronizes on its GPU producers' end events before it runs,
   * each GPU node's action runs with its lane's stream current,
-and a step's events go back to a pool: a second step creates no new event."""
+and a step's events go back to a pool: a second step creates no new event. Also without a GPU:
+a gate's routing reaches the host through its own event only, and pinned weights are one arena
+per layer."""
 
 from __future__ import annotations
 
@@ -15,14 +17,21 @@ import threading
 import time
 import types
 
+import attrs
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
 import flowmoe.devices.cuda as cuda_worker
 from flowmoe.core.executor import Executor, Span
-from flowmoe.core.plan import TaskNode
+from flowmoe.core.plan import RoutingRequest, TaskNode
+from flowmoe.core.scheduling import Residency
 from flowmoe.devices.factory import make_workers
+from flowmoe.model.loading import load_model
+from flowmoe.runtime.actions import PendingRouting, StepState
+from flowmoe.runtime.device_weights import Devices, DeviceWeights
+from flowmoe.runtime.pinned import ALIGN, pin_layers
+from tests.hf_models import hf_model, save_hf
 from tests.test_executor import check_order, dags
 
 
@@ -138,3 +147,66 @@ def check(nodes: list[TaskNode], fake: FakeCuda, book: cuda_worker.EventBook) ->
                 assert waited not in at, f"{node.id} waits on {dep.id} of its own stream"
             else:
                 assert at.get(waited, recorded) < recorded, f"{node.id} does not wait for {dep.id}"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny Qwen2-MoE (shared expert and its gate: every kind of layer tensor)."""
+    return load_model(save_hf(hf_model("qwen2_moe"), tmp_path_factory.mktemp("fake-cuda") / "qwen"))
+
+
+def test_routing_reaches_the_host_by_one_event_and_matches_the_gate(model) -> None:
+    """A gate on CUDA leaves its routing on the device and an event; the host waits for that event
+    alone (no device or stream sync), gets the same routing as the eager gate, and the event goes
+    back to the pool."""
+    fake = FakeCuda()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuda_worker, "cuda", fake)
+        book = cuda_worker.EventBook(torch.device("cuda"))
+        devices = Devices(torch.device("cpu"))
+        weights = DeviceWeights(model, devices)
+        weights.setup(Residency.everything(model.spec), 0)
+        state = StepState(model, {}, devices, weights, events=book)
+        x = torch.randn(7, model.spec.hidden, generator=torch.Generator().manual_seed(1))  # [T, hidden]
+        fake.log.clear()
+        state.gate_into(state.routing, (0, 0), x, 0)
+        assert isinstance(state.routing[(0, 0)], PendingRouting)
+        assert [kind for kind, *_ in fake.log] == ["record"]  # nothing waited for yet
+        counts = state.expert_counts(RoutingRequest(0, 0, after=0))
+        assert [kind for kind, *_ in fake.log] == ["record", "sync"]  # the gate's event, nothing else
+        assert fake.log[1][1] is fake.log[0][1] and fake.log[1][1] in book._free
+    routing, eager = state.routing[(0, 0)], model.gate(0, x)
+    assert counts.counts == tuple(eager.counts().items())
+    assert routing.experts == eager.experts
+    for expert in eager.experts:
+        assert torch.equal(routing.tokens[expert], eager.tokens[expert])
+        assert torch.equal(routing.scales[expert], eager.scales[expert])
+
+
+def test_each_layer_is_packed_into_one_registered_arena(model) -> None:
+    """Pinned memory in one arena per layer (not one pin_memory() per tensor): every tensor of a
+    layer becomes an aligned view of its layer's buffer with the same values; a second runtime on
+    the same model registers nothing again."""
+    before = [[t.clone() for t in _tensors(lw)] for lw in model.weights.layers]
+    registered: list[torch.Tensor] = []
+    arenas = pin_layers(model, register=registered.append)
+    assert [a.data_ptr() for a in arenas] == [a.data_ptr() for a in registered]
+    assert len(arenas) == model.spec.layers
+    for lw, arena, old in zip(model.weights.layers, arenas, before, strict=True):
+        tensors = _tensors(lw)
+        assert arena.numel() == sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors)
+        for tensor, value in zip(tensors, old, strict=True):
+            assert tensor.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+            assert (tensor.data_ptr() - arena.data_ptr()) % ALIGN == 0
+            assert torch.equal(tensor, value)
+    assert pin_layers(model, register=registered.append) == [] and len(registered) == len(arenas)
+
+
+def _tensors(lw) -> list[torch.Tensor]:
+    ffns = [*lw.experts, *(f for f in (lw.shared, lw.dense) if f is not None)]
+    attn = [getattr(lw.attn, f.name) for f in attrs.fields(type(lw.attn))]
+    return [
+        t
+        for t in (*(t for f in ffns for t in f.tensors()), *attn, lw.router, lw.router_bias, lw.shared_gate)
+        if t is not None
+    ]

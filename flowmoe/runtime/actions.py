@@ -114,7 +114,7 @@ class StepState:
             return
         indices, weights = choose(x, lw.router, lw.router_bias, self.model.spec.moe)
         rows, scales, counts = sort_by_expert(indices, weights, self.model.spec.moe.experts)
-        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=self.devices.cuda)
         host.copy_(counts, non_blocking=True)
         ready = self.events.take()
         ready.record()
