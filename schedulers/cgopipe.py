@@ -36,9 +36,15 @@ an expert or more, a node copies as many whole experts of the chunk as fit
 (one node per chunk once a page holds the chunk); with smaller pages each
 expert goes in ceil(expert / page) nodes.
 
-Deviations: the staging copy CPU -> pinned memory (W_CTOPIN) is not a node: flowmoe
-pins the experts' CPU copies once at start-up, so a page goes pinned -> GPU
-directly. Decode attention is always on the CPU (CGOPipe is defined with CPU
+Staging (Algorithm 1's W_CTOPIN; Appendix A, Fig. 11): MoE-Lightning copies
+each page from pageable memory into a pinned buffer on the CPU before the
+pinned -> GPU transfer, issued after the CPU attention of the same slot. Where
+the weights are not pinned (`weights_pinned` False in the context: a
+simulation of the paper's system) that copy is a W_STAGE node on cpu.compute,
+competing with the CPU attention; flowmoe's own runtime pins the experts' CPU
+copies once at start-up, so real runs go pinned -> GPU directly.
+
+Deviations: Decode attention is always on the CPU (CGOPipe is defined with CPU
 attention, §4.1; GPU attention with the KV cache prefetched is FlexGen's
 schedule S4, `flexgen`), so `--attention-on` selects nothing here;
 `--ffn-on cpu` is refused. Micro-batches come as the engine forms them
@@ -64,6 +70,7 @@ from flowmoe.schedulers._layer_nodes import (
 
 LOOKAHEAD = 2  # CPU attention runs this many micro-batches ahead of the GPU FFN
 Slot = tuple[int, MicroBatchShape]  # (layer, micro-batch)
+Page = tuple[tuple[int, ...], int]  # (experts, page index within the expert or -1 for whole experts)
 
 
 class CGOPipeScheduler:
@@ -109,11 +116,13 @@ class _Plan:
         self.attended: dict[tuple[int, int], int] = {}  # (layer, mb) -> CPU_ATTN
         self.arrived: dict[tuple[int, int], int] = {}  # (layer, expert) -> its last page
         self.evicted: dict[int, list[int]] = {}  # layer -> EVICT of each paged expert
+        self.staged: dict[tuple[int, tuple[int, ...], int], int] = {}  # (layer, experts, part) -> W_STAGE
 
     def run(self) -> PlanStream:
         nodes, self.last = embeddings(self.f, self.step)
         yield from nodes
         if self._paged_at(0):
+            yield from self._stage(0, 0, 1)
             yield from self._pages(0, 0, 1)
         yield from (self._prefill() if self.step.prefill else self._decode())
         yield from lm_heads(self.f, self.step, self.last)
@@ -149,6 +158,7 @@ class _Plan:
                 kv = self.f.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb)
                 yield kv
                 if self._paged_at(layer + 1):
+                    yield from self._stage(layer + 1, mb.index, len(mbs))
                     yield from self._pages(layer + 1, mb.index, len(mbs))
                 attention = offloaded_kv_attention(self.f, layer, mb, self.last[mb.index], kv.id)
                 yield from attention
@@ -160,38 +170,53 @@ class _Plan:
         return layer in self.s.paged and bool(self.s.paged[layer])
 
     def _cpu_attention(self, slot: Slot) -> Iterator[TaskNode]:
-        """PREATTN (gpu) -> OFFLOADQKV (d2h) -> CPUATTN."""
+        """PREATTN (gpu) -> OFFLOADQKV (d2h) -> CPUATTN, then W_CTOPIN of the slot's weight chunk."""
         layer, mb = slot
         pre = self.f.node(Op.PRE_ATTN, Lane.GPU_COMPUTE, layer, mb, deps=[self.last[mb.index]])
         qkv = self.f.node(Op.QKV_OFFLOAD, Lane.GPU_D2H, layer, mb, deps=[pre.id])
         attn = self.f.node(Op.CPU_ATTN, Lane.CPU_COMPUTE, layer, mb, deps=[qkv.id])
         self.attended[(layer, mb.index)] = attn.id
         yield from (pre, qkv, attn)
+        yield from self._stage(layer + 1, mb.index, len(self.step.micro_batches))  # W_CTOPIN(i + 1, j)
 
-    def _pages(self, layer: int, chunk: int, chunks: int) -> Iterator[TaskNode]:
-        """W_PINTOG: chunk `chunk` of `chunks` of `layer`'s offloaded experts, in pages of `page_bytes`:
+    def _chunk(self, layer: int, chunk: int, chunks: int) -> list[Page]:
+        """The pages of chunk `chunk` of `chunks` of `layer`'s offloaded experts, `page_bytes` each:
         whole experts per page where a page holds one or more, else each expert in `parts` pages."""
         paged, parts, per_page = self.s.paged[layer], self.s.parts, self.s.per_page
-        position = self.s.moe.index(layer)
-        freed = self.evicted.get(self.s.moe[position - 2], []) if position >= 2 else []
-        room = dict(zip(paged, freed, strict=False))  # the eviction whose buffer each expert reuses
         if per_page > 1:
             mine = paged[len(paged) * chunk // chunks : len(paged) * (chunk + 1) // chunks]
-            for start in range(0, len(mine), per_page):
-                group = mine[start : start + per_page]
-                deps = [room.get(e) for e in group]
-                node = self.f.node(
-                    Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=group[0], deps=deps, more=group[1:]
-                )
-                self.arrived.update(dict.fromkeys(((layer, e) for e in group), node.id))
-                yield node
+            return [(tuple(mine[i : i + per_page]), -1) for i in range(0, len(mine), per_page)]
+        pages = [((e,), p) for e in paged for p in range(parts)]
+        return pages[len(pages) * chunk // chunks : len(pages) * (chunk + 1) // chunks]
+
+    def _stage(self, layer: int, chunk: int, chunks: int) -> Iterator[TaskNode]:
+        """W_CTOPIN: where the weights are not pinned, the chunk's pages copied into pinned buffers on
+        the CPU first."""
+        if self.s.context.weights_pinned or not self._paged_at(layer):
             return
-        pages = [(e, p) for e in paged for p in range(parts)]
-        for e, p in pages[len(pages) * chunk // chunks : len(pages) * (chunk + 1) // chunks]:
-            deps = [room.get(e) if p == 0 else None]
-            node = self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=e, deps=deps, part=p, parts=parts)
-            if p == parts - 1:
-                self.arrived[(layer, e)] = node.id
+        for group, part in self._chunk(layer, chunk, chunks):
+            parts = self.s.parts if part >= 0 else 1
+            node = self.f.node(
+                Op.W_STAGE, Lane.CPU_COMPUTE, layer, expert=group[0], more=group[1:], part=part, parts=parts
+            )
+            self.staged[(layer, group, part)] = node.id
+            yield node
+
+    def _pages(self, layer: int, chunk: int, chunks: int) -> Iterator[TaskNode]:
+        """W_PINTOG: the chunk's pages to the GPU, each after its staging copy (if any) and, for an
+        expert's first page, the eviction whose buffer it reuses."""
+        position = self.s.moe.index(layer)
+        freed = self.evicted.get(self.s.moe[position - 2], []) if position >= 2 else []
+        room = dict(zip(self.s.paged[layer], freed, strict=False))
+        for group, part in self._chunk(layer, chunk, chunks):
+            parts = self.s.parts if part >= 0 else 1
+            deps = [self.staged.pop((layer, group, part), None), *(room.get(e) for e in group if part <= 0)]
+            node = self.f.node(
+                Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=group[0], deps=deps, more=group[1:],
+                part=part, parts=parts,
+            )  # fmt: skip
+            if part in (-1, parts - 1):
+                self.arrived.update(dict.fromkeys(((layer, e) for e in group), node.id))
             yield node
 
     def _ffn(self, layer: int, mb: MicroBatchShape, post: int) -> PlanStream:

@@ -163,6 +163,27 @@ def test_cgopipe_pages_of_several_experts_make_one_copy_per_chunk() -> None:
             assert ffn.node.expert in copy.node.experts and copy.end <= ffn.start + 1e-12
 
 
+def test_cgopipe_stages_pageable_weights_on_the_cpu_after_each_slots_attention() -> None:
+    """Algorithm 1 with weights not pinned: W_CTOPIN(i + 1, j) on the CPU after CPUATTN(i, j), and each
+    page's W_PINTOG after its staging copy; with pinned weights there is no staging at all."""
+    policy = Policy(micro_batch_size=64, micro_batches=4, weights_gpu_share=0.5, page_bytes=2**30)
+    step = decode_step(4, 64, 512)
+    pinned = simulate(scheduler("cgopipe", MIXTRAL, policy), [step], uniform_trace(MIXTRAL, [step]), T4)
+    assert not spans_of(pinned, Op.W_STAGE)
+    sched = scheduler("cgopipe", MIXTRAL, policy, cost=T4, weights_pinned=False)
+    spans = simulate(sched, [step], uniform_trace(MIXTRAL, [step]), T4)
+    ids = {s.node.id: s for s in spans}
+    for copy in spans_of(spans, Op.PAGE_COPY):
+        (stage,) = [ids[d] for d in copy.node.deps if ids[d].node.op is Op.W_STAGE]
+        assert stage.node.lane is Lane.CPU_COMPUTE and stage.node.experts == copy.node.experts
+        assert stage.node.bytes == 2 * copy.node.bytes and stage.end <= copy.start + 1e-12
+    for layer in range(MIXTRAL.layers - 1):
+        cpu = [s.node for s in sorted(spans, key=lambda s: s.node.id) if s.node.lane is Lane.CPU_COMPUTE]
+        for j in range(4):
+            at = cpu.index(next(n for n in cpu if n.op is Op.CPU_ATTN and (n.layer, n.mb) == (layer, j)))
+            assert cpu[at + 1].op is Op.W_STAGE and cpu[at + 1].layer == layer + 1
+
+
 def test_cgopipe_prefills_on_the_gpu_with_the_kv_cache_sent_to_the_cpu() -> None:
     policy = Policy(micro_batch_size=4, micro_batches=2, weights_gpu_share=0.5)
     prompt = tuple(MicroBatchShape.from_lengths(i, [64] * 4, [0] * 4) for i in range(2))

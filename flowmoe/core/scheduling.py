@@ -99,13 +99,17 @@ class Scheduler(Protocol):
 @frozen
 class SchedulerContext:
     """What a scheduler is built with. `cost(node)` estimates seconds (the cost model, or a
-    calibrated profile); `popularity[layer][expert]` is a routing profile's token share."""
+    calibrated profile); `popularity[layer][expert]` is a routing profile's token share;
+    `weights_pinned`: the CPU copies of the weights are page-locked (flowmoe's runtime pins them), so
+    a page goes to the GPU directly; where not (a simulation of a system that stages them), a
+    schedule that stages pages through pinned buffers issues that CPU-side copy (W_STAGE)."""
 
     spec: ModelSpec
     policy: Policy
     factory: NodeFactory
     cost: Callable[[TaskNode], float] | None = None
     popularity: tuple[tuple[float, ...], ...] | None = None
+    weights_pinned: bool = True
 
 
 @define
@@ -155,6 +159,8 @@ class NodeFactory:
         q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
         if op in (Op.PAGE_COPY, Op.EVICT):
             return (s.expert_bytes if expert >= 0 else s.layer_dense_bytes(layer)), 0
+        if op is Op.W_STAGE:  # a memcpy: every byte read and written once
+            return 2 * (s.expert_bytes if expert >= 0 else s.layer_dense_bytes(layer)), 0
         if op in (Op.EXPERT_FFN, Op.SHARED_FFN):
             inter = s.moe.intermediate if op is Op.EXPERT_FFN else self._shared_inter(layer)
             n = t if tokens is None else tokens
