@@ -100,7 +100,7 @@ def _decode(
     batch, heads, dim = q.shape
     kv_heads = keys.shape[1]
     length = max(layout.advanced())
-    k, v = _gather_slots(keys, layout.slots, length), _gather_slots(values, layout.slots, length)
+    k, v = _gather_slots(keys, layout, length), _gather_slots(values, layout, length)
     qg = q.reshape(batch, kv_heads, 1, heads // kv_heads, dim)  # [B, kvh, 1, g, D]
     scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).float() * dim**-0.5  # [B, kvh, 1, g, L]
     q_pos = layout.positions.to(q.device).reshape(batch, 1, 1, 1)
@@ -109,10 +109,9 @@ def _decode(
     return out.reshape(batch, heads * dim)
 
 
-def _gather_slots(cache: torch.Tensor, slots: tuple[int, ...], length: int) -> torch.Tensor:
+def _gather_slots(cache: torch.Tensor, layout: TokenLayout, length: int) -> torch.Tensor:
     """cache: [S, kvh, C, D] -> [B, kvh, length, D]; a view when the slots are consecutive."""
-    first = slots[0]
+    slots, first = layout.slots, layout.slots[0]
     if slots == tuple(range(first, first + len(slots))):
         return cache[first : first + len(slots), :, :length]
-    index = torch.tensor(slots, device=cache.device)
-    return cache[:, :, :length].index_select(0, index)
+    return cache[:, :, :length].index_select(0, layout.slot_index.to(cache.device))

@@ -22,6 +22,7 @@ class TokenLayout:
     starts: tuple[int, ...] = field(init=False)
     positions: torch.Tensor = field(init=False)  # [T] int64, position of each token in its sequence
     token_slots: torch.Tensor = field(init=False)  # [T] int64, cache slot of each token
+    slot_index: torch.Tensor = field(init=False)  # [B] int64, cache slot of each sequence
 
     def __attrs_post_init__(self) -> None:
         starts, total = [], 0
@@ -33,6 +34,7 @@ class TokenLayout:
         token_slots = [s for s, c in zip(self.slots, self.counts, strict=True) for _ in range(c)]
         object.__setattr__(self, "positions", torch.tensor(positions, dtype=torch.int64))
         object.__setattr__(self, "token_slots", torch.tensor(token_slots, dtype=torch.int64))
+        object.__setattr__(self, "slot_index", torch.tensor(self.slots, dtype=torch.int64))
 
     @property
     def tokens(self) -> int:
@@ -51,7 +53,7 @@ class TokenLayout:
         """The same layout with its index tensors on `device` (copied without blocking the host
         where the source is page-locked), so kernels on that device upload nothing per layer."""
         moved = copy.copy(self)
-        for name in ("positions", "token_slots"):
+        for name in ("positions", "token_slots", "slot_index"):
             tensor = getattr(self, name)
             if device.type == "cuda":
                 tensor = tensor.pin_memory()
