@@ -1,8 +1,11 @@
-"""Klotski's expert correlation table: which experts of the next MoE layer follow those of this one.
+"""Klotski's expert correlation table (§6.2): which experts of the next MoE layer follow those of this one.
 
-Routing reaches a scheduler as token counts per (layer, micro-batch), not per
-token, so a pair (a in layer l, b in the next MoE layer) seen in one
-micro-batch adds the tokens the two would share if independent within it,
+The table counts, per pair (a at MoE layer l, b at the next MoE layer), the
+tokens whose expert path went through both (path length 1). Where the routing
+source gives the per-token paths (`ExpertCounts.follows`: synthetic routing
+does), those counts are added as they are; where it gives only token counts
+per (layer, micro-batch) (a real run's gates, a recorded trace), a pair seen in
+one micro-batch adds the tokens the two would share if independent within it,
 c_a * c_b / tokens. A profile (`popularity`) seeds every row of a layer with
 the next layer's popularity; the table keeps learning from every routing it
 sees, the first ones being the warm-up.
@@ -44,6 +47,10 @@ class CorrelationTable:
                 self._seen[answer.layer][e] += n
         for a_counts, b_counts in zip(before, after, strict=False) if before else ():
             rows = self._table[a_counts.layer]
+            if b_counts.follows:
+                for a, b, n in b_counts.follows:
+                    rows[a][b] += n
+                continue
             tokens = max(1, sum(n for _, n in a_counts.counts))
             for a, na in a_counts.counts:
                 for b, nb in b_counts.counts:

@@ -42,14 +42,15 @@ satisfies them, all micro-batches form one group. `group_size` overrides it.
 
 Deviations: the gate's weights travel with the attention weights (one dense
 copy), so Eq. (4) holds by construction and t_io_G is 0 in (5)-(7); the
-correlation table is kept from per-(layer, micro-batch) expert counts, not
-per-token paths (routing reaches a scheduler as counts: a pair (a, b) seen in
-one micro-batch adds the tokens the two would share if independent within
-it); the hidden states stay on the GPU between layers (the paper moves them
-too; they are small next to the cache); there is no disk tier; the paper loads
-caches and weights on separate streams that share the link, flowmoe's one h2d
-lane runs them in that order instead. `--attention-on cpu` and
-`--ffn-on cpu` are refused: Klotski computes everything on the GPU.
+correlation table learns from per-token paths where the routing source gives
+them (synthetic routing), else from per-(layer, micro-batch) expert counts
+with tokens assumed independent within a micro-batch (a real run's gates and
+recorded traces hand the scheduler counts only); the hidden states stay on
+the GPU between layers (the paper moves them too; they are small next to the
+cache); there is no disk tier; the paper loads caches and weights on separate
+streams that share the link, flowmoe's one h2d lane runs them in that order
+instead. `--attention-on cpu` and `--ffn-on cpu` are refused: Klotski
+computes everything on the GPU.
 """
 
 from __future__ import annotations

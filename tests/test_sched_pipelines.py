@@ -23,6 +23,7 @@ from flowmoe.core.synthetic_routing import RoutingModel, SyntheticRouting
 from flowmoe.jobs.engine import eager_step
 from flowmoe.model.loading import load_model
 from flowmoe.runtime.runner import Runtime
+from flowmoe.schedulers._correlation import CorrelationTable
 from flowmoe.schedulers.registry import create
 from flowmoe.study.simulate import simulate
 from tests.helpers import rel_err
@@ -254,6 +255,22 @@ def test_klotski_learns_which_experts_follow_which() -> None:
         copies = [s for s in spans_of(second, Op.PAGE_COPY, layer) if s.node.expert >= 0]
         assert sorted(s.node.expert for s in copies) == list(pair)
         assert all(s.queued < gate for s in copies)
+
+
+def test_klotski_correlation_table_follows_per_token_paths() -> None:
+    """One micro-batch whose tokens go 0 -> 4 and 1 -> 5 (layer 0 -> 1): with the per-token paths the
+    table learns exactly that; from the counts alone every pair looks equally likely."""
+    table = CorrelationTable.seeded([0, 1], 8, None)
+    blind = CorrelationTable.seeded([0, 1], 8, None)
+    first = ExpertCounts(0, 0, ((0, 4), (1, 4)))
+    second = ExpertCounts(1, 0, ((4, 4), (5, 4)), follows=((0, 4, 4), (1, 5, 4)))
+    table.learn([first], [second])
+    blind.learn([first], [ExpertCounts(1, 0, second.counts)])
+    later = [ExpertCounts(0, 0, ((0, 3), (2, 1)))]  # mostly expert 0 at layer 0 now
+    assert table.hot(1, later, 1, range(8)) == [4]
+    assert blind.hot(1, later, 2, range(8)) == [4, 5]
+    synthetic = SyntheticRouting(MIXTRAL, RoutingModel(correlation=1.0)).trace([decode_step(1, 4, 8)])
+    assert synthetic.counts[(0, 1, 0)].follows and not synthetic.counts[(0, 0, 0)].follows
 
 
 @pytest.mark.parametrize(("h2d", "expected"), [(1e12, 1), (400e9, 3), (200e9, 8), (12e9, 8)])

@@ -115,6 +115,9 @@ class ExpertCounts:
     layer: int
     mb: int
     counts: tuple[tuple[int, int], ...]  # (expert, tokens)
+    # (expert at the previous MoE layer, expert here, tokens that took both): the per-token paths,
+    # where the routing source has them (synthetic routing); empty otherwise
+    follows: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def experts(self) -> tuple[int, ...]:

@@ -77,7 +77,7 @@ class RoutingTrace:
                 f"routing trace has no entry for step {step} layer {request.layer} mb {request.mb}"
             )
         found = table[key]
-        return ExpertCounts(request.layer, request.mb, found.counts)
+        return ExpertCounts(request.layer, request.mb, found.counts, found.follows)
 
     def save(self, path: str | Path) -> None:
         rows = [

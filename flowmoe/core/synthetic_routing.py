@@ -121,7 +121,8 @@ class SyntheticRouting:
                 for i in range(sampled)
             ]
             before[(mb, layer)] = chosen
-            trace.record(step.step, ExpertCounts(layer, mb, _scaled(chosen, tokens)))
+            paths = _paths(previous, chosen, tokens) if previous else ()
+            trace.record(step.step, ExpertCounts(layer, mb, _scaled(chosen, tokens), paths))
             if layer > 0:
                 guessed = [self._guess(picks, rng) for picks in chosen]
                 trace.record(step.step, ExpertCounts(layer, mb, _scaled(guessed, tokens)), speculative=True)
@@ -176,6 +177,20 @@ def _scaled(chosen: list[list[int]], tokens: int) -> tuple[tuple[int, int], ...]
     for expert in sorted(exact, key=lambda e: whole[e] - exact[e])[: max(0, short)]:
         whole[expert] += 1
     return tuple(sorted((e, min(tokens, n)) for e, n in whole.items()))
+
+
+def _paths(
+    previous: list[list[int]], chosen: list[list[int]], tokens: int
+) -> tuple[tuple[int, int, int], ...]:
+    """Tokens that went through expert a at the previous MoE layer and b here, scaled like `_scaled`
+    (every pair seen keeps at least one token)."""
+    pairs: dict[tuple[int, int], int] = {}
+    for before, here in zip(previous, chosen, strict=True):
+        for a in before:
+            for b in here:
+                pairs[(a, b)] = pairs.get((a, b), 0) + 1
+    scale = tokens / len(chosen)
+    return tuple(sorted((a, b, max(1, round(n * scale))) for (a, b), n in pairs.items()))
 
 
 def observed_popularity(spec: ModelSpec, recorded: RoutingTrace) -> list[tuple[float, ...] | None]:
