@@ -25,13 +25,18 @@ from hypothesis import HealthCheck, given, settings
 import flowmoe.devices.cuda as cuda_worker
 from flowmoe.core.executor import Executor, Span
 from flowmoe.core.plan import RoutingRequest, TaskNode
-from flowmoe.core.scheduling import Residency
+from flowmoe.core.policy import Policy
+from flowmoe.core.scheduling import NodeFactory, Residency, SchedulerContext
 from flowmoe.devices.factory import make_workers
 from flowmoe.model.loading import load_model
 from flowmoe.runtime.actions import PendingRouting, StepState
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
 from flowmoe.runtime.pinned import ALIGN, pin_layers
+from flowmoe.runtime.runner import Runtime
+from flowmoe.schedulers.registry import available, create
+from flowmoe.traces.trace import Trace
 from tests.hf_models import hf_model, save_hf
+from tests.schedule_fixtures import generate, run_eager
 from tests.test_executor import check_order, dags
 
 
@@ -210,3 +215,27 @@ def _tensors(lw) -> list[torch.Tensor]:
         for t in (*(t for f in ffns for t in f.tensors()), *attn, lw.router, lw.router_bias, lw.shared_gate)
         if t is not None
     ]
+
+
+@pytest.mark.parametrize("name", sorted(available()))
+def test_the_cuda_host_path_gives_eager_tokens(model, name: str) -> None:
+    """Every scheduler through the CUDA stream worker, its events and the asynchronous routing
+    hand-off (on the fake CUDA; tensors stay on the CPU) gives eager's tokens."""
+    (reference, _) = run_eager(model)
+    fake = FakeCuda()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuda_worker, "cuda", fake)
+        workers, events = make_workers(torch.device("cuda"))
+        devices = Devices(torch.device("cpu"))
+        policy = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.5)
+        plugin = create(name, SchedulerContext(model.spec, policy, NodeFactory(model.spec)))
+        weights = DeviceWeights(model, devices)
+        weights.setup(plugin.residency(), plugin.weight_buffer_bytes())
+        runtime = Runtime(model, plugin, devices, weights, workers, events, Trace(name=name))
+        try:
+            (results, _) = generate(model, runtime)
+        finally:
+            runtime.close()
+    assert [r.output_ids for r in results] == [r.output_ids for r in reference]
+    assert any(kind == "wait" for kind, *_ in fake.log) or name == "eager"
+    assert not events._events  # every step gave its events back

@@ -21,6 +21,7 @@ from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.weights import AttentionWeights, FFNWeights, LayerWeights
 
 ALIGN = 256  # bytes: each tensor starts on a boundary any dtype's view and any DMA engine accepts
+PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context (as torch registers)
 Register = Callable[[torch.Tensor], None]
 
 
@@ -57,7 +58,7 @@ def layer_arena(lw: LayerWeights) -> torch.Tensor:
 def cuda_register(arena: torch.Tensor) -> None:
     """Page-lock `arena` where it lies (no copy, no rounding) until it is freed."""
     size, pointer = arena.numel() * arena.element_size(), arena.data_ptr()
-    code = int(torch.cuda.cudart().cudaHostRegister(pointer, size, 0))
+    code = int(torch.cuda.cudart().cudaHostRegister(pointer, size, PORTABLE))
     if code != 0:
         raise FlowmoeError(
             f"could not page-lock {size / 2**30:.2f} GiB of host memory for the weights (CUDA error {code}); "
