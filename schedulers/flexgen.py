@@ -44,10 +44,14 @@ Deviations: FlexGen issues weight and cache loads on separate CUDA streams
 over one link; flowmoe has one `gpu.h2d` lane, where the cache load goes first
 (the next micro-batch waits for it) and the weights after it. FlexGen's
 wrap-around prefetch of the next step's layer 0 has no counterpart, since a
-plan covers one step; layer 0's weights are copied at the step's start. The
-cache moves as pinned copies (FlexGen's pageable-memory transfers of the
-cache, where its cache is on the CPU, are not modelled). In a prefill step
-KV_LOAD brings an empty cache layer (no bytes cross the link).
+plan covers one step; layer 0's weights are copied at the step's start. In a
+prefill step KV_LOAD brings an empty cache layer (no bytes cross the link).
+
+The cache's copies are pageable (`pageable` nodes, priced at the hardware's
+pageable bandwidth): FlexGen allocates its CPU cache unpinned
+(flexgen/pytorch_backend.py, `init_cache_one_gpu_batch`: "disable pin_memory
+due to high memory overhead"). flowmoe's runtime keeps its own cache where the
+engine put it; only the simulated time follows FlexGen.
 """
 
 from __future__ import annotations
@@ -179,7 +183,7 @@ class _Block:
         return copies
 
     def _kv_load(self, layer: int, mb: MicroBatchShape) -> TaskNode:
-        node = self.f.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb, deps=self.barrier)
+        node = self.f.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb, deps=self.barrier, pageable=True)
         self.kv[(layer, mb.index)] = node.id
         return node
 
@@ -198,9 +202,8 @@ class _Block:
         """store_activation and store_cache of an iteration, in the one after it."""
         key = (layer, mb.index)
         if key in self.attn:
-            yield self._emit(
-                self.f.node(Op.KV_STORE, Lane.GPU_D2H, layer, mb, deps=[self.attn.pop(key), *self.barrier])
-            )
+            deps = [self.attn.pop(key), *self.barrier]
+            yield self._emit(self.f.node(Op.KV_STORE, Lane.GPU_D2H, layer, mb, deps=deps, pageable=True))
         if layer + 1 < self.spec.layers:  # the last layer's output stays for the LM head
             deps = [self.last[mb.index], *self.barrier]
             node = self._emit(self.f.node(Op.ACT_STORE, Lane.GPU_D2H, layer, mb, deps=deps))

@@ -257,6 +257,7 @@ def test_flexgen_synchronises_once_per_layer_and_micro_batch(attention: str) -> 
         assert len(of(spans, Op.CPU_ATTN)) == 9 and not of(spans, Op.GPU_ATTN) and not of(spans, Op.KV_LOAD)
     else:
         assert len(of(spans, Op.GPU_ATTN)) == len(of(spans, Op.KV_LOAD)) == len(of(spans, Op.KV_STORE)) == 9
+        assert all(s.node.pageable for s in [*of(spans, Op.KV_LOAD), *of(spans, Op.KV_STORE)])
 
 
 @pytest.mark.parametrize(
