@@ -16,8 +16,11 @@ from flowmoe.core.policy import Policy
 from flowmoe.jobs.engine import Engine, Request, StepInput
 from flowmoe.model.loading import load_model
 from flowmoe.model.moe_model import MoEModel
+from flowmoe.runtime.actions import StepState
 from flowmoe.runtime.runner import Runtime
-from tests.hf_models import COMMON, FAMILY_CONFIGS, save_hf
+from flowmoe.schedulers.registry import available
+from tests.hf_models import COMMON, FAMILY_CONFIGS, hf_model, save_hf
+from tests.schedule_fixtures import run_scheduler
 
 STEPS = 2_000
 WARM = 200  # steps before the first reading: allocator pools, caches and torch's own warm-up
@@ -73,3 +76,27 @@ def test_a_long_job_keeps_nothing_per_node(model: MoEModel) -> None:
     assert runtime.steps == STEPS
     assert not runtime.trace.spans and not runtime.trace.counters
     assert end - warm < GROWTH_BOUND, f"RSS grew {(end - warm) / 2**20:.1f} MiB after warm-up"
+
+
+@pytest.fixture(scope="module")
+def layered(tmp_path_factory: pytest.TempPathFactory) -> MoEModel:
+    return load_model(save_hf(hf_model("mixtral"), tmp_path_factory.mktemp("layered") / "mixtral"))
+
+
+@pytest.mark.parametrize("name", sorted(available()))
+def test_a_step_keeps_only_its_last_layer_alive(layered: MoEModel, name: str, monkeypatch) -> None:
+    """Intermediates die with their last reader, not at the step's end: after a step, what is left
+    per micro-batch is its hidden state, the last layer's x and logits (and no KV working copy)."""
+    states: list[StepState] = []
+    create = StepState.create
+
+    def recording(*args, **kwargs) -> StepState:
+        states.append(create(*args, **kwargs))
+        return states[-1]
+
+    monkeypatch.setattr(StepState, "create", recording)
+    run_scheduler(layered, name, Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.5))
+    last = layered.spec.layers - 1
+    for state in states:
+        assert not (state.qkv or state.attn or state.outputs or state.shared or state.x_cpu or state.kv_work)
+        assert {layer for layer, _ in state.x} <= {last}

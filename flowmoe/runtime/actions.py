@@ -74,6 +74,8 @@ class StepState:
     layouts: dict[tuple[int, Lane], TokenLayout] = field(factory=dict)  # on the lane's device
     events: EventBook | None = None  # CUDA: where routing events come from
     _lock: threading.Lock = field(factory=threading.Lock)
+    _x_readers: dict[Key, int] = field(factory=dict)  # pre-gates submitted, not yet run, per x they read
+    _x_done: set[Key] = field(factory=set)  # x whose next layer has combined
 
     @classmethod
     def create(
@@ -136,7 +138,24 @@ class StepState:
         handler = _HANDLERS.get(node.op)
         if handler is None:
             raise FlowmoeError(f"no action for op {node.op}")
+        if node.op is Op.PREGATE:  # it will read the previous layer's x: keep that until it has
+            with self._lock:
+                source = (node.layer - 1, node.mb)
+                self._x_readers[source] = self._x_readers.get(source, 0) + 1
         return partial(handler, self, node)
+
+    def release_x(self, key: Key, reader: bool) -> None:
+        """x[key] (a post-attention norm) is dead once the next layer has combined and every
+        pre-gate submitted to read it has run; `reader`: a pre-gate that read it is done."""
+        with self._lock:
+            if reader:
+                self._x_readers[key] -= 1
+            else:
+                self._x_done.add(key)
+            dead = key in self._x_done and not self._x_readers.get(key) and key in self.x
+            tensor = self.x.pop(key) if dead else None
+        if tensor is not None:
+            self.retire([tensor])
 
     def _layout(self, mb: int, lane: Lane) -> TokenLayout:
         """The micro-batch's token layout with its indices where `lane` computes, uploaded once per
@@ -228,7 +247,9 @@ def _gate(s: StepState, n: TaskNode) -> None:
 
 def _pregate(s: StepState, n: TaskNode) -> None:
     """Layer n.layer's router applied to the previous layer's post-attention hidden state."""
-    s.gate_into(s.predicted, (n.layer, n.mb), s.x[(n.layer - 1, n.mb)], n.layer)
+    source = (n.layer - 1, n.mb)
+    s.gate_into(s.predicted, (n.layer, n.mb), s.x[source], n.layer)
+    s.release_x(source, reader=True)
 
 
 def _hidden_offload(s: StepState, n: TaskNode) -> None:
@@ -266,11 +287,12 @@ def _combine(s: StepState, n: TaskNode) -> None:
         missing = sorted(set(routing.experts) - set(outputs))
         raise FlowmoeError(f"combine of layer {n.layer} mb {n.mb}: experts {missing} never ran")
     s.hidden[n.mb] = s.model.combine(s.hidden[n.mb], routing, outputs, s.shared.get(key))
-    # What only this layer's attention, experts and combine read dies here, not at the step's end
-    # (x stays: the next layer's pre-gate reads it).
+    # What only this layer's attention, experts and combine read dies here, not at the step's end;
+    # x stays for the next layer's pre-gate, the previous layer's x goes once its pre-gates ran.
     dead = [s.qkv.pop(key, ()), [s.attn.pop(key, None)], s.outputs.pop(key, {}).values(), outputs.values(),
             [s.shared.pop(key, None), s.x_cpu.pop(key, None)]]  # fmt: skip
     s.retire(t for group in dead for t in group if t is not None)
+    s.release_x((n.layer - 1, n.mb), reader=False)
 
 
 def _page_copy(s: StepState, n: TaskNode) -> None:
