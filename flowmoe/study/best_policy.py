@@ -94,8 +94,10 @@ def _fitting(setup: Setup, name: str, given: Given) -> tuple[list[Policy], Simul
             continue
         refusal = _refusal(setup, name, policy)
         if refusal is None:
-            chosen.append(_unused_share(setup, name, policy, given))
-            groups[key] = groups.get(key, 0) + 1
+            kept = _unused_share(setup, name, policy, given)
+            if kept not in chosen:
+                chosen.append(kept)
+                groups[key] = groups.get(key, 0) + 1
         elif smallest is None or refusal.policy.batch_size <= smallest.policy.batch_size:
             smallest = refusal
     if smallest is None:  # every candidate fitted
