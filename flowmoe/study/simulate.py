@@ -228,4 +228,3 @@ def _covers(trace: RoutingTrace, spec: ModelSpec, steps: Sequence[StepShape]) ->
         for layer in range(spec.layers)
         if spec.is_moe_layer(layer)
     )
-
