@@ -25,7 +25,6 @@ from flowmoe.cli.plan import add_setup_flags, spec_from, workload_from
 from flowmoe.cli.ui import console, out
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import hardware
-from flowmoe.core.memory import gib
 from flowmoe.core.policy import Policy, parse_bytes
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.spec import ModelSpec
@@ -35,7 +34,7 @@ from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.tokenizer import TextCodec
 from flowmoe.schedulers.registry import available
 from flowmoe.study.auto_choice import choice, job_workload, rank
-from flowmoe.study.best_policy import Given, best_policy
+from flowmoe.study.best_policy import Given, best_policy, describe_policy
 from flowmoe.study.realtime import with_realtime
 from flowmoe.study.sim_report import SimulationResult
 from flowmoe.study.simulate import Setup
@@ -189,10 +188,6 @@ def realtime_table(results: list[SimulationResult]) -> Table:
     return table
 
 
-KNOBS = {"lru-cache": ("expert_cache_slots", "cache_ways"), "klotski": ("group_size", "hot_experts"),
-         "cgopipe": ("page_bytes",)}  # fmt: skip
-
-
 def auto_scheduler(args: argparse.Namespace, model: MoEModel, codec: TextCodec | None,
                    job: JobSpec) -> tuple[str, Policy, JobSpec]:  # fmt: skip
     """`run --scheduler auto`: rank every scheduler on this job's workload (prompt lengths, max new
@@ -219,19 +214,6 @@ def auto_scheduler(args: argparse.Namespace, model: MoEModel, codec: TextCodec |
         policy,
         evolve(job, batch_size=policy.batch_size, micro_batches=policy.micro_batches),
     )
-
-
-def describe_policy(p: Policy, scheduler: str = "") -> str:
-    """The policy a result ran, in one cell: N (μ x count), placements, shares, and the scheduler's
-    own knobs where set."""
-    text = (f"N={p.batch_size} ({p.micro_batch_size}x{p.micro_batches}) attn {p.attention_on} "
-            f"ffn {p.ffn_on} w {p.weights_gpu_share:.0%} kv {p.kv_gpu_share:.0%}")  # fmt: skip
-    names = {"expert_cache_slots": "slots", "cache_ways": "ways", "group_size": "n", "hot_experts": "K"}
-    knobs = [f"{names.get(k, 'page')} {gib(v) if k == 'page_bytes' else v}"
-             for k in KNOBS.get(scheduler, ()) if (v := getattr(p, k))]  # fmt: skip
-    if p.cpu_threads:
-        knobs.append(f"threads {p.cpu_threads}")
-    return " ".join([text, *knobs])
 
 
 def results_table(setup: Setup, results: list[SimulationResult]) -> Table:

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from attrs import asdict, evolve, frozen
 
 from flowmoe.core.errors import FlowmoeError
+from flowmoe.core.memory import gib
 from flowmoe.core.policy import Place, Policy
 from flowmoe.core.policy_search import search
 from flowmoe.study.sim_report import SimulationResult
@@ -157,3 +158,20 @@ def _batches(given: Given, count: int) -> list[int]:
 
 def _shares(given: Given) -> Sequence[float]:
     return (given.weights_gpu_share,) if given.weights_gpu_share is not None else SHARES
+
+
+KNOBS = {"lru-cache": ("expert_cache_slots", "cache_ways"), "klotski": ("group_size", "hot_experts"),
+         "cgopipe": ("page_bytes",)}  # fmt: skip
+
+
+def describe_policy(p: Policy, scheduler: str = "") -> str:
+    """The policy a result ran, in one cell: N (μ x count), placements, shares, and the scheduler's
+    own knobs where set."""
+    text = (f"N={p.batch_size} ({p.micro_batch_size}x{p.micro_batches}) attn {p.attention_on} "
+            f"ffn {p.ffn_on} w {p.weights_gpu_share:.0%} kv {p.kv_gpu_share:.0%}")  # fmt: skip
+    names = {"expert_cache_slots": "slots", "cache_ways": "ways", "group_size": "n", "hot_experts": "K"}
+    knobs = [f"{names.get(k, 'page')} {gib(v) if k == 'page_bytes' else v}"
+             for k in KNOBS.get(scheduler, ()) if (v := getattr(p, k))]  # fmt: skip
+    if p.cpu_threads:
+        knobs.append(f"threads {p.cpu_threads}")
+    return " ".join([text, *knobs])

@@ -29,7 +29,7 @@ from flowmoe.core.spec import ModelSpec
 from flowmoe.core.synthetic_routing import RoutingModel
 from flowmoe.core.workloads import workload
 from flowmoe.study import paper_numbers as P
-from flowmoe.study.best_policy import Given, best_policy
+from flowmoe.study.best_policy import Given, best_policy, describe_policy
 from flowmoe.study.sim_report import SimulationResult
 from flowmoe.study.simulate import Setup, Simulation
 
@@ -519,7 +519,6 @@ def run_setting(setting: Setting) -> dict[str, Any]:
         result = _best_cache(system) if system.cache_sweep else run_system(system)
         value = measured(system, result)
         busiest = max(result.lanes, key=lambda lane: lane.busy_seconds).lane if result.lanes else "-"
-        p = result.policy
         rows.append(
             {
                 "system": system.name,
@@ -531,11 +530,7 @@ def run_setting(setting: Setting) -> dict[str, Any]:
                 "ratio": value / system.published if value is not None and system.published else None,
                 "bound": busiest,
                 "error": result.error,
-                "policy": f"N={p.batch_size} ({p.micro_batch_size}x{p.micro_batches}) attn {p.attention_on} ffn {p.ffn_on} "
-                f"w {p.weights_gpu_share:.0%} kv {p.kv_gpu_share:.0%}"
-                + (
-                    f" slots {p.expert_cache_slots}/{p.cache_ways}" if system.scheduler == "lru-cache" else ""
-                ),
+                "policy": describe_policy(result.policy, system.scheduler),
             }
         )
     value = {r["system"]: r["simulated"] for r in rows}
