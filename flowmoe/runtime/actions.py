@@ -237,7 +237,9 @@ def _act_load(s: StepState, n: TaskNode) -> None:
 def _post_attn(s: StepState, n: TaskNode) -> None:
     key = (n.layer, n.mb)
     lw = s.weights.layer(n.layer)
-    s.hidden[n.mb], s.x[key] = s.model.post_attention(n.layer, s.hidden[n.mb], s.attn[key], lw)
+    previous = s.hidden[n.mb]  # may come from another stream (ACT_LOAD): retired on this one
+    s.hidden[n.mb], s.x[key] = s.model.post_attention(n.layer, previous, s.attn[key], lw)
+    s.retire([previous])
 
 
 def _gate(s: StepState, n: TaskNode) -> None:
@@ -286,11 +288,12 @@ def _combine(s: StepState, n: TaskNode) -> None:
     if routing is not None and set(outputs) != set(routing.experts):
         missing = sorted(set(routing.experts) - set(outputs))
         raise FlowmoeError(f"combine of layer {n.layer} mb {n.mb}: experts {missing} never ran")
-    s.hidden[n.mb] = s.model.combine(s.hidden[n.mb], routing, outputs, s.shared.get(key))
+    previous = s.hidden[n.mb]
+    s.hidden[n.mb] = s.model.combine(previous, routing, outputs, s.shared.get(key))
     # What only this layer's attention, experts and combine read dies here, not at the step's end;
     # x stays for the next layer's pre-gate, the previous layer's x goes once its pre-gates ran.
     dead = [s.qkv.pop(key, ()), [s.attn.pop(key, None)], s.outputs.pop(key, {}).values(), outputs.values(),
-            [s.shared.pop(key, None), s.x_cpu.pop(key, None)]]  # fmt: skip
+            [s.shared.pop(key, None), s.x_cpu.pop(key, None), previous]]  # fmt: skip
     s.retire(t for group in dead for t in group if t is not None)
     s.release_x((n.layer - 1, n.mb), reader=False)
 
