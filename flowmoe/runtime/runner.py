@@ -195,8 +195,8 @@ class Runtime:
 
 def cap_allocator(gpu: torch.device, budget: int | None) -> None:
     """Hold torch's CUDA caching allocator to the --gpu-memory budget as well, so an emulated small
-    GPU (a T4's 16 GiB on an H100) fails where the small GPU would, not only in flowmoe's accounting."""
-    if budget is None:
-        return
+    GPU (a T4's 16 GiB on an H100) fails where the small GPU would, not only in flowmoe's accounting;
+    no budget lifts a cap an earlier runtime of this process set."""
     total = torch.cuda.get_device_properties(gpu).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), gpu)
+    fraction = 1.0 if budget is None else min(1.0, budget / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, gpu)
