@@ -32,7 +32,7 @@ from flowmoe.model.loading import load_model
 from flowmoe.runtime.actions import PendingRouting, StepState
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
 from flowmoe.runtime.pinned import ALIGN, pin_layers
-from flowmoe.runtime.runner import Runtime
+from flowmoe.runtime.runner import Runtime, cap_allocator
 from flowmoe.schedulers.registry import available, create
 from flowmoe.traces.trace import Trace
 from tests.hf_models import hf_model, save_hf
@@ -239,3 +239,14 @@ def test_the_cuda_host_path_gives_eager_tokens(model, name: str) -> None:
     assert [r.output_ids for r in results] == [r.output_ids for r in reference]
     assert any(kind == "wait" for kind, *_ in fake.log) or name == "eager"
     assert not events._events  # every step gave its events back
+
+
+def test_gpu_memory_caps_the_caching_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--gpu-memory 16GiB on an 80 GiB GPU: the allocator may hold a fifth of it; no budget lifts it."""
+    fractions: list[float] = []
+    properties = types.SimpleNamespace(total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: fractions.append(f))
+    for budget in (16 * 2**30, 200 * 2**30, None):
+        cap_allocator(torch.device("cuda"), budget)
+    assert fractions == [0.2, 1.0, 1.0]
