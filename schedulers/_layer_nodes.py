@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 
 import structlog
+from attrs import evolve
 
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import ConfigError
@@ -90,6 +91,23 @@ def offloaded_kv_attention(
     attn = f.node(Op.GPU_ATTN, gpu, layer, mb, deps=[pre.id, kv_load])
     store = f.node(Op.KV_STORE, Lane.GPU_D2H, layer, mb, deps=[attn.id])
     return [pre, attn, store, f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id])]
+
+
+def kv_transfer(
+    f: NodeFactory,
+    op: Op,
+    layer: int,
+    mb: MicroBatchShape,
+    deps: Sequence[int | None],
+    gpu_share: float,
+    pageable: bool = False,
+) -> TaskNode:
+    """KV_LOAD (h2d) or KV_STORE (d2h) of a micro-batch's cache layer whose `gpu_share` stays on the GPU
+    (the policy's kv_gpu_share): only the rest crosses the link. A real run keeps the whole cache
+    on the CPU then (its copies move all of it); the share prices the simulated copy."""
+    lane = Lane.GPU_H2D if op is Op.KV_LOAD else Lane.GPU_D2H
+    node = f.node(op, lane, layer, mb, deps=deps, pageable=pageable)
+    return evolve(node, bytes=round(node.bytes * (1.0 - gpu_share))) if gpu_share else node
 
 
 def layer_tail(

@@ -61,7 +61,9 @@ from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, Sche
 from flowmoe.schedulers._layer_nodes import (
     check_placement,
     embeddings,
+    gpu_attention,
     kept_per_layer,
+    kv_transfer,
     layer_tail,
     lm_heads,
     moe_layers,
@@ -84,6 +86,8 @@ class CGOPipeScheduler:
         self.context = context
         spec, policy = context.spec, context.policy
         check_placement(self.name, policy, attention=("cpu", "gpu"))
+        self.gpu_attention = policy.attention_on == "gpu"
+        self.kv_share = policy.kv_gpu_share if self.gpu_attention else 0.0  # CPU attention: cache on the CPU
         split = kept_per_layer(spec, context.popularity, policy.weights_gpu_share)
         self.moe = moe_layers(spec)
         self.resident = {m: sorted(kept) for m, (kept, _) in split.items()}  # experts kept on the GPU
@@ -100,7 +104,8 @@ class CGOPipeScheduler:
         return 2 * widest * self.context.spec.expert_bytes
 
     def kv_on_gpu(self) -> bool:
-        return False
+        """GPU attention with all of the cache on the GPU; else the cache's home is the CPU."""
+        return self.gpu_attention and self.kv_share == 1.0
 
     def plan(self, step: StepShape) -> PlanStream:
         return _Plan(self, step).run()
@@ -124,7 +129,8 @@ class _Plan:
         if self._paged_at(0):
             yield from self._stage(0, 0, 1)
             yield from self._pages(0, 0, 1)
-        yield from (self._prefill() if self.step.prefill else self._decode())
+        gpu_pass = self.step.prefill or self.s.gpu_attention
+        yield from (self._gpu_attention_pass() if gpu_pass else self._decode())
         yield from lm_heads(self.f, self.step, self.last)
 
     def _decode(self) -> PlanStream:
@@ -149,18 +155,25 @@ class _Plan:
             if k + ahead < len(slots):
                 yield from self._cpu_attention(slots[k + ahead])
 
-    def _prefill(self) -> PlanStream:
-        """All on the GPU, layer by layer (zig-zag): the cache layer in, GPU attention, this step's
-        k, v back to the CPU; a chunk of the next layer's weights with each micro-batch."""
-        mbs = self.step.micro_batches
+    def _gpu_attention_pass(self) -> PlanStream:
+        """Attention on the GPU, layer by layer (zig-zag): each micro-batch's cache layer in (but the
+        GPU's share), attention, this step's k, v back; a chunk of the next layer's weights after
+        each cache load, so on h2d the next micro-batch's cache goes ahead of the weights."""
+        mbs, share, kv_gpu = self.step.micro_batches, self.s.kv_share, self.s.kv_on_gpu()
         for layer in range(self.spec.layers):
             for mb in mbs:
-                kv = self.f.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb)
-                yield kv
+                kv = None if kv_gpu else kv_transfer(self.f, Op.KV_LOAD, layer, mb, (), share)
+                if kv is not None:
+                    yield kv
                 if self._paged_at(layer + 1):
                     yield from self._stage(layer + 1, mb.index, len(mbs))
                     yield from self._pages(layer + 1, mb.index, len(mbs))
-                attention = offloaded_kv_attention(self.f, layer, mb, self.last[mb.index], kv.id)
+                if kv is None:
+                    attention = gpu_attention(self.f, layer, mb, self.last[mb.index])
+                else:
+                    attention = offloaded_kv_attention(self.f, layer, mb, self.last[mb.index], kv.id)
+                    store = kv_transfer(self.f, Op.KV_STORE, layer, mb, attention[2].deps, share)
+                    attention[2] = store
                 yield from attention
                 yield from self._ffn(layer, mb, attention[-1].id)
             if self._paged_at(layer):

@@ -13,13 +13,17 @@ overlapping"), iteration (layer j, micro-batch k):
     compute(j, k)
     synchronize()
 
-Here: the KV cache lives on the CPU (`kv_on_gpu` False) and so do the
-activations between layers (FlexGen's policy with the cache and activations on
-the CPU, `--percent x y 0 100 0 100`): each micro-batch's residual stream goes
-to the CPU after its layer (ACT_STORE, d2h) and comes back before the next
-(ACT_LOAD, h2d). The I/O of iteration (j, k) is the next layer's weights (at
-k = 0), the stores of (j, k - 1) and the loads of the next iteration's cache
-layer and activations; `synchronize()` is a barrier: every node of iteration
+Here the activations between layers live on the CPU (FlexGen's `--percent
+... 0 100`): each micro-batch's residual stream goes to the CPU after its layer
+(ACT_STORE, d2h) and comes back before the next (ACT_LOAD, h2d). So does the KV
+cache, but for `kv_gpu_share` of it (FlexGen's cache GPU percent): only the
+rest of a cache layer crosses the link (all of it on the GPU: no cache
+transfers at all, `kv_on_gpu`; a real run keeps a partly shared cache wholly
+on the CPU, the share prices the simulated copies).
+
+The I/O of iteration (j, k) is the next layer's weights (at k = 0), the
+stores of (j, k - 1) and the loads of the next iteration's cache layer and
+activations; `synchronize()` is a barrier: every node of iteration
 (j, k), its compute and its I/O alike, finishes before anything of iteration
 (j, k + 1) starts, so I/O overlaps only the compute issued with it; the
 iteration's last node carries `sync`, which the cost model charges the
@@ -68,6 +72,7 @@ from flowmoe.schedulers._layer_nodes import (
     copied_experts,
     embeddings,
     evict_experts,
+    kv_transfer,
     layer_tail,
     lm_heads,
     two_layers_bytes,
@@ -86,6 +91,7 @@ class FlexGenScheduler:
         spec = context.spec
         check_placement(self.name, context.policy, attention=("gpu", "cpu"))
         self.cpu_attention = context.policy.attention_on == "cpu"
+        self.kv_share = 0.0 if self.cpu_attention else context.policy.kv_gpu_share  # cache kept on the GPU
         self.resident_per_layer = int(context.policy.weights_gpu_share * spec.moe.experts + 1e-9)
 
     def offloaded(self, layer: int) -> range:
@@ -113,7 +119,8 @@ class FlexGenScheduler:
         )
 
     def kv_on_gpu(self) -> bool:
-        return False
+        """FlexGen with all of the cache on the GPU (--percent x y 100 0 ...); else its home is the CPU."""
+        return self.kv_share == 1.0
 
     def plan(self, step: StepShape) -> PlanStream:
         return _Block(self, step).run()
@@ -140,7 +147,7 @@ class _Block:
         f, mbs, layers = self.f, self.step.micro_batches, self.spec.layers
         nodes, self.last = embeddings(f, self.step)
         yield from map(self._emit, nodes)
-        if self.s.cpu_attention is False:
+        if self._loads_cache():
             yield self._emit(self._kv_load(*self.order[0]))
         self.copies[0] = yield from self._copy(0)
         for i, (layer, mb) in enumerate(self.order):
@@ -156,7 +163,7 @@ class _Block:
             if i >= 1:  # store_activation(j, k - 1), store_cache(j, k - 1)
                 yield from self._stores(*self.order[i - 1])
             ahead = self.order[i + 1] if i + 1 < len(self.order) else None
-            if ahead is not None and not self.s.cpu_attention:  # load_cache(j, k + 1)
+            if ahead is not None and self._loads_cache():  # load_cache(j, k + 1)
                 yield self._emit(self._kv_load(*ahead))
             if self._act_load_ready(layer, mb):  # load_activation(j, k), if its store was too late
                 yield self._act_load(layer, mb)
@@ -182,8 +189,12 @@ class _Block:
             yield node
         return copies
 
+    def _loads_cache(self) -> bool:
+        """GPU attention over a cache whose home (or part of it) is the CPU."""
+        return not self.s.cpu_attention and not self.s.kv_on_gpu()
+
     def _kv_load(self, layer: int, mb: MicroBatchShape) -> TaskNode:
-        node = self.f.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb, deps=self.barrier, pageable=True)
+        node = kv_transfer(self.f, Op.KV_LOAD, layer, mb, self.barrier, self.s.kv_share, pageable=True)
         self.kv[(layer, mb.index)] = node.id
         return node
 
@@ -203,7 +214,9 @@ class _Block:
         key = (layer, mb.index)
         if key in self.attn:
             deps = [self.attn.pop(key), *self.barrier]
-            yield self._emit(self.f.node(Op.KV_STORE, Lane.GPU_D2H, layer, mb, deps=deps, pageable=True))
+            yield self._emit(
+                kv_transfer(self.f, Op.KV_STORE, layer, mb, deps, self.s.kv_share, pageable=True)
+            )
         if layer + 1 < self.spec.layers:  # the last layer's output stays for the LM head
             deps = [self.last[mb.index], *self.barrier]
             node = self._emit(self.f.node(Op.ACT_STORE, Lane.GPU_D2H, layer, mb, deps=deps))
@@ -225,8 +238,9 @@ class _Block:
             yield from (qkv, attn, back)
             post = self._emit(f.node(Op.POST_ATTN, gpu, layer, mb, deps=[back.id]))
         else:
-            attn = self._emit(f.node(Op.GPU_ATTN, gpu, layer, mb, deps=[pre.id, self.kv.pop(key)]))
-            self.attn[key] = attn.id
+            attn = self._emit(f.node(Op.GPU_ATTN, gpu, layer, mb, deps=[pre.id, self.kv.pop(key, None)]))
+            if self._loads_cache():
+                self.attn[key] = attn.id
             yield attn
             post = self._emit(f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id]))
         yield post

@@ -25,8 +25,12 @@ TINY_CONFIG = {
 }  # fmt: skip
 GOLDEN_POLICY = Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.0, page_bytes=8192)
 # where the common policy would hide what a scheduler does: lru-cache with one 2-way index (layer 0
-# cached, layer 1 on the CPU)
-GOLDEN_POLICIES = {"lru-cache": evolve(GOLDEN_POLICY, expert_cache_slots=2, cache_ways=2)}
+# cached, layer 1 on the CPU), cgopipe with CPU attention, flexgen with its cache on the CPU
+GOLDEN_POLICIES = {
+    "lru-cache": evolve(GOLDEN_POLICY, expert_cache_slots=2, cache_ways=2),
+    "cgopipe": evolve(GOLDEN_POLICY, attention_on="cpu"),  # Algorithm 1's CPU attention
+    "flexgen": evolve(GOLDEN_POLICY, kv_gpu_share=0.0),  # the cache on the CPU, loaded per micro-batch
+}
 
 
 def golden_steps() -> list[StepShape]:

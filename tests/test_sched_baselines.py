@@ -191,7 +191,15 @@ def test_flexgen_zig_zag_overlaps_cache_loads_and_next_layer_weights_with_comput
     computes for longer than the next layer's weights take to copy, FlexGen's design point."""
     steps = [prefill(8, 1024)]
     routes = {(layer, 0): (0, 6) for layer in range(3)} | {(layer, 1): (3, 7) for layer in range(3)}
-    sched, spans = run("flexgen", steps, routes, weights_gpu_share=0.75, micro_batch_size=8, micro_batches=2)
+    sched, spans = run(
+        "flexgen",
+        steps,
+        routes,
+        weights_gpu_share=0.75,
+        kv_gpu_share=0.0,
+        micro_batch_size=8,
+        micro_batches=2,
+    )
     assert not sched.kv_on_gpu()
     assert sched.residency().experts == {(layer, e) for layer in range(3) for e in range(6)}
     order = [(layer, mb) for layer in range(3) for mb in (0, 1)]  # the zig-zag: layer outer, mb inner
@@ -215,7 +223,7 @@ def test_flexgen_zig_zag_overlaps_cache_loads_and_next_layer_weights_with_comput
 def test_flexgen_with_nothing_resident_copies_whole_layers_and_keeps_the_kv_cache_on_the_cpu() -> None:
     steps = [prefill(2, 64, micro_batches=3), decode(2, 64, micro_batches=3)]
     routes = {(layer, mb): (mb, 7) for layer in range(3) for mb in range(3)}
-    sched, spans = run("flexgen", steps, routes, weights_gpu_share=0.0, micro_batches=3)
+    sched, spans = run("flexgen", steps, routes, weights_gpu_share=0.0, kv_gpu_share=0.0, micro_batches=3)
     assert sched.residency().experts == frozenset()
     assert len(of(spans, Op.PAGE_COPY)) == 2 * 3 * E
     assert len(of(spans, Op.KV_LOAD)) == len(of(spans, Op.KV_STORE)) == 2 * 3 * 3
@@ -240,8 +248,8 @@ def test_flexgen_synchronises_once_per_layer_and_micro_batch(attention: str) -> 
     every node of iteration (j, k) has finished; the I/O of an iteration overlaps its compute."""
     steps = [decode(4, 512, micro_batches=3)]
     routes = {(layer, mb): (mb, 7) for layer in range(3) for mb in range(3)}
-    sched, spans = run("flexgen", steps, routes, weights_gpu_share=0.5, micro_batch_size=4, micro_batches=3,
-                       attention_on=attention)  # fmt: skip
+    policy = {"weights_gpu_share": 0.5, "kv_gpu_share": 0.0, "micro_batch_size": 4, "micro_batches": 3}
+    sched, spans = run("flexgen", steps, routes, attention_on=attention, **policy)
     assert not sched.kv_on_gpu()
     groups = iterations(spans)
     assert len(groups) == 3 * 3
@@ -258,6 +266,24 @@ def test_flexgen_synchronises_once_per_layer_and_micro_batch(attention: str) -> 
     else:
         assert len(of(spans, Op.GPU_ATTN)) == len(of(spans, Op.KV_LOAD)) == len(of(spans, Op.KV_STORE)) == 9
         assert all(s.node.pageable for s in [*of(spans, Op.KV_LOAD), *of(spans, Op.KV_STORE)])
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_flexgen_keeps_the_kv_gpu_share_of_the_cache_on_the_gpu(share: float) -> None:
+    """FlexGen's cache GPU percent: only the CPU's share of a cache layer crosses the link (pageable);
+    with all of it on the GPU there are no cache transfers at all."""
+    steps = [decode(4, 512, micro_batches=2)]
+    routes = {(layer, mb): (mb, 7) for layer in range(3) for mb in range(2)}
+    policy = {"weights_gpu_share": 0.5, "micro_batch_size": 4, "micro_batches": 2}
+    sched, spans = run("flexgen", steps, routes, kv_gpu_share=share, **policy)
+    moved = [*of(spans, Op.KV_LOAD), *of(spans, Op.KV_STORE)]
+    assert sched.kv_on_gpu() == (share == 1.0) and len(of(spans, Op.GPU_ATTN)) == 6
+    if share == 1.0:
+        assert not moved
+    else:
+        full = NodeFactory(SPEC).node(Op.KV_LOAD, Lane.GPU_H2D, 0, steps[0].micro_batches[0]).bytes
+        assert len(moved) == 12 and all(s.node.pageable for s in moved)
+        assert all(s.node.bytes == round(full * share) for s in of(spans, Op.KV_LOAD))
 
 
 @pytest.mark.parametrize(
@@ -401,7 +427,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.parametrize("name", MINE)
 def test_too_small_a_budget_fails_the_memory_check_with_what_it_needs(tiny_model, name: str) -> None:
-    policy = Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.0)
+    kv_share = 0.0 if name == "flexgen" else 1.0  # flexgen: the whole cache on the CPU
+    policy = Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.0, kv_gpu_share=kv_share)
     runtime = Runtime.create(tiny_model, name, policy, device="cpu")
     try:
         need = runtime.check_memory(4, 64, 32)

@@ -86,8 +86,13 @@ def reference(model):
 CHEAP_CPU = evolve(hardware("t4"), name="cheap-cpu", h2d_bandwidth=1e7, cpu_launch=1e-6)
 MBS = {"micro_batch_size": 2, "micro_batches": 3}
 OFFLOADED = {  # case -> scheduler, policy, hardware its latency model prices work on (None: default)
-    "cgopipe": ("cgopipe", Policy(**MBS, weights_gpu_share=0.25, page_bytes=4096), None),
-    "cgopipe-chunks": ("cgopipe", Policy(**MBS, weights_gpu_share=0.25, page_bytes=2**30), None),
+    "cgopipe": ("cgopipe", Policy(**MBS, attention_on="cpu", weights_gpu_share=0.25, page_bytes=4096), None),
+    "cgopipe-chunks": (
+        "cgopipe",
+        Policy(**MBS, attention_on="cpu", weights_gpu_share=0.25, page_bytes=2**30),
+        None,
+    ),
+    "cgopipe-gpu-attention": ("cgopipe", Policy(**MBS, weights_gpu_share=0.25, kv_gpu_share=0.0), None),
     "klotski": ("klotski", Policy(**MBS, weights_gpu_share=0.0, hot_experts=2), None),
     "fiddler-copies": ("fiddler", Policy(**MBS, weights_gpu_share=0.25), None),
     "fiddler-cpu": ("fiddler", Policy(**MBS, weights_gpu_share=0.25), CHEAP_CPU),
@@ -167,7 +172,9 @@ def test_cgopipe_pages_of_several_experts_make_one_copy_per_chunk() -> None:
 def test_cgopipe_stages_pageable_weights_on_the_cpu_after_each_slots_attention() -> None:
     """Algorithm 1 with weights not pinned: W_CTOPIN(i + 1, j) on the CPU after CPUATTN(i, j), and each
     page's W_PINTOG after its staging copy; with pinned weights there is no staging at all."""
-    policy = Policy(micro_batch_size=64, micro_batches=4, weights_gpu_share=0.5, page_bytes=2**30)
+    policy = Policy(
+        micro_batch_size=64, micro_batches=4, attention_on="cpu", weights_gpu_share=0.5, page_bytes=2**30
+    )
     step = decode_step(4, 64, 512)
     pinned = simulate(scheduler("cgopipe", MIXTRAL, policy), [step], uniform_trace(MIXTRAL, [step]), T4)
     assert not spans_of(pinned, Op.W_STAGE)
@@ -185,8 +192,23 @@ def test_cgopipe_stages_pageable_weights_on_the_cpu_after_each_slots_attention()
             assert cpu[at + 1].op is Op.W_STAGE and cpu[at + 1].layer == layer + 1
 
 
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_cgopipe_with_gpu_attention_loads_the_cpu_share_of_each_cache_layer(share: float) -> None:
+    """The HRM policy's other attention placement: GPU attention, the cache layer of each micro-batch
+    loaded (but the `kv_gpu_share` the GPU keeps) ahead of the chunk of weights issued with it."""
+    policy = Policy(micro_batch_size=64, micro_batches=4, weights_gpu_share=0.5, kv_gpu_share=share)
+    step = decode_step(4, 64, 512)
+    sched = scheduler("cgopipe", MIXTRAL, policy)
+    spans = simulate(sched, [step], uniform_trace(MIXTRAL, [step]), T4)
+    assert not spans_of(spans, Op.CPU_ATTN) and len(spans_of(spans, Op.GPU_ATTN)) == 16
+    loads = spans_of(spans, Op.KV_LOAD)
+    assert sched.kv_on_gpu() == (share == 1.0) and len(loads) == (0 if share == 1.0 else 16)
+    full = NodeFactory(MIXTRAL).node(Op.KV_LOAD, Lane.GPU_H2D, 0, step.micro_batches[0]).bytes
+    assert all(s.node.bytes == round(full * (1 - share)) for s in loads)
+
+
 def test_cgopipe_prefills_on_the_gpu_with_the_kv_cache_sent_to_the_cpu() -> None:
-    policy = Policy(micro_batch_size=4, micro_batches=2, weights_gpu_share=0.5)
+    policy = Policy(micro_batch_size=4, micro_batches=2, attention_on="cpu", weights_gpu_share=0.5)
     prompt = tuple(MicroBatchShape.from_lengths(i, [64] * 4, [0] * 4) for i in range(2))
     step = StepShape(0, True, prompt)
     spans = simulate(scheduler("cgopipe", MIXTRAL, policy), [step], uniform_trace(MIXTRAL, [step]), T4)
