@@ -1,7 +1,9 @@
 """`cgopipe`: MoE-Lightning's CPU-GPU-I/O pipeline (Cao et al., ASPLOS '25, §4 and §4.1, Algorithm 1).
 
-Decode (§4.1, Algorithm 1): attention runs on the CPU next to the KV cache. For
-each (layer i, micro-batch j) slot in order the launcher issues
+Decode with `--attention-on cpu` (§4.1, Algorithm 1, the placement the paper's
+performance model picks in its memory-constrained settings): attention runs on
+the CPU next to the KV cache. For each (layer i, micro-batch j) slot in order
+the launcher issues
 
     LOADH(i, j)            the attention output of j back to the GPU (h2d)
     W_PINTOG(i + 1, j)     chunk j of the next layer's paged weights (h2d)
@@ -11,16 +13,21 @@ each (layer i, micro-batch j) slot in order the launcher issues
     CPUATTN(i, j + 2)      and its attention on the CPU
 
 so on the h2d lane the hidden load of j goes ahead of the weight chunk issued
-with it, and the CPU attention of j + 2 runs while the GPU computes the FFN of
-j. Slots run on across layers (j + 2 past the last micro-batch is the next
-layer's first ones), which is what the prologue (PREATTN..CPUATTN of the first
-two slots) starts.
+with it, and on the GPU the pre-attention of j + 2 follows the FFN of j, so the
+CPU attention of j + 2 runs while the GPU computes j + 1. Slots run on across
+layers (j + 2 past the last micro-batch is the next layer's first ones), which
+is what the prologue (PREATTN..CPUATTN of the first two slots) starts.
 
 Prefill (§4: "for the prefill stage, we perform all the computation on GPU and
-offload KV cache to CPU"): the FlexGen zig-zag order on the GPU: per layer and
-micro-batch the (empty) cache layer is brought in, attention runs on the GPU
-and this step's k, v go back to the CPU (KV_STORE); the next layer's weight
-chunks are issued one per micro-batch as in decode.
+offload KV cache to CPU"), and decode with `--attention-on gpu` (the HRM
+policy's other placement, §4.2; the paper notes CPU attention is "consistently
+better" where memory is short): the FlexGen zig-zag order on the GPU. Per
+layer and micro-batch the cache layer is brought in (KV_LOAD, but for the
+`kv_gpu_share` the GPU keeps; empty in a prefill), then that micro-batch's
+chunk of the next layer's weights, so on h2d each cache load goes ahead of the
+weights issued with it; attention runs on the GPU and this step's k, v go back
+to the CPU (KV_STORE). With `kv_gpu_share` 1 the whole cache lives on the GPU
+and nothing of it moves.
 
 Weights (§4.1 "weights paging"): `weights_gpu_share` of each layer's experts
 stay resident (the most popular by the profile, else the lowest ids); the rest
@@ -44,10 +51,10 @@ simulation of the paper's system) that copy is a W_STAGE node on cpu.compute,
 competing with the CPU attention; flowmoe's own runtime pins the experts' CPU
 copies once at start-up, so real runs go pinned -> GPU directly.
 
-Deviations: Decode attention is always on the CPU (CGOPipe is defined with CPU
-attention, §4.1; GPU attention with the KV cache prefetched is FlexGen's
-schedule S4, `flexgen`), so `--attention-on` selects nothing here;
-`--ffn-on cpu` is refused. Micro-batches come as the engine forms them
+Deviations: `--ffn-on cpu` is refused (every expert FFN runs on the GPU, as in
+Algorithm 1). A partly shared cache (0 < `kv_gpu_share` < 1) is priced in
+simulation by the share that crosses the link; a real run keeps such a cache
+wholly on the CPU. Micro-batches come as the engine forms them
 (MoE-Lightning's balanced request batching lives there).
 """
 
@@ -78,8 +85,8 @@ Page = tuple[tuple[int, ...], int]  # (experts, page index within the expert or 
 class CGOPipeScheduler:
     name: ClassVar[str] = "cgopipe"
     summary: ClassVar[str] = (
-        "MoE-Lightning CGOPipe: decode attention on the CPU 2 micro-batches ahead, each hidden load then "
-        "a chunk of the next layer's weights; prefill on the GPU"
+        "MoE-Lightning CGOPipe: with --attention-on cpu, attention on the CPU 2 micro-batches ahead, each "
+        "hidden load then a chunk of the next layer's weights; prefill (and --attention-on gpu) on the GPU"
     )
 
     def __init__(self, context: SchedulerContext) -> None:
