@@ -45,8 +45,9 @@ Every routed expert's FFN runs on the GPU (`--ffn-on cpu` is refused: FlexGen
 computes every layer on the GPU).
 
 Deviations: FlexGen issues weight and cache loads on separate CUDA streams
-over one link; flowmoe has one `gpu.h2d` lane, where the cache load goes first
-(the next micro-batch waits for it) and the weights after it. FlexGen's
+over one link; flowmoe has one `gpu.h2d` lane, which runs them in Algorithm 1's
+order (the weights, then the cache); since every iteration ends in the
+barrier, the order within an iteration does not move its end. FlexGen's
 wrap-around prefetch of the next step's layer 0 has no counterpart, since a
 plan covers one step; layer 0's weights are copied at the step's start. In a
 prefill step KV_LOAD brings an empty cache layer (no bytes cross the link).
