@@ -83,8 +83,8 @@ from flowmoe.schedulers._layer_nodes import (
 class FlexGenScheduler:
     name: ClassVar[str] = "flexgen"
     summary: ClassVar[str] = (
-        "FlexGen zig-zag block schedule: KV cache and activations on the CPU, loaded a micro-batch "
-        "ahead, one synchronisation per (layer, micro-batch); --attention-on cpu is FlexGen(c)"
+        "FlexGen zig-zag block schedule: activations and the CPU share of the KV cache loaded a "
+        "micro-batch ahead, one synchronisation per (layer, micro-batch); --attention-on cpu is FlexGen(c)"
     )
 
     def __init__(self, context: SchedulerContext) -> None:
