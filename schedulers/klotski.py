@@ -148,22 +148,21 @@ class KlotskiScheduler:
         n = self.group_size(step)
         nodes, last = embeddings(self.context.factory, step)
         yield from nodes
-        mbs = step.micro_batches
+        mbs, freed = step.micro_batches, []  # every dense EVICT of the step, in order
         for start in range(0, len(mbs), n):
-            yield from _Group(self, mbs[start : start + n], last).run()
+            yield from _Group(self, mbs[start : start + n], last, freed).run()
         yield from lm_heads(self.context.factory, step, last)
 
 
 class _Group:
     """One group of micro-batches through every layer."""
 
-    def __init__(self, s: KlotskiScheduler, group: Group, last: dict[int, int]) -> None:
-        self.s, self.group, self.last = s, group, last
+    def __init__(self, s: KlotskiScheduler, group: Group, last: dict[int, int], freed: list[int]) -> None:
+        self.s, self.group, self.last, self.freed = s, group, last, freed
         self.f, self.spec = s.context.factory, s.context.spec
         self.copies: dict[int, int] = {}  # expert of the current layer -> its PAGE_COPY
         self.hot: list[int] = []
         self.dense: dict[int, int] = {}  # layer -> PAGE_COPY of its dense part
-        self.freed: dict[int, int] = {}  # layer -> EVICT of its dense part
         self.kv: dict[tuple[int, int], int] = {}  # (layer, mb) -> KV_LOAD
 
     def run(self) -> PlanStream:
@@ -183,13 +182,16 @@ class _Group:
                 self.last[mb.index] = tail[-1].id
                 combines.append(tail[-1].id)
             evict = self.f.node(Op.EVICT, Lane.GPU_COMPUTE, layer, deps=combines)
-            self.freed[layer] = evict.id
+            self.freed.append(evict.id)
             yield evict
 
     def _next_layer(self, layer: int) -> Iterator[TaskNode]:
-        """Lines 4 and 6: the layer's dense weights (into the buffer of layer - 2) and its first
-        batch's cache."""
-        copy = self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, deps=[self.freed.get(layer - 2)])
+        """Lines 4 and 6: the layer's dense weights and its first batch's cache. The dense buffer holds
+        two layers: the copy waits for the eviction before the layer in use (during layer l, that of
+        l - 1; at a group's start, before the previous group's last layer, that of the one before it)."""
+        back = 2 if layer == 0 else 1
+        room = self.freed[-back] if len(self.freed) >= back else None
+        copy = self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, deps=[room])
         self.dense[layer] = copy.id
         yield copy
         yield self._kv_load(layer, self.group[0])

@@ -342,6 +342,27 @@ def test_klotski_loads_the_next_batch_cache_while_this_one_computes_and_pages_at
     )
 
 
+def test_klotski_holds_two_layers_of_attention_weights_across_groups() -> None:
+    """Four groups of one micro-batch each pass through every layer: a layer's dense copy waits for
+    the eviction that frees its buffer, so at most two layers' dense parts are ever on the GPU."""
+    policy = Policy(micro_batch_size=16, micro_batches=4, weights_gpu_share=0.0, group_size=1)
+    step = decode_step(4, 16, 256)
+    spans = simulate(
+        scheduler("klotski", MIXTRAL, policy, cost=T4), [step], shifting_trace(MIXTRAL, step), T4
+    )
+    events = [(s.start, 1) for s in spans_of(spans, Op.PAGE_COPY) if s.node.expert < 0]
+    events += [(s.end, -1) for s in spans_of(spans, Op.EVICT) if s.node.expert < 0]
+    held = peak = 0
+    for _, change in sorted(events):  # an eviction and a copy at the same instant: the eviction first
+        held += change
+        peak = max(peak, held)
+    assert len(events) == 2 * 4 * MIXTRAL.layers and peak == 2
+    ids = {s.node.id: s.node for s in spans}
+    copies = sorted((s.node for s in spans_of(spans, Op.PAGE_COPY) if s.node.expert < 0), key=lambda n: n.id)
+    for copy in copies[2:]:  # every copy but the first two waits for a dense eviction
+        assert any(ids[d].op is Op.EVICT and ids[d].expert < 0 for d in copy.deps), copy.label
+
+
 def test_klotski_refuses_cpu_placements() -> None:
     with pytest.raises(ConfigError, match=r"^scheduler klotski does not support --attention-on cpu "):
         scheduler("klotski", MIXTRAL, Policy(attention_on="cpu"))
