@@ -27,6 +27,7 @@ from flowmoe.study.simulate import Setup, Simulation
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 COUNTS = (1, 8)  # micro-batches per batch tried when not given (8: Klotski's released default)
 SHARES = tuple(i / 20 for i in range(20, -1, -1))  # resident weight shares tried, largest first
+KV_SHARES = (1.0, 0.0)  # the KV cache on the GPU, or in host memory where the scheduler can keep it there
 PER_GROUP = 2  # fitting batch sizes simulated per (placement, micro-batch count)
 
 
@@ -133,20 +134,27 @@ def _candidates(setup: Setup, given: Given) -> Iterator[Policy]:
         for ffn in (given.ffn_on,) if given.ffn_on else ("gpu",):
             for count in (given.micro_batches,) if given.micro_batches else COUNTS:
                 for n in _batches(given, count):
-                    base = Policy(max(1, n // count), count, attention, ffn, kv_gpu_share=1.0)
-                    yield from (given.apply(evolve(base, weights_gpu_share=s)) for s in _shares(given))
+                    for kv in (given.kv_gpu_share,) if given.kv_gpu_share is not None else KV_SHARES:
+                        base = Policy(max(1, n // count), count, attention, ffn, kv_gpu_share=kv)
+                        yield from (given.apply(evolve(base, weights_gpu_share=s)) for s in _shares(given))
 
 
 def _planned(setup: Setup, given: Given) -> Iterator[Policy]:
-    """The HRM plan's best policy per placement, within the given placements and batch size."""
+    """The HRM plan's best policy per placement, within the given placements and batch size, then
+    again with N capped at half the last plan's, and so on: the plan does not know each scheduler's
+    own memory accounting, so its smaller plans are the next candidates where its best does not fit."""
     attention: Sequence[Place] = (given.attention_on,) if given.attention_on else ("gpu", "cpu")
     ffn: Sequence[Place] = (given.ffn_on,) if given.ffn_on else ("gpu", "cpu")
-    try:
-        plan = search(setup.spec, setup.hardware, setup.workload, attention, ffn,
-                      max_batch=given.batch_size or given.max_batch or 8192)  # fmt: skip
-    except FlowmoeError:
-        return
-    yield from (given.apply(c.policy) for c in plan.per_placement)
+    cap = given.batch_size or given.max_batch or 8192
+    while cap >= 1:
+        try:
+            plan = search(setup.spec, setup.hardware, setup.workload, attention, ffn, max_batch=cap)
+        except FlowmoeError:
+            return
+        yield from (given.apply(c.policy) for c in plan.per_placement)
+        if given.batch_size is not None:
+            return
+        cap = plan.best.policy.batch_size // 2
 
 
 def _batches(given: Given, count: int) -> list[int]:
