@@ -4,6 +4,8 @@ Opening a checkpoint reads only the shard headers and checks every tensor the
 model needs (present, right shape, floating dtype) before any weight is read,
 so a bad checkpoint fails at once with one line naming the file and tensor.
 Weights are then read lazily, a layer at a time, straight from the mapped files.
+An FP8 checkpoint (flowmoe/model/fp8.py) has its F8_E4M3 tensors' block scales checked up
+front too, and each is dequantized into the model's dtype as its layer is read.
 
 The index (`model.safetensors.index.json`) may only name files inside the folder,
 judged by their spelling (no absolute path, no `..`); the files themselves may be
@@ -27,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 from flowmoe.core.errors import CheckpointError
 from flowmoe.core.jsonfile import os_reason, read_json_object
 from flowmoe.core.spec import ModelSpec
+from flowmoe.model.fp8 import FP8_DTYPE, SCALE_DTYPES, FP8Format, dequantize, scale_name
 from flowmoe.model.shard_header import TensorInfo, read_header
 from flowmoe.model.tensor_map import Shape, TensorMap
 
@@ -46,6 +49,7 @@ class Checkpoint:
     _info: dict[str, TensorInfo] = field(factory=dict)  # tensor name -> dtype and shape
     _handles: dict[Path, Any] = field(factory=dict)
     _stack: ExitStack = field(factory=ExitStack)
+    fp8: FP8Format | None = None  # config.json's fp8 quantization_config, if any
 
     @classmethod
     def open(cls, folder: str | Path, dtype: str | None = None) -> Checkpoint:
@@ -54,7 +58,9 @@ class Checkpoint:
         spec = ModelSpec.from_hf(folder)
         if dtype is not None:
             spec = spec.with_dtype(dtype)
-        ckpt = cls(folder, spec, TORCH_DTYPES[spec.dtype])
+        config = folder / "config.json"
+        fp8 = FP8Format.from_config(read_json_object(config, CheckpointError), str(config))
+        ckpt = cls(folder, spec, TORCH_DTYPES[spec.dtype], fp8=fp8)
         try:
             ckpt._locate(ckpt._weight_map())
             ckpt.validate()
@@ -132,6 +138,9 @@ class Checkpoint:
     def get(self, name: str, shape: Shape) -> torch.Tensor:
         self._check(name, shape)
         tensor = self._handles[self._where[name]].get_tensor(name)
+        if self.fp8 is not None and self._info[name].dtype == FP8_DTYPE:  # dequantized per tensor on load
+            scales = self._handles[self._where[scale_name(name)]].get_tensor(scale_name(name))
+            return dequantize(tensor, scales, self.fp8.block, self.dtype).contiguous()
         return tensor.to(self.dtype).contiguous()
 
     # ---- validation
@@ -144,9 +153,41 @@ class Checkpoint:
             raise CheckpointError(
                 f"{shard}: tensor {name} has shape {list(info.shape)}, expected {list(shape)}"
             )
-        if info.dtype not in FLOAT_DTYPES:
+        if info.dtype == FP8_DTYPE:
+            self._check_fp8(name, info.shape)
+        elif info.dtype not in FLOAT_DTYPES:
             raise CheckpointError(
                 f"{shard}: tensor {name} has dtype {info.dtype}, expected one of F32, F16, BF16"
+                + (" or F8_E4M3 with block scales" if self.fp8 is not None else "")
+            )
+
+    def _check_fp8(self, name: str, shape: Shape) -> None:
+        """An F8_E4M3 tensor needs the config's fp8 quantization and its block scales."""
+        shard, scales = self._where[name], scale_name(name)
+        if self.fp8 is None:
+            raise CheckpointError(
+                f"{shard}: tensor {name} is F8_E4M3, but {self.folder / 'config.json'} has no "
+                f'"quantization_config" of quant_method "fp8"'
+            )
+        if not self.fp8.converted(name):
+            raise CheckpointError(
+                f"{shard}: tensor {name} is F8_E4M3, but its module is in "
+                "quantization_config.modules_to_not_convert"
+            )
+        if scales not in self._where:
+            raise CheckpointError(
+                f"{shard}: tensor {scales} (the block scales of FP8 tensor {name}) is missing"
+            )
+        info, want = self._info[scales], self.fp8.scale_shape(shape)
+        if info.shape != want:
+            raise CheckpointError(
+                f"{self._where[scales]}: tensor {scales} has shape {list(info.shape)}, expected {list(want)} "
+                f"(one scale per {self.fp8.block[0]}x{self.fp8.block[1]} block of {name} {list(shape)})"
+            )
+        if info.dtype not in SCALE_DTYPES:
+            raise CheckpointError(
+                f"{self._where[scales]}: tensor {scales} has dtype {info.dtype}, expected one of "
+                f"{', '.join(SCALE_DTYPES)}"
             )
 
     def expected(self) -> Iterator[tuple[str, Shape]]:

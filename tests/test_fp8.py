@@ -1,0 +1,240 @@
+"""FP8 checkpoints in the DeepSeek-V3 / Qwen3-FP8 release layout load dequantized, exactly as plain
+torch dequantizes them, and every scheduler gives eager's tokens on them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from flowmoe.cli import main
+from flowmoe.core.errors import CheckpointError
+from flowmoe.kernels.layout import TokenLayout
+from flowmoe.model.checkpoint import Checkpoint
+from flowmoe.model.loading import load_model
+from flowmoe.model.moe_model import MoEModel
+from tests.helpers import rel_err
+from tests.hf_models import COMMON, hf_model, save_hf
+from tests.schedule_fixtures import run_eager, run_scheduler
+
+BLOCK = 128
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+QUANT = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [BLOCK, BLOCK],
+         "activation_scheme": "dynamic", "modules_to_not_convert": ["lm_head", "mlp.gate"]}  # fmt: skip
+# Qwen3-MoE wide enough for several 128-blocks with partial ones at both edges: hidden 160 and
+# q 4 x 40 = 160 ([2, 2] grids), kv 2 x 40 = 80 (one partial row block), experts [136, 160] and
+# [160, 136]; Mixtral's tiny shapes are each one partial block.
+WIDE = {**COMMON, "hidden_size": 160, "head_dim": 40, "num_hidden_layers": 2, "intermediate_size": 80,
+        "moe_intermediate_size": 136, "num_experts": 6, "num_experts_per_tok": 2,
+        "norm_topk_prob": True}  # fmt: skip
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, C] -> (float8_e4m3fn [R, C], float32 scale_inv [ceil(R/128), ceil(C/128)]), block by block
+    (max |w| of the block maps to 448), the ragged edge blocks included."""
+    rows, cols = weight.shape
+    grid = (-(-rows // BLOCK), -(-cols // BLOCK))
+    q, scales = torch.empty(rows, cols, dtype=torch.float8_e4m3fn), torch.ones(grid)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            block = weight[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK].float()
+            amax = float(block.abs().max())
+            scales[i, j] = amax / FP8_MAX if amax > 0 else 1.0
+            q[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK] = (
+                (block / scales[i, j]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            )
+    return q, scales
+
+
+def plain_dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The reference: every block's float32 values times its scale, one block at a time."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            rows, cols = slice(i * BLOCK, (i + 1) * BLOCK), slice(j * BLOCK, (j + 1) * BLOCK)
+            out[rows, cols] = q[rows, cols].float() * scales[i, j]
+    return out
+
+
+def quantized(name: str, tensor: torch.Tensor) -> bool:
+    """The release's choice: every linear weight of a layer but the router."""
+    return tensor.ndim == 2 and name.startswith("model.layers.") and not name.endswith("mlp.gate.weight")
+
+
+def write_pair(model, fp8_folder: Path, ref_folder: Path, quant: dict[str, Any] = QUANT) -> None:
+    """The model as an FP8 checkpoint, and the same weights dequantized by plain torch (float32),
+    both in the per-expert layout `save_pretrained` writes (the releases' layout)."""
+    plain = save_hf(model, fp8_folder.parent / "saved")
+    with safe_open(str(plain / "model.safetensors"), "pt") as f:
+        state = {name: f.get_tensor(name).float() for name in f.keys()}  # noqa: SIM118 (safe_open)
+    fp8_state, ref_state = {}, {}
+    for name, tensor in state.items():
+        if quantized(name, tensor):
+            q, scales = quantize(tensor)
+            fp8_state[name], fp8_state[f"{name}_scale_inv"] = q, scales
+            ref_state[name] = plain_dequantize(q, scales)
+        else:
+            fp8_state[name] = ref_state[name] = tensor
+    config = json.loads((plain / "config.json").read_text())
+    for folder, tensors, extra in (
+        (fp8_folder, fp8_state, {"quantization_config": quant}),
+        (ref_folder, ref_state, {}),
+    ):
+        folder.mkdir(parents=True)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps({**config, **extra}, default=str))
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**WIDE)).eval()
+    root = tmp_path_factory.mktemp("fp8")
+    write_pair(hf, root / "fp8", root / "ref")
+    return root / "fp8", root / "ref"
+
+
+def _logits(model: MoEModel, ids: torch.Tensor) -> torch.Tensor:
+    """Prefill logits of every position: ids [B, L] -> [B * L, V]."""
+    batch, length = ids.shape
+    cache = model.new_cache(batch, length)
+    layout = TokenLayout(tuple(range(batch)), (length,) * batch, (0,) * batch)
+    with torch.inference_mode():
+        return model.forward(ids.reshape(-1), cache, layout, all_rows=True)
+
+
+def test_dequantize_matches_plain_torch_on_ragged_blocks() -> None:
+    from flowmoe.model.fp8 import dequantize
+
+    torch.manual_seed(1)
+    for shape in ((136, 160), (300, 129), (80, 160), (48, 64)):
+        q, scales = quantize(torch.randn(shape))
+        assert torch.equal(dequantize(q, scales, (BLOCK, BLOCK), torch.float32), plain_dequantize(q, scales))
+
+
+def test_wide_fp8_checkpoint_equals_plain_torch_dequantization(wide: tuple[Path, Path]) -> None:
+    import transformers
+
+    fp8, ref = wide
+    with safe_open(str(fp8 / "model.safetensors"), "pt") as f:  # the layout really is the release's
+        assert f.get_tensor("model.layers.0.mlp.experts.0.gate_proj.weight").dtype == torch.float8_e4m3fn
+        assert f.get_slice("model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv").get_shape() == [2, 2]
+        assert f.get_slice("model.layers.0.self_attn.k_proj.weight_scale_inv").get_shape() == [1, 2]
+    ours, plain = load_model(fp8), load_model(ref)
+    for a, b in zip(ours.weights.layers, plain.weights.layers, strict=True):
+        assert torch.equal(a.attn.qkv, b.attn.qkv)
+        assert all(torch.equal(x.gate_up, y.gate_up) and torch.equal(x.down, y.down)
+                   for x, y in zip(a.experts, b.experts, strict=True))  # fmt: skip
+    ids = torch.randint(3, COMMON["vocab_size"], (2, 7))
+    logits = _logits(ours, ids)
+    assert rel_err(logits, _logits(plain, ids)) <= 1e-5
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = hf(ids).logits.reshape(-1, COMMON["vocab_size"])
+    assert rel_err(logits, reference) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def mixtral_fp8(tmp_path_factory: pytest.TempPathFactory) -> MoEModel:
+    root = tmp_path_factory.mktemp("fp8-mixtral")
+    write_pair(hf_model("mixtral"), root / "fp8", root / "ref")
+    return load_model(root / "fp8")
+
+
+@pytest.fixture(scope="module")
+def eager_reference(mixtral_fp8: MoEModel):
+    return run_eager(mixtral_fp8)
+
+
+@pytest.mark.parametrize("name", ["eager", "cgopipe", "lru-cache", "fiddler"])
+def test_schedulers_give_eager_tokens_on_fp8(mixtral_fp8: MoEModel, eager_reference, name: str) -> None:
+    (results, logits), _ = run_scheduler(mixtral_fp8, name)
+    ref_results, ref_logits = eager_reference
+    assert [r.output_ids for r in results] == [r.output_ids for r in ref_results]
+    for ours, ref in zip(logits, ref_logits, strict=True):
+        assert all(rel_err(a, b) <= 1e-5 for a, b in zip(ours, ref, strict=True))
+
+
+def _edit(folder: Path, config: dict[str, Any] | None = None, drop: str = "", reshape: str = "") -> Path:
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    if drop or reshape:
+        file = folder / "model.safetensors"
+        with safe_open(str(file), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys() if k != drop}  # noqa: SIM118
+        if reshape:
+            tensors[reshape] = torch.ones(1, 1)
+        save_file(tensors, str(file))
+    return folder
+
+
+BAD_QUANT = [
+    ({"quant_method": "gptq"}, '"quantization_config.quant_method" must be "fp8"'),
+    ({"fmt": "e5m2"}, '"quantization_config.fmt" must be "e4m3"'),
+    ({"weight_block_size": [128]}, '"quantization_config.weight_block_size" must be two positive integers'),
+    (
+        {"weight_block_size": [0, 128]},
+        '"quantization_config.weight_block_size" must be two positive integers',
+    ),
+    ({"activation_scheme": "static"}, '"quantization_config.activation_scheme" must be "dynamic"'),
+    (
+        {"modules_to_not_convert": ["model.layers.0.self_attn"]},
+        "is in quantization_config.modules_to_not_convert",
+    ),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), BAD_QUANT)
+def test_bad_quantization_config_is_named(wide, tmp_path: Path, change: dict[str, Any], message: str) -> None:
+    folder = _copy(wide[0], tmp_path / "ckpt")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {**QUANT, **change}
+    with pytest.raises(CheckpointError, match=_escaped(message)):
+        Checkpoint.open(_edit(folder, config))
+
+
+def test_bad_scales_are_named(wide, tmp_path: Path) -> None:
+    missing = "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"
+    with pytest.raises(CheckpointError, match=f"tensor {_escaped(missing)} .*is missing"):
+        Checkpoint.open(_edit(_copy(wide[0], tmp_path / "a"), drop=missing))
+    wrong = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    with pytest.raises(
+        CheckpointError, match=f"tensor {_escaped(wrong)} has shape \\[1, 1\\], expected \\[2, 2\\]"
+    ):
+        Checkpoint.open(_edit(_copy(wide[0], tmp_path / "b"), reshape=wrong))
+    config = json.loads((wide[0] / "config.json").read_text())
+    del config["quantization_config"]
+    with pytest.raises(CheckpointError, match=r'is F8_E4M3, but .* has no "quantization_config"'):
+        Checkpoint.open(_edit(_copy(wide[0], tmp_path / "c"), config))
+
+
+def test_cli_bad_fp8_checkpoint_is_one_line_exit_2(
+    wide, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    folder = _edit(_copy(wide[0], tmp_path / "ckpt"), drop="model.layers.0.self_attn.q_proj.weight_scale_inv")
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text('{"id": 1, "input_ids": [5, 6, 7]}\n')
+    code = main(["run", "--model", str(folder), "--prompts", str(prompts), "--output", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and not out.exists()
+    assert err[0].startswith("flowmoe: error: ") and "q_proj.weight_scale_inv" in err[0]
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for file in src.iterdir():
+        (dst / file.name).write_bytes(file.read_bytes())
+    return dst
+
+
+def _escaped(text: str) -> str:
+    import re
+
+    return re.escape(text)
