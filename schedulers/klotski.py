@@ -58,6 +58,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import ClassVar
 
+from attrs import define, field
+
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import (
     MicroBatchShape,
@@ -102,6 +104,28 @@ class KlotskiScheduler:
         self.offloaded = offloaded
         self.table = CorrelationTable.seeded(self.moe, spec.moe.experts, context.popularity)
         self._cost = latency_model(context, self.name)
+        self.on_disk = self._disk_layers(context.host_weight_bytes)
+
+    def _disk_layers(self, host: int | None) -> frozenset[int]:
+        """§6.1's disk tier: the last layers, as few as leave the rest of the offloaded weights and a
+        buffer of two disk layers within `host` bytes of host memory. None when it all fits, and none
+        when not even that fits (the host-memory check then refuses the run)."""
+        spec = self.context.spec
+        experts = self.offloaded * spec.expert_bytes
+        sizes = [
+            spec.layer_dense_bytes(layer) + (experts if layer in self.moe else 0)
+            for layer in range(spec.layers)
+        ]
+        if host is None or sum(sizes) <= host:
+            return frozenset()
+        for first in range(spec.layers - 1, -1, -1):  # layers first.. on disk
+            if sum(sizes[:first]) + 2 * max(sizes[first:]) <= host:
+                return frozenset(range(first, spec.layers))
+        return frozenset()
+
+    def disk_tier(self) -> bool:
+        """Whether weights the host memory cannot hold are read from disk (DISK_LOAD on disk.read)."""
+        return bool(self.on_disk)
 
     def residency(self) -> Residency:
         experts = frozenset((m, e) for m, kept in self.resident.items() for e in kept)
@@ -148,27 +172,41 @@ class KlotskiScheduler:
         n = self.group_size(step)
         nodes, last = embeddings(self.context.factory, step)
         yield from nodes
-        mbs, freed = step.micro_batches, []  # every dense EVICT of the step, in order
+        mbs, evicted = step.micro_batches, _Evicted()
         for start in range(0, len(mbs), n):
-            yield from _Group(self, mbs[start : start + n], last, freed).run()
+            yield from _Group(self, mbs[start : start + n], last, evicted).run()
         yield from lm_heads(self.context.factory, step, last)
+
+
+@define
+class _Evicted:
+    """A step's evictions, shared by its groups: every dense EVICT in order (the dense buffer), those
+    of disk-homed layers and the disk reads so far (the host buffer of disk layers)."""
+
+    dense: list[int] = field(factory=list)
+    disk: list[int] = field(factory=list)
+    reads: int = 0
 
 
 class _Group:
     """One group of micro-batches through every layer."""
 
-    def __init__(self, s: KlotskiScheduler, group: Group, last: dict[int, int], freed: list[int]) -> None:
-        self.s, self.group, self.last, self.freed = s, group, last, freed
+    def __init__(self, s: KlotskiScheduler, group: Group, last: dict[int, int], evicted: _Evicted) -> None:
+        self.s, self.group, self.last, self.evicted = s, group, last, evicted
+        self.freed = evicted.dense
         self.f, self.spec = s.context.factory, s.context.spec
         self.copies: dict[int, int] = {}  # expert of the current layer -> its PAGE_COPY
         self.hot: list[int] = []
         self.dense: dict[int, int] = {}  # layer -> PAGE_COPY of its dense part
         self.kv: dict[tuple[int, int], int] = {}  # (layer, mb) -> KV_LOAD
+        self.read: dict[int, int] = {}  # layer -> DISK_LOAD of its weights (disk-homed layers)
 
     def run(self) -> PlanStream:
         routing: list[ExpertCounts] = []
+        yield from self._disk_load(0)
         yield from self._next_layer(0)
         for layer in range(self.spec.layers):
+            yield from self._disk_load(layer + 1)
             posts, gates = yield from self._attention(layer, routing)
             outputs: dict[int, list[int]] = {mb.index: [] for mb in self.group}
             if self.spec.is_moe_layer(layer):
@@ -183,7 +221,21 @@ class _Group:
                 combines.append(tail[-1].id)
             evict = self.f.node(Op.EVICT, Lane.GPU_COMPUTE, layer, deps=combines)
             self.freed.append(evict.id)
+            if layer in self.s.on_disk:
+                self.evicted.disk.append(evict.id)
             yield evict
+
+    def _disk_load(self, layer: int) -> Iterator[TaskNode]:
+        """§6.1: a disk-homed layer read into host memory a layer ahead, into a buffer of two such
+        layers (after the layer two reads back has left the GPU's dense buffer, its last reader)."""
+        if layer not in self.s.on_disk:
+            return
+        reads, freed = self.evicted.reads, self.evicted.disk
+        room = freed[reads - 2] if reads >= 2 and len(freed) >= reads - 1 else None
+        node = self.f.node(Op.DISK_LOAD, Lane.DISK_READ, layer, deps=[room])
+        self.evicted.reads += 1
+        self.read[layer] = node.id
+        yield node
 
     def _next_layer(self, layer: int) -> Iterator[TaskNode]:
         """Lines 4 and 6: the layer's dense weights and its first batch's cache. The dense buffer holds
@@ -191,7 +243,7 @@ class _Group:
         l - 1; at a group's start, before the previous group's last layer, that of the one before it)."""
         back = 2 if layer == 0 else 1
         room = self.freed[-back] if len(self.freed) >= back else None
-        copy = self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, deps=[room])
+        copy = self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, deps=[room, self.read.get(layer)])
         self.dense[layer] = copy.id
         yield copy
         yield self._kv_load(layer, self.group[0])
@@ -277,6 +329,8 @@ class _Group:
         return self.hot
 
     def _copy(self, layer: int, expert: int, after: int | None) -> TaskNode:
-        node = self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=expert, deps=[after])
+        node = self.f.node(
+            Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=expert, deps=[after, self.read.get(layer)]
+        )
         self.copies[expert] = node.id
         return node

@@ -363,6 +363,28 @@ def test_klotski_holds_two_layers_of_attention_weights_across_groups() -> None:
         assert any(ids[d].op is Op.EVICT and ids[d].expert < 0 for d in copy.deps), copy.label
 
 
+def test_klotski_reads_the_layers_host_memory_cannot_hold_from_disk() -> None:
+    """§6.1's disk tier: host memory for 3.5 of the 4 layers' offloaded weights keeps layer 0 and two
+    buffers of disk layers, so layers 1-3 are read from disk every pass (a layer ahead, on disk.read),
+    and each of their copies to the GPU waits for the read."""
+    policy = Policy(micro_batch_size=16, micro_batches=2, weights_gpu_share=0.0, group_size=1)
+    layer = MIXTRAL.layer_dense_bytes(0) + MIXTRAL.layer_expert_bytes(0)
+    host = 4 * layer - layer // 2
+    step = decode_step(2, 16, 256)
+    klotski = scheduler("klotski", MIXTRAL, policy, cost=T4, host_weight_bytes=host)
+    assert klotski.disk_tier() and klotski.on_disk == {1, 2, 3}
+    spans = simulate(klotski, [step], shifting_trace(MIXTRAL, step), T4)
+    reads = spans_of(spans, Op.DISK_LOAD)
+    assert [(s.node.layer, s.node.lane) for s in reads] == [(n, Lane.DISK_READ) for n in (1, 2, 3)] * 2
+    ids = {s.node.id: s for s in spans}
+    for copy in spans_of(spans, Op.PAGE_COPY):
+        read = [ids[d] for d in copy.node.deps if ids[d].node.op is Op.DISK_LOAD]
+        assert (copy.node.layer >= 1) == bool(read)
+        assert all(r.node.layer == copy.node.layer and r.end <= copy.start + 1e-12 for r in read)
+    assert not scheduler("klotski", MIXTRAL, policy, cost=T4).disk_tier()
+    assert not scheduler("klotski", MIXTRAL, policy, cost=T4, host_weight_bytes=layer).disk_tier()
+
+
 def test_klotski_refuses_cpu_placements() -> None:
     with pytest.raises(ConfigError, match=r"^scheduler klotski does not support --attention-on cpu "):
         scheduler("klotski", MIXTRAL, Policy(attention_on="cpu"))

@@ -49,6 +49,7 @@ class Op(StrEnum):
     EXPERT_LOAD = "expert_load"  # a CPU expert's output back to the GPU
     SHARED_FFN = "shared_ffn"  # shared expert, or the dense MLP of a dense layer
     COMBINE = "combine"  # residual + weighted expert outputs
+    DISK_LOAD = "disk_load"  # a layer's host-homed weights: disk -> CPU memory (simulated only)
     W_STAGE = "w_stage"  # a weight page: pageable CPU memory -> pinned buffer (CPU memcpy; simulated only)
     PAGE_COPY = "page_copy"  # weights: CPU (pinned) -> GPU; expert -1 = a layer's dense weights
     EVICT = "evict"  # free a GPU weight buffer

@@ -150,7 +150,10 @@ class Simulation:
     def _scheduler(self, name: str, popularity: tuple[tuple[float, ...], ...] | None) -> Scheduler:
         setup = self.setup
         cost = RooflineCost(setup.hardware, setup.spec)
-        context = SchedulerContext(setup.spec, self.policy, NodeFactory(setup.spec), cost, popularity)
+        host = setup.hardware.cpu_memory - self._kv_slots() * setup.spec.kv_bytes_per_token  # weights' share
+        factory = NodeFactory(setup.spec, expert_format=self.policy.expert_format)
+        context = SchedulerContext(setup.spec, self.policy, factory, cost, popularity,
+                                   host_weight_bytes=host)  # fmt: skip
         return create(name, context)
 
     def _base(self, name: str, need: MemoryNeed) -> SimulationResult:
@@ -209,7 +212,8 @@ class Simulation:
         """The host-memory refusal (weights off the GPU + the CPU-side KV cache), or None: it fits."""
         spec = self.setup.spec
         kv = 0 if scheduler.kv_on_gpu() else self._kv_slots() * spec.kv_bytes_per_token
-        why = host_need(spec, scheduler.residency(), kv).refusal(self.setup.hardware, "this policy")
+        disk = getattr(scheduler, "disk_tier", lambda: False)()  # a schedule that reads weights from disk
+        why = host_need(spec, scheduler.residency(), kv).refusal(self.setup.hardware, "this policy", disk)
         return None if why is None else evolve(base, error=why)
 
     def _memory(self, scheduler: Scheduler) -> MemoryNeed:
