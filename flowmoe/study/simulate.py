@@ -151,8 +151,7 @@ class Simulation:
         setup = self.setup
         cost = RooflineCost(setup.hardware, setup.spec)
         host = setup.hardware.cpu_memory - self._kv_slots() * setup.spec.kv_bytes_per_token  # weights' share
-        factory = NodeFactory(setup.spec, expert_format=self.policy.expert_format)
-        context = SchedulerContext(setup.spec, self.policy, factory, cost, popularity,
+        context = SchedulerContext(setup.spec, self.policy, NodeFactory(setup.spec), cost, popularity,
                                    host_weight_bytes=host)  # fmt: skip
         return create(name, context)
 
