@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from attrs import evolve
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -238,3 +239,54 @@ def _escaped(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def test_fp8_copy_prices_a_byte_per_weight_plus_scales_and_a_dequantization() -> None:
+    from flowmoe.core.cost import RooflineCost
+    from flowmoe.core.hardware import hardware
+    from flowmoe.core.plan import Lane, Op
+    from flowmoe.core.presets import preset
+    from flowmoe.core.scheduling import NodeFactory, fp8_expert_bytes
+
+    spec = preset("mixtral-8x7b", layers=2, dtype="bfloat16")  # expert [14336, 4096] x 2 + [4096, 14336]
+    params = 3 * 4096 * 14336
+    assert fp8_expert_bytes(spec) == params + 4 * 3 * 112 * 32
+    native, fp8 = NodeFactory(spec), NodeFactory(spec, expert_format="fp8")
+    copy = fp8.node(Op.PAGE_COPY, Lane.GPU_H2D, 0, expert=1)
+    assert (copy.bytes, copy.flops) == (fp8_expert_bytes(spec), params)
+    pages = [fp8.node(Op.PAGE_COPY, Lane.GPU_H2D, 0, expert=1, part=p, parts=3) for p in range(3)]
+    assert sum(p.bytes for p in pages) == copy.bytes and sum(p.flops for p in pages) == params
+    assert fp8.node(Op.PAGE_COPY, Lane.GPU_H2D, 0, expert=1, more=(2,)).bytes == 2 * copy.bytes
+    for op in (Op.EVICT, Op.PAGE_COPY):  # the GPU holds dequantized experts; dense parts are not FP8
+        expert = 1 if op is Op.EVICT else -1
+        assert (
+            fp8.node(op, Lane.GPU_H2D, 0, expert=expert).bytes
+            == native.node(op, Lane.GPU_H2D, 0, expert=expert).bytes
+        )
+    cost = RooflineCost(hardware("h100"), spec)
+    slow = cost(native.node(Op.PAGE_COPY, Lane.GPU_H2D, 0, expert=1))
+    fast = cost(copy)
+    link_only = cost.fixed(Lane.GPU_H2D, Op.PAGE_COPY) + cost.transfer_seconds(Lane.GPU_H2D, copy.bytes)
+    assert fast > link_only and fast - link_only == pytest.approx(cost.dequant_seconds(copy))
+    assert 0.45 < fast / slow < 0.55
+
+
+def test_simulation_moves_half_the_bytes_with_fp8_experts() -> None:
+    from flowmoe.core.hardware import hardware
+    from flowmoe.core.policy import Policy
+    from flowmoe.core.presets import preset
+    from flowmoe.core.synthetic_routing import RoutingModel
+    from flowmoe.core.workloads import workload
+    from flowmoe.study.simulate import Setup, Simulation
+
+    spec = preset("mixtral-8x7b", layers=2, dtype="bfloat16")
+    policy = Policy(micro_batch_size=4, micro_batches=2, weights_gpu_share=0.0)
+    h2d = {}
+    for form in ("native", "fp8"):
+        setup = Setup(spec, hardware("h100"), workload("mtbench").with_gen_len(3),
+                      evolve(policy, expert_format=form), RoutingModel(seed=1), decode_samples=1)  # fmt: skip
+        result = Simulation(setup).run("cgopipe")
+        assert result.error is None
+        h2d[form] = next(lane for lane in result.lanes if lane.lane == "gpu.h2d")
+    assert 0.45 < h2d["fp8"].bytes / h2d["native"].bytes < 0.55
+    assert h2d["fp8"].busy_seconds < h2d["native"].busy_seconds

@@ -154,3 +154,9 @@ def size_flag(n: int) -> str:
         if n >= size and n % size == 0:
             return f"{n // size}{unit}"
     return f"{n}B"
+
+
+EXPERT_FORMAT_HELP = (
+    "how offloaded experts cross the link: native (the model's dtype) or fp8 (an FP8 checkpoint's "
+    "e4m3 values and block scales, dequantized on the GPU after the copy: half the bytes of bf16)"
+)

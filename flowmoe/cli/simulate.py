@@ -20,12 +20,12 @@ import uvloop
 from attrs import evolve
 from rich.table import Table
 
-from flowmoe.cli.args import BYTES, FRACTION, NON_NEGATIVE_INT, PAGE_SIZE, POSITIVE_INT
+from flowmoe.cli.args import BYTES, EXPERT_FORMAT_HELP, FRACTION, NON_NEGATIVE_INT, PAGE_SIZE, POSITIVE_INT
 from flowmoe.cli.plan import add_setup_flags, spec_from, workload_from
 from flowmoe.cli.ui import console, out
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import hardware
-from flowmoe.core.policy import Policy, parse_bytes
+from flowmoe.core.policy import EXPERT_FORMATS, Policy, parse_bytes
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.synthetic_routing import RoutingModel
@@ -68,6 +68,7 @@ def _flags(parser: argparse.ArgumentParser) -> None:
     policy.add_argument("--weights-gpu-share", type=FRACTION, help="share of experts kept on the GPU")
     policy.add_argument("--kv-gpu-share", type=FRACTION, help="share of the KV cache kept on the GPU")
     policy.add_argument("--gpu-memory", type=BYTES, help="GPU memory budget (default: the hardware's)")
+    policy.add_argument("--expert-format", choices=EXPERT_FORMATS, help=EXPERT_FORMAT_HELP)
     knobs = parser.add_argument_group("scheduler knobs (as `flowmoe run` takes them)")
     knobs.add_argument(
         "--expert-cache-slots", type=POSITIVE_INT, help="lru-cache: experts the GPU cache holds"
@@ -100,7 +101,7 @@ def given_from(args: argparse.Namespace) -> Given:
     return Given(
         args.batch_size, args.micro_batches, args.attention_on, args.ffn_on, args.weights_gpu_share,
         args.kv_gpu_share, args.expert_cache_slots, args.cache_ways, args.group_size, args.hot_experts,
-        args.page_size, args.gpu_memory, args.cpu_threads,
+        args.page_size, args.gpu_memory, args.cpu_threads, expert_format=args.expert_format,
     )  # fmt: skip
 
 

@@ -3,7 +3,8 @@
 GPU compute takes max(flops / (peak x GEMM efficiency at the node's rows), bytes / sustained
 memory bandwidth); CPU compute takes max(flops / sustained flop/s, bytes / sustained GEMM or
 attention bandwidth). Copies take bytes / the pinned or, for a node the scheduler marks
-`pageable`, the pageable bandwidth. Every node adds its lane's launch cost, and a node the
+`pageable`, the pageable bandwidth; an FP8 expert's copy (Policy.expert_format) adds its
+dequantization on the GPU. Every node adds its lane's launch cost, and a node the
 scheduler marks `sync` (the host waits on it) adds the synchronisation cost. With several GPUs
 run tensor parallel each GPU computes and copies its share (weights, heads and KV split across
 them, each GPU over its own link) and the O projection and the MoE combine end in a ring
@@ -70,7 +71,15 @@ class RooflineCost:
             if node.lane is Lane.GPU_COMPUTE and node.op in ALL_REDUCED:
                 seconds += self.all_reduce_seconds(node.rows)
             return fixed + seconds
-        return fixed + self.transfer_seconds(node.lane, node.bytes, node.pageable)
+        copy = self.transfer_seconds(node.lane, node.bytes, node.pageable)
+        return fixed + copy + self.dequant_seconds(node)
+
+    def dequant_seconds(self, node: TaskNode) -> float:
+        """A copy with flops is an FP8 expert dequantized on the GPU as it arrives, on the copy's own
+        stream: one multiply per weight, reading the FP8 page and writing the weights' dtype."""
+        if node.flops == 0 or node.lane is not Lane.GPU_H2D:
+            return 0.0
+        return self.compute_seconds("gpu", node.flops, node.bytes + node.flops * self.dtype_bytes)
 
     def fixed(self, lane: Lane, op: Op) -> float:
         """The fixed cost of one node: measured for this op, else the lane's launch cost."""

@@ -9,6 +9,8 @@ from attrs import field, frozen
 from flowmoe.core.errors import ConfigError
 
 Place = Literal["gpu", "cpu"]
+ExpertFormat = Literal["native", "fp8"]
+EXPERT_FORMATS: tuple[ExpertFormat, ...] = ("native", "fp8")
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
          "gb": 10**9, "tb": 10**12, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}  # fmt: skip
@@ -47,6 +49,9 @@ class Policy:
     page_bytes: int = 16 * 2**20  # CGOPipe weight page size
     gpu_memory: int | None = None  # bytes; None = unlimited
     cpu_threads: int | None = None
+    # how host-side experts cross the link: "native" in the model's dtype, or "fp8" (an FP8
+    # checkpoint's e4m3 values + block scales, dequantized on the GPU after the copy)
+    expert_format: ExpertFormat = "native"
 
     @weights_gpu_share.validator
     @kv_gpu_share.validator
@@ -59,6 +64,10 @@ class Policy:
             raise ConfigError("micro-batch size and count must be at least 1")
         if self.page_bytes < 1:
             raise ConfigError(f"page size must be positive, got {self.page_bytes}")
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ConfigError(
+                f"expert format must be one of {', '.join(EXPERT_FORMATS)}, got {self.expert_format!r}"
+            )
 
     @property
     def batch_size(self) -> int:

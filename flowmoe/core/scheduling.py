@@ -17,10 +17,20 @@ from typing import ClassVar, Protocol
 from attrs import define, field, frozen
 
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
-from flowmoe.core.policy import Policy
+from flowmoe.core.policy import ExpertFormat, Policy
 from flowmoe.core.spec import ModelSpec
 
 PlanStream = Generator[TaskNode | RoutingRequest, ExpertCounts | None, None]
+FP8_BLOCK = (128, 128)  # weight_block_size of the DeepSeek-V3, Kimi K2 and Qwen3-FP8 releases
+
+
+def fp8_expert_bytes(spec: ModelSpec, block: tuple[int, int] = FP8_BLOCK) -> int:
+    """One routed expert as an FP8 checkpoint stores it: a byte per weight of its three projections
+    (gate and up [I, hidden], down [hidden, I]), a float32 scale per block of each (the edge
+    blocks partial), and its biases, if any, in the model's dtype."""
+    h, i = spec.hidden, spec.moe.intermediate
+    scales = 2 * -(-i // block[0]) * -(-h // block[1]) + -(-h // block[0]) * -(-i // block[1])
+    return 3 * h * i + 4 * scales + (spec.expert_params - 3 * h * i) * spec.dtype_bytes
 
 
 @frozen
@@ -121,6 +131,7 @@ class NodeFactory:
 
     spec: ModelSpec
     _ids: itertools.count = field(factory=itertools.count)
+    expert_format: ExpertFormat = "native"  # the policy's: how an expert's PAGE_COPY crosses the link
 
     def node(
         self,
@@ -146,7 +157,8 @@ class NodeFactory:
         n_bytes, flops = self._cost(op, layer, mb, expert, tokens)
         if part >= 0:
             n_bytes = n_bytes * (part + 1) // parts - n_bytes * part // parts
-        n_bytes *= 1 + len(more)
+            flops = flops * (part + 1) // parts - flops * part // parts
+        n_bytes, flops = n_bytes * (1 + len(more)), flops * (1 + len(more))
         index = mb.index if mb else -1
         rows = 0 if flops == 0 else (mb.sequences if op is Op.LM_HEAD and mb else tokens if tokens is not None
                                      else mb.tokens if mb else 0)  # fmt: skip
@@ -159,7 +171,10 @@ class NodeFactory:
         """-> (bytes moved or read, flops): weights read once, activations per token."""
         s, a, b = self.spec, self.spec.attention, self.spec.dtype_bytes
         t = mb.tokens if mb else 0
-        q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+        q, kv, out = a.q_width, a.kv_width, a.out_width
+        if op in (Op.PAGE_COPY, Op.W_STAGE) and expert >= 0 and self.expert_format == "fp8":
+            fp8 = fp8_expert_bytes(s)  # a copy's flops: the multiply per weight of its dequantization
+            return (fp8, 3 * s.hidden * s.moe.intermediate) if op is Op.PAGE_COPY else (2 * fp8, 0)
         if op in (Op.PAGE_COPY, Op.EVICT):
             return (s.expert_bytes if expert >= 0 else s.layer_dense_bytes(layer)), 0
         if op is Op.DISK_LOAD:  # a whole layer's weights
@@ -172,7 +187,7 @@ class NodeFactory:
             return 3 * s.hidden * inter * b + 2 * n * s.hidden * b, 6 * n * s.hidden * inter
         if op in (Op.CPU_ATTN, Op.GPU_ATTN):
             kv_tokens, attended = (mb.kv_tokens, mb.attended) if mb else (0, 0)
-            return kv_tokens * 2 * kv * b + 2 * t * q * b, 4 * attended * q
+            return kv_tokens * 2 * kv * b + t * (q + out) * b, attended * a.pair_flops()
         if op in (Op.KV_LOAD, Op.KV_STORE):  # load: the tokens cached before this step; store: its new ones
             cached = (mb.kv_tokens - t if mb else 0) if op is Op.KV_LOAD else t
             return cached * 2 * kv * b, 0
@@ -180,19 +195,19 @@ class NodeFactory:
             rows = mb.sequences if mb else 0
             return s.vocab * s.hidden * b + rows * s.hidden * b, 2 * rows * s.hidden * s.vocab
         params = {
-            Op.PRE_ATTN: s.hidden * (q + 2 * kv),
-            Op.POST_ATTN: q * s.hidden,
+            Op.PRE_ATTN: a.pre_params(s.hidden),
+            Op.POST_ATTN: out * s.hidden,
             Op.GATE: s.moe.experts * s.hidden,
             Op.PREGATE: s.moe.experts * s.hidden,
         }.get(op, 0)
         activations = {
             Op.EMBED: s.hidden,
             Op.PRE_ATTN: s.hidden + q + 2 * kv,
-            Op.POST_ATTN: q + 2 * s.hidden,
+            Op.POST_ATTN: out + 2 * s.hidden,
             Op.GATE: s.hidden,
             Op.PREGATE: s.hidden,
             Op.QKV_OFFLOAD: q + 2 * kv,
-            Op.HIDDEN_LOAD: q,
+            Op.HIDDEN_LOAD: out,
             Op.HIDDEN_OFFLOAD: s.hidden,
             Op.ACT_STORE: s.hidden,
             Op.ACT_LOAD: s.hidden,

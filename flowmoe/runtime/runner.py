@@ -92,7 +92,8 @@ class Runtime:
         `record`: keep a trace of every node (what --trace writes); `popularity`: each expert's
         token share per layer (a recorded routing trace's), for schedulers that place by it."""
         policy = policy or Policy()
-        context = SchedulerContext(model.spec, policy, NodeFactory(model.spec), cost, popularity)
+        factory = NodeFactory(model.spec, expert_format=policy.expert_format)
+        context = SchedulerContext(model.spec, policy, factory, cost, popularity)
         plugin = create(scheduler, context)
         devices = Devices.detect(device)
         if devices.cuda:

@@ -19,7 +19,7 @@ from attrs import asdict, evolve, frozen
 
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.memory import gib
-from flowmoe.core.policy import Place, Policy
+from flowmoe.core.policy import ExpertFormat, Place, Policy
 from flowmoe.core.policy_search import search
 from flowmoe.study.sim_report import SimulationResult
 from flowmoe.study.simulate import Setup, Simulation
@@ -49,6 +49,7 @@ class Given:
     gpu_memory: int | None = None
     cpu_threads: int | None = None
     max_batch: int | None = None  # a cap on N where N is not given (e.g. the requests a job has)
+    expert_format: ExpertFormat | None = None
 
     def apply(self, policy: Policy) -> Policy:
         """`policy` with every given field; N and the micro-batch count fix μ = ceil(N / count)."""

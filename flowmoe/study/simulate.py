@@ -151,7 +151,8 @@ class Simulation:
         setup = self.setup
         cost = RooflineCost(setup.hardware, setup.spec)
         host = setup.hardware.cpu_memory - self._kv_slots() * setup.spec.kv_bytes_per_token  # weights' share
-        context = SchedulerContext(setup.spec, self.policy, NodeFactory(setup.spec), cost, popularity,
+        factory = NodeFactory(setup.spec, expert_format=self.policy.expert_format)
+        context = SchedulerContext(setup.spec, self.policy, factory, cost, popularity,
                                    host_weight_bytes=host)  # fmt: skip
         return create(name, context)
 
