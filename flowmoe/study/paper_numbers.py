@@ -82,21 +82,56 @@ KLOTSKI_GROUP = {("Env1", "mixtral-8x7b"): 15, ("Env1", "mixtral-8x22b"): 10, ("
 
 COLLAB = "CPU-GPU collaborative inference with an LRU expert cache (RTX 4090 + Threadripper 7960X)"
 THREADS = (1, 2, 4, 8, 16, 24)
-# Table III: Mixtral-8x7B expert computation time on the CPU (ms) per OMP_NUM_THREADS; GPU 0.25 ms,
-# one expert's copy 28.02 ms. A measurement of the machine, used to describe its CPU per thread count.
-COLLAB_EXPERT_MS = {1: 44.12, 2: 25.53, 4: 18.34, 8: 15.76, 16: 10.96, 24: 7.34}
-# Table IV (CPU + GPU power, W) / Table V (J per token) = tokens/s, Mixtral-8x7B, per thread count.
-COLLAB_POWER = {1: (86.1, 91.6), 2: (91.7, 92.8), 4: (100.3, 101.0), 8: (111.0, 103.4), 16: (133.4, 99.6),
-                24: (147.5, 97.9)}  # fmt: skip
-COLLAB_JOULES = {1: 177.7, 2: 115.3, 4: 95.8, 8: 82.5, 16: 55.5, 24: 51.1}
-COLLAB_PREFETCH = ((92.1, 96.3), 171.3)  # Pre-gated MoE (prefetching), Tables IV and V
-COLLAB_OURS = {t: sum(COLLAB_POWER[t]) / COLLAB_JOULES[t] for t in THREADS}
-COLLAB_PREFETCH_TPS = sum(COLLAB_PREFETCH[0]) / COLLAB_PREFETCH[1]
-COLLAB_OVER_FIDDLER = 1.6  # §IV-B: "surpassing Fiddler by approximately 1.6x" (24 cores)
+
+
+@frozen
+class CollabModel:
+    """One model of the collaborative-inference paper: its measured CPU times and end-to-end figures."""
+
+    expert_ms: dict[int, float]  # Table III: CPU time per OMP_NUM_THREADS (ms); see reproduce.threads_host
+    power: dict[int, tuple[float, float]]  # Table IV: (CPU, GPU) watts of "ours" per thread count
+    joules: dict[int, float]  # Table V: joules per token of "ours" per thread count
+    prefetch: tuple[tuple[float, float], float]  # Tables IV and V: Pre-gated (prefetching) W and J/token
+    over_prefetch: float  # §I / §IV-B: the quoted best speedup over prefetching (24 threads)
+    best: float  # §I / §V: the quoted best tokens/s
+
+    def ours(self, threads: int) -> float:
+        """Tokens/s = power / energy per token (Tables IV and V)."""
+        return sum(self.power[threads]) / self.joules[threads]
+
+    @property
+    def prefetch_tps(self) -> float:
+        return sum(self.prefetch[0]) / self.prefetch[1]
+
+
+COLLAB_MODELS = {
+    "mixtral-8x7b": CollabModel(
+        {1: 44.12, 2: 25.53, 4: 18.34, 8: 15.76, 16: 10.96, 24: 7.34},
+        {1: (86.1, 91.6), 2: (91.7, 92.8), 4: (100.3, 101.0), 8: (111.0, 103.4), 16: (133.4, 99.6),
+         24: (147.5, 97.9)},
+        {1: 177.7, 2: 115.3, 4: 95.8, 8: 82.5, 16: 55.5, 24: 51.1},
+        ((92.1, 96.3), 171.3), 4.4, 4.8),
+    "phi-3.5-moe": CollabModel(
+        {1: 22.73, 2: 12.80, 4: 8.58, 8: 6.39, 16: 3.92, 24: 3.36},
+        {1: (84.4, 97.4), 2: (88.4, 100.7), 4: (92.0, 105.9), 8: (98.4, 109.2), 16: (110.1, 106.0),
+         24: (118.3, 109.2)},
+        {1: 49.1, 2: 33.8, 4: 26.7, 8: 25.9, 16: 22.1, 24: 21.9},
+        ((88.2, 100.7), 78.7), 4.3, 10.4),
+}  # fmt: skip
+COLLAB_OVER_FIDDLER = 1.6  # §IV-B: "surpassing Fiddler by approximately 1.6x" (Mixtral-8x7B, 24 cores)
 COLLAB_29_2_CAP = 2.2  # §IV-B: "(29,2) caps performance at around 2.2 tokens/second" (8-24 cores)
 COLLAB_OVER_CPU_ONLY = (1.15, 1.35)  # §IV-B: "approximately 15% ~ 35%" over CPU only, Mixtral-8x7B
-COLLAB_SLOTS = 56  # §III-B: about 56 Mixtral-8x7B expert slots in 24 GB
-COLLAB_PHI = "Phi-3.5-MoE (Fig. 5b, Tables III-V): flowmoe has no PhiMoE model family, so it is not run"
+COLLAB_SLOTS = 56  # §III-B: about 56 Mixtral-8x7B expert slots in the RTX 4090's 24 GB
+# Phi-3.5-MoE's shapes: huggingface.co/microsoft/Phi-3.5-MoE-instruct config.json (Table II: 41.9B
+# parameters, 32 layers, 16 experts, top-2, 152 MB per expert).
+PHI_CONFIG = {
+    "architectures": ["PhimoeForCausalLM"], "vocab_size": 32064, "hidden_size": 4096,
+    "intermediate_size": 6400, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "num_local_experts": 16, "num_experts_per_tok": 2,
+    "max_position_embeddings": 131072, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+    "hidden_act": "silu", "attention_bias": True, "lm_head_bias": True, "router_jitter_noise": 0.01,
+    "dtype": "bfloat16",
+}  # fmt: skip
 
 PREGATED = "Pre-gated MoE (Hwang et al., ISCA 2024)"
 # §VI-A, Fig. 11: single-request throughput on an A100 (32 GB/s PCIe, §V). Switch-Base = the average
