@@ -23,6 +23,7 @@ from flowmoe.cli.args import (
     FloatRange,
     check_page_size,
 )
+from flowmoe.cli.ray_run import add_ray_flags, run_on_ray
 from flowmoe.cli.simulate import auto_scheduler
 from flowmoe.cli.ui import console, progress, table
 from flowmoe.core.cost import RooflineCost
@@ -76,6 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--layers", type=POSITIVE_INT, help="cut a preset to its first LAYERS layers (%(type)s)")
     run.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     add_policy_flags(run)
+    add_ray_flags(run)
     mode = run.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
     mode.add_argument("--temperature", type=FloatRange(0.0), default=0.0, help="0: greedy (%(type)s)")
@@ -178,6 +180,10 @@ def _run(args: argparse.Namespace) -> int:
     check_output(args.output, args.prompts)  # so does an --output that is not ours, or in use
     sampling = SamplingParams(0.0 if args.greedy else args.temperature, args.top_p, args.top_k, args.seed)
     policy = policy_from(args)
+    if args.ray:  # one job over many replicas (flowmoe/cluster)
+        return run_on_ray(args, sampling, policy)
+    if args.replicas:
+        raise FlowmoeError("--replicas needs --ray ADDRESS (--ray local: this machine's CPUs)")
     source = args.model or str(ensure_builtin())
     model = load_with_progress(source, args.dtype, args.layers)
     check_page_size(policy.page_bytes, model.spec.expert_bytes)
