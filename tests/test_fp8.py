@@ -14,11 +14,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from flowmoe.cli import main
-from flowmoe.core.errors import CheckpointError
+from flowmoe.core.errors import CheckpointError, ConfigError, FlowmoeError
+from flowmoe.core.policy import Policy
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.model.checkpoint import Checkpoint
-from flowmoe.model.loading import load_model
+from flowmoe.model.loading import keep_fp8_experts, load_model
 from flowmoe.model.moe_model import MoEModel
+from flowmoe.runtime.runner import Runtime
 from tests.helpers import rel_err
 from tests.hf_models import COMMON, hf_model, save_hf
 from tests.schedule_fixtures import run_eager, run_scheduler
@@ -143,10 +145,15 @@ def test_wide_fp8_checkpoint_equals_plain_torch_dequantization(wide: tuple[Path,
 
 
 @pytest.fixture(scope="module")
-def mixtral_fp8(tmp_path_factory: pytest.TempPathFactory) -> MoEModel:
+def mixtral_fp8_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("fp8-mixtral")
     write_pair(hf_model("mixtral"), root / "fp8", root / "ref")
-    return load_model(root / "fp8")
+    return root / "fp8"
+
+
+@pytest.fixture(scope="module")
+def mixtral_fp8(mixtral_fp8_folder: Path) -> MoEModel:
+    return load_model(mixtral_fp8_folder)
 
 
 @pytest.fixture(scope="module")
@@ -290,3 +297,42 @@ def test_simulation_moves_half_the_bytes_with_fp8_experts() -> None:
         h2d[form] = next(lane for lane in result.lanes if lane.lane == "gpu.h2d")
     assert 0.45 < h2d["fp8"].bytes / h2d["native"].bytes < 0.55
     assert h2d["fp8"].busy_seconds < h2d["native"].busy_seconds
+
+
+@pytest.mark.parametrize(
+    ("name", "policy"),
+    [
+        (
+            "eager",
+            Policy(micro_batch_size=3, micro_batches=2, expert_format="fp8"),
+        ),  # resident: copied at setup
+        ("cgopipe", Policy(3, 2, weights_gpu_share=0.0, page_bytes=4096, expert_format="fp8")),  # 4 KiB pages
+        (
+            "lru-cache",
+            Policy(3, 2, weights_gpu_share=0.0, expert_cache_slots=4, cache_ways=2, expert_format="fp8"),
+        ),
+    ],
+)
+def test_fp8_experts_cross_and_dequantize_to_eager_tokens(
+    mixtral_fp8: MoEModel, mixtral_fp8_folder: Path, eager_reference, name: str, policy: Policy
+) -> None:
+    keep_fp8_experts(mixtral_fp8, mixtral_fp8_folder)
+    lw = mixtral_fp8.weights.layers[0]
+    assert lw.fp8_experts[0].gate.values.dtype == torch.float8_e4m3fn
+    assert lw.fp8_experts[0].nbytes < lw.experts[0].nbytes / 3  # float32 model: a quarter, plus scales
+    (results, logits), runtime = run_scheduler(mixtral_fp8, name, policy)
+    assert runtime.weights.expert_format == "fp8"
+    ref_results, ref_logits = eager_reference
+    assert [r.output_ids for r in results] == [r.output_ids for r in ref_results]
+    for ours, ref in zip(logits, ref_logits, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True))
+
+
+def test_fp8_expert_format_needs_an_fp8_checkpoint(mixtral_folder: Path) -> None:
+    model = load_model(mixtral_folder)
+    with pytest.raises(ConfigError, match='has no quantization_config of quant_method "fp8"'):
+        keep_fp8_experts(model, mixtral_folder)
+    with pytest.raises(FlowmoeError, match="the experts of layer 0 have no FP8 copies"):
+        Runtime.create(model, "eager", Policy(expert_format="fp8"))
+    with pytest.raises(ConfigError, match="expert format must be one of native, fp8"):
+        Policy(expert_format="int4")  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from flowmoe.cli.args import (
     BYTES,
+    EXPERT_FORMAT_HELP,
     FRACTION,
     NON_NEGATIVE_INT,
     OUTPUT_FILE,
@@ -30,7 +31,7 @@ from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.hardware import hardware
 from flowmoe.core.jsonfile import os_reason
-from flowmoe.core.policy import Policy, parse_bytes
+from flowmoe.core.policy import EXPERT_FORMATS, Policy, parse_bytes
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.synthetic_routing import observed_popularity
 from flowmoe.jobs.job import JobReport, JobSpec, run_job
@@ -38,7 +39,7 @@ from flowmoe.jobs.job import Progress as JobProgress
 from flowmoe.jobs.joblog import check_output
 from flowmoe.jobs.sampling import SamplingParams
 from flowmoe.model.builtin import ensure_builtin
-from flowmoe.model.loading import load_model
+from flowmoe.model.loading import keep_fp8_experts, load_model
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.tokenizer import TextCodec
 from flowmoe.runtime.runner import Runtime
@@ -154,6 +155,7 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
         help="cgopipe: weight page size (%(type)s)",
     )
     group.add_argument("--cpu-threads", type=POSITIVE_INT, help="torch threads per op on the CPU (%(type)s)")
+    group.add_argument("--expert-format", choices=EXPERT_FORMATS, default="native", help=EXPERT_FORMAT_HELP)
 
 
 def policy_from(args: argparse.Namespace) -> Policy:
@@ -171,6 +173,7 @@ def policy_from(args: argparse.Namespace) -> Policy:
         page_bytes=args.page_size,
         gpu_memory=args.gpu_memory,
         cpu_threads=args.cpu_threads,
+        expert_format=args.expert_format,
     )
 
 
@@ -186,6 +189,8 @@ def _run(args: argparse.Namespace) -> int:
         raise FlowmoeError("--replicas needs --ray ADDRESS (--ray local: this machine's CPUs)")
     source = args.model or str(ensure_builtin())
     model = load_with_progress(source, args.dtype, args.layers)
+    if policy.expert_format == "fp8":
+        keep_fp8_experts(model, source)
     check_page_size(policy.page_bytes, model.spec.expert_bytes)
     codec = TextCodec.from_folder(source) if Path(source).is_dir() else None
     job = job_from(args, model, sampling)

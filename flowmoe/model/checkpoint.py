@@ -29,7 +29,16 @@ from safetensors import SafetensorError, safe_open
 from flowmoe.core.errors import CheckpointError
 from flowmoe.core.jsonfile import os_reason, read_json_object
 from flowmoe.core.spec import ModelSpec
-from flowmoe.model.fp8 import FP8_DTYPE, SCALE_DTYPES, FP8Format, dequantize, scale_name
+from flowmoe.model.fp8 import (
+    FP8_DTYPE,
+    SCALE_DTYPES,
+    FP8Expert,
+    FP8Format,
+    FP8Weight,
+    dequantize,
+    fp8_experts,
+    scale_name,
+)
 from flowmoe.model.shard_header import TensorInfo, read_header
 from flowmoe.model.tensor_map import Shape, TensorMap
 
@@ -142,6 +151,18 @@ class Checkpoint:
             scales = self._handles[self._where[scale_name(name)]].get_tensor(scale_name(name))
             return dequantize(tensor, scales, self.fp8.block, self.dtype).contiguous()
         return tensor.to(self.dtype).contiguous()
+
+    def fp8_weight(self, name: str) -> FP8Weight | None:
+        """Tensor `name` as stored, if it is F8_E4M3 (checked by `validate`), with its block scales."""
+        if self.fp8 is None or name not in self._where or self._info[name].dtype != FP8_DTYPE:
+            return None
+        scales = scale_name(name)
+        values = self._handles[self._where[name]].get_tensor(name)
+        scale_inv = self._handles[self._where[scales]].get_tensor(scales).float()
+        return FP8Weight(values, scale_inv, self.fp8.block)
+
+    def fp8_experts(self, layer: int) -> list[FP8Expert]:
+        return fp8_experts(self, TensorMap.for_spec(self.spec), layer)
 
     # ---- validation
 

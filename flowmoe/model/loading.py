@@ -36,6 +36,26 @@ def load_model(
     raise ConfigError(f"{source}: neither a checkpoint folder nor a preset (presets: {', '.join(PRESETS)})")
 
 
+def keep_fp8_experts(model: MoEModel, folder: str | Path) -> None:
+    """Expert format fp8: every MoE layer of `model` (loaded from `folder`) also keeps its routed
+    experts as the FP8 checkpoint stores them, the copies that cross the link."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise ConfigError(f"--expert-format fp8 needs an FP8 checkpoint folder, and {folder} is not one")
+    ckpt = Checkpoint.open(path, model.spec.dtype)
+    try:
+        if ckpt.fp8 is None:
+            raise ConfigError(
+                f"--expert-format fp8 needs an FP8 checkpoint; {path / 'config.json'} has no "
+                'quantization_config of quant_method "fp8"'
+            )
+        for layer, lw in enumerate(model.weights.layers):
+            if lw.experts:
+                lw.fp8_experts = ckpt.fp8_experts(layer)
+    finally:
+        ckpt.close()
+
+
 def _assemble(source: TensorSource, spec, progress: Progress | None) -> MoEModel:
     tensor_map = TensorMap.for_spec(spec)
     layers = []

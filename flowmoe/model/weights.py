@@ -7,8 +7,13 @@ stacked into one [2I, hidden] matrix (gate rows first), so each costs one matmul
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from attrs import define, field
+
+if TYPE_CHECKING:
+    from flowmoe.model.fp8 import FP8Expert
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -61,6 +66,7 @@ class LayerWeights:
     shared: FFNWeights | None = None
     shared_gate: torch.Tensor | None = None  # [1, hidden]
     dense: FFNWeights | None = None
+    fp8_experts: list[FP8Expert] = field(factory=list)  # expert format fp8: the experts as stored
 
     @property
     def dense_nbytes(self) -> int:

@@ -14,7 +14,9 @@ from attrs import define, field, fields, frozen
 
 from flowmoe.core.errors import FlowmoeError, MemoryBudgetError
 from flowmoe.core.memory import gib
+from flowmoe.core.policy import ExpertFormat
 from flowmoe.core.scheduling import Residency
+from flowmoe.model.fp8 import FP8Expert
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.weights import AttentionWeights, FFNWeights, LayerWeights
 
@@ -76,6 +78,15 @@ def _layer_tensors(lw: LayerWeights) -> list[torch.Tensor]:
     return [t for t in (*attn, lw.router, lw.router_bias, lw.shared_gate, *ffns) if t is not None]
 
 
+def _check_fp8(model: MoEModel) -> None:
+    for layer, lw in enumerate(model.weights.layers):
+        if len(lw.fp8_experts) != len(lw.experts):
+            raise FlowmoeError(
+                f"expert format fp8: the experts of layer {layer} have no FP8 copies (load an FP8 "
+                "checkpoint with keep_fp8_experts)"
+            )
+
+
 def _copy_page(sources: list[torch.Tensor], targets: list[torch.Tensor], part: int, parts: int) -> None:
     """Copy page `part` of `parts` equal slices of the concatenated elements of `sources`."""
     total = sum(t.numel() for t in sources)
@@ -100,18 +111,22 @@ class DeviceWeights:
     devices: Devices
     _dense: dict[int, LayerWeights] = field(factory=dict)
     _experts: dict[tuple[int, int], FFNWeights] = field(factory=dict)
-    _partial: dict[tuple[int, int], tuple[FFNWeights, set[int]]] = field(factory=dict)
+    _partial: dict[tuple[int, int], tuple[FFNWeights | FP8Expert, set[int]]] = field(factory=dict)
     limit: int | None = None  # bytes of layer weights allowed on the GPU (set by setup)
     embed: torch.Tensor | None = None
     head: tuple[torch.Tensor, torch.Tensor] | None = None  # final norm, lm head
     _bytes: int = 0  # bytes of every dense part, expert and partly copied expert held
     _sizes: dict[tuple[int, int], int] = field(factory=dict)  # (layer, expert or -1) -> bytes
     _lock: threading.Lock = field(factory=threading.Lock)
+    # "fp8": an expert crosses as its FP8 checkpoint copy (LayerWeights.fp8_experts), dequantized on arrival
+    expert_format: ExpertFormat = "native"
 
     def setup(self, residency: Residency, buffer_bytes: int) -> None:
         """Embedding and head always live on the GPU; then what the scheduler keeps resident.
         From then on, weights copied in may exceed the resident set by `buffer_bytes` at most."""
         w = self.model.weights
+        if self.expert_format == "fp8":
+            _check_fp8(self.model)
         self.embed = self.devices.to_gpu(w.embed)
         self.head = (self.devices.to_gpu(w.final_norm), self.devices.to_gpu(w.lm_head))
         for layer, lw in enumerate(w.layers):
@@ -140,15 +155,26 @@ class DeviceWeights:
             if expert < 0:
                 self._dense[layer] = _dense_to(self.devices, source)
             elif part < 0:
-                self._experts[key] = _ffn_to(self.devices, source.experts[expert])
+                self._experts[key] = self._expert_to(source, expert)
             else:
                 self._load_page(layer, expert, part, parts)
 
+    def _expert_to(self, lw: LayerWeights, expert: int) -> FFNWeights:
+        """A whole expert onto the GPU: as it is, or its FP8 copy, dequantized on the GPU (on the copy
+        lane's stream, after the copy) into the model's dtype."""
+        if self.expert_format != "fp8":
+            return _ffn_to(self.devices, lw.experts[expert])
+        return lw.fp8_experts[expert].to(self.devices.gpu).to_ffn(lw.experts[expert].gate_up.dtype)
+
     def _load_page(self, layer: int, expert: int, part: int, parts: int) -> None:
         key = (layer, expert)
-        ffn = self.model.weights.layers[layer].experts[expert]
+        lw = self.model.weights.layers[layer]
+        fp8 = self.expert_format == "fp8"
+        ffn = lw.fp8_experts[expert] if fp8 else lw.experts[expert]
         if key not in self._partial:
-            if self.devices.cuda:
+            if self.devices.cuda and isinstance(ffn, FP8Expert):  # FP8 pages land in an FP8 buffer
+                target: FFNWeights | FP8Expert = ffn.empty_like(self.devices.gpu)
+            elif self.devices.cuda:
                 blank = [
                     None if t is None else torch.empty_like(t, device=self.devices.gpu) for t in _fields(ffn)
                 ]
@@ -161,7 +187,7 @@ class DeviceWeights:
             _copy_page(ffn.tensors(), target.tensors(), part, parts)
         done.add(part)
         if len(done) == parts:
-            self._experts[key] = target
+            self._experts[key] = target.to_ffn(lw.experts[expert].gate_up.dtype) if fp8 else target
             del self._partial[key]
 
     def _size(self, layer: int, expert: int) -> int:

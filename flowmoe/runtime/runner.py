@@ -99,7 +99,7 @@ class Runtime:
         if devices.cuda:
             cap_allocator(devices.gpu, policy.gpu_memory)
             pin_layers(model)
-        weights = DeviceWeights(model, devices)
+        weights = DeviceWeights(model, devices, expert_format=policy.expert_format)
         weights.setup(plugin.residency(), plugin.weight_buffer_bytes())
         workers, events = make_workers(devices.gpu, policy.cpu_threads)
         return cls(model, plugin, devices, weights, workers, events, Trace(name=scheduler), record=record)
