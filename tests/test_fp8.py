@@ -336,3 +336,31 @@ def test_fp8_expert_format_needs_an_fp8_checkpoint(mixtral_folder: Path) -> None
         Runtime.create(model, "eager", Policy(expert_format="fp8"))
     with pytest.raises(ConfigError, match="expert format must be one of native, fp8"):
         Policy(expert_format="int4")  # type: ignore[arg-type]
+
+
+def test_cli_run_and_simulate_take_the_expert_format(
+    mixtral_fp8_folder: Path, tmp_path: Path, capsys
+) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": 1, "input_ids": [5, 6, 7]}\n{"id": 2, "input_ids": [8, 9]}\n')
+    outputs = {}
+    for form in ("native", "fp8"):
+        out = tmp_path / f"{form}.jsonl"
+        args = ["--scheduler", "cgopipe", "--weights-gpu-share", "0", "--expert-format", form]
+        files = ["--model", str(mixtral_fp8_folder), "--prompts", str(prompts), "--output", str(out)]
+        code = main(["run", *files, "--max-new-tokens", "4", "--greedy", *args])
+        assert code == 0
+        outputs[form] = sorted(
+            (r["id"], r["output_ids"]) for r in map(json.loads, out.read_text().splitlines())
+        )
+    assert outputs["fp8"] == outputs["native"]
+    capsys.readouterr()
+    model = ["--model", "mixtral-8x7b", "--layers", "2", "--dtype", "bfloat16", "--hardware", "h100"]
+    policy = ["--scheduler", "cgopipe", "--batch-size", "8", "--weights-gpu-share", "0"]
+    base = ["simulate", *model, *policy, "--decode-samples", "1", "--gen-len", "3", "--json"]
+    h2d = {}
+    for form in ("native", "fp8"):
+        assert main([*base, "--expert-format", form]) == 0
+        lanes = json.loads(capsys.readouterr().out)["results"][0]["lanes"]
+        h2d[form] = next(lane["bytes"] for lane in lanes if lane["lane"] == "gpu.h2d")
+    assert 0.45 < h2d["fp8"] / h2d["native"] < 0.55

@@ -203,7 +203,8 @@ def auto_scheduler(args: argparse.Namespace, model: MoEModel, codec: TextCodec |
 
         with console.status("describing this machine (quick CPU-only calibration)"):
             hw, _measured = calibrate(quick=True, dtype=model.spec.dtype, device="cpu")
-    given = Given(gpu_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None)
+    memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    given = Given(gpu_memory=memory, expert_format=args.expert_format)
     with console.status(f"simulating every scheduler on this job ({len(requests)} requests) on {hw.name}"):
         results = rank(model.spec, hw, work, list(available()), max(1, len(requests)), given)
     console.print(results_table(Setup(model.spec, hw, work, Policy()), results))
