@@ -24,9 +24,12 @@ sends back (EXPERT_LOAD, on the critical path) and whole-expert fetches (off
 it). A lane runs in emission order, so a fetch issued as one node would hold
 up every output returned after it. Fetches are therefore copied in pages of
 `page_bytes` and issued paced: after a micro-batch's EXPERT_LOAD, only as many
-pending pages as the cost model says fit in that micro-batch's CPU expert time
-(at least one, so fetches always progress), the rest wait for the next
-EXPERT_LOAD; what is left at the end of a step is issued then. An output thus
+pending pages as the cost model says fit before the next one (that micro-batch's
+CPU expert time and about one slot's attention; at least one page, so fetches
+always progress), the rest wait for the next EXPERT_LOAD; what is left at the
+end of a step carries over into the next step's (a plan covers one step, so a
+background fetch never holds up a step's end: the paper's copies run on into
+the next token's pass too). An output thus
 waits for at most the pages issued in the slack before it, not for whole
 experts. This pacing is flowmoe's: the paper issues the copies asynchronously
 and does not say how they share the link with the outputs.
@@ -146,15 +149,18 @@ class LRUCacheScheduler:
                     gate = f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[post])
                     yield gate
                     counts = yield RoutingRequest(layer, mb.index, gate.id)
-                    outputs = yield from self._experts(layer, mb, gate.id, counts)
+                    attend = sum(self._cost(n) for n in [*attention, gate])  # the next slot's, about
+                    outputs = yield from self._experts(layer, mb, gate.id, counts, attend)
                 tail = layer_tail(f, spec, layer, mb, post, outputs)
                 yield from tail
                 last[mb.index] = tail[-1].id
         yield from lm_heads(f, step, last)
-        yield from self._issue(float("inf"))
 
-    def _experts(self, layer: int, mb: MicroBatchShape, gate: int, counts: ExpertCounts) -> PlanStream:
-        """Hits on the GPU, misses on the CPU (and fetched), then the paced pages. -> outputs' last nodes."""
+    def _experts(
+        self, layer: int, mb: MicroBatchShape, gate: int, counts: ExpertCounts, attend: float
+    ) -> PlanStream:
+        """Hits on the GPU, misses on the CPU (and fetched), then the pages that fit before the next
+        output: the CPU experts' time and the next slot's attention (`attend`). -> outputs' last nodes."""
         f, outputs, missed = self.context.factory, [], []
         ways = self.sets.get(layer)
         for e, tokens in counts.counts:
@@ -177,8 +183,8 @@ class LRUCacheScheduler:
                 ways.move_to_end(e)  # type: ignore[union-attr]
         on_cpu = cpu_experts(f, layer, mb, gate, missed)
         yield from on_cpu
-        if on_cpu:  # the pages that fit the CPU experts' time go behind this output
-            yield from self._issue(sum(self._cost(n) for n in on_cpu if n.lane is Lane.CPU_COMPUTE))
+        if on_cpu:  # behind this output
+            yield from self._issue(attend + sum(self._cost(n) for n in on_cpu if n.lane is Lane.CPU_COMPUTE))
         return [*outputs, on_cpu[-1].id] if on_cpu else outputs
 
     def _fetch(self, layer: int, ways: OrderedDict[int, _Line], expert: int) -> PlanStream:
