@@ -30,15 +30,19 @@ Impact-driven prefetch (the paper's inter-layer prefetching): once every
 micro-batch of layer l has gated, the next MoE layer's routing is predicted
 from its MRS scores (tokens in proportion to S), and the uncached experts whose
 caching would shorten the simulated split of that layer most are copied in,
-best first, while it shortens it and at most `hot_experts` (default top-k; the
-code's `prefetch_size`), each into the slot of the layer's lowest S.
+best first, while it shortens it, each into the slot of the layer's lowest S:
+at most `hot_experts` (default top-k; the code's `prefetch_size`) and at most
+as many as the next layer's attention hides on the link (a copy issued beyond
+that would hold up the CPU experts' outputs, which share the link).
 
 Deviations: flowmoe's routing answers carry tokens per expert, not router
 probabilities, so s is the token share and the MRS top-p is the routed
 experts; the code runs HSS in decode only and streams every expert to the GPU
 in prefill, here HSS decides in both (with a prefill's token counts it sends
-the large experts to the GPU itself); the latencies are the cost model's, not
-fitted on the machine; `--attention-on cpu` is refused.
+the large experts to the GPU itself); the prefetch looks one MoE layer ahead
+and is capped by the link time the next attention hides (the paper weighs
+several layers' gains against their copies); the latencies are the cost
+model's, not fitted on the machine; `--attention-on cpu` is refused.
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ class HybriMoEScheduler:
                                                    expert=0))  # fmt: skip
         self._gone: dict[tuple[int, int], int] = {}  # (layer, expert) -> its last EVICT in this step
         self._buffer: dict[int, Held] = {}  # the current layer's moved experts that no slot kept
+        self._times: dict[tuple[int, int, int, Lane, bool], float] = {}
         self.hits = self.misses = 0
 
     def residency(self) -> Residency:
@@ -125,20 +130,14 @@ class HybriMoEScheduler:
     ) -> tuple[list[int], list[int], float]:
         """HSS over `counts` (expert -> tokens) with `cached` on the GPU: -> (experts on the CPU, experts
         on the GPU in order, the simulated finish time)."""
-        cost, probe = self._cost, NodeFactory(self.context.spec)
         by_tokens = sorted(counts, key=lambda e: (-counts[e], e))
         queue = [e for e in by_tokens if e in cached] + [e for e in by_tokens if e not in cached]
         gpu, cpu, gpu_end, cpu_end, link_end = [], [], 0.0, 0.0, 0.0
         while queue:
             first, last = queue[0], queue[-1]
-            gpu_time = cost(
-                probe.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, first, tokens=counts[first])
-            )
-            start = gpu_end
-            if first not in cached:
-                start = max(start, link_end + self._copy_seconds)
-            on_cpu = cpu_experts(probe, layer, mb, 0, [(last, counts[last])])
-            cpu_time = sum(cost(n) for n in on_cpu if n.lane is Lane.CPU_COMPUTE or not cpu)
+            gpu_time = self._seconds(layer, mb, counts[first], Lane.GPU_COMPUTE, False)
+            start = gpu_end if first in cached else max(gpu_end, link_end + self._copy_seconds)
+            cpu_time = self._seconds(layer, mb, counts[last], Lane.CPU_COMPUTE, not cpu)
             if start + gpu_time <= cpu_end + cpu_time:
                 if first not in cached:
                     link_end += self._copy_seconds
@@ -148,6 +147,21 @@ class HybriMoEScheduler:
                 cpu_end += cpu_time
                 cpu.append(queue.pop())
         return cpu, gpu, max(gpu_end, cpu_end)
+
+    def _seconds(self, layer: int, mb: MicroBatchShape, tokens: int, lane: Lane, first: bool) -> float:
+        """One expert's time for `tokens` tokens on `lane`; the CPU's first expert of a micro-batch also
+        pays the activations' trip out and back. Memoised: HSS and the prefetch ask often."""
+        key = (layer, mb.tokens, tokens, lane, first)
+        seconds = self._times.get(key)
+        if seconds is None:
+            probe = NodeFactory(self.context.spec)
+            if lane is Lane.GPU_COMPUTE:
+                seconds = self._cost(probe.node(Op.EXPERT_FFN, lane, layer, mb, 0, tokens=tokens))
+            else:
+                nodes = cpu_experts(probe, layer, mb, 0, [(0, tokens)])
+                seconds = sum(self._cost(n) for n in nodes if first or n.lane is Lane.CPU_COMPUTE)
+            self._times[key] = seconds
+        return seconds
 
     def plan(self, step: StepShape) -> PlanStream:
         f, spec = self.context.factory, self.context.spec
@@ -253,8 +267,10 @@ class HybriMoEScheduler:
         if weight <= 0:
             return None
         routed = mb.tokens * self.context.spec.moe.top_k
-        predicted = {e: max(1, round(routed * s / weight)) for e, s in enumerate(row) if s > 0}
-        for _ in range(self.prefetch):
+        predicted = {e: n for e, s in enumerate(row) if (n := round(routed * s / weight)) > 0}
+        probe = NodeFactory(self.context.spec)
+        hidden = sum(self._cost(n) for m in step.micro_batches for n in gpu_attention(probe, nxt, m, 0))
+        for _ in range(min(self.prefetch, int(hidden // self._copy_seconds))):
             cached = set(self.cache[nxt])
             base = self.split(nxt, mb, predicted, cached)[2]
             victim = min(cached, key=lambda e: (row[e], e)) if len(cached) >= self.quota[nxt] else None

@@ -142,14 +142,17 @@ def test_hybrimoe_moves_a_large_uncached_expert_and_keeps_it_by_minus_recent_sco
 
 
 def test_hybrimoe_prefetches_the_next_layer_by_impact() -> None:
-    """Step 1 (one sequence) routes one token to expert 2 everywhere: the CPU computes it and the
-    scores learn it. Step 2 (64 sequences): once layer 0 has gated, caching expert 2 of layer 1 would
-    shorten layer 1's predicted split most, so it is copied in before layer 1's gate."""
-    steps = [decode(1, 1, step=1), decode(64, 1, step=2)]
+    """Step 1 (one sequence) routes one token to experts 2 and 5 everywhere: the CPU computes them and
+    the scores learn them. Step 2 (a long prefill): once layer 0 has gated, caching one of them in
+    layer 1 (one slot) shortens layer 1's predicted split, and its copy hides behind layer 1's
+    attention, so it is copied in before layer 1's gate."""
+    long = tuple(MicroBatchShape.from_lengths(i, [8192], [0]) for i in range(4))
+    steps = [decode(1, 1, step=1), StepShape(2, True, long)]
     trace = RoutingTrace()
-    for step, tokens in ((1, 1), (2, 64)):
-        for layer in range(3):
-            trace.record(step, ExpertCounts(layer, 0, ((2, tokens), (5, tokens))))
+    for step in steps:
+        for mb in step.micro_batches:
+            for layer in range(3):
+                trace.record(step.step, ExpertCounts(layer, mb.index, ((2, mb.tokens), (5, mb.tokens))))
     sched = scheduler("hybrimoe", weights_gpu_share=0.0, expert_cache_slots=3)
     first, second = by_step(simulate(sched, steps, trace, COST))
     assert {s.node.lane for s in of(first, Op.EXPERT_FFN)} == {Lane.CPU_COMPUTE}
