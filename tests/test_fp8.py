@@ -364,3 +364,37 @@ def test_cli_run_and_simulate_take_the_expert_format(
         lanes = json.loads(capsys.readouterr().out)["results"][0]["lanes"]
         h2d[form] = next(lane["bytes"] for lane in lanes if lane["lane"] == "gpu.h2d")
     assert 0.45 < h2d["fp8"] / h2d["native"] < 0.55
+
+
+def test_hrm_planner_streams_fp8_experts(capsys: pytest.CaptureFixture) -> None:
+    from flowmoe.core.hrm import Phase, layer_ops
+    from flowmoe.core.presets import preset
+    from flowmoe.core.scheduling import fp8_expert_bytes
+
+    spec = preset("mixtral-8x7b", dtype="bfloat16")
+    phase, policy = Phase(64, 16, 1, 512), Policy(16, 4, weights_gpu_share=0.25)
+    link = {
+        form: next(
+            op.link_bytes
+            for op in layer_ops(spec, phase, evolve(policy, expert_format=form))
+            if op.name == "moe ffn"
+        )
+        for form in ("native", "fp8")
+    }
+    assert link["native"] == 0.75 * 8 * spec.expert_bytes and link["fp8"] == 0.75 * 8 * fp8_expert_bytes(spec)
+    plan = [
+        "plan",
+        "--model",
+        "mixtral-8x7b",
+        "--dtype",
+        "bfloat16",
+        "--hardware",
+        "h100",
+        "--max-batch",
+        "256",
+    ]
+    best = {}
+    for form in ("native", "fp8"):  # every candidate moves fewer bytes: the best is at least as fast
+        assert main([*plan, "--expert-format", form, "--json"]) == 0
+        best[form] = json.loads(capsys.readouterr().out)["best"]["throughput_tokens_per_second"]
+    assert best["fp8"] > best["native"]

@@ -22,7 +22,7 @@ from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.hrm import Hierarchy, Phase, StepTimes, layer_ops, step_times
 from flowmoe.core.memory import activation_bytes
-from flowmoe.core.policy import Place, Policy
+from flowmoe.core.policy import ExpertFormat, Place, Policy
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.workloads import Workload
 
@@ -114,6 +114,7 @@ def search(
     ffn: Sequence[Place] = ("gpu", "cpu"),
     micro_batches: Sequence[int] = MICRO_BATCHES,
     max_batch: int = 8192,
+    expert_format: ExpertFormat = "native",
 ) -> PlanResult:
     prompt, gen = round(work.prompt.mean), work.gen_len
     best: dict[tuple[str, str], Candidate] = {}
@@ -122,7 +123,8 @@ def search(
         for place in ffn:
             for mu in micro_batches:
                 for count in (c for c in COUNTS if c * mu <= max_batch):
-                    fitted = _best_kv(spec, hw, Policy(mu, count, attn, place), prompt, gen)
+                    base = Policy(mu, count, attn, place, expert_format=expert_format)
+                    fitted = _best_kv(spec, hw, base, prompt, gen)
                     searched += len(KV_SHARES) if attn == "gpu" else 1
                     if fitted is None:
                         break
