@@ -398,3 +398,18 @@ def test_hrm_planner_streams_fp8_experts(capsys: pytest.CaptureFixture) -> None:
         assert main([*plan, "--expert-format", form, "--json"]) == 0
         best[form] = json.loads(capsys.readouterr().out)["best"]["throughput_tokens_per_second"]
     assert best["fp8"] > best["native"]
+
+
+def test_fp8_copies_are_pinned_with_their_layer(mixtral_fp8_folder: Path) -> None:
+    """On CUDA a layer's arena is page-locked for asynchronous copies: the FP8 copies are in it."""
+    from flowmoe.runtime.pinned import pin_layers
+
+    model = load_model(mixtral_fp8_folder)
+    keep_fp8_experts(model, mixtral_fp8_folder)
+    before = [t.clone() for x in model.weights.layers[1].fp8_experts for t in x.tensors()]
+    arenas = pin_layers(model, register=lambda arena: None)
+    after = [t for x in model.weights.layers[1].fp8_experts for t in x.tensors()]
+    assert all(a.arena is arenas[1] for a in after)
+    assert all(
+        a.dtype == b.dtype and torch.equal(a.float(), b.float()) for a, b in zip(after, before, strict=True)
+    )
