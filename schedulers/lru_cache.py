@@ -27,12 +27,14 @@ up every output returned after it. Fetches are therefore copied in pages of
 pending pages as the cost model says fit before the next one (that micro-batch's
 CPU expert time and about one slot's attention; at least one page, so fetches
 always progress), the rest wait for the next EXPERT_LOAD; what is left at the
-end of a step carries over into the next step's (a plan covers one step, so a
-background fetch never holds up a step's end: the paper's copies run on into
-the next token's pass too). An output thus
-waits for at most the pages issued in the slack before it, not for whole
-experts. This pacing is flowmoe's: the paper issues the copies asynchronously
-and does not say how they share the link with the outputs.
+end of a step is issued then, and the step ends when its fetches have: the
+paper's low-way configurations are capped by the transfers ("(29, 2) caps
+performance at around 2.2 tokens/second to indicate that data transfer rather
+than computation is limiting", §IV-C), so its copies finish within the
+token. An output thus waits for at most the pages issued in the slack before
+it, not for whole experts: the paper keeps its transfers from waiting on each
+other with two CUDA streams on the GPU's two copy engines (§III-C); flowmoe's
+pacing does it on its one h2d lane.
 
 Deviations: the cache covers the first N *MoE* layers (the paper's models have
 no dense layers); lookups in a micro-batched step go micro-batch by micro-batch
@@ -155,6 +157,7 @@ class LRUCacheScheduler:
                 yield from tail
                 last[mb.index] = tail[-1].id
         yield from lm_heads(f, step, last)
+        yield from self._issue(float("inf"))  # the token's fetches end with it (see above)
 
     def _experts(
         self, layer: int, mb: MicroBatchShape, gate: int, counts: ExpertCounts, attend: float
