@@ -122,16 +122,6 @@ COLLAB_OVER_FIDDLER = 1.6  # §IV-B: "surpassing Fiddler by approximately 1.6x" 
 COLLAB_29_2_CAP = 2.2  # §IV-B: "(29,2) caps performance at around 2.2 tokens/second" (8-24 cores)
 COLLAB_OVER_CPU_ONLY = (1.15, 1.35)  # §IV-B: "approximately 15% ~ 35%" over CPU only, Mixtral-8x7B
 COLLAB_SLOTS = 56  # §III-B: about 56 Mixtral-8x7B expert slots in the RTX 4090's 24 GB
-# Phi-3.5-MoE's shapes: huggingface.co/microsoft/Phi-3.5-MoE-instruct config.json (Table II: 41.9B
-# parameters, 32 layers, 16 experts, top-2, 152 MB per expert).
-PHI_CONFIG = {
-    "architectures": ["PhimoeForCausalLM"], "vocab_size": 32064, "hidden_size": 4096,
-    "intermediate_size": 6400, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "num_local_experts": 16, "num_experts_per_tok": 2,
-    "max_position_embeddings": 131072, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
-    "hidden_act": "silu", "attention_bias": True, "lm_head_bias": True, "router_jitter_noise": 0.01,
-    "dtype": "bfloat16",
-}  # fmt: skip
 
 PREGATED = "Pre-gated MoE (Hwang et al., ISCA 2024)"
 # §VI-A, Fig. 11: single-request throughput on an A100 (32 GB/s PCIe, §V). Switch-Base = the average

@@ -313,7 +313,7 @@ def collab_specs() -> tuple[list[tuple[str, ModelSpec]], str]:
     """The paper's models flowmoe can express, and a note on the one it cannot (no model family)."""
     specs = [("mixtral-8x7b", preset("mixtral-8x7b"))]
     try:
-        specs.append(("phi-3.5-moe", evolve(ModelSpec.from_hf(P.PHI_CONFIG), name="phi-3.5-moe")))
+        specs.append(("phi-3.5-moe", preset("phi-3.5-moe")))
     except FlowmoeError as exc:
         return specs, f"Phi-3.5-MoE (Fig. 5b, Tables III-V) not run: {exc}"
     return specs, "Phi-3.5-MoE's slots from §III-B's formula (the memory of 56 Mixtral experts)"
