@@ -23,11 +23,14 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        value_dim: int | None = None,
     ) -> KVCache:
+        """`value_dim`: the values' last dimension when not head_dim (MLA caches a latent and a RoPE key)."""
         shape = (slots, kv_heads, capacity, head_dim)
+        value_shape = (slots, kv_heads, capacity, value_dim or head_dim)
         return cls(
             keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
-            values=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
+            values=[torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(layers)],
         )
 
     @property

@@ -14,7 +14,7 @@ from flowmoe.cli.ui import out
 from flowmoe.cli.ui import table as ui_table
 from flowmoe.core.hardware import HardwareSpec, hardware
 from flowmoe.core.hrm import balance_point
-from flowmoe.core.memory import gib
+from flowmoe.core.memory import fitting_expert_format, gib
 from flowmoe.core.policy import EXPERT_FORMATS
 from flowmoe.core.policy_search import CPU_USABLE, GPU_USABLE, Candidate, PlanResult, search
 from flowmoe.core.presets import PRESETS, preset
@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "--max-batch", type=POSITIVE_INT, default=8192, help="largest batch size N to consider (%(type)s)"
     )
-    plan.add_argument("--expert-format", choices=EXPERT_FORMATS, default="native", help=EXPERT_FORMAT_HELP)
+    plan.add_argument("--expert-format", choices=EXPERT_FORMATS, help=EXPERT_FORMAT_HELP)
     plan.add_argument("--plot", type=OUTPUT_FILE, help="write a roofline figure (.png, .svg or .pdf)")
     plan.add_argument("--json", action="store_true", help="print the result as one JSON object")
     plan.set_defaults(handler=_plan)
@@ -70,7 +70,7 @@ def _plan(args: argparse.Namespace) -> int:
     spec, hw, work = spec_from(args), hardware(args.hardware), workload_from(args)
     attention = (args.attention_on,) if args.attention_on else ("gpu", "cpu")
     ffn = (args.ffn_on,) if args.ffn_on else ("gpu", "cpu")
-    form = args.expert_format
+    form = args.expert_format or fitting_expert_format(spec, hw)
     result = search(spec, hw, work, attention, ffn, max_batch=args.max_batch, expert_format=form)
     context = result.best.prompt + max(1, result.best.gen // 2)
     balance = balance_point(spec, hw, result.best.policy, context)

@@ -171,16 +171,16 @@ def experts_hit(spec: ModelSpec, tokens: int) -> float:
 def layer_ops(spec: ModelSpec, phase: Phase, policy: Policy, moe: bool = True) -> list[OpPoint]:
     """The ops of one layer for all micro-batches of a step, placed by the policy."""
     a, b, h = spec.attention, spec.dtype_bytes, spec.hidden
-    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    q, kv, out = a.q_width, a.kv_width, a.out_width
     n, t = phase.micro_batches, phase.mb_tokens
     kv_bytes = phase.micro_batch * phase.context * 2 * kv * b
     link = n * kv_bytes * (1 - policy.kv_gpu_share) if policy.attention_on == "gpu" else 0.0
-    reads = n * (kv_bytes + 2 * t * q * b)
-    attn = OpPoint("attention", policy.attention_on, n * 4 * phase.mb_attended * q, reads, link, n)
+    reads = n * (kv_bytes + t * (q + out) * b)
+    attn = OpPoint("attention", policy.attention_on, n * phase.mb_attended * a.pair_flops(), reads, link, n)
     ops = [
-        _matmul("pre-attention", h * (q + 2 * kv), n, t, b, t * (h + q + 2 * kv) * b),
+        _matmul("pre-attention", a.pre_params(h), n, t, b, t * (h + q + 2 * kv) * b),
         attn,
-        _matmul("post-attention", q * h, n, t, b, t * (q + 2 * h) * b),
+        _matmul("post-attention", out * h, n, t, b, t * (out + 2 * h) * b),
     ]
     if not moe:
         return [*ops, _matmul("dense ffn", 3 * h * spec.moe.dense_intermediate, n, t, b, 2 * t * h * b)]
@@ -223,7 +223,7 @@ def layer_times(
     splits and the two all-reduces per layer and micro-batch)."""
     cost = RooflineCost(hw, spec)
     a, b, h = spec.attention, spec.dtype_bytes, spec.hidden
-    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    q, kv, out = a.q_width, a.kv_width, a.out_width
     n, t = phase.micro_batches, phase.mb_tokens
     gpu, cpu, h2d, d2h = 2 * n * cost.all_reduce_seconds(t), 0.0, 0.0, 0.0
     for op in layer_ops(spec, phase, policy, moe):
@@ -234,7 +234,7 @@ def layer_times(
         h2d += cost.transfer_seconds(Lane.GPU_H2D, op.link_bytes)
     if policy.attention_on == "cpu":  # q, k, v down and the attention output up, per micro-batch
         d2h += cost.transfer_seconds(Lane.GPU_D2H, n * t * (q + 2 * kv) * b)
-        h2d += cost.transfer_seconds(Lane.GPU_H2D, n * t * q * b)
+        h2d += cost.transfer_seconds(Lane.GPU_H2D, n * t * out * b)
     elif policy.kv_gpu_share < 1:  # this step's new k, v back to the CPU-homed cache
         d2h += cost.transfer_seconds(Lane.GPU_D2H, n * t * 2 * kv * b * (1 - policy.kv_gpu_share))
     if moe and policy.ffn_on == "cpu":  # hidden states down, expert outputs up

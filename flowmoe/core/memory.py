@@ -15,7 +15,8 @@ from attrs import frozen
 
 from flowmoe.core.errors import MemoryBudgetError
 from flowmoe.core.hardware import HardwareSpec
-from flowmoe.core.scheduling import Residency
+from flowmoe.core.policy import ExpertFormat
+from flowmoe.core.scheduling import Residency, fp8_expert_bytes
 from flowmoe.core.spec import ModelSpec
 
 
@@ -60,7 +61,7 @@ def resident_bytes(spec: ModelSpec, residency: Residency) -> int:
 def activation_bytes(spec: ModelSpec, tokens: int, sequences: int) -> int:
     """Working set of one micro-batch step: hidden, q/k/v, FFN intermediates, logits (fp32)."""
     a, m = spec.attention, spec.moe
-    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    q, kv = a.q_width, a.kv_width
     inter = max(m.intermediate * m.top_k, m.shared_intermediate, m.dense_intermediate)
     per_token = 4 * spec.hidden + q * 2 + 2 * kv + 2 * inter
     return tokens * per_token * spec.dtype_bytes + sequences * spec.vocab * 4
@@ -111,6 +112,22 @@ class HostNeed:
             raise MemoryBudgetError(why)
 
 
-def host_need(spec: ModelSpec, residency: Residency, kv_on_host: int, buffers: int = 0) -> HostNeed:
-    """Host memory of a run: weights the GPU does not keep, the CPU-side KV cache, buffers."""
-    return HostNeed(spec.total_bytes - resident_bytes(spec, residency), kv_on_host, buffers)
+def host_need(
+    spec: ModelSpec, residency: Residency, kv_on_host: int, buffers: int = 0, expert_bytes: int | None = None
+) -> HostNeed:
+    """Host memory of a run: weights the GPU does not keep, the CPU-side KV cache, buffers.
+    `expert_bytes`: an expert's host bytes when kept in another format than the model's (FP8)."""
+    weights = spec.total_bytes - resident_bytes(spec, residency)
+    if expert_bytes is not None:
+        homed = sum(spec.moe.experts for layer in range(spec.layers) if spec.is_moe_layer(layer))
+        weights -= (homed - len(residency.experts)) * (spec.expert_bytes - expert_bytes)
+    return HostNeed(weights, kv_on_host, buffers)
+
+
+def fitting_expert_format(spec: ModelSpec, hw: HardwareSpec) -> ExpertFormat:
+    """How experts are homed in host memory by default: as the model's dtype where its weights fit
+    there, else as FP8 where they fit so (DeepSeek-V3 is 1.34 TB in bfloat16 and ships as FP8)."""
+    if host_need(spec, Residency(), 0).total <= hw.cpu_memory:
+        return "native"
+    fp8 = host_need(spec, Residency(), 0, expert_bytes=fp8_expert_bytes(spec))
+    return "fp8" if fp8.total <= hw.cpu_memory else "native"

@@ -23,6 +23,7 @@ from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.hrm import Hierarchy, Phase, StepTimes, layer_ops, step_times
 from flowmoe.core.memory import activation_bytes
 from flowmoe.core.policy import ExpertFormat, Place, Policy
+from flowmoe.core.scheduling import fp8_expert_bytes
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.workloads import Workload
 
@@ -70,6 +71,8 @@ def memory_use(spec: ModelSpec, policy: Policy, prompt: int, gen: int) -> tuple[
     """(GPU bytes, CPU bytes) a policy holds at its peak (the prefill of the last micro-batch)."""
     n, mu, b = policy.batch_size, policy.micro_batch_size, spec.dtype_bytes
     experts = sum(spec.layer_expert_bytes(layer) for layer in range(spec.layers))
+    fp8 = policy.expert_format == "fp8"  # experts homed as FP8 values and block scales
+    host_experts = experts // spec.expert_bytes * fp8_expert_bytes(spec) if fp8 else experts
     layer_experts = max(spec.layer_expert_bytes(layer) for layer in range(spec.layers))
     dense = sum(spec.layer_dense_bytes(layer) for layer in range(spec.layers)) + spec.embedding_bytes
     kv = n * (prompt + gen) * spec.kv_bytes_per_token
@@ -79,7 +82,7 @@ def memory_use(spec: ModelSpec, policy: Policy, prompt: int, gen: int) -> tuple[
     hidden = n * prompt * spec.hidden * b
     gpu = dense + policy.weights_gpu_share * experts + streamed + kv_gpu + kv_buffer + hidden
     gpu += activation_bytes(spec, mu * prompt, mu)
-    cpu = (1 - policy.weights_gpu_share) * experts + streamed + (kv - kv_gpu) + hidden
+    cpu = (1 - policy.weights_gpu_share) * host_experts + streamed + (kv - kv_gpu) + hidden
     return int(gpu), int(cpu)
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from attrs import asdict, evolve, frozen
 
 from flowmoe.core.errors import FlowmoeError
-from flowmoe.core.memory import gib
+from flowmoe.core.memory import fitting_expert_format, gib
 from flowmoe.core.policy import ExpertFormat, Place, Policy
 from flowmoe.core.policy_search import search
 from flowmoe.study.sim_report import SimulationResult
@@ -72,6 +72,7 @@ class Given:
 
 def best_policy(setup: Setup, name: str, given: Given, quick_samples: int = 2) -> SimulationResult:
     """The fastest fitting policy for scheduler `name`, simulated at the setup's sampling."""
+    given = _stored_format(setup, given)
     fitting, smallest = _fitting(setup, name, given)
     if not fitting:
         return smallest
@@ -83,6 +84,14 @@ def best_policy(setup: Setup, name: str, given: Given, quick_samples: int = 2) -
     if setup.decode_samples == quick_samples:
         return next(r for r in ran if r.policy == choice)
     return Simulation(evolve(setup, policy=choice)).run(name)
+
+
+def _stored_format(setup: Setup, given: Given) -> Given:
+    """Experts kept in FP8 in host memory where the model's weights fit it only so, unless a format
+    was given: DeepSeek-V3 is 1.34 TB in bfloat16 and ships as FP8 (0.69 TB)."""
+    if given.expert_format is not None:
+        return given
+    return evolve(given, expert_format=fitting_expert_format(setup.spec, setup.hardware))
 
 
 def _fitting(setup: Setup, name: str, given: Given) -> tuple[list[Policy], SimulationResult]:
@@ -183,4 +192,6 @@ def describe_policy(p: Policy, scheduler: str = "") -> str:
              for k in KNOBS.get(scheduler, ()) if (v := getattr(p, k))]  # fmt: skip
     if p.cpu_threads:
         knobs.append(f"threads {p.cpu_threads}")
+    if p.expert_format != "native":
+        knobs.append(f"experts {p.expert_format}")
     return " ".join([text, *knobs])

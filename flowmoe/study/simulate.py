@@ -25,7 +25,14 @@ from flowmoe.core.memory import MemoryNeed, gpu_need, host_need
 from flowmoe.core.plan import Lane, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.routing_trace import RoutingTrace
-from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, Scheduler, SchedulerContext, StepShape
+from flowmoe.core.scheduling import (
+    MicroBatchShape,
+    NodeFactory,
+    Scheduler,
+    SchedulerContext,
+    StepShape,
+    fp8_expert_bytes,
+)
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.synthetic_routing import RoutingModel, SyntheticRouting, observed_popularity
 from flowmoe.core.workloads import Workload
@@ -213,7 +220,9 @@ class Simulation:
         spec = self.setup.spec
         kv = 0 if scheduler.kv_on_gpu() else self._kv_slots() * spec.kv_bytes_per_token
         disk = getattr(scheduler, "disk_tier", lambda: False)()  # a schedule that reads weights from disk
-        why = host_need(spec, scheduler.residency(), kv).refusal(self.setup.hardware, "this policy", disk)
+        fp8 = fp8_expert_bytes(spec) if self.policy.expert_format == "fp8" else None
+        need = host_need(spec, scheduler.residency(), kv, expert_bytes=fp8)
+        why = need.refusal(self.setup.hardware, "this policy", disk)
         return None if why is None else evolve(base, error=why)
 
     def _memory(self, scheduler: Scheduler) -> MemoryNeed:
