@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,9 +21,10 @@ import pytest
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'flowmoe[ray]')")
 
 from flowmoe.cli import main  # noqa: E402
-from flowmoe.cluster.ray_job import ClusterProgress, actor_name, run_on_cluster  # noqa: E402
+from flowmoe.cluster.ray_job import ClusterProgress, actor_name, check_reachable, run_on_cluster  # noqa: E402
 from flowmoe.cluster.replica import ReplicaConfig  # noqa: E402
 from flowmoe.cluster.resources import ReplicaResources  # noqa: E402
+from flowmoe.core.errors import FlowmoeError  # noqa: E402
 from flowmoe.core.policy import Policy  # noqa: E402
 from flowmoe.jobs.job import JobSpec  # noqa: E402
 from flowmoe.jobs.sampling import SamplingParams  # noqa: E402
@@ -155,3 +157,11 @@ def test_replicas_that_do_not_fit_are_refused(cluster: str, job, tmp_path: Path,
     assert not out.exists()  # refused before the output was opened
     assert main(_args(prompts, out, "--replicas", "2")) == 2
     assert "--replicas needs --ray" in capsys.readouterr().err
+
+
+def test_an_address_without_a_cluster_is_refused_at_once() -> None:
+    with socket.socket() as free:  # a port nothing listens on
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    with pytest.raises(FlowmoeError, match=f"--ray 127.0.0.1:{port}: no Ray cluster answers there"):
+        check_reachable(f"127.0.0.1:{port}")

@@ -4,10 +4,10 @@ with a progress bar per replica and one for the job, and a table per replica at 
 from __future__ import annotations
 
 import argparse
+import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import uvloop
 from rich.markup import escape
 from rich.progress import Progress, TextColumn
 from rich.table import Table
@@ -78,7 +78,9 @@ def run_on_ray(args: argparse.Namespace, sampling: SamplingParams, policy: Polic
         )  # fmt: skip
         replicas = args.replicas or 1
         with progress(TextColumn("{task.fields[tokens]} tokens"), TokenRateColumn()) as bar:
-            report = uvloop.run(run_on_cluster(config, replicas, resources, cluster, _bars(bar, replicas)))
+            # asyncio's own loop: Ray completes its futures from its own threads, and after a Ctrl-C
+            # while replicas start, late completions on a closed uvloop loop crash the interpreter
+            report = asyncio.run(run_on_cluster(config, replicas, resources, cluster, _bars(bar, replicas)))
     for error in report.bad_lines:
         console.print(f"[yellow]skipped[/] {escape(error)}", soft_wrap=True)
     console.print(summary_table(report, source, scheduler, cluster))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from flowmoe.cluster.model_spec import model_spec
 from flowmoe.cluster.replica import Finished, Replica, ReplicaConfig
 from flowmoe.cluster.resources import ReplicaResources
 from flowmoe.core.errors import ConfigError, FlowmoeError
+from flowmoe.core.jsonfile import os_reason
 from flowmoe.jobs.batching import Request
 from flowmoe.jobs.engine import StepStats
 from flowmoe.jobs.job import build_requests
@@ -46,6 +48,7 @@ CHUNKS_PER_REPLICA = 4  # the job is cut into about this many chunks per replica
 # for the others at the end
 REVIVE_TRIES = 40  # a restarting replica is asked every REVIVE_WAIT s whether it is back
 REVIVE_WAIT = 0.5
+CONNECT_TIMEOUT = 5.0  # seconds for a cluster address to accept a connection
 
 
 @contextmanager
@@ -55,11 +58,15 @@ def session(address: str) -> Iterator[str]:
     if ray.is_initialized():
         yield ray.get_runtime_context().gcs_address
         return
+    # without the dashboard there is no metrics agent, and each Ray process would print an error
+    # after a few seconds for want of one; a value the user set is kept
+    os.environ.setdefault("RAY_enable_metrics_collection", "0")
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                                "logging_level": logging.WARNING}  # fmt: skip
     if address == "local":
         options["num_cpus"] = os.cpu_count()
     else:
+        check_reachable(address)
         options["address"] = address
     try:
         with warnings.catch_warnings():  # Ray's note on a future default of CUDA_VISIBLE_DEVICES
@@ -71,6 +78,20 @@ def session(address: str) -> Iterator[str]:
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+
+
+def check_reachable(address: str) -> None:
+    """A host:port that does not answer is refused in seconds (Ray would retry for minutes)."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():  # "auto", a ray:// client address
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"--ray {address}: no Ray cluster answers there ({os_reason(exc)}); start one with "
+            "`ray start --head`, or use --ray local"
+        ) from exc
 
 
 def alive_nodes() -> list[dict[str, float]]:
