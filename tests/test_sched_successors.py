@@ -51,6 +51,14 @@ def test_offloaded_schedules_give_eager_tokens(model, name: str, policy: str) ->
         assert all(rel_err(a, b) <= 1e-5 for a, b in zip(ours, ref, strict=True))
 
 
+def test_moe_gen_with_cpu_attention_gives_eager_tokens(model) -> None:
+    """MoE-Gen's KV cache on the CPU, attended there, with the experts batched on the GPU."""
+    policy = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.0, attention_on="cpu")
+    (results, _), runtime = run_scheduler(model, "moe-gen", policy)
+    assert not runtime.scheduler.kv_on_gpu()
+    assert [r.output_ids for r in results] == [r.output_ids for r in run_eager(model)[0]]
+
+
 # ---- the simulated signatures
 
 
@@ -88,10 +96,11 @@ def by_step(spans: list[Span]) -> list[list[Span]]:
     return [[s for s in spans if a <= s.node.id < b] for a, b in zip(starts, ends, strict=True)]
 
 
-def test_moe_gen_copies_each_expert_once_per_step_for_every_micro_batch() -> None:
+@pytest.mark.parametrize("where", ["gpu", "cpu"])
+def test_moe_gen_copies_each_expert_once_per_step_for_every_micro_batch(where: str) -> None:
     """Module-based batching: 4 micro-batches route overlapping experts; each routed expert of a layer
     crosses the link once per step, runs for every micro-batch that routed to it back to back, and the
-    layer's first copies run while the GPU is still attending."""
+    layer's first copies run while its attention (on the GPU, or the CPU) is still going."""
     mbs = 4
     steps = [decode(16, mbs, step=1), decode(16, mbs, step=2)]
     routes = {
@@ -99,7 +108,9 @@ def test_moe_gen_copies_each_expert_once_per_step_for_every_micro_batch() -> Non
         for layer in range(3)
         for mb in range(mbs)
     }
-    spans = simulate(scheduler("moe-gen", weights_gpu_share=0.0), steps, trace_of(steps, routes), COST)
+    sched = scheduler("moe-gen", weights_gpu_share=0.0, attention_on=where)
+    spans = simulate(sched, steps, trace_of(steps, routes), COST)
+    attention = Op.GPU_ATTN if where == "gpu" else Op.CPU_ATTN
     for step in by_step(spans):
         copies = Counter((s.node.layer, s.node.expert) for s in of(step, Op.PAGE_COPY))
         assert max(copies.values()) == 1
@@ -109,7 +120,7 @@ def test_moe_gen_copies_each_expert_once_per_step_for_every_micro_batch() -> Non
             ffns = [s.node for s in sorted(of(step, Op.EXPERT_FFN, layer=layer), key=lambda s: s.start)]
             runs = [n.expert for i, n in enumerate(ffns) if i == 0 or ffns[i - 1].expert != n.expert]
             assert sorted(runs) == sorted(routed)  # one run of micro-batches per expert
-            attended = max(s.end for s in of(step, Op.GPU_ATTN, layer=layer))
+            attended = max(s.end for s in of(step, attention, layer=layer))
             assert min(s.start for s in of(step, Op.PAGE_COPY, layer=layer)) < attended
 
 
