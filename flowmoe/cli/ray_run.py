@@ -100,11 +100,12 @@ def run_on_ray(args: argparse.Namespace, sampling: SamplingParams, policy: Polic
 
 
 def _bars(bar: Progress, replicas: int) -> ClusterProgress:
-    """One bar for the job and one per replica, each with its tokens and tokens/s."""
+    """One bar for the job and one per replica, each with its tokens and tokens/s since the replicas
+    were up (loading the model is not generation)."""
     from flowmoe.cluster.ray_job import ClusterProgress
 
-    job = bar.add_task("all replicas", total=None, tokens=0)
-    each = [bar.add_task(f"replica {i}", total=None, tokens=0) for i in range(replicas)]
+    job = bar.add_task("all replicas", total=None, start=False, tokens=0)
+    each = [bar.add_task(f"replica {i}", total=None, start=False, tokens=0) for i in range(replicas)]
     tokens = [0] * (replicas + 1)
 
     def generated(replica: int, count: int) -> None:
@@ -117,8 +118,13 @@ def _bars(bar: Progress, replicas: int) -> ClusterProgress:
         bar.advance(each[replica])
         bar.advance(job)
 
+    def started(requests: int, _replicas: int) -> None:  # the replicas are up: the clocks start
+        bar.update(job, total=requests)
+        for task in (job, *each):
+            bar.start_task(task)
+
     return ClusterProgress(
-        started=lambda requests, _replicas: bar.update(job, total=requests),
+        started=started,
         finished=finished,
         generated=generated,
     )
