@@ -20,6 +20,12 @@ from flowmoe.core.families.base import Family, TensorNames, common_fields, num_e
 from flowmoe.core.spec import AttentionSpec, MLASpec, ModelSpec, MoESpec, RopeSpec
 
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+# transformers' defaults for fields a config.json leaves out (a null q_lora_rank: no q LoRA)
+MLA_DEFAULTS = {"kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                "v_head_dim": 128}  # fmt: skip
+V3_DEFAULTS = {**MLA_DEFAULTS, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "n_group": 8,
+               "topk_group": 4, "first_k_dense_replace": 3, "norm_topk_prob": True}  # fmt: skip
+V2_DEFAULTS = {**MLA_DEFAULTS, "n_shared_experts": 2, "routed_scaling_factor": 1.0}
 
 
 def _mscale(factor: float, mscale: float) -> float:
@@ -33,8 +39,10 @@ def mla_rope(config: dict[str, Any], where: str) -> tuple[RopeSpec, float]:
     cos/sin scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are given."""
     params = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind != "yarn":
-        return rope_from_config(config, default_theta=10000.0), 1.0
+    if kind != "yarn":  # transformers scales the softmax by mscale_all_dim with any scaled RoPE
+        mscale_all, factor = params.get("mscale_all_dim"), float(params.get("factor") or 1.0)
+        scale = _mscale(factor, mscale_all) ** 2 if kind != "default" and mscale_all else 1.0
+        return rope_from_config(config, default_theta=10000.0), scale
     original = params.get("original_max_position_embeddings")
     if not original:
         raise ConfigError(f'{where}: yarn "rope_parameters" needs "original_max_position_embeddings"')
@@ -103,6 +111,7 @@ def _check_groups(config: dict[str, Any], where: str) -> None:
 
 
 def parse_v3(config: dict[str, Any], name: str, where: str = "config") -> ModelSpec:
+    config = {**V3_DEFAULTS, **config}
     _check_groups(config, where)
     attention, rope = _mla(config, where, interleave=bool(config.get("rope_interleave", True)))
     experts, groups = num_experts(config), int(config.get("n_group") or 1)
@@ -117,6 +126,7 @@ def parse_v3(config: dict[str, Any], name: str, where: str = "config") -> ModelS
 
 
 def parse_v2(config: dict[str, Any], name: str, where: str = "config") -> ModelSpec:
+    config = {**V2_DEFAULTS, **config}
     _check_groups(config, where)
     method = config.get("topk_method") or "greedy"
     if method not in V2_TOPK_METHODS:
