@@ -31,10 +31,12 @@ cache's hits.
 
 Deviations: Fate's popularity-aware INT2/INT4 quantization of the copied
 experts changes outputs, so every expert crosses the link at the checkpoint's
-precision; the quotas' linear fall with depth is flowmoe's (the paper
-allocates by its per-layer prediction accuracy, which a scheduler here does not
-measure); `--attention-on cpu` and `--ffn-on cpu` are refused (Fate computes
-on the GPU).
+precision; the paper favours the shallow layers because their predictions are
+weaker, but the linear fall of the quotas with depth is flowmoe's choice; on
+the one h2d lane, layer l + 1's prefetches go ahead of layer l's on-demand
+copies issued after them (the paper reports ~97% prediction accuracy and ~99%
+hits, where such misses are rare). `--attention-on cpu` and `--ffn-on cpu` are
+refused (Fate computes on the GPU).
 """
 
 from __future__ import annotations

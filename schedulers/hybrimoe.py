@@ -40,9 +40,10 @@ probabilities, so s is the token share and the MRS top-p is the routed
 experts; the code runs HSS in decode only and streams every expert to the GPU
 in prefill, here HSS decides in both (with a prefill's token counts it sends
 the large experts to the GPU itself); the prefetch looks one MoE layer ahead
-and is capped by the link time the next attention hides (the paper weighs
-several layers' gains against their copies); the latencies are the cost
-model's, not fitted on the machine; `--attention-on cpu` is refused.
+(as the code's `prefetch_expert` does) and is capped by the link time the
+next attention hides; the latencies are the cost model's, not fitted on the
+machine. `--attention-on cpu` is refused, and so is `--ffn-on cpu`: HSS
+places each expert itself.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class HybriMoEScheduler:
     def __init__(self, context: SchedulerContext) -> None:
         self.context = context
         spec, policy = context.spec, context.policy
-        check_placement(self.name, policy, ffn=("gpu", "cpu"))
+        check_placement(self.name, policy)
         self.moe = moe_layers(spec)
         total = len(self.moe) * spec.moe.experts
         slots = min(total, policy.expert_cache_slots or round(policy.weights_gpu_share * total))
