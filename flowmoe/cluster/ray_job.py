@@ -34,7 +34,6 @@ from flowmoe.cluster.resources import ReplicaResources
 from flowmoe.core.errors import ConfigError, FlowmoeError
 from flowmoe.core.jsonfile import os_reason
 from flowmoe.jobs.batching import Request
-from flowmoe.jobs.engine import StepStats
 from flowmoe.jobs.job import build_requests
 from flowmoe.jobs.joblog import JobLog
 from flowmoe.model.tokenizer import TextCodec
@@ -112,9 +111,8 @@ class ClusterProgress:
 class ReplicaReport:
     index: int
     results: int = 0  # results of this replica the driver wrote
-    tokens: int = 0  # tokens it generated, those of lost chunks included
+    tokens: int = 0  # tokens it generated, as reported with its results
     restarts: int = 0  # times its actor died and a chunk was queued again
-    stats: StepStats | None = None  # its engine's timings (its last incarnation's)
 
 
 @define
@@ -126,7 +124,9 @@ class ClusterReport:
     startup_seconds: float = 0.0  # until every replica had loaded its model
     seconds: float = 0.0  # from then until the last result
     requeued: int = 0  # requests queued again after their replica died
-    traces: list[Trace] = field(factory=list)  # with --trace: one per replica, in replica order
+    # with --trace: one per replica, in replica order (a restarted replica's since its restart),
+    # each on its host's monotonic clock, so they line up when the replicas share a host
+    traces: list[Trace] = field(factory=list)
 
     @property
     def generated_tokens(self) -> int:
@@ -224,9 +224,6 @@ class _Driver:
             self.report.seconds = time.perf_counter() - started
             if self.config.record:
                 self.report.traces = await asyncio.gather(*(a.trace.remote() for a in actors))
-            stats = await asyncio.gather(*(a.stats.remote() for a in actors), return_exceptions=True)
-            for replica, stat in zip(self.report.replicas, stats, strict=True):
-                replica.stats = stat if isinstance(stat, StepStats) else None
         finally:
             for actor in actors:  # also on Ctrl-C or an error: no replica outlives its job
                 ray.kill(actor, no_restart=True)

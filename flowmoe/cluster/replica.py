@@ -17,7 +17,6 @@ from attrs import frozen
 from flowmoe.core.plan import TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.jobs.batching import Request
-from flowmoe.jobs.engine import StepStats
 from flowmoe.jobs.job import JobSpec, _check_memory, _engine, record
 from flowmoe.jobs.job import Progress as JobProgress
 from flowmoe.model.loading import load_model
@@ -63,7 +62,6 @@ class Replica:
     def __init__(self, config: ReplicaConfig, index: int) -> None:
         torch.set_num_threads(config.threads)
         self.index = index
-        self.config = config
         self.model = load_model(config.source, config.dtype, config.layers)
         self.codec = TextCodec.from_folder(config.source) if config.model_folder else None
         self.runtime = Runtime.create(
@@ -90,11 +88,5 @@ class Replica:
             tokens, self._tokens = self._tokens, 0
             yield Finished(record(result, self.codec), tokens)
 
-    def stats(self) -> StepStats:
-        return self.engine.stats
-
     def trace(self) -> Trace:
-        return self.runtime.trace
-
-    def close(self) -> None:
-        self.runtime.close()
+        return self.runtime.trace  # the replica's process ends with the job (ray.kill), threads and all
