@@ -26,6 +26,7 @@ from flowmoe.cli.args import (
 )
 from flowmoe.cli.ray_run import add_ray_flags, run_on_ray
 from flowmoe.cli.simulate import auto_scheduler
+from flowmoe.cli.trace import stats_table
 from flowmoe.cli.ui import console, progress, table
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import FlowmoeError
@@ -44,6 +45,7 @@ from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.tokenizer import TextCodec
 from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.registry import load as load_scheduler
+from flowmoe.study.sim_report import trace_stats
 from flowmoe.traces.chrome import write_chrome
 
 
@@ -224,6 +226,8 @@ def _run(args: argparse.Namespace) -> int:
     scheduler_report = getattr(runtime.scheduler, "report", None)
     if scheduler_report is not None:  # e.g. pre-gated's prediction hit rate, lru-cache's hits
         console.print(f"{args.scheduler}: {figures(scheduler_report())}")
+    if runtime.trace.spans:  # kept with --trace: the run statistics, as `flowmoe trace summarize` gives them
+        console.print(stats_table(args.scheduler, trace_stats(runtime.trace)))
     for failure in failures:  # the job's results are in --output; only a record could not be written
         console.print(f"flowmoe: error: {failure}", soft_wrap=True, highlight=False, markup=False)
     return 2 if failures else 0
