@@ -77,17 +77,37 @@ def mla_attend(
     q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
     q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, r]
     scale = mla.softmax_scale or mla.qk_head_dim**-0.5
-    out_lat = q_lat.new_empty(q_lat.shape)  # [T, H, r]
     positions = layout.positions.to(device)
-    for i, slot in enumerate(layout.slots):
-        start, count = layout.starts[i], layout.counts[i]
-        length = layout.past[i] + count
-        rows = slice(start, start + count)
-        c, pe = latents[slot, 0, :length], pe_keys[slot, 0, :length]  # [L, r], [L, R]
-        scores = (
-            torch.einsum("nhr,lr->hnl", q_lat[rows], c) + torch.einsum("nhd,ld->hnl", q_pe[rows], pe)
-        ).float()
-        allowed = torch.arange(length, device=device) <= positions[rows, None]  # [n, L]
-        probs = torch.softmax((scores * scale).masked_fill(~allowed, float("-inf")), dim=-1)  # [H, n, L]
-        out_lat[rows] = torch.einsum("hnl,lr->nhr", probs.to(c.dtype), c)
+    if layout.is_decode:  # one query per sequence: every sequence in one batched product
+        length = max(layout.advanced())
+        slots = layout.slot_index.to(device)
+        c = latents[:, 0, :length].index_select(0, slots)  # [B, L, r]
+        pe = pe_keys[:, 0, :length].index_select(0, slots)  # [B, L, R]
+        allowed = torch.arange(length, device=device) <= positions[:, None]  # [B, L]
+        out_lat = _attend_latents(q_lat[:, None], q_pe[:, None], c, pe, allowed[:, None], scale)[:, 0]
+    else:
+        out_lat = q_lat.new_empty(q_lat.shape)  # [T, H, r]
+        for i, slot in enumerate(layout.slots):
+            start, count = layout.starts[i], layout.counts[i]
+            length = layout.past[i] + count
+            rows = slice(start, start + count)
+            c, pe = latents[slot, :, :length], pe_keys[slot, :, :length]  # [1, L, r], [1, L, R]
+            allowed = torch.arange(length, device=device) <= positions[rows, None]  # [n, L]
+            seq = _attend_latents(q_lat[None, rows], q_pe[None, rows], c, pe, allowed[None], scale)
+            out_lat[rows] = seq[0]
     return torch.einsum("thr,hvr->thv", out_lat, w_uv).reshape(q.shape[0], heads * mla.v_head_dim)
+
+
+def _attend_latents(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    c: torch.Tensor,
+    pe: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q_lat [B, n, H, r], q_pe [B, n, H, R] over the latents c [B, L, r] and RoPE keys pe [B, L, R];
+    allowed [B, n, L] -> the attention-weighted latents [B, n, H, r]."""
+    scores = torch.einsum("bnhr,blr->bhnl", q_lat, c) + torch.einsum("bnhd,bld->bhnl", q_pe, pe)
+    scores = (scores.float() * scale).masked_fill(~allowed[:, None], float("-inf"))  # [B, H, n, L]
+    return torch.einsum("bhnl,blr->bnhr", torch.softmax(scores, dim=-1).to(c.dtype), c)
