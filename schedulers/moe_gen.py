@@ -38,7 +38,10 @@ copy of a layer waits for the i-th eviction of the layer before it.
 Deviations: MoE-Gen splits attention between the GPU and the CPU by a ratio
 its planner picks; here all of a step's attention runs on one of them
 (`--attention-on`), since where the KV cache lives is one choice per run in
-flowmoe. The paper sizes the attention micro-batch too;
+flowmoe. An EXPERT_FFN node serves one micro-batch (the runtime has no node
+spanning micro-batches), so an expert's micro-batches run back to back from
+one copy of its weights, but as one GEMM each, at the GEMM efficiency of a
+micro-batch's rows rather than of the whole batch's. The paper sizes the attention micro-batch too;
 flowmoe's engine forms micro-batches before any scheduler runs. The copies
 issued before the gates are a popularity guess that a large batch almost
 always confirms; the paper copies a layer's experts in the same way once
