@@ -41,11 +41,10 @@ its planner picks; here all of a step's attention runs on one of them
 flowmoe. An EXPERT_FFN node serves one micro-batch (the runtime has no node
 spanning micro-batches), so an expert's micro-batches run back to back from
 one copy of its weights, but as one GEMM each, at the GEMM efficiency of a
-micro-batch's rows rather than of the whole batch's. The paper sizes the attention micro-batch too;
-flowmoe's engine forms micro-batches before any scheduler runs. The copies
-issued before the gates are a popularity guess that a large batch almost
-always confirms; the paper copies a layer's experts in the same way once
-nearly all of them are active.
+micro-batch's rows rather than of the whole batch's. The paper sizes the
+attention micro-batch too; flowmoe's engine forms micro-batches before any
+scheduler runs. The copies issued before the gates are flowmoe's choice: a
+popularity guess that a large batch almost always confirms.
 """
 
 from __future__ import annotations
