@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 
 from flowmoe.core.cost import RooflineCost
+from flowmoe.core.errors import ConfigError
 from flowmoe.core.executor import Span
 from flowmoe.core.hardware import hardware
 from flowmoe.core.plan import ExpertCounts, Lane, Op
@@ -237,3 +238,15 @@ def test_ktransformers_with_gpu_layers_keeps_those_experts_resident(model) -> No
     layers = {layer for layer, _ in runtime.scheduler.residency().experts}
     moe = [i for i in range(model.spec.layers) if model.spec.is_moe_layer(i)]
     assert layers == set(moe[: round(0.5 * len(moe))])
+
+
+def test_placement_flags() -> None:
+    """ktransformers: --ffn-on cpu puts every MoE layer's experts on the CPU whatever the share; the
+    others refuse a placement their paper does not have, in one line naming the flag."""
+    assert not scheduler("ktransformers", weights_gpu_share=1.0, ffn_on="cpu").residency().experts
+    assert len(scheduler("ktransformers", weights_gpu_share=1.0).residency().experts) == 3 * SPEC.moe.experts
+    for name, flag in (("hybrimoe", "ffn_on"), ("fate", "attention_on"), ("ktransformers", "attention_on")):
+        with pytest.raises(
+            ConfigError, match=f"scheduler {name} does not support --{flag.replace('_', '-')} cpu"
+        ):
+            scheduler(name, **{flag: "cpu"})
