@@ -100,23 +100,33 @@ def test_two_replicas_equal_one_process(cluster: str, job, tmp_path: Path) -> No
     assert not list(tmp_path.glob(".out.jsonl.lock"))  # the driver's lock sidecar is gone
 
 
-def test_driver_killed_then_resumed(cluster: str, job, tmp_path: Path) -> None:
-    prompts, reference = job
-    out = tmp_path / "out.jsonl"
-    args = _args(prompts, out, "--ray", cluster, "--replicas", "2")
+def _interrupt(args: list[str], out: Path, at_lines: int, sig: signal.Signals) -> tuple[int, str]:
+    """Run the command in a subprocess; send `sig` once the output holds `at_lines` lines."""
     process = subprocess.Popen([sys.executable, "-m", "flowmoe.cli", *args],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     try:
-        while process.poll() is None and (not out.exists() or out.read_bytes().count(b"\n") < 10):
+        while process.poll() is None and (not out.exists() or out.read_bytes().count(b"\n") < at_lines):
             time.sleep(0.002)
         assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
+        os.kill(process.pid, sig)
+        _, err = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
-    done = out.read_bytes().count(b"\n")
-    assert 10 <= done < PROMPTS
+    return process.returncode, err.decode()
+
+
+def test_driver_stopped_or_killed_then_resumed(cluster: str, job, tmp_path: Path) -> None:
+    prompts, reference = job
+    out = tmp_path / "out.jsonl"
+    args = _args(prompts, out, "--ray", cluster, "--replicas", "2")
+    code, err = _interrupt(args, out, 10, signal.SIGTERM)  # Ray's own SIGTERM handler would abort
+    assert code == 143 and "interrupted; results written so far are kept" in err
+    stopped = out.read_bytes().count(b"\n")
+    assert set(_sorted_lines(out)) <= set(reference)  # whole lines, each the reference's
+    code, _ = _interrupt(args, out, stopped + 10, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    assert stopped + 10 <= out.read_bytes().count(b"\n") < PROMPTS
     with out.open("ab") as handle:  # as if the kill had landed in the middle of a write
         handle.write(b'{"id": "p59", "output_ids": [4, 5')
     assert main(args) == 0

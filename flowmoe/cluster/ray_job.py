@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -67,16 +69,34 @@ def session(address: str) -> Iterator[str]:
     else:
         check_reachable(address)
         options["address"] = address
+    handlers = _python_handlers()
     try:
         with warnings.catch_warnings():  # Ray's note on a future default of CUDA_VISIBLE_DEVICES
             warnings.simplefilter("ignore", FutureWarning)
             ray.init(**options)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ConfigError(f"--ray {address}: cannot connect to a Ray cluster ({_first_line(exc)})") from exc
+    finally:
+        _restore(handlers)
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+
+
+def _python_handlers() -> dict[int, Any]:
+    """The Python handlers of SIGINT and SIGTERM (the command line's: a message, exit 130 / 143)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore(handlers: dict[int, Any]) -> None:
+    """Install them again: Ray's core worker puts a handler of its own under SIGTERM, at the C
+    level, that aborts the process (exit 134) before the output log is closed."""
+    for signum, handler in handlers.items():
+        if handler is not None:
+            signal.signal(signum, handler)
 
 
 def check_reachable(address: str) -> None:
