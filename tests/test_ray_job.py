@@ -175,3 +175,17 @@ def test_an_address_without_a_cluster_is_refused_at_once() -> None:
         port = free.getsockname()[1]
     with pytest.raises(FlowmoeError, match=f"--ray 127.0.0.1:{port}: no Ray cluster answers there"):
         check_reachable(f"127.0.0.1:{port}")
+
+
+def test_replicas_are_counted_node_by_node() -> None:
+    """A replica needs its whole request on one node: 4 GPU replicas of 4 CPUs fit a 16-CPU, 4-GPU
+    node 4 times and an 8-CPU, 8-GPU node twice (CPUs run out first), 6 in all."""
+    nodes = [{"CPU": 16.0, "GPU": 4.0}, {"CPU": 8.0, "GPU": 8.0}]
+    each = ReplicaResources.choose("auto", 4, nodes)
+    assert (each.num_gpus, each.device) == (1, "cuda")
+    assert [each.per_node(n) for n in nodes] == [4, 2]
+    each.check_fit(6, nodes, "at head:6379")
+    with pytest.raises(FlowmoeError, match=r"--replicas 7: .* 4 CPU\(s\) and 1 GPU\(s\), .* holds only 6"):
+        each.check_fit(7, nodes, "at head:6379")
+    assert ReplicaResources.choose("cpu", 2, nodes).device == "cpu"
+    assert ReplicaResources.choose("auto", 1, [{"CPU": 2.0}]) == ReplicaResources(1, 0)
