@@ -12,6 +12,7 @@ from attrs import evolve
 
 from flowmoe.cli import main
 from flowmoe.core.cost import RooflineCost
+from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import hardware
 from flowmoe.core.policy import Policy
 from flowmoe.core.routing_trace import RoutingTrace, replay
@@ -20,6 +21,7 @@ from flowmoe.core.spec import ModelSpec
 from flowmoe.core.synthetic_routing import RoutingModel, SyntheticRouting, observed_popularity
 from flowmoe.core.workloads import workload
 from flowmoe.schedulers.registry import available, create
+from flowmoe.study.auto_choice import choice, job_workload
 from flowmoe.study.sim_report import interpolate
 from flowmoe.study.simulate import Setup, Simulation, batch_steps, sampled
 from flowmoe.traces.chrome import validate_chrome
@@ -275,3 +277,12 @@ def test_run_auto_runs_the_best_simulated_scheduler(
     assert chosen is not None and chosen.group(1) in available() and int(chosen.group(2)) <= 3
     assert "flowmoe run — " in text and chosen.group(1) in text.split("flowmoe run — ")[1]
     assert len(out.read_text().splitlines()) == 3
+
+
+def test_job_workload_and_no_runnable_scheduler() -> None:
+    work = job_workload([4, 8, 16], gen=5)
+    assert (work.prompt.minimum, work.prompt.maximum, work.gen_len) == (4, 16, 5)
+    assert work.prompt.mean == pytest.approx(28 / 3) and work.prompt.spread > 0
+    refused = Simulation(setup(policy=evolve(POLICY, gpu_memory=1000))).run("eager")
+    with pytest.raises(ConfigError, match="no scheduler can run"):
+        choice([refused])
