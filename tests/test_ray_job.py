@@ -189,3 +189,14 @@ def test_replicas_are_counted_node_by_node() -> None:
         each.check_fit(7, nodes, "at head:6379")
     assert ReplicaResources.choose("cpu", 2, nodes).device == "cpu"
     assert ReplicaResources.choose("auto", 1, [{"CPU": 2.0}]) == ReplicaResources(1, 0)
+
+
+def test_without_ray_the_flag_says_how_to_install_it(job, tmp_path: Path, monkeypatch, capsys) -> None:
+    prompts, _ = job
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as where it is not installed
+    for name in [m for m in sys.modules if m.startswith("flowmoe.cluster.")]:
+        monkeypatch.delitem(sys.modules, name)
+    out = tmp_path / "out.jsonl"
+    assert main(_args(prompts, out, "--ray", "local")) == 2
+    assert "flowmoe: error: --ray needs Ray: pip install 'flowmoe[ray]'" in capsys.readouterr().err
+    assert not out.exists()
