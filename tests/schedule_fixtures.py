@@ -30,6 +30,8 @@ GOLDEN_POLICIES = {
     "lru-cache": evolve(GOLDEN_POLICY, expert_cache_slots=2, cache_ways=2),
     "cgopipe": evolve(GOLDEN_POLICY, attention_on="cpu"),  # Algorithm 1's CPU attention
     "flexgen": evolve(GOLDEN_POLICY, kv_gpu_share=0.0),  # the cache on the CPU, loaded per micro-batch
+    "hybrimoe": evolve(GOLDEN_POLICY, expert_cache_slots=2),  # one slot a layer: MRS evictions
+    "fate": evolve(GOLDEN_POLICY, expert_cache_slots=3),  # quotas 2 and 1: what ARC keeps
 }
 
 
