@@ -8,6 +8,11 @@ partial when R or C is not a multiple of the block (the release's `kv_a_proj_wit
 has a [5, 56] grid). A fused expert tensor `<module>.gate_up_proj` [E, R, C] has its scales in
 `<module>.gate_up_proj_scale_inv` [E, ceil(R / bm), ceil(C / bn)]. Which tensors are quantized is
 read from each tensor's stored dtype; the modules listed in `modules_to_not_convert` must not be.
+
+The loader dequantizes each FP8 tensor into the model's dtype (`dequantize`). Under the policy's
+`expert_format: "fp8"` the routed experts are also kept as stored (`FP8Expert`, read by
+`fp8_experts`): a PAGE_COPY moves those bytes and dequantizes them on the GPU, to the same values
+(flowmoe/runtime/device_weights.py).
 """
 
 from __future__ import annotations
