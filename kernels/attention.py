@@ -14,19 +14,21 @@ def attend(
     layout: TokenLayout,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, D]; keys/values: [slots, kv_heads, capacity, D] already holding this step's
-    tokens -> [T, heads * D]. Sequences with one new token (decode) are attended all at once;
+    tokens -> [T, heads * D]. `chunk`: a query sees only keys of its own chunk of positions.
+    Sequences with one new token (decode) are attended all at once;
     the others (a prefill, alone or sharing the step with decodes) one by one."""
     if layout.is_decode:
-        return _decode(q, keys, values, layout, window, sinks)
+        return _decode(q, keys, values, layout, window, sinks, chunk)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, H * D]
     decoding = [i for i, count in enumerate(layout.counts) if count == 1]
     if len(decoding) > 1:
         rows = torch.tensor([layout.starts[i] for i in decoding], device=q.device)
         single = TokenLayout(tuple(layout.slots[i] for i in decoding), (1,) * len(decoding),
                              tuple(layout.past[i] for i in decoding))  # fmt: skip
-        out[rows] = _decode(q[rows], keys, values, single, window, sinks)
+        out[rows] = _decode(q[rows], keys, values, single, window, sinks, chunk)
     alone = [i for i in range(len(layout.counts)) if len(decoding) < 2 or i not in decoding]
     for i in alone:
         slot, start, count, past = layout.slots[i], layout.starts[i], layout.counts[i], layout.past[i]
@@ -38,16 +40,20 @@ def attend(
             torch.arange(past, length, device=q.device),
             window,
             sinks,
+            chunk,
         )
     return out
 
 
-def _mask(q_pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
-    """q_pos: [..., n] -> allowed: [..., n, L] (key j visible to a query at p if j <= p, p - j < window)."""
+def _mask(q_pos: torch.Tensor, length: int, window: int | None, chunk: int | None = None) -> torch.Tensor:
+    """q_pos: [..., n] -> allowed: [..., n, L] (key j visible to a query at p if j <= p, p - j < window,
+    j // chunk == p // chunk)."""
     k_pos = torch.arange(length, device=q_pos.device)
     allowed = k_pos <= q_pos[..., None]
     if window is not None:
         allowed &= k_pos > q_pos[..., None] - window
+    if chunk is not None:
+        allowed &= k_pos // chunk == q_pos[..., None] // chunk
     return allowed
 
 
@@ -75,6 +81,7 @@ def _attend_one(
     q_pos: torch.Tensor,
     window: int | None,
     sinks: torch.Tensor | None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """q: [n, H, D], k/v: [kvh, L, D] -> [n, H * D]."""
     n, heads, dim = q.shape
@@ -82,7 +89,7 @@ def _attend_one(
     qg = q.transpose(0, 1).reshape(kv_heads, heads // kv_heads, n, dim)  # [kvh, g, n, D]
     scores = torch.matmul(qg, k.unsqueeze(1).transpose(-1, -2)).float() * dim**-0.5  # [kvh, g, n, L]
     sink = sinks.reshape(kv_heads, -1, 1, 1) if sinks is not None else None  # [kvh, g, 1, 1]
-    out = _softmax_values(scores, _mask(q_pos, length, window), v, sink)  # [kvh, g, n, D]
+    out = _softmax_values(scores, _mask(q_pos, length, window, chunk), v, sink)  # [kvh, g, n, D]
     return out.reshape(heads, n, dim).transpose(0, 1).reshape(n, heads * dim)
 
 
@@ -93,6 +100,7 @@ def _decode(
     layout: TokenLayout,
     window: int | None,
     sinks: torch.Tensor | None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """One query per sequence: q [B, H, D] -> [B, H * D], all sequences in one batched matmul.
     A group's g query heads stand in the queries' place, so K and V are read as they lie in the
@@ -105,7 +113,7 @@ def _decode(
     scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).float() * dim**-0.5  # [B, kvh, 1, g, L]
     q_pos = layout.positions.to(q.device).reshape(batch, 1, 1, 1)
     sink = sinks.reshape(kv_heads, 1, -1, 1) if sinks is not None else None  # [kvh, 1, g, 1]
-    out = _softmax_values(scores, _mask(q_pos, length, window), v, sink)  # [B, kvh, 1, g, D]
+    out = _softmax_values(scores, _mask(q_pos, length, window, chunk), v, sink)  # [B, kvh, 1, g, D]
     return out.reshape(batch, heads * dim)
 
 

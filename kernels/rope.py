@@ -17,7 +17,20 @@ def inverse_frequencies(rope: RopeSpec, head_dim: int) -> tuple[torch.Tensor, fl
         return 1.0 / pos_freqs, 1.0
     if rope.kind == "linear":
         return 1.0 / (pos_freqs * rope.factor), 1.0
+    if rope.kind == "llama3":
+        return _llama3(rope, 1.0 / pos_freqs), 1.0
     return _yarn(rope, head_dim, pos_freqs)
+
+
+def _llama3(rope: RopeSpec, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1 / Llama 4: long wavelengths divided by `factor`, short ones kept, a smooth ramp between."""
+    context = rope.original_max_positions
+    wavelen = 2 * math.pi / inv_freq  # [head_dim/2]
+    scaled = torch.where(wavelen > context / rope.low_freq_factor, inv_freq / rope.factor, inv_freq)
+    smooth = (context / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= context / rope.high_freq_factor) & (wavelen <= context / rope.low_freq_factor)
+    return torch.where(medium, smoothed, scaled)
 
 
 def _yarn(rope: RopeSpec, dim: int, pos_freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -52,6 +65,12 @@ def cos_sin(
     freqs = positions[:, None].to(torch.float32) * inv_freq[None, :].to(positions.device)  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D], cos/sin: [T, R] with R < D -> [T, heads, D], the first R dimensions rotated."""
+    rotary = cos.shape[-1]
+    return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

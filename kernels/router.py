@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from attrs import frozen
 
 from flowmoe.core.spec import MoESpec
+from flowmoe.kernels.family_routers import FAMILY_ROUTERS
 
 
 @frozen
@@ -23,16 +24,31 @@ class Routing:
         return {e: int(self.tokens[e].numel()) for e in self.experts}
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, moe: MoESpec) -> Routing:
+def route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    moe: MoESpec,
+    selection_bias: torch.Tensor | None = None,
+) -> Routing:
     """x: [T, hidden], weight: [E, hidden] -> Routing."""
-    indices, weights = choose(x, weight, bias, moe)
+    indices, weights = choose(x, weight, bias, moe, selection_bias)
     return group_by_expert(indices, weights, moe.experts)
 
 
 def choose(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, moe: MoESpec
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    moe: MoESpec,
+    selection_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top-k choice alone, on x's device with no host sync: -> indices [T, k], weights [T, k]."""
+    """The top-k choice alone, on x's device with no host sync: -> indices [T, k], weights [T, k].
+    `selection_bias` [E] (or [1, E]): added to the scores for the choice only."""
+    if moe.router in ("sigmoid_group", "softmax_group"):
+        return grouped_choice(x, weight, selection_bias, moe)
+    if moe.router in FAMILY_ROUTERS:
+        return FAMILY_ROUTERS[moe.router](x, weight, bias, moe, selection_bias)
     logits = F.linear(x, weight, bias)  # [T, E]
     if moe.router == "topk_softmax":
         top, indices = torch.topk(logits, moe.top_k, dim=-1)  # [T, k]
@@ -44,6 +60,33 @@ def choose(
     if not moe.combine_fp32:
         weights = weights.to(x.dtype)
     return indices, weights
+
+
+def grouped_choice(
+    x: torch.Tensor, weight: torch.Tensor, selection_bias: torch.Tensor | None, moe: MoESpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's group-limited routers, in float32: -> indices [T, k], weights [T, k] (float32).
+
+    sigmoid_group (V3, GLM-4.5): sigmoid scores; `selection_bias` [E] added for the choice only; a
+    group's rank is the sum of its two best biased scores. softmax_group (V2): softmax scores; a
+    group's rank is its best score. Experts outside the `topk_group` best groups are never chosen;
+    the chosen experts' unbiased scores, renormalised when `norm_topk`, are scaled by `routed_scaling`."""
+    logits = F.linear(x.float(), weight.float())  # [T, E]
+    sigmoid = moe.router == "sigmoid_group"
+    scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)  # [T, E]
+    choice = scores + selection_bias.float().reshape(-1) if sigmoid and selection_bias is not None else scores
+    if moe.n_group > 1:
+        grouped = choice.view(choice.shape[0], moe.n_group, -1)  # [T, G, E / G]
+        group_rank = grouped.topk(2, dim=-1)[0].sum(dim=-1) if sigmoid else grouped.amax(dim=-1)  # [T, G]
+        groups = torch.topk(group_rank, moe.topk_group, dim=-1)[1]  # [T, topk_group]
+        keep = torch.zeros_like(group_rank, dtype=torch.bool).scatter_(1, groups, True)  # [T, G]
+        outside = ~keep[:, :, None].expand_as(grouped).reshape_as(choice)  # [T, E]
+        choice = choice.masked_fill(outside, float("-inf") if sigmoid else 0.0)
+    indices = torch.topk(choice, moe.top_k, dim=-1)[1]  # [T, k]
+    weights = scores.gather(1, indices)  # [T, k]
+    if moe.norm_topk:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return indices, weights * moe.routed_scaling
 
 
 def group_by_expert(indices: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Routing:

@@ -21,6 +21,12 @@ COMMON: dict[str, Any] = {
     "eos_token_id": 2,
 }
 
+DEEPSEEK: dict[str, Any] = {
+    "num_key_value_heads": 4, "intermediate_size": 80, "moe_intermediate_size": 32, "n_routed_experts": 8,
+    "num_experts_per_tok": 3, "n_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "routed_scaling_factor": 2.5,
+}  # fmt: skip
+
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("Mixtral", {"intermediate_size": 48, "num_local_experts": 6, "num_experts_per_tok": 2}),
     "mixtral_window": (
@@ -63,16 +69,88 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "sliding_window": 6,
         },
     ),
+    # Llama 4: MoE on layers 0 and 2 (a dense layer between), layer 2 NoPE, chunks of 5, llama3 rope
+    "llama4": (
+        "Llama4Text",
+        {
+            **{"intermediate_size": 32, "intermediate_size_mlp": 48, "head_dim": 16},
+            **{"num_local_experts": 4, "num_experts_per_tok": 2, "moe_layers": [0, 2]},
+            **{"no_rope_layers": [1, 1, 0], "attention_chunk_size": 5, "floor_scale": 4, "attn_scale": 0.5},
+            "rope_parameters": {
+                **{"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0},
+                **{"high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            },
+        },
+    ),
+    "llama4_no_qk_norm": (
+        "Llama4Text",
+        {
+            **{"intermediate_size": 32, "intermediate_size_mlp": 48, "num_local_experts": 4},
+            **{"num_experts_per_tok": 1, "use_qk_norm": False, "attn_temperature_tuning": False},
+            **{"no_rope_layers": [1, 0, 1], "attention_chunk_size": 4, "attention_bias": True},
+        },
+    ),
+    "phimoe": (
+        "Phimoe",
+        {
+            **{"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
+            **{"attention_bias": True, "lm_head_bias": True, "router_jitter_noise": 0.2},
+        },
+    ),
+    "granitemoe": (
+        "GraniteMoe",
+        {
+            **{"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
+            **{"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.2},
+            "logits_scaling": 6.0,
+        },
+    ),
+    "ernie4_5_moe": (
+        "Ernie4_5_Moe",
+        {
+            **{"intermediate_size": 48, "moe_intermediate_size": 32, "moe_num_experts": 6, "moe_k": 2},
+            **{"moe_num_shared_experts": 1, "moe_layer_start_index": 1},
+        },
+    ),
+    # MLA: every head has its own keys (num_key_value_heads = heads); 8 experts in 4 groups, 2 kept
+    "deepseek_v3": ("DeepseekV3", {**DEEPSEEK, "q_lora_rank": 24, "n_group": 4, "topk_group": 2}),
+    "deepseek_v3_yarn": (
+        "DeepseekV3",
+        {
+            **DEEPSEEK,
+            **{"rope_interleave": False, "n_group": 2, "topk_group": 1, "max_position_embeddings": 256},
+            "rope_parameters": {
+                **{"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.7},
+                **{"mscale_all_dim": 0.9, "original_max_position_embeddings": 64},
+            },
+        },
+    ),
+    "deepseek_v2": (
+        "DeepseekV2",
+        {**DEEPSEEK, "q_lora_rank": 24, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2},
+    ),
+    "deepseek_v2_lite": ("DeepseekV2", {**DEEPSEEK, "q_lora_rank": None, "topk_method": "greedy"}),
+    "glm4_moe": (
+        "Glm4Moe",
+        {
+            **{"intermediate_size": 80, "moe_intermediate_size": 32, "n_routed_experts": 8, "head_dim": 16},
+            **{"num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1},
+            **{"attention_bias": True, "use_qk_norm": True, "routed_scaling_factor": 2.5},
+        },
+    ),
 }
+
+
+CAUSAL_LM = {"Llama4Text": "Llama4"}  # config prefix -> model prefix, where they differ
 
 
 def hf_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0):
     import transformers
 
     prefix, extra = FAMILY_CONFIGS[family]
-    config = getattr(transformers, f"{prefix}Config")(**COMMON, **extra)
+    config = getattr(transformers, f"{prefix}Config")(**{**COMMON, **extra})
     torch.manual_seed(seed)
-    model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval().to(dtype)
+    model = getattr(transformers, f"{CAUSAL_LM.get(prefix, prefix)}ForCausalLM")(config).eval().to(dtype)
     _randomize_zero_inits(model)
     return model
 

@@ -18,7 +18,7 @@ from tests.schedule_fixtures import golden_listing, run_eager, run_scheduler
 SCHEDULERS = sorted(available())
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "deepseek_v3", "llama4"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "deepseek_v3", "llama4", "glm4_moe"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     folder = save_hf(hf_model(request.param), tmp_path_factory.mktemp("contract") / request.param)
     return load_model(folder)

@@ -19,8 +19,10 @@ from flowmoe.kernels.experts import swiglu_ffn
 from flowmoe.kernels.kv_cache import KVCache, write_kv
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.kernels.linear import linear
-from flowmoe.kernels.norm import rms_norm
-from flowmoe.kernels.rope import apply_rope, cos_sin, inverse_frequencies
+from flowmoe.kernels.mla import mla_attend, mla_project
+from flowmoe.kernels.norm import l2_norm, norm_of_kind, rms_norm
+from flowmoe.kernels.query_scale import scale_queries
+from flowmoe.kernels.rope import apply_partial_rope, apply_rope, cos_sin, inverse_frequencies
 from flowmoe.kernels.router import Routing, route
 from flowmoe.model.weights import FFNWeights, LayerWeights, ModelWeights
 
@@ -36,7 +38,8 @@ class MoEModel:
 
     @classmethod
     def build(cls, spec: ModelSpec, weights: ModelWeights) -> MoEModel:
-        inv_freq, scaling = inverse_frequencies(spec.rope, spec.attention.head_dim)
+        a = spec.attention
+        inv_freq, scaling = inverse_frequencies(spec.rope, a.rotary_dim or a.head_dim)
         return cls(spec, weights, inv_freq, scaling)
 
     @property
@@ -45,13 +48,20 @@ class MoEModel:
 
     def new_cache(self, slots: int, capacity: int, device: torch.device | str = "cpu") -> KVCache:
         a = self.spec.attention
+        if a.mla is not None:  # the latents as keys, the RoPE keys as values
+            m = a.mla
+            return KVCache.allocate(
+                self.spec.layers, slots, 1, capacity, m.kv_lora_rank, self.dtype, device, m.qk_rope_head_dim
+            )
         return KVCache.allocate(self.spec.layers, slots, a.kv_heads, capacity, a.head_dim, self.dtype, device)
 
     # ---- steps
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids: [T] int64 -> hidden [T, hidden]."""
-        return F.embedding(ids, self.weights.embed)
+    def embed(self, ids: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """ids: [T] int64 -> hidden [T, hidden] (`weight`: the embedding where it is resident)."""
+        hidden = F.embedding(ids, self.weights.embed if weight is None else weight)
+        multiplier = self.spec.embedding_multiplier
+        return hidden * multiplier if multiplier != 1.0 else hidden
 
     def rope(self, layout: TokenLayout, device: torch.device | str = "cpu") -> Rope:
         """cos, sin: [T, head_dim] for this step's token positions (shared by all layers)."""
@@ -64,7 +74,10 @@ class MoEModel:
 
         `lw`: the layer's weights where they are resident (default: the model's own)."""
         a, w = self.spec.attention, (lw or self.weights.layers[layer]).attn
-        x = rms_norm(hidden, w.input_norm, self.spec.norm_eps)
+        x = norm_of_kind(hidden, w.input_norm, self.spec.norm_eps, self.spec.norm)
+        if a.mla is not None:  # -> q [T, H, qk_head_dim], latent [T, 1, r], RoPE key [T, 1, R]
+            eps = self.spec.norm_eps
+            return mla_project(x, w.qkv, w.q_a_norm, w.q_b, w.kv_a_norm, a.mla, a.heads, *rope, eps)
         qkv = linear(x, w.qkv, w.qkv_bias)  # [T, (H + 2 KVH) * D]
         q, k, v = qkv.split([a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], dim=-1)
         if a.qk_norm == "full":
@@ -79,7 +92,13 @@ class MoEModel:
         if a.qk_norm == "head":
             q = rms_norm(q, w.q_norm, self.spec.norm_eps)
             k = rms_norm(k, w.k_norm, self.spec.norm_eps)
+        if not a.uses_rope(layer):
+            return q, k, v
+        if a.qk_norm == "l2":  # on rope layers only; a rotation keeps the norm, so before rope is the same
+            q, k = l2_norm(q, self.spec.norm_eps), l2_norm(k, self.spec.norm_eps)
         cos, sin = rope
+        if a.rotary_dim:
+            return apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin), v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attention(
@@ -92,29 +111,42 @@ class MoEModel:
         layout: TokenLayout,
         lw: LayerWeights | None = None,
     ) -> torch.Tensor:
-        """Append k, v to the layer's cache kv = (keys, values) and attend: q [T, H, D] -> [T, H * D]."""
+        """Append k, v to the layer's cache kv = (keys, values) and attend: q [T, H, D] -> [T, H * D].
+        With multi-head latent attention k, v are the latent and the RoPE key -> [T, H * v_head_dim]."""
+        if self.spec.attention.mla is not None:
+            kv_up = (lw or self.weights.layers[layer]).attn.kv_b
+            return mla_attend(q, k, v, kv, layout, kv_up, self.spec.attention.mla)
         keys, values = kv
         write_kv(keys, values, layout, k, v)
         sinks = (lw or self.weights.layers[layer]).attn.sinks
-        window = self.spec.attention.window(layer)
-        return attend(q.to(keys.device), keys, values, layout, window, sinks)
+        a = self.spec.attention
+        q = scale_queries(q.to(keys.device), a, layer, layout.positions)
+        return attend(q, keys, values, layout, a.window(layer), sinks, a.chunk(layer))
 
     def post_attention(
         self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor, lw: LayerWeights | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden + O(attn_out) [T, hidden], its post-attention norm [T, hidden])."""
         w = (lw or self.weights.layers[layer]).attn
-        hidden = hidden + linear(attn_out, w.o, w.o_bias)
-        return hidden, rms_norm(hidden, w.post_norm, self.spec.norm_eps)
+        hidden = hidden + self._residual(linear(attn_out, w.o, w.o_bias))
+        return hidden, norm_of_kind(hidden, w.post_norm, self.spec.norm_eps, self.spec.norm)
+
+    def _residual(self, out: torch.Tensor) -> torch.Tensor:
+        """A block's output as added to the residual stream (Granite scales it)."""
+        multiplier = self.spec.residual_multiplier
+        return out * multiplier if multiplier != 1.0 else out
 
     def gate(self, layer: int, x: torch.Tensor, lw: LayerWeights | None = None) -> Routing:
         w = lw or self.weights.layers[layer]
-        return route(x, w.router, w.router_bias, self.spec.moe)
+        return route(x, w.router, w.router_bias, self.spec.moe, w.selection_bias)
 
     def expert(self, x: torch.Tensor, routing: Routing, expert: int, ffn: FFNWeights) -> torch.Tensor:
         """The scaled output of one routed expert for its tokens: [n_e, hidden], on x's device
         (the routing may live on another device when the expert runs on the CPU)."""
         rows = routing.tokens[expert].to(x.device)
+        if self.spec.moe.scale_input:  # Llama 4 scales the expert's input
+            x_in = x[rows] * routing.scales[expert].to(x.device)[:, None].to(x.dtype)
+            return swiglu_ffn(x_in, ffn.gate_up, ffn.down, self.spec.moe, ffn.gate_up_bias, ffn.down_bias)
         out = swiglu_ffn(x[rows], ffn.gate_up, ffn.down, self.spec.moe, ffn.gate_up_bias, ffn.down_bias)
         return out * routing.scales[expert].to(x.device)[:, None]  # float32 scales give a float32 product
 
@@ -142,15 +174,20 @@ class MoEModel:
                 moe.index_add_(0, routing.tokens[expert], outputs[expert].to(moe.dtype))
         if shared is not None:
             moe = moe + shared
-        return hidden + moe
+        return hidden + self._residual(moe)
 
     def logits(
         self, hidden: torch.Tensor, norm: torch.Tensor | None = None, head: torch.Tensor | None = None
     ) -> torch.Tensor:
         """hidden: [B, hidden] (each sequence's last token) -> [B, vocab] float32."""
         norm = self.weights.final_norm if norm is None else norm
-        x = rms_norm(hidden, norm, self.spec.norm_eps)
-        return linear(x, self.weights.lm_head if head is None else head).float()
+        x = norm_of_kind(hidden, norm, self.spec.norm_eps, self.spec.norm)
+        head = self.weights.lm_head if head is None else head
+        bias = None
+        if self.spec.lm_head_bias:  # [vocab, hidden + 1]: the bias is the last column
+            head, bias = head[:, :-1], head[:, -1]
+        logits = linear(x, head, bias).float()
+        return logits / self.spec.logits_divisor if self.spec.logits_divisor != 1.0 else logits
 
     # ---- eager composition
 

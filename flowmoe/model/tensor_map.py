@@ -15,6 +15,7 @@ from attrs import frozen
 from flowmoe.core.errors import CheckpointError
 from flowmoe.core.families import TensorNames, family_named
 from flowmoe.core.spec import ModelSpec
+from flowmoe.model.mla_weights import load_mla, mla_tensors
 from flowmoe.model.weights import AttentionWeights, FFNWeights, LayerWeights, ModelWeights
 
 Shape = tuple[int, ...]
@@ -53,13 +54,17 @@ class TensorMap:
         }
         if not s.tie_embeddings:
             out["lm_head.weight"] = (s.vocab, s.hidden)
+        if s.norm == "layer":
+            out["model.norm.bias"] = (s.hidden,)
+        if s.lm_head_bias:
+            out["lm_head.bias"] = (s.vocab,)
         return out
 
     def moe_layout(self, layer: int, has: Callable[[str], bool]) -> MoELayout:
         base = f"model.layers.{layer}."
         for prefix in self.names.moe_prefixes:
             if has(f"{base}{prefix}.{self.names.router}.weight"):
-                return MoELayout(prefix, has(f"{base}{prefix}.experts.gate_up_proj"))
+                return MoELayout(prefix, has(f"{base}{prefix}.{self.names.fused[0]}"))
         wanted = f"{base}{self.names.moe_prefixes[0]}.{self.names.router}.weight"
         raise CheckpointError(f"tensor {wanted} is missing (the router of layer {layer})")
 
@@ -76,18 +81,22 @@ class TensorMap:
             f"{base}self_attn.v_proj.weight": (kv, hidden),
             f"{base}self_attn.o_proj.weight": (hidden, q),
         }
+        if a.mla is not None:  # no q/k/v projections: the latent attention's own
+            out = mla_tensors(s, base)
         if a.qkv_bias:
             out |= {f"{base}self_attn.{p}_proj.bias": (n,) for p, n in (("q", q), ("k", kv), ("v", kv))}
         if a.o_bias:
             out[f"{base}self_attn.o_proj.bias"] = (hidden,)
-        if a.qk_norm != "none":
+        if a.qk_norm in ("head", "full"):  # "l2" has no weight
             head = a.qk_norm == "head"
             out[f"{base}self_attn.q_norm.weight"] = (a.head_dim,) if head else (q,)
             out[f"{base}self_attn.k_norm.weight"] = (a.head_dim,) if head else (kv,)
         if a.sinks:
             out[f"{base}self_attn.sinks"] = (a.heads,)
+        if s.norm == "layer":
+            out |= {f"{base}{n}_layernorm.bias": (hidden,) for n in ("input", "post_attention")}
         if not s.is_moe_layer(layer):
-            return out | self._ffn(f"{base}mlp.", s.moe.dense_intermediate)
+            return out | self._ffn(f"{base}{self.names.dense_mlp}.", s.moe.dense_intermediate)
         return out | self._moe_tensors(layer, self.moe_layout(layer, has))
 
     def _ffn(self, prefix: str, inter: int) -> dict[str, Shape]:
@@ -104,13 +113,15 @@ class TensorMap:
         out: dict[str, Shape] = {f"{p}{self.names.router}.weight": (m.experts, h)}
         if m.router_bias:
             out[f"{p}{self.names.router}.bias"] = (m.experts,)
+        if m.selection_bias:
+            rows = self.names.selection_bias_rows
+            out[f"{p}{self.names.selection_bias}"] = (1, m.experts) if rows else (m.experts,)
         inter = m.intermediate
         if layout.fused:
-            interleaved = self.names.fused_gate_up == "interleaved_columns"
-            out[f"{p}experts.gate_up_proj"] = (
-                (m.experts, h, 2 * inter) if interleaved else (m.experts, 2 * inter, h)
-            )
-            out[f"{p}experts.down_proj"] = (m.experts, inter, h) if interleaved else (m.experts, h, inter)
+            gate_up, down = self.names.fused
+            by_columns = self.names.fused_gate_up != "rows"
+            out[f"{p}{gate_up}"] = (m.experts, h, 2 * inter) if by_columns else (m.experts, 2 * inter, h)
+            out[f"{p}{down}"] = (m.experts, inter, h) if by_columns else (m.experts, h, inter)
             if m.expert_bias:
                 out[f"{p}experts.gate_up_proj_bias"] = (m.experts, 2 * inter)
                 out[f"{p}experts.down_proj_bias"] = (m.experts, h)
@@ -134,7 +145,10 @@ class TensorMap:
         shapes = self.top_level()
         embed = source.get("model.embed_tokens.weight", shapes["model.embed_tokens.weight"])
         head = embed if self.spec.tie_embeddings else source.get("lm_head.weight", shapes["lm_head.weight"])
-        return ModelWeights(embed, source.get("model.norm.weight", shapes["model.norm.weight"]), head, layers)
+        if self.spec.lm_head_bias:  # [vocab, hidden + 1]: the bias as a last column
+            head = torch.cat([head, source.get("lm_head.bias", shapes["lm_head.bias"])[:, None]], dim=1)
+        norm = _norm_from(source.get, "model.norm.", shapes["model.norm.weight"], self.spec.norm)
+        return ModelWeights(embed, norm, head, layers)
 
     def load_layer(self, layer: int, source: TensorSource) -> LayerWeights:
         shapes = self.layer_tensors(layer, source.has)
@@ -146,25 +160,11 @@ class TensorMap:
             return get(name) if name in shapes else None
 
         base = f"model.layers.{layer}."
-        sa = f"{base}self_attn."
-        qkv = torch.cat([get(f"{sa}{p}_proj.weight") for p in "qkv"])
-        qkv_bias = (
-            torch.cat([get(f"{sa}{p}_proj.bias") for p in "qkv"]) if self.spec.attention.qkv_bias else None
-        )
-        attn = AttentionWeights(
-            input_norm=get(f"{base}input_layernorm.weight"),
-            qkv=qkv,
-            o=get(f"{sa}o_proj.weight"),
-            post_norm=get(f"{base}post_attention_layernorm.weight"),
-            qkv_bias=qkv_bias,
-            o_bias=opt(f"{sa}o_proj.bias"),
-            q_norm=opt(f"{sa}q_norm.weight"),
-            k_norm=opt(f"{sa}k_norm.weight"),
-            sinks=opt(f"{sa}sinks"),
-        )
+        attn = load_mla(get, base, self.spec) if self.spec.attention.mla else self._attention(get, opt, base)
         if not self.spec.is_moe_layer(layer):
             return LayerWeights(
-                attn=attn, dense=_ffn_from(get, f"{base}mlp.", ("gate_proj", "up_proj", "down_proj"))
+                attn=attn,
+                dense=_ffn_from(get, f"{base}{self.names.dense_mlp}.", ("gate_proj", "up_proj", "down_proj")),
             )
         layout = self.moe_layout(layer, source.has)
         p = f"{base}{layout.prefix}."
@@ -182,7 +182,40 @@ class TensorMap:
             experts=experts,
             shared=shared,
             shared_gate=opt(f"{p}{self.names.shared_gate}.weight"),
+            selection_bias=opt(f"{p}{self.names.selection_bias}") if m.selection_bias else None,
         )
+
+    def _attention(
+        self, get: Callable[[str], torch.Tensor], opt: Callable[[str], torch.Tensor | None], base: str
+    ) -> AttentionWeights:
+        sa = f"{base}self_attn."
+        qkv = torch.cat([self._rope_rows(p, get(f"{sa}{p}_proj.weight")) for p in "qkv"])
+        qkv_bias = (
+            torch.cat([self._rope_rows(p, get(f"{sa}{p}_proj.bias")) for p in "qkv"])
+            if self.spec.attention.qkv_bias
+            else None
+        )
+        return AttentionWeights(
+            input_norm=_norm_from(get, f"{base}input_layernorm.", None, self.spec.norm),
+            qkv=qkv,
+            o=get(f"{sa}o_proj.weight"),
+            post_norm=_norm_from(get, f"{base}post_attention_layernorm.", None, self.spec.norm),
+            qkv_bias=qkv_bias,
+            o_bias=opt(f"{sa}o_proj.bias"),
+            q_norm=opt(f"{sa}q_norm.weight"),
+            k_norm=opt(f"{sa}k_norm.weight"),
+            sinks=opt(f"{sa}sinks"),
+        )
+
+    def _rope_rows(self, proj: str, tensor: torch.Tensor) -> torch.Tensor:
+        """q or k rows (or bias) of a family whose rope rotates (x0, x1), (x2, x3)... pairs, reordered
+        per head to x0 x2 ... x1 x3 ...: the rotate-half rope then computes the same rotation, and
+        q·k is unchanged because q and k are reordered alike."""
+        a = self.spec.attention
+        if not self.names.rope_pairs or proj == "v":
+            return tensor
+        heads = tensor.reshape(-1, a.head_dim // 2, 2, *tensor.shape[1:])  # [heads, D/2, 2, ...]
+        return heads.transpose(1, 2).reshape(tensor.shape).contiguous()
 
     def _fused_experts(
         self,
@@ -190,7 +223,7 @@ class TensorMap:
         get: Callable[[str], torch.Tensor],
         opt: Callable[[str], torch.Tensor | None],
     ) -> list[FFNWeights]:
-        gate_up, down = get(f"{p}experts.gate_up_proj"), get(f"{p}experts.down_proj")
+        gate_up, down = (get(f"{p}{name}") for name in self.names.fused)
         gate_up_bias, down_bias = opt(f"{p}experts.gate_up_proj_bias"), opt(f"{p}experts.down_proj_bias")
         interleaved = self.names.fused_gate_up == "interleaved_columns"
         experts = []
@@ -201,6 +234,8 @@ class TensorMap:
                 gu = torch.cat([gu[:, 0::2], gu[:, 1::2]], dim=1).t()
                 dn = dn.t()  # [I, H] -> [H, I]
                 gub = torch.cat([gub[0::2], gub[1::2]]) if gub is not None else None
+            elif self.names.fused_gate_up == "columns":  # [H, 2I] gate columns then up columns
+                gu, dn = gu.t(), dn.t()  # -> [2I, H], [H, I]
             experts.append(
                 FFNWeights(
                     gu.contiguous(),
@@ -210,6 +245,13 @@ class TensorMap:
                 )
             )
         return experts
+
+
+def _norm_from(get: Callable[..., torch.Tensor], prefix: str, shape: Shape | None, kind: str) -> torch.Tensor:
+    """An RMSNorm weight [dim], or a LayerNorm's weight and bias stacked as [2, dim]."""
+    args = (shape,) if shape is not None else ()
+    weight = get(f"{prefix}weight", *args)
+    return torch.stack([weight, get(f"{prefix}bias", *args)]) if kind == "layer" else weight
 
 
 def _ffn_from(get: Callable[[str], torch.Tensor], prefix: str, proj: tuple[str, str, str]) -> FFNWeights:

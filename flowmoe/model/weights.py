@@ -39,7 +39,7 @@ class FFNWeights:
 
 @define
 class AttentionWeights:
-    input_norm: torch.Tensor  # [hidden]
+    input_norm: torch.Tensor  # [hidden]; [2, hidden] (weight; bias) for a LayerNorm
     qkv: torch.Tensor  # [(H + 2 KVH) * D, hidden]
     o: torch.Tensor  # [hidden, H * D]
     post_norm: torch.Tensor  # [hidden]
@@ -48,12 +48,17 @@ class AttentionWeights:
     q_norm: torch.Tensor | None = None  # [D] per head, or [H * D] over the projection
     k_norm: torch.Tensor | None = None  # [D] or [KVH * D]
     sinks: torch.Tensor | None = None  # [H]
+    # multi-head latent attention: `qkv` is then the down-projection [(q LoRA rank or H * qk) + r + R, hidden]
+    q_a_norm: torch.Tensor | None = None  # [q LoRA rank]
+    q_b: torch.Tensor | None = None  # [H * qk_head_dim, q LoRA rank]
+    kv_a_norm: torch.Tensor | None = None  # [r]
+    kv_b: torch.Tensor | None = None  # [H * (qk_nope_head_dim + v_head_dim), r]
 
     @property
     def nbytes(self) -> int:
         return _nbytes(
             self.input_norm, self.qkv, self.o, self.post_norm, self.qkv_bias, self.o_bias,
-            self.q_norm, self.k_norm, self.sinks,
+            self.q_norm, self.k_norm, self.sinks, self.q_a_norm, self.q_b, self.kv_a_norm, self.kv_b,
         )  # fmt: skip
 
 
@@ -67,17 +72,19 @@ class LayerWeights:
     shared_gate: torch.Tensor | None = None  # [1, hidden]
     dense: FFNWeights | None = None
     fp8_experts: list[FP8Expert] = field(factory=list)  # expert format fp8: the experts as stored
+    selection_bias: torch.Tensor | None = None  # [1, E] added to the scores for the choice only
 
     @property
     def dense_nbytes(self) -> int:
         """Bytes of everything but the routed experts."""
         extra = [f.nbytes for f in (self.shared, self.dense) if f is not None]
-        return self.attn.nbytes + _nbytes(self.router, self.router_bias, self.shared_gate) + sum(extra)
+        router = _nbytes(self.router, self.router_bias, self.shared_gate, self.selection_bias)
+        return self.attn.nbytes + router + sum(extra)
 
 
 @define
 class ModelWeights:
     embed: torch.Tensor  # [vocab, hidden]
-    final_norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    final_norm: torch.Tensor  # [hidden]; [2, hidden] for a LayerNorm
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied; [vocab, hidden + 1] with a bias
     layers: list[LayerWeights]

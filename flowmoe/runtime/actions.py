@@ -114,7 +114,7 @@ class StepState:
         if self.events is None:
             table[key] = self.model.gate(layer, x, lw)
             return
-        indices, weights = choose(x, lw.router, lw.router_bias, self.model.spec.moe)
+        indices, weights = choose(x, lw.router, lw.router_bias, self.model.spec.moe, lw.selection_bias)
         rows, scales, counts = sort_by_expert(indices, weights, self.model.spec.moe.experts)
         host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=self.devices.cuda)
         host.copy_(counts, non_blocking=True)
@@ -179,7 +179,7 @@ class StepState:
 
 def _embed(s: StepState, n: TaskNode) -> None:
     ids = s.inputs[n.mb].ids.to(s.devices.gpu, non_blocking=True)
-    s.hidden[n.mb] = torch.nn.functional.embedding(ids, s.weights.embed)
+    s.hidden[n.mb] = s.model.embed(ids, s.weights.embed)
 
 
 def _pre_attn(s: StepState, n: TaskNode) -> None:

@@ -69,13 +69,15 @@ def _dense_to(devices: Devices, lw: LayerWeights) -> LayerWeights:
         shared=_ffn_to(devices, lw.shared) if lw.shared is not None else None,
         shared_gate=devices.to_gpu(lw.shared_gate),
         dense=_ffn_to(devices, lw.dense) if lw.dense is not None else None,
+        selection_bias=devices.to_gpu(lw.selection_bias),
     )
 
 
 def _layer_tensors(lw: LayerWeights) -> list[torch.Tensor]:
     attn = [getattr(lw.attn, f.name) for f in fields(AttentionWeights)]
     ffns = [t for ffn in (lw.shared, lw.dense) if ffn is not None for t in ffn.tensors()]
-    return [t for t in (*attn, lw.router, lw.router_bias, lw.shared_gate, *ffns) if t is not None]
+    router = (lw.router, lw.router_bias, lw.shared_gate, lw.selection_bias)
+    return [t for t in (*attn, *router, *ffns) if t is not None]
 
 
 def _check_fp8(model: MoEModel) -> None:

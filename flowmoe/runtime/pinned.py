@@ -42,7 +42,9 @@ def layer_arena(lw: LayerWeights) -> torch.Tensor:
     slots += [(lw.attn, f.name, getattr(lw.attn, f.name)) for f in fields(AttentionWeights)]
     fp8 = [w for x in lw.fp8_experts for w in x.weights()]  # expert format fp8: the copies that cross
     slots += [(w, name, getattr(w, name)) for w in fp8 for name in ("values", "scale_inv")]
-    slots += [(lw, name, getattr(lw, name)) for name in ("router", "router_bias", "shared_gate")]
+    slots += [
+        (lw, name, getattr(lw, name)) for name in ("router", "router_bias", "shared_gate", "selection_bias")
+    ]
     slots = [(owner, name, t) for owner, name, t in slots if t is not None]
     total = sum(_aligned(t.numel() * t.element_size()) for _, _, t in slots)
     arena = torch.empty(total, dtype=torch.uint8)  # [bytes]

@@ -5,10 +5,34 @@ from __future__ import annotations
 from typing import Any
 
 from flowmoe.core.errors import ConfigError
-from flowmoe.core.families import gpt_oss, mixtral, olmoe, qwen_moe
+from flowmoe.core.families import (
+    deepseek,
+    ernie45_moe,
+    glm4_moe,
+    gpt_oss,
+    granite_moe,
+    llama4,
+    mixtral,
+    olmoe,
+    phimoe,
+    qwen_moe,
+)
 from flowmoe.core.families.base import Family, TensorNames
 
-FAMILIES: tuple[Family, ...] = (mixtral.FAMILY, qwen_moe.QWEN2, qwen_moe.QWEN3, olmoe.FAMILY, gpt_oss.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    mixtral.FAMILY,
+    qwen_moe.QWEN2,
+    qwen_moe.QWEN3,
+    olmoe.FAMILY,
+    gpt_oss.FAMILY,
+    deepseek.V2,
+    deepseek.V3,
+    glm4_moe.FAMILY,
+    llama4.FAMILY,
+    phimoe.FAMILY,
+    granite_moe.FAMILY,
+    ernie45_moe.FAMILY,
+)
 
 __all__ = ["FAMILIES", "Family", "TensorNames", "family_for_config", "family_named"]
 

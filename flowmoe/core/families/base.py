@@ -9,7 +9,7 @@ from attrs import frozen
 
 from flowmoe.core.spec import ModelSpec, RopeSpec
 
-FusedGateUp = Literal["rows", "interleaved_columns"]
+FusedGateUp = Literal["rows", "interleaved_columns", "columns"]
 
 
 @frozen
@@ -19,7 +19,8 @@ class TensorNames:
     Per-expert layout: `{moe}.experts.{e}.{gate|up|down}.weight`.
     Fused layout: `{moe}.experts.gate_up_proj` and `{moe}.experts.down_proj`, either
     `rows` ([E, 2I, H] gate rows then up rows; down [E, H, I]) or
-    `interleaved_columns` ([E, H, 2I] gate and up columns interleaved; down [E, I, H]).
+    `interleaved_columns` ([E, H, 2I] gate and up columns interleaved; down [E, I, H]) or
+    `columns` ([E, H, 2I] gate columns then up columns; down [E, I, H]).
     """
 
     moe_prefixes: tuple[str, ...] = ("mlp",)
@@ -28,6 +29,11 @@ class TensorNames:
     fused_gate_up: FusedGateUp = "rows"
     shared_expert: str = "shared_expert"
     shared_gate: str = "shared_expert_gate"
+    dense_mlp: str = "mlp"  # a dense layer's MLP
+    fused: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")  # fused gate_up, down
+    selection_bias: str = ""  # the router's selection-only bias, relative to the MoE prefix
+    selection_bias_rows: bool = True  # stored [1, E] (ERNIE), else [E] (DeepSeek, GLM)
+    rope_pairs: bool = False  # q/k rotate (x0, x1), (x2, x3) pairs: rows reordered to halves on load
 
 
 @frozen
@@ -48,10 +54,10 @@ def rope_from_config(config: dict[str, Any], default_theta: float) -> RopeSpec:
     params = {**scaling, **params}
     theta = float(params.get("rope_theta", config.get("rope_theta", default_theta)))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "linear", "yarn"):
+    if kind not in ("default", "linear", "yarn", "llama3"):
         from flowmoe.core.errors import ConfigError
 
-        raise ConfigError(f"rope type {kind!r} is not supported (supported: default, linear, yarn)")
+        raise ConfigError(f"rope type {kind!r} is not supported (supported: default, linear, yarn, llama3)")
     return RopeSpec(
         theta=theta,
         kind=kind,
@@ -61,6 +67,8 @@ def rope_from_config(config: dict[str, Any], default_theta: float) -> RopeSpec:
         beta_slow=float(params.get("beta_slow", 1.0) or 1.0),
         truncate=bool(params.get("truncate", True)),
         attention_factor=params.get("attention_factor"),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0) or 1.0),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0) or 4.0),
     )
 
 
@@ -129,3 +137,12 @@ def layer_windows(config: dict[str, Any]) -> tuple[int | None, ...]:
     if window and config.get("use_sliding_window", True):
         return (int(window),) * layers
     return ()
+
+
+def require_silu(config: dict[str, Any], family: str) -> None:
+    """The SwiGLU experts flowmoe runs use SiLU; another `hidden_act` fails naming the field."""
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        from flowmoe.core.errors import ConfigError
+
+        raise ConfigError(f'"hidden_act" {act!r} is not supported for {family} (only silu)')

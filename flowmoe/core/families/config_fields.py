@@ -17,7 +17,7 @@ from attrs import frozen
 from flowmoe.core.errors import ConfigError
 
 Kind = Literal["int", "number", "bool", "str"]
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 MAX_LAYERS = 4096  # per-layer tables are built eagerly; Qwen3-235B-A22B's config.json has 94
 
 
@@ -117,19 +117,65 @@ FIELDS: dict[str, Field] = {
     "swiglu_limit": POSITIVE,
     "bos_token_id": Field("int"),
     "eos_token_id": Field("int", many=True, one_or_many=True),
+    # Llama 4
+    "interleave_moe_layer_step": COUNT,
+    "moe_layers": Field("int", at_least=0, many=True),
+    "intermediate_size_mlp": COUNT,
+    "no_rope_layers": Field("int", at_least=0, at_most=1, many=True),
+    "attention_chunk_size": COUNT,
+    "use_qk_norm": FLAG,
+    "attn_temperature_tuning": FLAG,
+    "attn_scale": Field("number", at_least=0),
+    "floor_scale": POSITIVE,
+    # Phi-3.5-MoE
+    "router_jitter_noise": Field("number", at_least=0),
+    "lm_head_bias": FLAG,
+    # Granite MoE
+    "embedding_multiplier": POSITIVE,
+    "residual_multiplier": POSITIVE,
+    "attention_multiplier": POSITIVE,
+    "logits_scaling": POSITIVE,
+    # ERNIE 4.5 MoE
+    "moe_num_experts": COUNT,
+    "moe_k": COUNT,
+    "moe_num_shared_experts": Field("int", at_least=0),
+    "moe_layer_start_index": Field("int", at_least=0),
+    "moe_layer_end_index": Field("int", at_least=-1),
+    "moe_layer_interval": COUNT,
+    "moe_norm_min": Field("number", at_least=0),
+    "use_bias": FLAG,
+    # DeepSeek-V2 / V3, GLM-4.5
+    "kv_lora_rank": COUNT,
+    "q_lora_rank": COUNT,
+    "qk_nope_head_dim": COUNT,
+    "qk_rope_head_dim": Field("int", at_least=2),
+    "v_head_dim": COUNT,
+    "n_group": COUNT,
+    "topk_group": COUNT,
+    "routed_scaling_factor": POSITIVE,
+    "first_k_dense_replace": Field("int", at_least=0),
+    "n_shared_experts": Field("int", at_least=0),
+    "rope_interleave": FLAG,
+    "partial_rotary_factor": Field("number", above=0, at_most=1),
+    "topk_method": Field("str"),
 }
 
 # inside `rope_parameters` (transformers 5) or `rope_scaling` (older)
 ROPE_FIELDS: dict[str, Field] = {
     "rope_theta": POSITIVE,
-    "rope_type": Field("str", choices=("default", "linear", "yarn")),
-    "type": Field("str", choices=("default", "linear", "yarn")),
+    "rope_type": Field("str", choices=("default", "linear", "yarn", "llama3")),
+    "type": Field("str", choices=("default", "linear", "yarn", "llama3")),
+    "low_freq_factor": POSITIVE,
+    "high_freq_factor": POSITIVE,
     "factor": POSITIVE,
     "original_max_position_embeddings": Field("int", at_least=0),
     "beta_fast": POSITIVE,
     "beta_slow": POSITIVE,
     "truncate": FLAG,
     "attention_factor": POSITIVE,
+    "mscale": Field("number", at_least=0),  # DeepSeek's YaRN
+    "mscale_all_dim": Field("number", at_least=0),
+    "partial_rotary_factor": Field("number", above=0, at_most=1),  # GLM-4.5
 }
 
 
