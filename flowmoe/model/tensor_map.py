@@ -147,7 +147,7 @@ class TensorMap:
         head = embed if self.spec.tie_embeddings else source.get("lm_head.weight", shapes["lm_head.weight"])
         if self.spec.lm_head_bias:  # [vocab, hidden + 1]: the bias as a last column
             head = torch.cat([head, source.get("lm_head.bias", shapes["lm_head.bias"])[:, None]], dim=1)
-        norm = _norm_from(source.get, "model.norm.", shapes["model.norm.weight"], self.spec.norm)
+        norm = _norm_from(lambda name: source.get(name, shapes[name]), "model.norm.", self.spec.norm)
         return ModelWeights(embed, norm, head, layers)
 
     def load_layer(self, layer: int, source: TensorSource) -> LayerWeights:
@@ -196,10 +196,10 @@ class TensorMap:
             else None
         )
         return AttentionWeights(
-            input_norm=_norm_from(get, f"{base}input_layernorm.", None, self.spec.norm),
+            input_norm=_norm_from(get, f"{base}input_layernorm.", self.spec.norm),
             qkv=qkv,
             o=get(f"{sa}o_proj.weight"),
-            post_norm=_norm_from(get, f"{base}post_attention_layernorm.", None, self.spec.norm),
+            post_norm=_norm_from(get, f"{base}post_attention_layernorm.", self.spec.norm),
             qkv_bias=qkv_bias,
             o_bias=opt(f"{sa}o_proj.bias"),
             q_norm=opt(f"{sa}q_norm.weight"),
@@ -247,11 +247,10 @@ class TensorMap:
         return experts
 
 
-def _norm_from(get: Callable[..., torch.Tensor], prefix: str, shape: Shape | None, kind: str) -> torch.Tensor:
+def _norm_from(get: Callable[[str], torch.Tensor], prefix: str, kind: str) -> torch.Tensor:
     """An RMSNorm weight [dim], or a LayerNorm's weight and bias stacked as [2, dim]."""
-    args = (shape,) if shape is not None else ()
-    weight = get(f"{prefix}weight", *args)
-    return torch.stack([weight, get(f"{prefix}bias", *args)]) if kind == "layer" else weight
+    weight = get(f"{prefix}weight")
+    return torch.stack([weight, get(f"{prefix}bias")]) if kind == "layer" else weight
 
 
 def _ffn_from(get: Callable[[str], torch.Tensor], prefix: str, proj: tuple[str, str, str]) -> FFNWeights:
