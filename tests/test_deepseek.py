@@ -69,21 +69,17 @@ def test_deepseek_v3_reads_its_router_and_yarn() -> None:
     assert spec.with_layers(2).moe.dense_layers == (0, 1)
 
 
-def test_the_cache_holds_latents() -> None:
-    model = load_model_of("deepseek_v3")
+@pytest.fixture(scope="module")
+def deepseek_v3(tmp_path_factory: pytest.TempPathFactory):
+    return load_model(save_hf(hf_model("deepseek_v3"), tmp_path_factory.mktemp("deepseek") / "deepseek_v3"))
+
+
+def test_the_cache_holds_latents(deepseek_v3) -> None:
+    model = deepseek_v3
     cache = model.new_cache(2, 10)
     assert cache.keys[0].shape == (2, 1, 10, DEEPSEEK["kv_lora_rank"])
     assert cache.values[0].shape == (2, 1, 10, DEEPSEEK["qk_rope_head_dim"])
     assert cache.nbytes == model.spec.kv_bytes_per_token * 2 * 10
-
-
-def load_model_of(family: str, folder_cache: dict[str, Any] = {}):  # noqa: B006 - one checkpoint per family
-    if family not in folder_cache:
-        import tempfile
-        from pathlib import Path
-
-        folder_cache[family] = save_hf(hf_model(family), Path(tempfile.mkdtemp()) / family)
-    return load_model(folder_cache[family])
 
 
 def _moe(**kw: Any) -> MoESpec:
@@ -116,10 +112,10 @@ def test_experts_outside_the_kept_groups_are_never_chosen() -> None:
         assert all(len(set(row)) <= 2 for row in groups.tolist())
 
 
-def test_cpu_attention_over_latents_gives_eager_tokens() -> None:
+def test_cpu_attention_over_latents_gives_eager_tokens(deepseek_v3) -> None:
     """FlexGen with attention on the CPU: the latents and RoPE keys stay in host memory and q goes
     down; the tokens and logits equal eager's."""
-    model = load_model_of("deepseek_v3")
+    model = deepseek_v3
     ref_results, _ = run_eager(model)
     for policy in (Policy(micro_batch_size=3, micro_batches=2, attention_on="cpu"),
                    Policy(micro_batch_size=3, micro_batches=2, kv_gpu_share=0.0)):  # fmt: skip
