@@ -413,3 +413,40 @@ def test_fp8_copies_are_pinned_with_their_layer(mixtral_fp8_folder: Path) -> Non
     assert all(
         a.dtype == b.dtype and torch.equal(a.float(), b.float()) for a, b in zip(after, before, strict=True)
     )
+
+
+# DeepSeek-V3, the FP8 release's own architecture: MLA projections, shared expert and the dense first
+# layer quantized too, the router and its e_score_correction_bias not; hidden 160 and experts
+# [136, 160] span partial blocks.
+DEEPSEEK_V3 = {**COMMON, "hidden_size": 160, "num_key_value_heads": 4, "intermediate_size": 200,
+               "moe_intermediate_size": 136, "n_routed_experts": 8, "num_experts_per_tok": 3,
+               "n_shared_experts": 1, "first_k_dense_replace": 1, "q_lora_rank": 24, "kv_lora_rank": 16,
+               "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "n_group": 4, "topk_group": 2,
+               "routed_scaling_factor": 2.5}  # fmt: skip
+
+
+def test_deepseek_v3_fp8_checkpoint_equals_plain_torch_dequantization(tmp_path: Path) -> None:
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**DEEPSEEK_V3)).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "e_score_correction_bias" in name or name.endswith("mlp.gate.weight"):
+                param.normal_(0, 0.3)  # zero-initialised otherwise
+    write_pair(hf, tmp_path / "fp8", tmp_path / "ref")
+    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
+        assert f.get_slice("model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv").get_shape() == [
+            1,
+            2,
+        ]
+        assert f.get_slice("model.layers.0.mlp.gate_proj.weight_scale_inv").get_shape() == [2, 2]
+    ours, plain = load_model(tmp_path / "fp8"), load_model(tmp_path / "ref")
+    ids = torch.randint(3, COMMON["vocab_size"], (2, 7))
+    logits = _logits(ours, ids)
+    assert torch.equal(logits, _logits(plain, ids))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ref", dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        assert rel_err(logits, reference(ids).logits.reshape(-1, COMMON["vocab_size"])) <= 1e-4
