@@ -171,7 +171,7 @@ class NodeFactory:
         """-> (bytes moved or read, flops): weights read once, activations per token."""
         s, a, b = self.spec, self.spec.attention, self.spec.dtype_bytes
         t = mb.tokens if mb else 0
-        q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+        q, kv, out = a.q_width, a.kv_width, a.out_width
         if op in (Op.PAGE_COPY, Op.W_STAGE) and expert >= 0 and self.expert_format == "fp8":
             fp8 = fp8_expert_bytes(s)  # a copy's flops: the multiply per weight of its dequantization
             return (fp8, 3 * s.hidden * s.moe.intermediate) if op is Op.PAGE_COPY else (2 * fp8, 0)
@@ -187,7 +187,7 @@ class NodeFactory:
             return 3 * s.hidden * inter * b + 2 * n * s.hidden * b, 6 * n * s.hidden * inter
         if op in (Op.CPU_ATTN, Op.GPU_ATTN):
             kv_tokens, attended = (mb.kv_tokens, mb.attended) if mb else (0, 0)
-            return kv_tokens * 2 * kv * b + 2 * t * q * b, 4 * attended * q
+            return kv_tokens * 2 * kv * b + t * (q + out) * b, attended * a.pair_flops()
         if op in (Op.KV_LOAD, Op.KV_STORE):  # load: the tokens cached before this step; store: its new ones
             cached = (mb.kv_tokens - t if mb else 0) if op is Op.KV_LOAD else t
             return cached * 2 * kv * b, 0
@@ -195,19 +195,19 @@ class NodeFactory:
             rows = mb.sequences if mb else 0
             return s.vocab * s.hidden * b + rows * s.hidden * b, 2 * rows * s.hidden * s.vocab
         params = {
-            Op.PRE_ATTN: s.hidden * (q + 2 * kv),
-            Op.POST_ATTN: q * s.hidden,
+            Op.PRE_ATTN: a.pre_params(s.hidden),
+            Op.POST_ATTN: out * s.hidden,
             Op.GATE: s.moe.experts * s.hidden,
             Op.PREGATE: s.moe.experts * s.hidden,
         }.get(op, 0)
         activations = {
             Op.EMBED: s.hidden,
             Op.PRE_ATTN: s.hidden + q + 2 * kv,
-            Op.POST_ATTN: q + 2 * s.hidden,
+            Op.POST_ATTN: out + 2 * s.hidden,
             Op.GATE: s.hidden,
             Op.PREGATE: s.hidden,
             Op.QKV_OFFLOAD: q + 2 * kv,
-            Op.HIDDEN_LOAD: q,
+            Op.HIDDEN_LOAD: out,
             Op.HIDDEN_OFFLOAD: s.hidden,
             Op.ACT_STORE: s.hidden,
             Op.ACT_LOAD: s.hidden,
