@@ -19,6 +19,8 @@ def inverse_frequencies(rope: RopeSpec, head_dim: int) -> tuple[torch.Tensor, fl
         return 1.0 / (pos_freqs * rope.factor), 1.0
     if rope.kind == "llama3":
         return _llama3(rope, 1.0 / pos_freqs), 1.0
+    if rope.kind == "longrope":  # as transformers' Phi-3.5-MoE: the short factors at every length
+        return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * pos_freqs), rope.short_mscale
     return _yarn(rope, head_dim, pos_freqs)
 
 
@@ -58,10 +60,18 @@ def _yarn(rope: RopeSpec, dim: int, pos_freqs: torch.Tensor) -> tuple[torch.Tens
     return inv_freq, float(scaling)
 
 
+def longrope_scaling(rope: RopeSpec, lengths: torch.Tensor) -> torch.Tensor:
+    """longrope's cos/sin scale per token as transformers applies it: long_mscale for every token of a
+    call whose sequence reaches past the original context (a prefill of such a prompt included).
+    lengths: [T] each token's sequence length after this step -> [T, 1]."""
+    beyond = lengths[:, None] > rope.original_max_positions
+    return torch.where(beyond, rope.long_mscale, rope.short_mscale).to(torch.float32)
+
+
 def cos_sin(
-    inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype: torch.dtype
+    inv_freq: torch.Tensor, scaling: float | torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [T] int64 -> cos, sin: [T, head_dim]."""
+    """positions: [T] int64 -> cos, sin: [T, head_dim] (`scaling`: a number or [T, 1])."""
     freqs = positions[:, None].to(torch.float32) * inv_freq[None, :].to(positions.device)  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)

@@ -97,6 +97,18 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             **{"attention_bias": True, "lm_head_bias": True, "router_jitter_noise": 0.2},
         },
     ),
+    # longrope as Phi-3.5-MoE ships it; prompts already past the original context (long_mscale)
+    "phimoe_longrope": (
+        "Phimoe",
+        {
+            **{"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
+            "rope_parameters": {
+                **{"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 4},
+                **{"short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8], "short_mscale": 1.1},
+                **{"long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0], "long_mscale": 1.25},
+            },
+        },
+    ),
     "granitemoe": (
         "GraniteMoe",
         {

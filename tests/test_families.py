@@ -65,7 +65,15 @@ def _greedy(folder, prompts: torch.Tensor) -> torch.Tensor:
 # GPT-OSS checkpoints are always stacked (save_pretrained writes that layout), so it has no fused case;
 # nor have Llama 4 (likewise), Phi-3.5-MoE, Granite MoE and ERNIE 4.5 (released only in the layout
 # save_pretrained writes, not under transformers 5's in-memory names)
-ONE_LAYOUT = {"gpt_oss", "llama4", "llama4_no_qk_norm", "phimoe", "granitemoe", "ernie4_5_moe"}
+ONE_LAYOUT = {
+    "gpt_oss",
+    "llama4",
+    "llama4_no_qk_norm",
+    "phimoe",
+    "phimoe_longrope",
+    "granitemoe",
+    "ernie4_5_moe",
+}
 CASES = [
     (family, layout)
     for family in sorted(FAMILY_CONFIGS)

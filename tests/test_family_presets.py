@@ -82,7 +82,11 @@ def _config(arch: str, **extra: Any) -> dict[str, Any]:
         (_config("GraniteMoeForCausalLM", residual_multiplier=-1.0), '"residual_multiplier"'),
         (_config("Ernie4_5_MoeForCausalLM", moe_intermediate_size=16, use_bias=True), '"use_bias"'),
         (_config("Ernie4_5_MoeForCausalLM", moe_intermediate_size=16, moe_num_experts=4, moe_k=5), '"moe_k"'),
-        (_config("PhimoeForCausalLM", rope_scaling={"type": "longrope", "factor": 2.0}), "rope_scaling.type"),
+        (_config("PhimoeForCausalLM", rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_scaling.type"),
+        (
+            _config("PhimoeForCausalLM", rope_scaling={"type": "longrope", "short_factor": [1.0]}),
+            "short_factor",
+        ),
     ],
 )
 def test_unsupported_variants_fail_naming_the_field(config: dict[str, Any], field: str) -> None:

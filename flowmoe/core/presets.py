@@ -144,8 +144,8 @@ PRESET_CONFIGS["llama-4-maverick"] = {
     "use_qk_norm": False, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
     "max_position_embeddings": 1048576,
 }  # fmt: skip
-# microsoft/Phi-3.5-MoE-instruct (42B, 6.6B active). Its longrope scaling (rope_scaling.type "longrope")
-# is left out: flowmoe does not implement it, and it changes no shape
+# microsoft/Phi-3.5-MoE-instruct (42B, 6.6B active). Its longrope factors (rope_scaling, 64 per list)
+# are left out: they change no shape, and a checkpoint's own config.json brings them
 PRESET_CONFIGS["phi-3.5-moe"] = {
     "architectures": ["PhimoeForCausalLM"], "vocab_size": 32064, "hidden_size": 4096,
     "intermediate_size": 6400, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,

@@ -45,6 +45,9 @@ class RopeSpec:
     attention_factor: float | None = None
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
+    short_factor: tuple[float, ...] = ()  # longrope (Phi-3.5): a divisor per frequency
+    short_mscale: float = 1.0  # longrope: cos/sin scale at positions within original_max_positions
+    long_mscale: float = 1.0  # longrope: cos/sin scale at positions beyond
 
 
 @frozen

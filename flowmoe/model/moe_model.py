@@ -22,7 +22,13 @@ from flowmoe.kernels.linear import linear
 from flowmoe.kernels.mla import mla_attend, mla_project
 from flowmoe.kernels.norm import l2_norm, norm_of_kind, rms_norm
 from flowmoe.kernels.query_scale import scale_queries
-from flowmoe.kernels.rope import apply_partial_rope, apply_rope, cos_sin, inverse_frequencies
+from flowmoe.kernels.rope import (
+    apply_partial_rope,
+    apply_rope,
+    cos_sin,
+    inverse_frequencies,
+    longrope_scaling,
+)
 from flowmoe.kernels.router import Routing, route
 from flowmoe.model.weights import FFNWeights, LayerWeights, ModelWeights
 
@@ -65,7 +71,12 @@ class MoEModel:
 
     def rope(self, layout: TokenLayout, device: torch.device | str = "cpu") -> Rope:
         """cos, sin: [T, head_dim] for this step's token positions (shared by all layers)."""
-        return cos_sin(self.inv_freq, self.rope_scaling, layout.positions.to(device), self.dtype)
+        positions = layout.positions.to(device)
+        scaling = self.rope_scaling
+        if self.spec.rope.kind == "longrope":
+            lengths = torch.tensor(layout.advanced()).repeat_interleave(torch.tensor(layout.counts))  # [T]
+            scaling = longrope_scaling(self.spec.rope, lengths.to(device))  # [T, 1]
+        return cos_sin(self.inv_freq, scaling, positions, self.dtype)
 
     def pre_attention(
         self, layer: int, hidden: torch.Tensor, rope: Rope, lw: LayerWeights | None = None

@@ -54,10 +54,11 @@ def rope_from_config(config: dict[str, Any], default_theta: float) -> RopeSpec:
     params = {**scaling, **params}
     theta = float(params.get("rope_theta", config.get("rope_theta", default_theta)))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "linear", "yarn", "llama3"):
+    if kind not in ("default", "linear", "yarn", "llama3", "longrope"):
         from flowmoe.core.errors import ConfigError
 
-        raise ConfigError(f"rope type {kind!r} is not supported (supported: default, linear, yarn, llama3)")
+        supported = "default, linear, yarn, llama3, longrope"
+        raise ConfigError(f"rope type {kind!r} is not supported (supported: {supported})")
     return RopeSpec(
         theta=theta,
         kind=kind,
@@ -69,6 +70,9 @@ def rope_from_config(config: dict[str, Any], default_theta: float) -> RopeSpec:
         attention_factor=params.get("attention_factor"),
         low_freq_factor=float(params.get("low_freq_factor", 1.0) or 1.0),
         high_freq_factor=float(params.get("high_freq_factor", 4.0) or 4.0),
+        short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
+        short_mscale=float(params.get("short_mscale", 1.0) or 1.0),
+        long_mscale=float(params.get("long_mscale", 1.0) or 1.0),
     )
 
 

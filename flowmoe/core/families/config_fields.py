@@ -163,8 +163,12 @@ FIELDS: dict[str, Field] = {
 # inside `rope_parameters` (transformers 5) or `rope_scaling` (older)
 ROPE_FIELDS: dict[str, Field] = {
     "rope_theta": POSITIVE,
-    "rope_type": Field("str", choices=("default", "linear", "yarn", "llama3")),
-    "type": Field("str", choices=("default", "linear", "yarn", "llama3")),
+    "rope_type": Field("str", choices=("default", "linear", "yarn", "llama3", "longrope")),
+    "type": Field("str", choices=("default", "linear", "yarn", "llama3", "longrope")),
+    "short_factor": Field("number", above=0, many=True),  # longrope (Phi-3.5)
+    "long_factor": Field("number", above=0, many=True),
+    "short_mscale": POSITIVE,
+    "long_mscale": POSITIVE,
     "low_freq_factor": POSITIVE,
     "high_freq_factor": POSITIVE,
     "factor": POSITIVE,

@@ -26,14 +26,17 @@ def parse(config: dict[str, Any], name: str) -> ModelSpec:
         raise ConfigError(f'"num_experts_per_tok" must be 2 for Phi-3.5-MoE (its sparsemixer), got {top_k}')
     require_silu(config, "Phi-3.5-MoE")
     bias = bool(config.get("attention_bias", False))
+    shape = attention_shape(config)
+    rope = rope_from_config(config, default_theta=1e6)
+    if rope.kind == "longrope" and len(rope.short_factor) != shape["head_dim"] // 2:
+        half = shape["head_dim"] // 2
+        raise ConfigError(f'"rope_scaling.short_factor" must hold head_dim / 2 = {half} factors')
     return ModelSpec(
         **{**common_fields(config, name, "phimoe"), "norm_eps": float(config.get("rms_norm_eps", 1e-5))},
         norm="layer",
         lm_head_bias=bool(config.get("lm_head_bias", False)),
-        attention=AttentionSpec(
-            **attention_shape(config), qkv_bias=bias, o_bias=bias, windows=layer_windows(config)
-        ),
-        rope=rope_from_config(config, default_theta=1e6),
+        attention=AttentionSpec(**shape, qkv_bias=bias, o_bias=bias, windows=layer_windows(config)),
+        rope=rope,
         moe=MoESpec(
             experts=num_experts(config),
             top_k=top_k,
