@@ -17,7 +17,7 @@ from attrs import frozen
 from flowmoe.core.plan import TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.jobs.batching import Request
-from flowmoe.jobs.job import JobSpec, _check_memory, _engine, record
+from flowmoe.jobs.job import JobSpec, check_memory, make_engine, record
 from flowmoe.jobs.job import Progress as JobProgress
 from flowmoe.model.loading import load_model
 from flowmoe.model.tokenizer import TextCodec
@@ -71,7 +71,7 @@ class Replica:
         self.runtime.trace.name = f"replica {index}"
         self._tokens = 0
         hooks = JobProgress(generated=self._count)
-        self.engine = _engine(config.job, self.model, self.codec, self.runtime, hooks)
+        self.engine = make_engine(config.job, self.model, self.codec, self.runtime, hooks)
         self.limits = config.job.limits(self.model)
 
     def _count(self, tokens: int) -> None:
@@ -83,7 +83,7 @@ class Replica:
 
     async def run(self, requests: list[Request]) -> AsyncIterator[Finished]:
         """Generate a chunk of requests; each result is yielded as its request finishes."""
-        _check_memory(self.runtime, requests, self.limits)
+        check_memory(self.runtime, requests, self.limits)
         async for result in self.engine.generate(requests, self.limits):
             tokens, self._tokens = self._tokens, 0
             yield Finished(record(result, self.codec), tokens)

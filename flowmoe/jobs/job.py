@@ -132,14 +132,14 @@ async def run_job(
     requests, errors = build_requests(job, model, codec, limits)
     for error in errors:
         log.warning("bad prompt line skipped", error=error)
-    engine = _engine(job, model, codec, runner, progress)
+    engine = make_engine(job, model, codec, runner, progress)
     output = JobLog.open(job.output, job.prompts)
     todo = [r for r in requests if r.id not in output.done]
     started, done = time.perf_counter(), 0
     try:
         log.info("job started", prompts=str(job.prompts), output=str(job.output), requests=len(todo),
                  skipped=len(requests) - len(todo), bad_lines=len(errors))  # fmt: skip
-        _check_memory(runner, todo, limits)
+        check_memory(runner, todo, limits)
         progress.started(len(todo))
         async for result in engine.generate(todo, limits):
             output.append(record(result, codec))
@@ -155,9 +155,10 @@ async def run_job(
     return JobReport(len(todo), len(requests) - len(todo), errors, engine.stats)
 
 
-def _engine(
+def make_engine(
     job: JobSpec, model: MoEModel, codec: TextCodec | None, runner: StepRunner, progress: Progress
 ) -> Engine:
+    """The generation loop of a job: its sampling, stop ids and strings, on the runner's cache device."""
     stop_ids = frozenset(model.spec.eos_token_ids) | (codec.eos_ids if codec else frozenset())
     return Engine(
         model,
@@ -171,7 +172,7 @@ def _engine(
     )
 
 
-def _check_memory(runner: StepRunner, todo: list[Request], limits: BatchLimits) -> None:
+def check_memory(runner: StepRunner, todo: list[Request], limits: BatchLimits) -> None:
     """Fail before the run when the first (largest) batch cannot fit the runner's memory budget."""
     check = getattr(runner, "check_memory", None)
     if check is None or not todo:
