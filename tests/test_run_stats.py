@@ -191,3 +191,26 @@ def test_a_runs_trace_carries_its_steps_and_host_time(
     assert stats.steps >= 3 and stats.host_seconds_per_step is not None and stats.host_seconds_per_step > 0
     assert stats.prefetch_accuracy is not None and stats.expert_cache_hit_rate is not None
     assert f"{stats.makespan_seconds * 1e3:.3f}" in printed  # run prints the same figures
+
+
+def test_run_json_reports_the_statistics_summarize_reads_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`run --json` prints one JSON object on stdout whose statistics are the trace's, by the same
+    definitions `trace summarize` uses."""
+    trace, out = tmp_path / "t.json", tmp_path / "o.jsonl"
+    prompts = Path(__file__).parent.parent / "examples" / "prompts.jsonl"
+    argv = ["run", "--prompts", str(prompts), "--output", str(out), "--max-new-tokens", "3", "--json",
+            "--scheduler", "lru-cache", "--weights-gpu-share", "0.5", "--trace", str(trace)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["scheduler"] == "lru-cache" and report["requests"] == len(prompts.read_text().splitlines())
+    assert report["generated_tokens"] == sum(
+        len(json.loads(r)["output_ids"]) for r in out.read_text().splitlines()
+    )
+    (summary,) = summarize(json.loads(trace.read_text()))
+    theirs = summary.stats.to_json()
+    for key in ("steps", "expert_cache_hit_rate", "prefetch_accuracy"):
+        assert report["stats"][key] == theirs[key], key
+    assert report["stats"]["makespan_seconds"] == pytest.approx(theirs["makespan_seconds"], abs=1e-6)
+    assert [lane["bytes"] for lane in report["stats"]["lanes"]] == [lane["bytes"] for lane in theirs["lanes"]]

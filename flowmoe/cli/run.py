@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,6 +62,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--scheduler", default="eager", help="scheduler plugin (see `flowmoe schedulers`), or auto"
     )
     run.add_argument("--trace", type=OUTPUT_FILE, help="write a Chrome trace (open it in Perfetto)")
+    run.add_argument(
+        "--json",
+        action="store_true",
+        help="print the job's report and run statistics as one JSON object on stdout "
+        "(keeps every node's span in memory for the statistics, as --trace does)",
+    )
     run.add_argument(
         "--record-routing", type=OUTPUT_FILE, help="write the gates' expert counts (flowmoe simulate)"
     )
@@ -201,7 +208,13 @@ def _run(args: argparse.Namespace) -> int:
     cost = RooflineCost(hardware(args.hardware), model.spec) if args.hardware else None
     popularity = routing_profile(args.routing_profile, model) if args.routing_profile else None
     runtime = Runtime.create(
-        model, args.scheduler, policy, args.device, cost, record=bool(args.trace), popularity=popularity
+        model,
+        args.scheduler,
+        policy,
+        args.device,
+        cost,
+        record=bool(args.trace or args.json),
+        popularity=popularity,
     )
     runtime.routing = RoutingTrace.for_model(model.spec) if args.record_routing else None
     try:
@@ -228,9 +241,33 @@ def _run(args: argparse.Namespace) -> int:
         console.print(f"{args.scheduler}: {figures(scheduler_report())}")
     if runtime.trace.spans:  # kept with --trace: the run statistics, as `flowmoe trace summarize` gives them
         console.print(stats_table(args.scheduler, trace_stats(runtime.trace)))
+    if args.json:
+        print(json.dumps(run_json(report, args.scheduler, runtime, scheduler_report)))
     for failure in failures:  # the job's results are in --output; only a record could not be written
         console.print(f"flowmoe: error: {failure}", soft_wrap=True, highlight=False, markup=False)
     return 2 if failures else 0
+
+
+def run_json(
+    report: JobReport, scheduler: str, runtime: Runtime, scheduler_report: Callable[[], dict] | None
+) -> dict:
+    """`run --json`: the job's counts and timings, the scheduler's own figures, and the run statistics
+    with the definitions `simulate`, `compare` and `trace summarize` use (traces/stats.py)."""
+    stats = report.stats
+    return {
+        "scheduler": scheduler,
+        "requests": report.requests,
+        "skipped_done": report.skipped,
+        "bad_lines": list(report.bad_lines),
+        "prompt_tokens": stats.prompt_tokens,
+        "generated_tokens": stats.generated_tokens,
+        "steps": stats.steps,
+        "prefill_seconds": stats.prefill_seconds,
+        "decode_seconds": stats.decode_seconds,
+        "tokens_per_second": stats.tokens_per_second,
+        "scheduler_report": scheduler_report() if scheduler_report is not None else None,
+        "stats": trace_stats(runtime.trace).to_json() if runtime.trace.spans else None,
+    }
 
 
 def routing_profile(path: Path, model: MoEModel) -> tuple[tuple[float, ...], ...]:
