@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from attrs import define, field
 
 from flowmoe.core.plan import Lane, Op, TaskNode
+from flowmoe.core.policy import Policy
 from flowmoe.core.scheduling import NodeFactory
 
 
@@ -25,6 +26,13 @@ class Held:
 
     copy: int | None = None
     last_use: int | None = None
+
+
+def cache_slots(policy: Policy, moe_layers: int, experts: int) -> int:
+    """The GPU expert slots of a cache schedule: `--expert-cache-slots`, else `--weights-gpu-share` of
+    every MoE layer's experts; never more than there are experts."""
+    total = moe_layers * experts
+    return min(total, policy.expert_cache_slots or round(policy.weights_gpu_share * total))
 
 
 def evict_held(f: NodeFactory, layer: int, expert: int, held: Held, lane: Lane = Lane.GPU_H2D) -> TaskNode:

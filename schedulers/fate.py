@@ -53,7 +53,7 @@ from flowmoe.schedulers._layer_nodes import (
     lm_heads,
     moe_layers,
 )
-from flowmoe.schedulers._successors import Arc, Held, evict_held, forget_step
+from flowmoe.schedulers._successors import Arc, Held, cache_slots, evict_held, forget_step
 
 
 def shallow_quotas(layers: list[int], slots: int, experts: int) -> dict[int, int]:
@@ -82,8 +82,7 @@ class FateScheduler:
         spec, policy = context.spec, context.policy
         check_placement(self.name, policy)
         self.moe = moe_layers(spec)
-        total = len(self.moe) * spec.moe.experts
-        slots = min(total, policy.expert_cache_slots or round(policy.weights_gpu_share * total))
+        slots = cache_slots(policy, len(self.moe), spec.moe.experts)
         self.quota = shallow_quotas(self.moe, slots, spec.moe.experts)
         self.slots = slots
         self.arc = {m: Arc(self.quota[m]) for m in self.moe}

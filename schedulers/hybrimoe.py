@@ -70,7 +70,7 @@ from flowmoe.schedulers._layer_nodes import (
     moe_layers,
     popularity_ranking,
 )
-from flowmoe.schedulers._successors import Held, evict_held, forget_step
+from flowmoe.schedulers._successors import Held, cache_slots, evict_held, forget_step
 
 ALPHA = 0.5  # MRS decay: PKU-SEC-Lab/HybriMoE, KScoreAwareCache(alpha=0.5)
 
@@ -87,8 +87,7 @@ class HybriMoEScheduler:
         spec, policy = context.spec, context.policy
         check_placement(self.name, policy)
         self.moe = moe_layers(spec)
-        total = len(self.moe) * spec.moe.experts
-        slots = min(total, policy.expert_cache_slots or round(policy.weights_gpu_share * total))
+        slots = cache_slots(policy, len(self.moe), spec.moe.experts)
         share, extra = divmod(slots, len(self.moe)) if self.moe else (0, 0)
         self.quota = {m: min(spec.moe.experts, share + (i < extra)) for i, m in enumerate(self.moe)}
         ranked = popularity_ranking(spec, context.popularity)
