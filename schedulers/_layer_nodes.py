@@ -180,9 +180,16 @@ def evict_experts(f: NodeFactory, layer: int, experts: Iterable[int], after: Seq
 ExpertsPlan = Callable[[int, MicroBatchShape, int], PlanStream]
 
 
-def model_order(f: NodeFactory, spec: ModelSpec, step: StepShape, experts: ExpertsPlan) -> PlanStream:
+def model_order(
+    f: NodeFactory,
+    spec: ModelSpec,
+    step: StepShape,
+    experts: ExpertsPlan,
+    after_layer: Callable[[int], PlanStream] | None = None,
+) -> PlanStream:
     """Layer after layer, micro-batch after micro-batch, on the GPU, in model order;
-    `experts(layer, mb, post)` plans an MoE layer's experts and returns their output nodes."""
+    `experts(layer, mb, post)` plans an MoE layer's experts and returns their output nodes;
+    `after_layer(layer)`, if given, plans what follows a layer's last micro-batch."""
     nodes, last = embeddings(f, step)
     yield from nodes
     for layer in range(spec.layers):
@@ -194,6 +201,8 @@ def model_order(f: NodeFactory, spec: ModelSpec, step: StepShape, experts: Exper
             tail = layer_tail(f, spec, layer, mb, post, outputs)
             yield from tail
             last[mb.index] = tail[-1].id
+        if after_layer is not None:
+            yield from after_layer(layer)
     yield from lm_heads(f, step, last)
 
 

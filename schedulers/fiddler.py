@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
+from flowmoe.core.plan import ExpertCounts, Lane, Op, TaskNode
 from flowmoe.core.scheduling import (
     MicroBatchShape,
     NodeFactory,
@@ -48,11 +48,9 @@ from flowmoe.schedulers._layer_nodes import (
     Cost,
     check_placement,
     cpu_experts,
-    embeddings,
-    gpu_attention,
+    gate_and_route,
     latency_model,
-    layer_tail,
-    lm_heads,
+    model_order,
     moe_layers,
     popularity_ranking,
 )
@@ -114,23 +112,13 @@ class FiddlerScheduler:
 
     def plan(self, step: StepShape) -> PlanStream:
         f, spec = self.context.factory, self.context.spec
-        nodes, last = embeddings(f, step)
-        yield from nodes
         evicts: list[int] = []  # EVICT of each copy so far, in order
-        for layer in range(spec.layers):
-            for mb in step.micro_batches:
-                attention = gpu_attention(f, layer, mb, last[mb.index])
-                yield from attention
-                post, outputs = attention[-1].id, []
-                if spec.is_moe_layer(layer):
-                    gate = f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[post])
-                    yield gate
-                    counts = yield RoutingRequest(layer, mb.index, gate.id)
-                    outputs = yield from self._experts(layer, mb, gate.id, counts, evicts)
-                tail = layer_tail(f, spec, layer, mb, post, outputs)
-                yield from tail
-                last[mb.index] = tail[-1].id
-        yield from lm_heads(f, step, last)
+
+        def routed(layer: int, mb: MicroBatchShape, post: int) -> PlanStream:
+            gate, counts = yield from gate_and_route(f, layer, mb, post)
+            return (yield from self._experts(layer, mb, gate, counts, evicts))
+
+        return model_order(f, spec, step, routed)
 
     def _experts(
         self, layer: int, mb: MicroBatchShape, gate: int, counts: ExpertCounts, evicts: list[int]

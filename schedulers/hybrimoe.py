@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
+from flowmoe.core.plan import ExpertCounts, Lane, Op, TaskNode
 from flowmoe.core.scheduling import (
     MicroBatchShape,
     NodeFactory,
@@ -62,11 +62,10 @@ from flowmoe.core.scheduling import (
 from flowmoe.schedulers._layer_nodes import (
     check_placement,
     cpu_experts,
-    embeddings,
+    gate_and_route,
     gpu_attention,
     latency_model,
-    layer_tail,
-    lm_heads,
+    model_order,
     moe_layers,
     popularity_ranking,
 )
@@ -167,25 +166,17 @@ class HybriMoEScheduler:
         f, spec = self.context.factory, self.context.spec
         forget_step(h for held in self.cache.values() for h in held.values())
         self._gone.clear()
-        nodes, last = embeddings(f, step)
-        yield from nodes
-        for layer in range(spec.layers):
-            for mb in step.micro_batches:
-                attention = gpu_attention(f, layer, mb, last[mb.index])
-                yield from attention
-                post, outputs = attention[-1].id, []
-                if spec.is_moe_layer(layer):
-                    gate = f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[post])
-                    yield gate
-                    counts = yield RoutingRequest(layer, mb.index, gate.id)
-                    outputs = yield from self._experts(layer, mb, gate.id, counts)
-                tail = layer_tail(f, spec, layer, mb, post, outputs)
-                yield from tail
-                last[mb.index] = tail[-1].id
-            if layer in self.cache:
-                yield from self._release(layer)
-                yield from self._prefetch(layer, step)
-        yield from lm_heads(f, step, last)
+        yield from model_order(f, spec, step, self._routed, lambda layer: self._layer_end(layer, step))
+
+    def _routed(self, layer: int, mb: MicroBatchShape, post: int) -> PlanStream:
+        gate, counts = yield from gate_and_route(self.context.factory, layer, mb, post)
+        return (yield from self._experts(layer, mb, gate, counts))
+
+    def _layer_end(self, layer: int, step: StepShape) -> PlanStream:
+        """After a cached layer's last micro-batch: free its buffer, prefetch for the next layer."""
+        if layer in self.cache:
+            yield from self._release(layer)
+            yield from self._prefetch(layer, step)
 
     def _release(self, layer: int) -> PlanStream:
         """The layer's buffer (moved experts no slot kept) freed after their last use."""
