@@ -59,11 +59,14 @@ class JobLog:
     def _lock(self) -> None:
         assert self._fd is not None
         _lock_or_refuse(self._fd, self.path)
-        self._holder = holder_file(self.path)
+        holder = holder_file(self.path)
+        if not _sidecar_is_ours(holder):  # a file of that name flowmoe did not write stays as it is
+            return
         try:  # who holds the lock, for the message of a second run; the lock works without it
-            self._holder.write_text(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+            holder.write_text(f"{HOLDER_START}{os.getpid()} on host {socket.gethostname()}\n")
         except OSError:
-            self._holder = None
+            return
+        self._holder = holder
 
     def _recover(self) -> None:
         """Read the ids done; every whole line must be a result before a torn tail is cut."""
@@ -131,9 +134,25 @@ def check_output(path: str | Path, prompts: str | Path) -> None:
         os.close(fd)  # and the lock with it
 
 
+HOLDER_START = "pid "  # how the sidecar a run writes begins
+
+
 def holder_file(path: Path) -> Path:
     """The sidecar where the lock's holder writes its pid and host."""
     return path.with_name(f".{path.name}.lock")
+
+
+def _sidecar_is_ours(holder: Path) -> bool:
+    """Missing, or a plain file an earlier flowmoe run wrote (a run killed before it could remove it)."""
+    if holder.is_symlink():
+        return False
+    try:
+        with holder.open("rb") as handle:
+            return handle.read(len(HOLDER_START)) == HOLDER_START.encode()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
 
 
 def _holder_of(path: Path) -> str:

@@ -169,6 +169,29 @@ def test_second_writer_is_refused_naming_the_holder(
     assert _rows(out)['"c"'] == reference['"c"']
 
 
+@pytest.mark.parametrize("kind", ["file", "link"])
+def test_a_sidecar_flowmoe_did_not_write_is_left_alone(good_prompts: Path, tmp_path: Path, kind: str) -> None:
+    """The lock's sidecar name may already be taken by a file of the user's (or a link): the run goes
+    on under the lock and leaves that file byte for byte as it was; a stale sidecar of a killed run
+    is flowmoe's own and is replaced."""
+    out, theirs = tmp_path / "out.jsonl", tmp_path / "notes.txt"
+    theirs.write_bytes(b"my notes\n")
+    if kind == "file":
+        holder_file(out).write_bytes(theirs.read_bytes())
+    else:
+        holder_file(out).symlink_to(theirs)
+    assert _run(good_prompts, out) == 0
+    assert holder_file(out).read_bytes() == b"my notes\n" and theirs.read_bytes() == b"my notes\n"
+    assert holder_file(out).is_symlink() == (kind == "link")
+
+
+def test_a_stale_sidecar_of_a_killed_run_is_replaced(good_prompts: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    holder_file(out).write_text("pid 1 on host gone\n")
+    assert _run(good_prompts, out) == 0
+    assert not holder_file(out).exists()
+
+
 HOLD_LOCK = """
 import sys
 from flowmoe.jobs.joblog import JobLog
