@@ -156,10 +156,14 @@ def _sidecar_is_ours(holder: Path) -> bool:
 
 
 def _holder_of(path: Path) -> str:
+    holder = holder_file(path)
+    if holder.is_symlink():
+        return "holder unknown"
     try:
-        return holder_file(path).read_text().strip() or "holder unknown"
+        text = holder.read_text().strip()
     except (OSError, UnicodeDecodeError):
         return "holder unknown"
+    return text if text.startswith(HOLDER_START) else "holder unknown"
 
 
 def _refuse_same_file(output: Path, prompts: Path) -> None:
