@@ -18,7 +18,11 @@ from tests.schedule_fixtures import golden_listing, run_eager, run_scheduler
 SCHEDULERS = sorted(available())
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "deepseek_v3", "llama4", "glm4_moe"])
+MODELS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
+          "llama4", "phimoe", "granitemoe", "ernie4_5_moe"]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=MODELS)
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     folder = save_hf(hf_model(request.param), tmp_path_factory.mktemp("contract") / request.param)
     return load_model(folder)

@@ -240,6 +240,8 @@ class ModelSpec:
             params += self.hidden
         if a.qk_norm in ("head", "full"):  # q/k RMSNorm weights: per head, or over the projections
             params += 2 * a.head_dim if a.qk_norm == "head" else q + kv
+        if a.sinks:  # one attention-sink logit per head
+            params += a.heads
         return params
 
     @property
