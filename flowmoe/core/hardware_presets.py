@@ -499,6 +499,38 @@ PRESETS: dict[str, HardwareSpec] = {
     "rtx4090": machine("rtx4090", RTX4090, DESKTOP_DDR5, GEN4),
     "rtx5090": machine("rtx5090", RTX5090, DESKTOP_DDR5, GEN5),
 }
+# The successor papers' machines (`flowmoe reproduce moe-gen | hybrimoe | ktransformers`).
+MOE_GEN_C1 = Host(
+    "MoE-Gen Table 3 (C1; C2 the same with 512 GB): AMD EPYC 7453, 28 cores at 2.75 GHz (Zen 3 AVX2, x 32 = "
+    "2.46 TFLOP/s), 8 x DDR4-3200 = 204.8 GB/s, 256 GB; Fig. 3: the A5000 over PCIe 4.0",
+    2.46e12,
+    204.8 * GB,
+    256 * GiB,
+    NVME,
+)
+HYBRIMOE_HOST = Host(
+    "HybriMoE §VI-A: Xeon Gold 5220R limited to 10 cores (10 x 2.2 GHz x 64 AVX-512 = 1.41 TFLOP/s), "
+    "6 x DDR4-2666 = 128 GB/s; memory not stated, assumed 256 GiB; Cascade Lake's PCIe 3.0 link",
+    1.41e12,
+    128 * GB,
+    256 * GiB,
+    NVME,
+)
+KTRANSFORMERS_HOST = Host(
+    "KTransformers (SOSP '25) setup as its authors state it (sgl-project/sglang#11425): dual Xeon Platinum "
+    "8452Y, 2 x 36 cores at 2.0 GHz (AVX-512: 9.2 TFLOP/s), 2 x 8 x DDR5-4800 = 614.4 GB/s, 1 TB; "
+    "the A100 over PCIe 4.0",
+    9.2e12,
+    614.4 * GB,
+    1024 * GiB,
+    NVME,
+)
+PRESETS.update({
+    "moe-gen-c1": machine("moe-gen-c1", A5000, MOE_GEN_C1, GEN4),
+    "moe-gen-c2": machine("moe-gen-c2", A5000, evolve(MOE_GEN_C1, cpu_memory=512 * GiB), GEN4),
+    "hybrimoe-a6000": machine("hybrimoe-a6000", A6000, HYBRIMOE_HOST, GEN3),
+    "ktransformers-a100": machine("ktransformers-a100", A100_40, KTRANSFORMERS_HOST, GEN4),
+})  # fmt: skip
 ALIASES = {"moe-lightning-s1": "t4", "moe-lightning-s2": "l4", "moe-lightning-s6": "2xt4",
            "moe-lightning-s7": "4xt4"}  # fmt: skip
 PRESETS.update({alias: evolve(PRESETS[target], name=alias) for alias, target in ALIASES.items()})

@@ -44,6 +44,15 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
         "norm_topk_prob": True, "rope_theta": 1e6, "rms_norm_eps": 1e-6, "dtype": "bfloat16",
         "max_position_embeddings": 40960, "eos_token_id": 151645,
     },
+    # Qwen/Qwen2-57B-A14B (57B, 14B active): 64 experts top-8 and a shared expert in every layer
+    "qwen2-57b-a14b": {
+        "architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 3584,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 2560,
+        "shared_expert_intermediate_size": 20480, "intermediate_size": 18944, "norm_topk_prob": False,
+        "rope_theta": 1e6, "rms_norm_eps": 1e-6, "dtype": "bfloat16", "max_position_embeddings": 131072,
+        "bos_token_id": 151643, "eos_token_id": 151643,
+    },
     "olmoe-1b-7b": {
         "architectures": ["OlmoeForCausalLM"], "vocab_size": 50304, "hidden_size": 2048,
         "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
