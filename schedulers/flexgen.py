@@ -56,7 +56,10 @@ The cache's copies are pageable (`pageable` nodes, priced at the hardware's
 pageable bandwidth): FlexGen allocates its CPU cache unpinned
 (flexgen/pytorch_backend.py, `init_cache_one_gpu_batch`: "disable pin_memory
 due to high memory overhead"). flowmoe's runtime keeps its own cache where the
-engine put it; only the simulated time follows FlexGen.
+engine put it; only the simulated time follows FlexGen. So are the weight copies
+where the weights are not pinned (`weights_pinned` False in the context: MoE-Lightning's
+FlexGen port builds its policy with `pin_weight=False`, artifact
+benchmarks/flexgen/mtbench_run_8x7b_moe.py); flowmoe's runtime pins them.
 """
 
 from __future__ import annotations
@@ -183,9 +186,11 @@ class _Block:
 
     def _copy(self, layer: int) -> PlanStream:
         """load_weight(layer): every offloaded expert, after the barrier. -> expert -> PAGE_COPY id."""
-        copies = {}
+        copies, unpinned = {}, not self.s.context.weights_pinned
         for e in self.s.offloaded(layer):
-            node = self._emit(self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=e, deps=self.barrier))
+            copy = self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=e, deps=self.barrier,
+                               pageable=unpinned)  # fmt: skip
+            node = self._emit(copy)
             copies[e] = node.id
             yield node
         return copies

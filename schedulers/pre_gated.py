@@ -27,6 +27,9 @@ layer l+1 (both on the GPU), then the expert FFNs of layer l, whose weights were
 prefetched during layer l-1 where the prediction was right and are fetched on
 demand (after layer l's real gate) where it was wrong; then the predicted
 experts of layer l+1 are copied on `gpu.h2d`, overlapping the rest of layer l.
+Here "layer l+1" is the next MoE layer: where dense layers sit between MoE
+layers (every other layer in SwitchTransformer, the paper's model), MoE layer
+l predicts the next MoE layer and the copy overlaps the dense layers between.
 
 The dense part of every layer is resident. An expert brought in for a layer
 (predicted for any micro-batch, or fetched on a miss) serves every micro-batch
@@ -58,6 +61,7 @@ from flowmoe.schedulers._layer_nodes import (
     gpu_attention,
     layer_tail,
     lm_heads,
+    moe_layers,
     two_layers_bytes,
 )
 
@@ -95,17 +99,21 @@ class PreGatedScheduler:
         return Residency.dense_only(self.context.spec)
 
     def weight_buffer_bytes(self) -> int:
-        """Two consecutive layers of experts at most: the layer computing and the one prefetched."""
+        """Two consecutive MoE layers of experts at most: the layer computing and the one prefetched."""
         spec = self.context.spec
-        return two_layers_bytes([spec.layer_expert_bytes(layer) for layer in range(spec.layers)])
+        return two_layers_bytes([spec.layer_expert_bytes(layer) for layer in moe_layers(spec)])
 
     def kv_on_gpu(self) -> bool:
         return True
 
-    def _pregated(self, layer: int) -> bool:
-        """Whether layer `layer` + 1 is an MoE layer whose experts layer `layer` predicts."""
+    def _predicts(self, layer: int) -> int | None:
+        """The MoE layer whose experts layer `layer` predicts, or None (ModelSpec.pregate_source):
+        from an MoE layer the next MoE layer (block N's pre-gate selects block N + 1's experts,
+        Sec. IV-B, so where dense layers sit between, as every other one in SwitchTransformer, the
+        copy overlaps them too), and from the layer just before the first MoE layer, that layer."""
         spec = self.context.spec
-        return layer + 1 < spec.layers and spec.is_moe_layer(layer + 1)
+        ahead = [m for m in range(layer + 1, spec.layers) if spec.is_moe_layer(m)]
+        return ahead[0] if ahead and spec.pregate_source(ahead[0]) == layer else None
 
     def plan(self, step: StepShape) -> PlanStream:
         f, spec = self.context.factory, self.context.spec
@@ -122,9 +130,8 @@ class PreGatedScheduler:
                 yield from attention
                 post = attention[-1]
                 gate = f.node(Op.GATE, gpu, layer, mb, deps=[post.id]) if spec.is_moe_layer(layer) else None
-                pregate = (
-                    f.node(Op.PREGATE, gpu, layer + 1, mb, deps=[post.id]) if self._pregated(layer) else None
-                )
+                target = self._predicts(layer)
+                pregate = None if target is None else f.node(Op.PREGATE, gpu, target, mb, deps=[post.id])
                 parts: list[int] = []
                 if gate is not None:
                     yield gate
@@ -137,11 +144,11 @@ class PreGatedScheduler:
                 tail = layer_tail(f, spec, layer, mb, post.id, parts)
                 yield from tail
                 last[mb.index] = tail[-1].id
-                if pregate is not None:
-                    guess = yield RoutingRequest(layer + 1, mb.index, pregate.id, speculative=True)
+                if pregate is not None and target is not None:
+                    guess = yield RoutingRequest(target, mb.index, pregate.id, speculative=True)
                     experts = frozenset(guess.experts)
-                    predicted[(layer + 1, mb.index)] = experts
-                    yield from self._prefetch(layer + 1, sorted(experts), mb, pregate, held[layer + 1])
+                    predicted[(target, mb.index)] = experts
+                    yield from self._prefetch(target, sorted(experts), mb, pregate, held[target])
             yield from self._evict(layer, held.pop(layer), readers.pop(layer))
         yield from lm_heads(f, step, last)
 

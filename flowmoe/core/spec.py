@@ -252,6 +252,13 @@ class ModelSpec:
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.moe.dense_layers
 
+    def pregate_source(self, layer: int) -> int:
+        """The layer whose post-attention state a pre-gate reads to predict MoE layer `layer`'s
+        experts: the MoE layer before it (Pre-gated MoE: block N's pre-gate selects block N + 1's
+        experts), else the layer just before it."""
+        before = [m for m in range(layer) if self.is_moe_layer(m)]
+        return before[-1] if before else layer - 1
+
     def layer_dense_bytes(self, layer: int) -> int:
         """Bytes of a layer's always-used weights: attention, router, shared or dense MLP."""
         params = self.attention_params

@@ -138,9 +138,9 @@ class StepState:
         handler = _HANDLERS.get(node.op)
         if handler is None:
             raise FlowmoeError(f"no action for op {node.op}")
-        if node.op is Op.PREGATE:  # it will read the previous layer's x: keep that until it has
+        if node.op is Op.PREGATE:  # it will read an earlier layer's x: keep that until it has
             with self._lock:
-                source = (node.layer - 1, node.mb)
+                source = (self.model.spec.pregate_source(node.layer), node.mb)
                 self._x_readers[source] = self._x_readers.get(source, 0) + 1
         return partial(handler, self, node)
 
@@ -248,8 +248,9 @@ def _gate(s: StepState, n: TaskNode) -> None:
 
 
 def _pregate(s: StepState, n: TaskNode) -> None:
-    """Layer n.layer's router applied to the previous layer's post-attention hidden state."""
-    source = (n.layer - 1, n.mb)
+    """Layer n.layer's router applied to an earlier layer's post-attention hidden state (the MoE
+    layer before it, else the layer before: ModelSpec.pregate_source)."""
+    source = (s.model.spec.pregate_source(n.layer), n.mb)
     s.gate_into(s.predicted, (n.layer, n.mb), s.x[source], n.layer)
     s.release_x(source, reader=True)
 

@@ -81,6 +81,7 @@ class Setup:
     recorded: RoutingTrace | None = None  # a routing trace from a real run, replayed or resampled
     decode_samples: int = 4
     seed: int = 0
+    weights_pinned: bool = True  # False: simulate a system whose CPU weight copies are pageable
 
     @property
     def budget(self) -> int:
@@ -160,7 +161,7 @@ class Simulation:
         host = setup.hardware.cpu_memory - self._kv_slots() * setup.spec.kv_bytes_per_token  # weights' share
         factory = NodeFactory(setup.spec, expert_format=self.policy.expert_format)
         context = SchedulerContext(setup.spec, self.policy, factory, cost, popularity,
-                                   host_weight_bytes=host)  # fmt: skip
+                                   weights_pinned=setup.weights_pinned, host_weight_bytes=host)  # fmt: skip
         return create(name, context)
 
     def _base(self, name: str, need: MemoryNeed) -> SimulationResult:
