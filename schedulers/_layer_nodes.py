@@ -137,11 +137,12 @@ def cpu_experts(
     return [offload, *ffns, load]
 
 
-def gate_and_route(f: NodeFactory, layer: int, mb: MicroBatchShape, post: int) -> PlanStream:
-    """GATE after POST_ATTN, then the routing request; returns (gate id, ExpertCounts)."""
+def gate_and_route(f: NodeFactory, layer: int, mb: MicroBatchShape, post: int, defer: int = 0) -> PlanStream:
+    """GATE after POST_ATTN, then the routing request (`defer`: its Expert Deferral, see
+    RoutingRequest); returns (gate id, ExpertCounts)."""
     gate = f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[post])
     yield gate
-    counts = yield RoutingRequest(layer, mb.index, gate.id)
+    counts = yield RoutingRequest(layer, mb.index, gate.id, defer=defer)
     return gate.id, counts
 
 

@@ -19,19 +19,38 @@ while the GPU computes the shared expert, which depends only on the attention
 output: the CPU and GPU overlap within the layer (the paper's asynchronous
 CPU-GPU task scheduling); COMBINE waits for both.
 
-Expert Deferral (the paper's accuracy-aware mechanism): with K > 0, K of a
-layer's routed experts would add their output into the *next* layer's
-residual, so the CPU keeps computing them while the GPU runs the next
-attention; that changes the model's outputs (the paper reports an average
-accuracy drop of at most 0.5% for up to 1.45x throughput). flowmoe offers
-K = 0 only, which is exact (eager's tokens): deferral needs a combine that
-leaves experts out and a next layer that adds them (flowmoe/runtime/actions.py,
-flowmoe/model) and a knob to opt in (flowmoe/core/policy.py, the CLI), none of
-which this scheduler's files reach; there is no K to pass and nothing deferred.
+Expert Deferral (`--defer-experts K`, the paper's accuracy-aware mechanism; facts from
+kvcache-ai/ktransformers kt-kernel/python/experts_base.py `select_deferred_experts` and
+`submit_forward`, kt-kernel/operators/amx/moe_base.hpp `merge_results`, and kvcache-ai/sglang
+python/sglang/srt/layers/moe/kt_ep_wrapper.py and server_args.py
+`--kt-max-deferred-experts-per-token`):
+- which: each token keeps its top_k - K heaviest experts (by routing weight); an expert some token
+  of the batch keeps runs at once for all its tokens, and the rest, experts no token keeps, are
+  deferred whole (kt-kernel marks the kept experts batch-wide; at batch 1 that is the token's K
+  lightest). Here the batch is the micro-batch, and the routing answer's `ranks` say which.
+- where: the CPU computes the layer's kept experts first, then the deferred ones into the next
+  layer's output buffer; the layer combines without them, and the next layer's MoE output adds
+  them (kt-kernel's `incremental` merge): the deferred sum enters the residual at layer l+1's
+  combine, after l+1's attention and gate, which never see it. So the CPU computes layer l's
+  deferred experts while the GPU runs layer l+1's attention.
+- the last layer never defers (sglang: "the final layer always uses 0"); nor, here, a layer whose
+  next layer is dense (kt-kernel picks deferred outputs up only at the next layer's MoE) or whose
+  experts are on the GPU (kt-kernel defers only CPU experts).
+- accuracy and speed: the paper reports CPU utilisation from below 75% to almost 100% and up to
+  1.45x more decode throughput, with an average accuracy drop of at most 0.5% over its benchmarks
+  (SOSP '25 abstract; sglang PR #12586: "accuracy variation below 0.5%"); kt-kernel's README
+  recommends K in 1-4 and warns of noticeable loss at 5-7 (of DeepSeek's top-8).
+K > 0 changes the model's outputs (flowmoe's eager reference with the same deferral,
+MoEModel.forward(deferral=...), gives its tokens): it is an explicit opt-in, excluded from the
+same-tokens contract; K = 0 (the default) is exact, eager's tokens. K must be below the model's
+top-k (a token keeps at least one expert); only this scheduler takes it.
 
 Deviations: no AMX/AVX-512 kernels, CUDA graph of the decode step or
 NUMA-aware expert sharding: the CPU expert's time is the cost model's (a
-hardware preset or a `flowmoe calibrate` profile); no expert deferral (above).
+hardware preset or a `flowmoe calibrate` profile). Expert Deferral as above:
+the deferred experts' output crosses the link as its own EXPERT_LOAD (kt-kernel
+merges it on the CPU into the next layer's output), and in `flowmoe simulate`
+a synthetic routing ranks a token's experts by the order it drew them.
 `--attention-on cpu` is refused (KTransformers keeps attention on the GPU).
 """
 
@@ -39,8 +58,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from flowmoe.core.plan import Lane, Op
+from flowmoe.core.errors import ConfigError
+from flowmoe.core.plan import ExpertCounts, Lane, Op
+from flowmoe.core.policy import check_defer
 from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
+from flowmoe.core.spec import ModelSpec
 from flowmoe.schedulers._layer_nodes import (
     check_placement,
     cpu_experts,
@@ -54,15 +76,20 @@ class KTransformersScheduler:
     name: ClassVar[str] = "ktransformers"
     summary: ClassVar[str] = (
         "KTransformers hybrid placement: routed experts on the CPU (the first weights_gpu_share of MoE "
-        "layers on the GPU), attention and shared experts on the GPU, overlapping; no expert deferral "
-        "(K = 0: exact)"
+        "layers on the GPU), attention and shared experts on the GPU, overlapping; K = 0 (default) is "
+        "exact. --defer-experts K > 0 (Expert Deferral) CHANGES OUTPUTS: not eager's tokens"
     )
 
     def __init__(self, context: SchedulerContext) -> None:
         self.context = context
-        check_placement(self.name, context.policy, ffn=("gpu", "cpu"))
-        moe = moe_layers(context.spec) if context.policy.ffn_on == "gpu" else []
-        self.on_gpu = frozenset(moe[: round(context.policy.weights_gpu_share * len(moe))])
+        spec, policy = context.spec, context.policy
+        check_placement(self.name, policy, ffn=("gpu", "cpu"))
+        moe = moe_layers(spec) if policy.ffn_on == "gpu" else []
+        self.on_gpu = frozenset(moe[: round(policy.weights_gpu_share * len(moe))])
+        self.defer = policy.defer_experts
+        check_defer(self.defer, spec.moe.top_k)
+        self.deferring = deferring_layers(spec, self.on_gpu) if self.defer else frozenset()
+        self._carried: dict[int, int] = {}  # micro-batch -> the EXPERT_LOAD of its last deferred experts
 
     def residency(self) -> Residency:
         spec = self.context.spec
@@ -76,18 +103,52 @@ class KTransformersScheduler:
         return True
 
     def plan(self, step: StepShape) -> PlanStream:
+        self._carried = {}
         return model_order(self.context.factory, self.context.spec, step, self._experts)
 
     def _experts(self, layer: int, mb: MicroBatchShape, post: int) -> PlanStream:
+        """The layer's experts; returns what its combine waits for: its own (kept) experts' outputs and
+        the previous layer's deferred ones."""
         f = self.context.factory
-        gate, counts = yield from gate_and_route(f, layer, mb, post)
+        defer = self.defer if layer in self.deferring else 0
+        gate, counts = yield from gate_and_route(f, layer, mb, post, defer)
+        carried = [self._carried.pop(mb.index)] if mb.index in self._carried else []
         if layer in self.on_gpu:
             ffns = [
                 f.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, e, deps=[gate], tokens=n)
                 for e, n in counts.counts
             ]
             yield from ffns
-            return [n.id for n in ffns]
-        on_cpu = cpu_experts(f, layer, mb, gate, counts.counts)
+            return [n.id for n in ffns] + carried
+        later = set(self._deferred(counts, defer))
+        on_cpu = cpu_experts(f, layer, mb, gate, [(e, n) for e, n in counts.counts if e not in later])
         yield from on_cpu
-        return [on_cpu[-1].id] if on_cpu else []
+        if later:  # after the kept experts on the CPU lane; the next layer's combine waits for them
+            offload = on_cpu[0] if on_cpu else f.node(Op.HIDDEN_OFFLOAD, Lane.GPU_D2H, layer, mb, deps=[gate])
+            ffns = [
+                f.node(Op.EXPERT_FFN, Lane.CPU_COMPUTE, layer, mb, e, deps=[offload.id], tokens=n)
+                for e, n in counts.counts
+                if e in later
+            ]
+            load = f.node(Op.EXPERT_LOAD, Lane.GPU_H2D, layer, mb, deps=[n.id for n in ffns])
+            yield from ([] if on_cpu else [offload])
+            yield from [*ffns, load]
+            self._carried[mb.index] = load.id
+        return ([on_cpu[-1].id] if on_cpu else []) + carried
+
+    def _deferred(self, counts: ExpertCounts, defer: int) -> tuple[int, ...]:
+        if not defer:
+            return ()
+        if counts.counts and not counts.ranks:
+            raise ConfigError(
+                f"--defer-experts: the routing of layer {counts.layer} has no expert ranks (routing "
+                "weights); use a synthetic routing or a trace recorded with --defer-experts"
+            )
+        return counts.deferrable(self.context.spec.moe.top_k - defer)
+
+
+def deferring_layers(spec: ModelSpec, on_gpu: frozenset[int] = frozenset()) -> frozenset[int]:
+    """MoE layers whose deferred experts go into the next layer: CPU-expert layers followed by an MoE
+    layer (not the last layer, not one before a dense layer, not one whose experts are on the GPU)."""
+    moe = moe_layers(spec)
+    return frozenset(layer for layer in moe if layer not in on_gpu and layer + 1 in moe)

@@ -12,13 +12,15 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from attrs import frozen
 
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.memory import gib
-from flowmoe.core.policy import parse_bytes
+from flowmoe.core.policy import check_defer, parse_bytes
+from flowmoe.core.spec import ModelSpec
 
 
 @frozen
@@ -160,3 +162,22 @@ EXPERT_FORMAT_HELP = (
     "how offloaded experts cross the link: native (the model's dtype) or fp8 (an FP8 checkpoint's "
     "e4m3 values and block scales, dequantized on the GPU after the copy: half the bytes of bf16)"
 )
+
+DEFER_EXPERTS_HELP = (
+    "ktransformers only: KTransformers' Expert Deferral, experts per token whose output goes into the "
+    "next layer so the CPU computes them during its attention (%(type)s; 0: none). K > 0 CHANGES THE "
+    "MODEL'S OUTPUTS (not eager's tokens; the paper reports <= 0.5%% accuracy drop)"
+)
+DEFERRING_SCHEDULER = "ktransformers"
+
+
+def check_deferral(defer: int, schedulers: Sequence[str], spec: ModelSpec | None = None) -> None:
+    """--defer-experts is ktransformers' alone (it changes outputs) and below the model's top-k."""
+    others = [name for name in schedulers if name != DEFERRING_SCHEDULER]
+    if defer and others:
+        raise ConfigError(
+            f"--defer-experts is ktransformers' Expert Deferral (it changes the outputs); scheduler "
+            f"{others[0]} does not take it: use --scheduler ktransformers or leave --defer-experts out"
+        )
+    if spec is not None:
+        check_defer(defer, spec.moe.top_k)

@@ -15,6 +15,7 @@ from rich.text import Text
 
 from flowmoe.cli.args import (
     BYTES,
+    DEFER_EXPERTS_HELP,
     EXPERT_FORMAT_HELP,
     FRACTION,
     NON_NEGATIVE_INT,
@@ -23,6 +24,7 @@ from flowmoe.cli.args import (
     POSITIVE_INT,
     TOKENS_OR_SIZE,
     FloatRange,
+    check_deferral,
     check_page_size,
 )
 from flowmoe.cli.ray_run import add_ray_flags, run_on_ray
@@ -165,6 +167,7 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--cpu-threads", type=POSITIVE_INT, help="torch threads per op on the CPU (%(type)s)")
     group.add_argument("--expert-format", choices=EXPERT_FORMATS, default="native", help=EXPERT_FORMAT_HELP)
+    group.add_argument("--defer-experts", type=NON_NEGATIVE_INT, default=0, help=DEFER_EXPERTS_HELP)
 
 
 def policy_from(args: argparse.Namespace) -> Policy:
@@ -183,12 +186,14 @@ def policy_from(args: argparse.Namespace) -> Policy:
         gpu_memory=args.gpu_memory,
         cpu_threads=args.cpu_threads,
         expert_format=args.expert_format,
+        defer_experts=args.defer_experts,
     )
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.scheduler != "auto":
         load_scheduler(args.scheduler)  # an unknown or broken plugin fails before the model loads
+    check_deferral(args.defer_experts, [args.scheduler])
     check_output(args.output, args.prompts)  # so does an --output that is not ours, or in use
     sampling = SamplingParams(0.0 if args.greedy else args.temperature, args.top_p, args.top_k, args.seed)
     policy = policy_from(args)
@@ -201,6 +206,7 @@ def _run(args: argparse.Namespace) -> int:
     if policy.expert_format == "fp8":
         keep_fp8_experts(model, source)
     check_page_size(policy.page_bytes, model.spec.expert_bytes)
+    check_deferral(policy.defer_experts, [args.scheduler], model.spec)
     codec = TextCodec.from_folder(source) if Path(source).is_dir() else None
     job = job_from(args, model, sampling)
     if args.scheduler == "auto":  # every scheduler simulated on this job; the best runs, its policy too

@@ -20,7 +20,16 @@ import uvloop
 from attrs import evolve
 from rich.table import Table
 
-from flowmoe.cli.args import BYTES, EXPERT_FORMAT_HELP, FRACTION, NON_NEGATIVE_INT, PAGE_SIZE, POSITIVE_INT
+from flowmoe.cli.args import (
+    BYTES,
+    DEFER_EXPERTS_HELP,
+    EXPERT_FORMAT_HELP,
+    FRACTION,
+    NON_NEGATIVE_INT,
+    PAGE_SIZE,
+    POSITIVE_INT,
+    check_deferral,
+)
 from flowmoe.cli.plan import add_setup_flags, spec_from, workload_from
 from flowmoe.cli.ui import console, out
 from flowmoe.core.errors import ConfigError
@@ -78,6 +87,7 @@ def _flags(parser: argparse.ArgumentParser) -> None:
     knobs.add_argument("--hot-experts", type=POSITIVE_INT, help="klotski: hot experts prefetched (K)")
     knobs.add_argument("--page-size", type=PAGE_SIZE, help="cgopipe: weight page size")
     knobs.add_argument("--cpu-threads", type=POSITIVE_INT, help="CPU threads per op")
+    knobs.add_argument("--defer-experts", type=NON_NEGATIVE_INT, help=DEFER_EXPERTS_HELP)
     routing = parser.add_argument_group("routing")
     routing.add_argument(
         "--routing", type=Path, help="routing trace recorded by `flowmoe run --record-routing`"
@@ -102,6 +112,7 @@ def given_from(args: argparse.Namespace) -> Given:
         args.batch_size, args.micro_batches, args.attention_on, args.ffn_on, args.weights_gpu_share,
         args.kv_gpu_share, args.expert_cache_slots, args.cache_ways, args.group_size, args.hot_experts,
         args.page_size, args.gpu_memory, args.cpu_threads, expert_format=args.expert_format,
+        defer_experts=args.defer_experts,
     )  # fmt: skip
 
 
@@ -143,6 +154,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace, names: list[str]) -> int:
     setup, given = setup_from(args), given_from(args)
+    check_deferral(given.defer_experts or 0, names, setup.spec)
     results = []
     with console.status("searching each scheduler's best policy") as status:
         for name in names:

@@ -107,6 +107,9 @@ class RoutingRequest:
     mb: int
     after: int
     speculative: bool = False  # a pre-gate's prediction rather than the gate's decision
+    # KTransformers' Expert Deferral: the layer adds the experts no token places among its top_k - defer
+    # heaviest into the next layer's combine instead of its own (0: none); the answer's `ranks` say which
+    defer: int = 0
 
 
 @frozen
@@ -119,10 +122,19 @@ class ExpertCounts:
     # (expert at the previous MoE layer, expert here, tokens that took both): the per-token paths,
     # where the routing source has them (synthetic routing); empty otherwise
     follows: tuple[tuple[int, int, int], ...] = ()
+    # (expert, rank): the best place any of its tokens gave it among that token's top-k, heaviest
+    # routing weight first (0: some token's heaviest), where the routing source has it; empty otherwise
+    ranks: tuple[tuple[int, int], ...] = ()
 
     @property
     def experts(self) -> tuple[int, ...]:
         return tuple(e for e, _ in self.counts)
+
+    def deferrable(self, keep: int) -> tuple[int, ...]:
+        """Experts no token places among its `keep` heaviest: what KTransformers' Expert Deferral
+        defers when it keeps `keep` = top_k - K experts of each token (kt-kernel's rule: an expert one
+        token keeps runs at once for all its tokens)."""
+        return tuple(e for e, rank in self.ranks if rank >= keep)
 
     def tokens(self, expert: int) -> int:
         return dict(self.counts).get(expert, 0)

@@ -29,6 +29,15 @@ def parse_bytes(text: str) -> int:
         raise ConfigError(f"cannot read {text!r} as a size; use e.g. 16GiB, 24GB or 512MiB") from exc
 
 
+def check_defer(defer: int, top_k: int) -> None:
+    """KTransformers' Expert Deferral keeps at least one expert of each token in its own layer."""
+    if defer and defer >= top_k:
+        raise ConfigError(
+            f"--defer-experts {defer} must be below the model's top-k ({top_k}): "
+            "each token keeps at least one expert in its own layer"
+        )
+
+
 @frozen
 class Policy:
     """Batch size N and micro-batch size μ, where attention and FFNs run, what stays on the GPU.
@@ -46,6 +55,9 @@ class Policy:
     cache_ways: int = 4  # associativity of the set-associative expert cache
     group_size: int = 0  # Klotski's n (0: let its planner choose)
     hot_experts: int = 0  # Klotski's K hot experts prefetched per layer (0: top_k)
+    # KTransformers' Expert Deferral: experts per token whose output goes into the next layer (0: none;
+    # more changes the model's outputs, so only the ktransformers scheduler takes it)
+    defer_experts: int = 0
     page_bytes: int = 16 * 2**20  # CGOPipe weight page size
     gpu_memory: int | None = None  # bytes; None = unlimited
     cpu_threads: int | None = None
@@ -62,6 +74,8 @@ class Policy:
     def __attrs_post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.micro_batches < 1:
             raise ConfigError("micro-batch size and count must be at least 1")
+        if self.defer_experts < 0:
+            raise ConfigError(f"--defer-experts must be >= 0, got {self.defer_experts}")
         if self.page_bytes < 1:
             raise ConfigError(f"page size must be positive, got {self.page_bytes}")
         if self.expert_format not in EXPERT_FORMATS:

@@ -77,7 +77,7 @@ class RoutingTrace:
                 f"routing trace has no entry for step {step} layer {request.layer} mb {request.mb}"
             )
         found = table[key]
-        return ExpertCounts(request.layer, request.mb, found.counts, found.follows)
+        return ExpertCounts(request.layer, request.mb, found.counts, found.follows, found.ranks)
 
     def save(self, path: str | Path) -> None:
         rows = [
@@ -87,6 +87,7 @@ class RoutingTrace:
                 "mb": k[2],
                 "counts": [list(c) for c in v.counts],
                 "speculative": spec,
+                **({"ranks": [list(r) for r in v.ranks]} if v.ranks else {}),
             }
             for spec, table in ((False, self.counts), (True, self.predicted))
             for k, v in sorted(table.items())
@@ -117,7 +118,10 @@ class RoutingTrace:
                     )
                     continue
                 answer = ExpertCounts(
-                    row["layer"], row["mb"], tuple((int(e), int(n)) for e, n in row["counts"])
+                    row["layer"],
+                    row["mb"],
+                    tuple((int(e), int(n)) for e, n in row["counts"]),
+                    ranks=tuple((int(e), int(r)) for e, r in row.get("ranks", ())),
                 )
                 trace.record(int(row["step"]), answer, bool(row.get("speculative", False)))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError, RecursionError) as exc:

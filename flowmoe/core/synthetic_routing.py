@@ -122,7 +122,7 @@ class SyntheticRouting:
             ]
             before[(mb, layer)] = chosen
             paths = _paths(previous, chosen, tokens) if previous else ()
-            trace.record(step.step, ExpertCounts(layer, mb, _scaled(chosen, tokens), paths))
+            trace.record(step.step, ExpertCounts(layer, mb, _scaled(chosen, tokens), paths, _ranks(chosen)))
             if layer > 0:
                 guessed = [self._guess(picks, rng) for picks in chosen]
                 trace.record(step.step, ExpertCounts(layer, mb, _scaled(guessed, tokens)), speculative=True)
@@ -177,6 +177,16 @@ def _scaled(chosen: list[list[int]], tokens: int) -> tuple[tuple[int, int], ...]
     for expert in sorted(exact, key=lambda e: whole[e] - exact[e])[: max(0, short)]:
         whole[expert] += 1
     return tuple(sorted((e, min(tokens, n)) for e, n in whole.items()))
+
+
+def _ranks(chosen: list[list[int]]) -> tuple[tuple[int, int], ...]:
+    """Each picked expert's best slot over the tokens: a token's picks in slot order stand for its
+    top-k by routing weight, heaviest first (what Expert Deferral ranks by)."""
+    best: dict[int, int] = {}
+    for picks in chosen:
+        for slot, expert in enumerate(picks):
+            best[expert] = min(slot, best.get(expert, slot))
+    return tuple(sorted(best.items()))
 
 
 def _paths(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from attrs import define
+from attrs import define, frozen
 
 from flowmoe.core.spec import ModelSpec
 from flowmoe.kernels.attention import attend
@@ -33,6 +33,19 @@ from flowmoe.kernels.router import Routing, route
 from flowmoe.model.weights import FFNWeights, LayerWeights, ModelWeights
 
 Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+@frozen
+class Deferral:
+    """KTransformers' Expert Deferral: at each of `layers`, the experts no token of the micro-batch
+    places among its top_k - `experts` heaviest leave the layer's combine and join the next layer's
+    (see schedulers/ktransformers.py). It changes the model's outputs."""
+
+    experts: int  # K, per token
+    layers: frozenset[int]
+
+    def at(self, layer: int) -> int:
+        return self.experts if layer in self.layers else 0
 
 
 @define
@@ -176,16 +189,38 @@ class MoEModel:
         routing: Routing | None,
         outputs: dict[int, torch.Tensor],
         shared: torch.Tensor | None,
+        deferred: frozenset[int] = frozenset(),
+        carry: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden + the expert outputs summed in ascending expert order (the same sum whatever
-        order the experts ran in) + the shared/dense output -> [T, hidden]."""
+        order the experts ran in) + the shared/dense output -> [T, hidden]. Expert Deferral:
+        the `deferred` experts are left out (their `routed_sum` is the next layer's `carry`), and
+        `carry` [T, hidden], the previous layer's, is added after this layer's experts."""
         moe = torch.zeros_like(hidden)
         if routing is not None:
-            for expert in routing.experts:
-                moe.index_add_(0, routing.tokens[expert], outputs[expert].to(moe.dtype))
+            moe = self.routed_sum(hidden, routing, outputs, [e for e in routing.experts if e not in deferred])
+        if carry is not None:
+            moe = moe + carry
         if shared is not None:
             moe = moe + shared
         return hidden + self._residual(moe)
+
+    def routed_sum(
+        self, like: torch.Tensor, routing: Routing, outputs: dict[int, torch.Tensor], experts: list[int]
+    ) -> torch.Tensor:
+        """The outputs of `experts` (ascending) added into their tokens' rows -> [T, hidden] like `like`."""
+        moe = torch.zeros_like(like)
+        for expert in experts:
+            moe.index_add_(0, routing.tokens[expert], outputs[expert].to(moe.dtype))
+        return moe
+
+    def deferred_experts(self, routing: Routing, defer: int) -> frozenset[int]:
+        """Expert Deferral's choice (kt-kernel's `select_deferred_experts`): the experts no token
+        places among its top_k - `defer` heaviest (ties: the earlier slot first); none for 0."""
+        if not defer:
+            return frozenset()
+        keep = self.spec.moe.top_k - defer
+        return frozenset(e for e, rank in expert_ranks(routing).items() if rank >= keep)
 
     def logits(
         self, hidden: torch.Tensor, norm: torch.Tensor | None = None, head: torch.Tensor | None = None
@@ -203,28 +238,46 @@ class MoEModel:
     # ---- eager composition
 
     def forward_layer(
-        self, layer: int, hidden: torch.Tensor, cache: KVCache, layout: TokenLayout, rope: Rope
-    ) -> torch.Tensor:
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        cache: KVCache,
+        layout: TokenLayout,
+        rope: Rope,
+        defer: int = 0,
+        carry: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (hidden [T, hidden] after the layer, the sum of its deferred experts or None).
+        `defer`: the layer's Expert Deferral K; `carry`: the previous layer's deferred sum."""
         q, k, v = self.pre_attention(layer, hidden, rope)
         attn_out = self.attention(layer, q, k, v, cache.layer(layer), layout)
         hidden, x = self.post_attention(layer, hidden, attn_out)
         if not self.spec.is_moe_layer(layer):
-            return self.combine(hidden, None, {}, self.shared(layer, x))
+            return self.combine(hidden, None, {}, self.shared(layer, x), carry=carry), None
         routing = self.gate(layer, x)
         experts = self.weights.layers[layer].experts
         outputs = {e: self.expert(x, routing, e, experts[e]) for e in routing.experts}
         shared = self.shared(layer, x) if self.spec.moe.has_shared else None
-        return self.combine(hidden, routing, outputs, shared)
+        later = self.deferred_experts(routing, defer)
+        out = self.combine(hidden, routing, outputs, shared, later, carry)
+        return out, self.routed_sum(hidden, routing, outputs, sorted(later)) if later else None
 
     def forward(
-        self, ids: torch.Tensor, cache: KVCache, layout: TokenLayout, all_rows: bool = False
+        self,
+        ids: torch.Tensor,
+        cache: KVCache,
+        layout: TokenLayout,
+        all_rows: bool = False,
+        deferral: Deferral | None = None,
     ) -> torch.Tensor:
         """One eager step: ids [T] -> logits [B, vocab] of each sequence's last token
-        (or [T, vocab] of every token with `all_rows`)."""
+        (or [T, vocab] of every token with `all_rows`); `deferral`: with Expert Deferral."""
         hidden = self.embed(ids)
         rope = self.rope(layout, hidden.device)
+        carry = None
         for layer in range(self.spec.layers):
-            hidden = self.forward_layer(layer, hidden, cache, layout, rope)
+            defer = deferral.at(layer) if deferral is not None else 0
+            hidden, carry = self.forward_layer(layer, hidden, cache, layout, rope, defer, carry)
         return self.logits(hidden if all_rows else hidden[layout.last_rows.to(hidden.device)])
 
     # ---- diagnostics (off the normal path)
@@ -244,10 +297,22 @@ class MoEModel:
                 return "the embedding"
             rope = self.rope(layout, device)
             for layer in range(self.spec.layers):
-                hidden = self.forward_layer(layer, hidden, cache, layout, rope)
+                hidden, _ = self.forward_layer(layer, hidden, cache, layout, rope)
                 if not _finite(hidden):
                     return f"layer {layer} (counting from 0)"
             return None if _finite(self.logits(hidden[-1:])) else "the final norm and lm_head"
+
+
+def expert_ranks(routing: Routing) -> dict[int, int]:
+    """Each routed expert's best place over its tokens among their top-k, heaviest weight first
+    (0: some token weighs it heaviest; equal weights: the earlier slot first)."""
+    order = torch.argsort(routing.weights.float(), dim=-1, descending=True, stable=True)  # [T, k] slots
+    rank = torch.argsort(order, dim=-1)  # [T, k] each slot's place
+    k = routing.indices.shape[1]
+    best = torch.full((max(routing.experts, default=0) + 1,), k, dtype=torch.int64, device=rank.device)
+    best.scatter_reduce_(0, routing.indices.reshape(-1), rank.reshape(-1), "amin")  # [E']
+    places = best.tolist()
+    return {e: places[e] for e in routing.experts}
 
 
 def _finite(tensor: torch.Tensor) -> bool:

@@ -29,7 +29,7 @@ from flowmoe.jobs.engine import StepInput
 from flowmoe.kernels.kv_cache import read_kv, write_kv
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.kernels.router import Routing, choose, sort_by_expert, split_by_expert
-from flowmoe.model.moe_model import MoEModel, Rope
+from flowmoe.model.moe_model import MoEModel, Rope, expert_ranks
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
 
 Key = tuple[int, int]  # (layer, micro-batch)
@@ -70,6 +70,8 @@ class StepState:
     predicted: dict[Key, Routing | PendingRouting] = field(factory=dict)  # pre-gate predictions
     outputs: dict[Key, dict[int, torch.Tensor]] = field(factory=dict)  # expert outputs, any device
     shared: dict[Key, torch.Tensor] = field(factory=dict)
+    deferred: dict[Key, frozenset[int]] = field(factory=dict)  # Expert Deferral: experts the next layer adds
+    later: dict[Key, dict[int, torch.Tensor]] = field(factory=dict)  # ... and their outputs
     logits: dict[int, torch.Tensor] = field(factory=dict)
     layouts: dict[tuple[int, Lane], TokenLayout] = field(factory=dict)  # on the lane's device
     events: EventBook | None = None  # CUDA: where routing events come from
@@ -93,7 +95,31 @@ class StepState:
     def expert_counts(self, request: RoutingRequest) -> ExpertCounts:
         table = self.predicted if request.speculative else self.routing
         routing = self.routing_of(table, (request.layer, request.mb))
-        return ExpertCounts(request.layer, request.mb, tuple(routing.counts().items()))
+        if not request.defer:
+            return ExpertCounts(request.layer, request.mb, tuple(routing.counts().items()))
+        ranks = tuple(expert_ranks(routing).items())  # Expert Deferral: which experts the layer defers
+        answer = ExpertCounts(request.layer, request.mb, tuple(routing.counts().items()), ranks=ranks)
+        self.deferred[(request.layer, request.mb)] = frozenset(
+            answer.deferrable(self.model.spec.moe.top_k - request.defer)
+        )
+        return answer
+
+    def carried(self, key: Key, like: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """Expert Deferral: the sum of the experts layer key deferred, for the next layer's combine
+        (None where it deferred none), and the tensors that die with it."""
+        later = self.deferred.pop(key, frozenset())
+        if not later:
+            return None, []
+        outputs = self.later.pop(key, {})
+        if set(outputs) != later:
+            missing = sorted(later - set(outputs))
+            raise FlowmoeError(
+                f"combine of layer {key[0] + 1} mb {key[1]}: deferred experts {missing} never ran"
+            )
+        moved = {e: t.to(self.devices.gpu) for e, t in outputs.items()}
+        routing = self.routing_of(self.routing, key)
+        dead = [*outputs.values(), *moved.values(), self.x_cpu.pop(key, None)]
+        return self.model.routed_sum(like, routing, moved, sorted(later)), dead
 
     def routing_of(self, table: dict[Key, Routing | PendingRouting], key: Key) -> Routing:
         """The gate's routing on the host, waiting for its counts the first time it is asked for."""
@@ -267,14 +293,20 @@ def _expert(s: StepState, n: TaskNode) -> None:
         x, ffn = s.x_cpu[key], s.model.weights.layers[n.layer].experts[n.expert]
     else:
         x, ffn = s.x[key], s.weights.expert(n.layer, n.expert)
-    s.outputs.setdefault(key, {})[n.expert] = s.model.expert(x, routing, n.expert, ffn)
+    table = s.later if n.expert in s.deferred.get(key, ()) else s.outputs  # Expert Deferral's apart
+    table.setdefault(key, {})[n.expert] = s.model.expert(x, routing, n.expert, ffn)
 
 
 def _expert_load(s: StepState, n: TaskNode) -> None:
-    """A CPU expert's output to the GPU (expert -1: every output computed so far)."""
-    outputs = s.outputs.get((n.layer, n.mb), {})
-    for expert in [n.expert] if n.expert >= 0 else list(outputs):
-        outputs[expert] = s.devices.to_gpu(outputs[expert])
+    """A CPU expert's output to the GPU (expert -1: every output computed so far, deferred ones too)."""
+    key = (n.layer, n.mb)
+    if n.expert >= 0:
+        outputs = s.later[key] if n.expert in s.later.get(key, {}) else s.outputs[key]
+        outputs[n.expert] = s.devices.to_gpu(outputs[n.expert])
+        return
+    for outputs in (s.outputs.get(key, {}), s.later.get(key, {})):
+        for expert in list(outputs):
+            outputs[expert] = s.devices.to_gpu(outputs[expert])
 
 
 def _shared(s: StepState, n: TaskNode) -> None:
@@ -285,16 +317,20 @@ def _shared(s: StepState, n: TaskNode) -> None:
 def _combine(s: StepState, n: TaskNode) -> None:
     key = (n.layer, n.mb)
     routing = s.routing_of(s.routing, key) if key in s.routing else None
+    later = s.deferred.get(key, frozenset())  # Expert Deferral: the next layer's combine adds these
     outputs = {e: t.to(s.devices.gpu) for e, t in s.outputs.get(key, {}).items()}
-    if routing is not None and set(outputs) != set(routing.experts):
-        missing = sorted(set(routing.experts) - set(outputs))
+    if routing is not None and set(outputs) != set(routing.experts) - later:
+        missing = sorted(set(routing.experts) - later - set(outputs))
         raise FlowmoeError(f"combine of layer {n.layer} mb {n.mb}: experts {missing} never ran")
     previous = s.hidden[n.mb]
-    s.hidden[n.mb] = s.model.combine(previous, routing, outputs, s.shared.get(key))
+    carry, carried = s.carried((n.layer - 1, n.mb), previous)
+    s.hidden[n.mb] = s.model.combine(previous, routing, outputs, s.shared.get(key), later, carry)
     # What only this layer's attention, experts and combine read dies here, not at the step's end;
-    # x stays for the next layer's pre-gate, the previous layer's x goes once its pre-gates ran.
+    # x stays for the next layer's pre-gate, the previous layer's x goes once its pre-gates ran;
+    # deferred experts keep their input and outputs until the next layer's combine.
+    x_cpu = None if later else s.x_cpu.pop(key, None)
     dead = [s.qkv.pop(key, ()), [s.attn.pop(key, None)], s.outputs.pop(key, {}).values(), outputs.values(),
-            [s.shared.pop(key, None), s.x_cpu.pop(key, None), previous]]  # fmt: skip
+            carried, [s.shared.pop(key, None), x_cpu, previous]]  # fmt: skip
     s.retire(t for group in dead for t in group if t is not None)
     s.release_x((n.layer - 1, n.mb), reader=False)
 

@@ -50,6 +50,7 @@ class Given:
     cpu_threads: int | None = None
     max_batch: int | None = None  # a cap on N where N is not given (e.g. the requests a job has)
     expert_format: ExpertFormat | None = None
+    defer_experts: int | None = None
 
     def apply(self, policy: Policy) -> Policy:
         """`policy` with every given field; N and the micro-batch count fix μ = ceil(N / count)."""
@@ -179,7 +180,7 @@ def _shares(given: Given) -> Sequence[float]:
 
 
 KNOBS = {"lru-cache": ("expert_cache_slots", "cache_ways"), "klotski": ("group_size", "hot_experts"),
-         "cgopipe": ("page_bytes",)}  # fmt: skip
+         "cgopipe": ("page_bytes",), "ktransformers": ("defer_experts",)}  # fmt: skip
 
 
 def describe_policy(p: Policy, scheduler: str = "") -> str:
@@ -187,7 +188,8 @@ def describe_policy(p: Policy, scheduler: str = "") -> str:
     own knobs where set."""
     text = (f"N={p.batch_size} ({p.micro_batch_size}x{p.micro_batches}) attn {p.attention_on} "
             f"ffn {p.ffn_on} w {p.weights_gpu_share:.0%} kv {p.kv_gpu_share:.0%}")  # fmt: skip
-    names = {"expert_cache_slots": "slots", "cache_ways": "ways", "group_size": "n", "hot_experts": "K"}
+    names = {"expert_cache_slots": "slots", "cache_ways": "ways", "group_size": "n", "hot_experts": "K",
+             "defer_experts": "defer"}  # fmt: skip
     knobs = [f"{names.get(k, 'page')} {gib(v) if k == 'page_bytes' else v}"
              for k in KNOBS.get(scheduler, ()) if (v := getattr(p, k))]  # fmt: skip
     if p.cpu_threads:

@@ -99,7 +99,8 @@ class SimulationResult:
                   "weights_gpu_share": p.weights_gpu_share, "kv_gpu_share": p.kv_gpu_share,
                   "expert_cache_slots": p.expert_cache_slots, "cache_ways": p.cache_ways,
                   "group_size": p.group_size, "hot_experts": p.hot_experts, "page_bytes": p.page_bytes,
-                  "gpu_memory": p.gpu_memory, "cpu_threads": p.cpu_threads}  # fmt: skip
+                  "gpu_memory": p.gpu_memory, "cpu_threads": p.cpu_threads,
+                  "defer_experts": p.defer_experts}  # fmt: skip
         lanes = [{**lane.to_json(), "utilisation": lane.share} for lane in self.lanes]
         stats = self.stats.to_json() if self.stats is not None else None
         realtime = self.realtime.to_json() if self.realtime is not None else {}
