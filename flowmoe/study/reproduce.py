@@ -33,7 +33,8 @@ from flowmoe.study.best_policy import Given, best_policy, describe_policy
 from flowmoe.study.sim_report import SimulationResult
 from flowmoe.study.simulate import Setup, Simulation
 
-PAPERS = ("moe-lightning", "klotski", "lru-cache", "pre-gated", "fiddler")
+SUCCESSORS = ("moe-gen", "hybrimoe", "ktransformers")  # their settings: reproduce_successors
+PAPERS = ("moe-lightning", "klotski", "lru-cache", "pre-gated", "fiddler", *SUCCESSORS)
 ROUTING = RoutingModel(skew=0.5, correlation=0.3)  # flowmoe's defaults (`flowmoe simulate`)
 MTBENCH_REQUESTS = 3072  # the artifact's MTBench runs processed ~3,100 requests (time x tok/s / gen)
 
@@ -512,8 +513,11 @@ BUILDERS: dict[str, Callable[[bool], Iterator[Setting]]] = {
 
 
 def settings(paper: str, quick: bool = False) -> list[Setting]:
+    from flowmoe.study.reproduce_successors import SUCCESSOR_BUILDERS  # builds on this module's types
+
+    builders = {**BUILDERS, **SUCCESSOR_BUILDERS}
     names = PAPERS if paper == "all" else (paper,)
-    return [s for name in names for s in BUILDERS[name](quick)]
+    return [s for name in names for s in builders[name](quick)]
 
 
 # Running ------------------------------------------------------------------------------------------
@@ -547,6 +551,11 @@ def measured(system: System, result: SimulationResult) -> float | None:
         return None
     if system.metric == "hit rate":
         return result.stats.expert_cache_hit_rate if result.stats is not None else None
+    if system.metric == "decode tok/s":  # the decode steps' tokens over their time
+        decoded = result.generated - result.sequences
+        return decoded / result.decode_seconds if result.decode_seconds else None
+    if system.metric == "prefill tok/s":  # prompt tokens over the prefill time
+        return result.prompt_tokens / result.prefill_seconds if result.prefill_seconds else None
     return result.throughput
 
 
@@ -599,7 +608,7 @@ def run_setting(setting: Setting) -> dict[str, Any]:
 
 def ranking(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The systems with a published (or implied) throughput, ordered by the paper and the simulator."""
-    ranked = [r for r in rows if (r["published"] or r.get("implied")) and r["metric"] == "tok/s"]
+    ranked = [r for r in rows if (r["published"] or r.get("implied")) and r["metric"] != "hit rate"]
     paper = [r["system"] for r in sorted(ranked, key=lambda r: -(r["published"] or r["implied"]))]
     sim = [r["system"] for r in sorted(ranked, key=lambda r: -(r["simulated"] or 0.0))]
     return {"paper": paper, "simulated": sim, "holds": paper == sim if len(paper) > 1 else None}
@@ -607,7 +616,7 @@ def ranking(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def summary(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Medians and worst cases over every compared number, against the issue's targets."""
-    absolute = [r["ratio"] for s in results for r in s["rows"] if r["ratio"] and r["metric"] == "tok/s"]
+    absolute = [r["ratio"] for s in results for r in s["rows"] if r["ratio"] and r["metric"] != "hit rate"]
     hits = [r["ratio"] for s in results for r in s["rows"] if r["ratio"] and r["metric"] == "hit rate"]
     speed = [x["ratio"] for s in results for x in s["speedups"] if x["ratio"]]
     rankings = [s["ranking"]["holds"] for s in results if s["ranking"]["holds"] is not None]

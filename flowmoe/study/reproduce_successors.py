@@ -1,0 +1,245 @@
+"""`flowmoe reproduce moe-gen | hybrimoe | ktransformers`: the successor papers' published numbers next
+to the simulator's, in `reproduce`'s Setting / System structure, on the hardware presets of the papers'
+machines (`moe-gen-c1/c2`, `hybrimoe-a6000`, `ktransformers-a100`). Every compared number is in
+`successor_numbers` with its table or section.
+
+Stand-ins: MoE-Gen(G) -> `moe-gen` (attention on the GPU), MoE-Gen(H) -> `moe-gen --attention-on cpu`,
+DeepSpeed-Inference -> `prefetch-all` (one micro-batch), FlexGen* -> `flexgen`, MoE-Lightning* ->
+`cgopipe`; kTransformers ->
+`ktransformers` at the cache ratio (that share of the MoE layers' experts on the GPU), HybriMoE ->
+`hybrimoe` at the cache ratio; Fiddler -> `fiddler`. Where a paper gives no policy, each system runs the
+best policy that fits its scheduler (`best_policy`). Metrics: MoE-Gen's decoding throughput = the
+tokens of the decode steps / their time; prefill throughput = prompt tokens / prefill time (Table 7);
+HybriMoE's time between tokens as its inverse (decode tokens/s at batch 1), TTFT as prefill tokens/s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from flowmoe.core.policy import Policy
+from flowmoe.core.presets import preset
+from flowmoe.core.spec import ModelSpec
+from flowmoe.study import successor_numbers as N
+from flowmoe.study.best_policy import Given
+from flowmoe.study.reproduce import Setting, Speedup, System, _ratios_from, _setup
+from flowmoe.study.simulate import Setup
+
+DECODE, PREFILL = "decode tok/s", "prefill tok/s"
+
+# MoE-Gen ------------------------------------------------------------------------------------------
+
+MOE_GEN_PAIRS = (
+    *((fast, slow) for fast in ("MoE-Gen(H)", "MoE-Gen(G)", "MoE-Gen")
+      for slow in ("DeepSpeed", "FlexGen*", "MoE-Lightning*", "MoE-Lightning(p)*")),
+    ("MoE-Gen(H)", "MoE-Gen(G)"),
+)  # fmt: skip
+MOE_GEN_NOTE = (
+    "prompts padded to 512 as §5.1 runs every system; each system at the best policy that fits its "
+    "scheduler (for cgopipe the HRM plans are among the candidates); Llama.cpp and vLLM rows have no stand-in"
+)
+
+
+def _moe_gen_systems(
+    setup: Setup, paper: dict[str, float], metric: str, batch: int | None = None
+) -> tuple[System, ...]:
+    """The systems of a MoE-Gen table that flowmoe expresses, with their published figures."""
+    at = Given(batch_size=batch)
+    # §A.1 at small batches: "MoE-Gen deliberately offloads more data to host memory" (and fetches the
+    # routed experts on demand), where the baselines keep what fits on the GPU
+    kept = None if batch is None else 0.0
+    lightning = next(name for name in paper if name.startswith("MoE-Lightning"))
+    runs: dict[str, tuple[str, Policy | None, Given]] = {
+        "DeepSpeed": ("prefetch-all", None, Given(batch_size=batch, micro_batches=1)),
+        "FlexGen*": ("flexgen", None, at),
+        lightning: ("cgopipe", None, at),
+        "MoE-Gen(G)": ("moe-gen", None, Given(batch_size=batch, attention_on="gpu", weights_gpu_share=kept)),
+        "MoE-Gen(H)": ("moe-gen", None, Given(batch_size=batch, attention_on="cpu")),
+        "MoE-Gen": ("moe-gen", None, Given(batch_size=batch, attention_on="gpu")),
+    }
+    return tuple(
+        System(name, runs[name][0], setup, figure, runs[name][1], runs[name][2], metric=metric)
+        for name, figure in paper.items()
+    )
+
+
+def moe_gen(quick: bool) -> Iterator[Setting]:
+    for model, rows in N.MOE_GEN_DECODE.items():
+        if quick and model != "mixtral-8x7b":
+            continue
+        spec = preset(model)
+        for i, gen in enumerate(N.MOE_GEN_DECODE_LENS):
+            if quick and gen != 256:
+                continue
+            setup = _setup(spec, "moe-gen-c2", f"fixed:512:{gen}", gen)
+            systems = _moe_gen_systems(setup, {name: figures[i] for name, figures in rows.items()}, DECODE)
+            yield Setting(
+                "moe-gen",
+                f"{model} decode, prompt 512, gen {gen} @ C2",
+                f"{N.MOE_GEN}, Table 6",
+                systems,
+                _ratios_from(systems, MOE_GEN_PAIRS),
+                MOE_GEN_NOTE,
+            )
+        if not quick:
+            setup = _setup(spec, "moe-gen-c2", "fixed:512:256", 256)
+            systems = _moe_gen_systems(setup, N.MOE_GEN_PREFILL[model], PREFILL)
+            yield Setting(
+                "moe-gen",
+                f"{model} prefill, prompt 512 @ C2",
+                f"{N.MOE_GEN}, Table 7",
+                systems,
+                _ratios_from(systems, MOE_GEN_PAIRS),
+                f"{MOE_GEN_NOTE}; MoE-Gen with attention on the GPU (Table 7: G and H prefill alike); each "
+                "policy the best for the whole run (decode 256), not for the prefill alone",
+            )
+    for (model, batch), paper in N.MOE_GEN_SMALL.items():
+        if quick and (model, batch) != ("deepseek-v2-lite", 1):
+            continue
+        setup = _setup(preset(model), "moe-gen-c1", "fixed:512:32", 32)
+        systems = _moe_gen_systems(setup, paper, DECODE, batch)
+        yield Setting(
+            "moe-gen",
+            f"{model} decode at batch {batch}, prompt 512, gen 32 @ C1",
+            f"{N.MOE_GEN}, Table 9 (§A.1)",
+            systems,
+            _ratios_from(systems, MOE_GEN_PAIRS),
+            f"batch {batch} as Table 9; {MOE_GEN_NOTE}",
+        )
+
+
+# HybriMoE -----------------------------------------------------------------------------------------
+
+HYBRIMOE_WORK = "fixed:128:32"  # assumed: §VI-A's ChatGPT-prompts lengths are not stated (TBT is insensitive)
+HYBRID_EXPERTS = "fp8"  # the nearest flowmoe format to the paper's 4-bit experts (§V), for both systems
+HYBRIMOE_NOTE = (
+    "batch 1; experts stored and copied as FP8 for both systems (the paper's are 4-bit; flowmoe has no "
+    "INT4); kTransformers = `ktransformers` with that share of the MoE layers' experts on the GPU; "
+    "llama.cpp and AdapMoE have no stand-in"
+)
+
+
+def _cached(share: float) -> Policy:
+    return Policy(1, 1, weights_gpu_share=share, expert_format=HYBRID_EXPERTS)
+
+
+def _pair(
+    setup: Setup,
+    share: float,
+    metric: str,
+    suffix: str = "",
+    figures: tuple[float | None, ...] = (None, None),
+) -> tuple[System, ...]:
+    return tuple(
+        System(f"{name}{suffix}", scheduler, setup, figure, _cached(share), metric=metric)
+        for (name, scheduler), figure in zip(
+            (("kTransformers", "ktransformers"), ("HybriMoE", "hybrimoe")), figures, strict=True
+        )
+    )
+
+
+def hybrimoe(quick: bool) -> Iterator[Setting]:
+    qwen = preset("qwen2-57b-a14b")
+    setup = _setup(qwen, "hybrimoe-a6000", HYBRIMOE_WORK, samples=4)
+    table = N.HYBRIMOE_TABLE3_DECODE
+    systems = _pair(setup, 0.25, DECODE, figures=(1 / table["kTransformers"], 1 / table["HybriMoE"]))
+    yield Setting(
+        "hybrimoe",
+        "qwen2-57b-a14b decode, 25% cache",
+        f"{N.HYBRIMOE}, Table III",
+        systems,
+        (Speedup("HybriMoE", "kTransformers", N.HYBRIMOE_TABLE3_SPEEDUP),),
+        f"published tokens/s = 1 / the table's decode latency; {HYBRIMOE_WORK} (assumed); {HYBRIMOE_NOTE}",
+    )
+    for model in N.HYBRIMOE_MODELS:
+        if quick and model != "deepseek-v2-lite":
+            continue
+        spec = preset(model)
+        for share in N.HYBRIMOE_RATIOS:
+            if quick and share != 0.25:
+                continue
+            yield from _hybrid_settings(spec, model, share, quick)
+
+
+def _hybrid_settings(spec: ModelSpec, model: str, share: float, quick: bool) -> Iterator[Setting]:
+    setup = _setup(spec, "hybrimoe-a6000", HYBRIMOE_WORK, samples=4)
+    systems = _pair(setup, share, DECODE)
+    hit = N.HYBRIMOE_HIT.get((model, share))
+    if hit is not None:
+        systems += (System("HybriMoE (MRS)", "hybrimoe", setup, hit, _cached(share), metric="hit rate"),)
+    yield Setting(
+        "hybrimoe",
+        f"{model} decode, {share:.0%} cache",
+        f"{N.HYBRIMOE}, §VI-B (decode), §VI-D (hit rate)",
+        systems,
+        (Speedup("HybriMoE", "kTransformers", N.HYBRIMOE_OVER_KT["decode"]),),
+        f"the published speedup is the average over models and cache ratios, compared with each; "
+        f"{HYBRIMOE_WORK} (assumed); {HYBRIMOE_NOTE}",
+    )
+    if quick:
+        return
+    prefill = tuple(
+        system
+        for length in N.HYBRIMOE_LENGTHS
+        for system in _pair(
+            _setup(spec, "hybrimoe-a6000", f"fixed:{length}:2", 2, 1), share, PREFILL, f" {length}"
+        )
+    )
+    yield Setting(
+        "hybrimoe",
+        f"{model} prefill (TTFT), {share:.0%} cache",
+        f"{N.HYBRIMOE}, §VI-B (prefill)",
+        prefill,
+        tuple(
+            Speedup(f"HybriMoE {n}", f"kTransformers {n}", N.HYBRIMOE_OVER_KT["prefill"])
+            for n in N.HYBRIMOE_LENGTHS
+        ),
+        "prompts of 32/128/512/1024 tokens (§VI-B); the published speedup is the average over lengths, "
+        f"cache ratios and models, compared with each; {HYBRIMOE_NOTE}",
+    )
+
+
+# KTransformers ------------------------------------------------------------------------------------
+
+KT_DECODE_WORK = "fixed:128:32"  # assumed: the prompt lengths of the decode runs are not stated
+KT_PREFILL_LENGTH = 1024  # assumed: one of the prompt lengths the prefill comparison spans
+
+
+def ktransformers(quick: bool) -> Iterator[Setting]:
+    for model in N.KTRANSFORMERS_MODELS:
+        if quick and model != "qwen2-57b-a14b":
+            continue
+        spec = preset(model)
+        runs = ((DECODE, KT_DECODE_WORK, 32), (PREFILL, f"fixed:{KT_PREFILL_LENGTH}:2", 2))
+        for metric, work, gen in runs[:1] if quick else runs:
+            phase = metric.split()[0]
+            setup = _setup(spec, "ktransformers-a100", work, gen, samples=4 if gen > 2 else 1)
+            systems = (
+                System(
+                    "KTransformers (K = 0)",
+                    "ktransformers",
+                    setup,
+                    None,
+                    given=Given(batch_size=1),
+                    metric=metric,
+                ),
+                System("Fiddler", "fiddler", setup, None, given=Given(batch_size=1), metric=metric),
+            )
+            low, high = N.KTRANSFORMERS_OVER_EXISTING[phase]
+            yield Setting(
+                "ktransformers",
+                f"{model} {phase}, batch 1",
+                f"{N.KTRANSFORMERS}, abstract; setup as its authors state it, sgl-project/sglang#11425",
+                systems,
+                (Speedup("KTransformers (K = 0)", "Fiddler", (low + high) / 2, low, high),),
+                f"{work} (assumed: lengths not stated); the published range spans both baselines "
+                "(llama.cpp has no stand-in) and every model; each system at its best policy that fits; "
+                "no AMX kernels, NUMA-aware placement, CUDA graph or Expert Deferral (K = 0)",
+            )
+
+
+SUCCESSOR_BUILDERS: dict[str, Callable[[bool], Iterator[Setting]]] = {
+    "moe-gen": moe_gen,
+    "hybrimoe": hybrimoe,
+    "ktransformers": ktransformers,
+}
