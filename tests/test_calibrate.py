@@ -69,7 +69,7 @@ def test_cost_uses_measured_rooflines_and_overheads() -> None:
     def seconds(op: Op, flops: float, n_bytes: float) -> float:
         return cost(TaskNode(0, op, Lane.CPU_COMPUTE, bytes=int(n_bytes), flops=int(flops)))
 
-    launch = base.cpu_launch
+    launch = cost.fixed(Lane.CPU_COMPUTE, Op.EXPERT_FFN)  # the node's launch and its ops' dispatch
     assert seconds(Op.EXPERT_FFN, 1e10, 1e9) == pytest.approx(launch + 1.0)  # 10 flop/B: 10 GFLOP/s
     assert seconds(Op.EXPERT_FFN, 1e12, 1e9) == pytest.approx(launch + 10.0)  # flat above the last point
     assert seconds(Op.EXPERT_FFN, 5e8, 1e9) == pytest.approx(launch + 1.0)  # below: 1e9 B at 1 GB/s

@@ -5,10 +5,14 @@ memory bandwidth); CPU compute takes max(flops / sustained flop/s, bytes / susta
 attention bandwidth). Copies take bytes / the pinned or, for a node the scheduler marks
 `pageable`, the pageable bandwidth; an FP8 expert's copy (Policy.expert_format) adds its
 dequantization on the GPU. Every node adds its lane's launch cost, and a node the
-scheduler marks `sync` (the host waits on it) adds the synchronisation cost. With several GPUs
-run tensor parallel each GPU computes and copies its share (weights, heads and KV split across
-them, each GPU over its own link) and the O projection and the MoE combine end in a ring
-all-reduce of the layer's hidden states over the interconnect, as the papers run TP.
+scheduler marks `sync` (the host waits on it) adds the synchronisation cost. A node stands for
+several kernels (`KERNELS`): the host issues each, so a GPU node takes at least its kernels x the
+host's dispatch time (the GPU runs ahead of the host only while kernels outlast their issue), and a
+CPU node adds its ops' dispatch. CPU streaming work is capped by what the cores it runs on stream
+(`HardwareSpec.cpu_stream_bandwidth`), so a run with fewer CPU threads attends and computes slower.
+With several GPUs run tensor parallel each GPU computes and copies its share (weights, heads and
+KV split across them, each GPU over its own link) and the O projection and the MoE combine end in
+a ring all-reduce of the layer's hidden states over the interconnect, as the papers run TP.
 
 A calibrated profile refines this: its measured rooflines (flop/s reached at each intensity,
 interpolated log-log, extended by the memory roof below and flat above) price matmul-like work
@@ -32,15 +36,33 @@ from flowmoe.core.spec import ModelSpec
 BOOKKEEPING = (Op.EVICT,)
 ATTENTION = (Op.CPU_ATTN, Op.GPU_ATTN)
 ALL_REDUCED = (Op.POST_ATTN, Op.COMBINE)  # tensor parallel: row-parallel outputs summed across GPUs
+# Kernels (GPU) or ops (CPU) a node stands for: one per distinct computation, as a PyTorch layer with
+# fused norm, RoPE and attention kernels and HF's separate projections issues them (HF transformers'
+# MixtralDecoderLayer / MixtralSparseMoeBlock). Any other node (a copy, the bookkeeping) is one.
+KERNELS: dict[Op, int] = {
+    Op.EMBED: 1,  # gather
+    Op.PRE_ATTN: 6,  # norm, q, k, v projections, RoPE, KV-cache write
+    Op.GPU_ATTN: 3,  # scores, softmax, weighted values
+    Op.CPU_ATTN: 3,
+    Op.POST_ATTN: 3,  # O projection, residual add, norm
+    Op.GATE: 3,  # router GEMM, softmax, top-k
+    Op.PREGATE: 3,
+    Op.EXPERT_FFN: 6,  # token gather, w1, w3, activation, multiply, w2
+    Op.SHARED_FFN: 5,  # w1, w3, activation, multiply, w2
+    Op.COMBINE: 3,  # routing-weight scale, scatter-add, residual add
+    Op.LM_HEAD: 2,  # norm, vocabulary GEMM
+}
 
 
 @frozen
 class RooflineCost:
     """`spec` gives the element size (fp32 GEMMs run at the fp32 peak) and the hidden size the
-    all-reduces of a multi-GPU spec move; without it, 16-bit elements and one GPU are assumed."""
+    all-reduces of a multi-GPU spec move; without it, 16-bit elements and one GPU are assumed.
+    `threads`: the run's CPU threads (a policy's `cpu_threads`); None: every core of the host."""
 
     hardware: HardwareSpec
     spec: ModelSpec | None = None
+    threads: int | None = None
     _overhead: dict[str, float] = field(init=False, eq=False, repr=False)
     _curves: dict[str, Curve | None] = field(init=False, eq=False, repr=False)
 
@@ -68,8 +90,10 @@ class RooflineCost:
             seconds = self.compute_seconds(
                 node.lane.device, node.flops, node.bytes, node.op in ATTENTION, node.rows
             )
-            if node.lane is Lane.GPU_COMPUTE and node.op in ALL_REDUCED:
-                seconds += self.all_reduce_seconds(node.rows)
+            if node.lane is Lane.GPU_COMPUTE:
+                seconds = max(seconds, self.dispatch_seconds(node.op))
+                if node.op in ALL_REDUCED:
+                    seconds += self.all_reduce_seconds(node.rows)
             return fixed + seconds
         copy = self.transfer_seconds(node.lane, node.bytes, node.pageable)
         return fixed + copy + self.dequant_seconds(node)
@@ -82,7 +106,8 @@ class RooflineCost:
         return self.compute_seconds("gpu", node.flops, node.bytes + node.flops * self.dtype_bytes)
 
     def fixed(self, lane: Lane, op: Op) -> float:
-        """The fixed cost of one node: measured for this op, else the lane's launch cost."""
+        """The fixed cost of one node: measured for this op, else the lane's launch cost (on the
+        CPU, plus the dispatch of each of the node's ops: the CPU runs them one after another)."""
         measured = self._overhead.get(f"{lane}/{op}")
         if measured is not None:
             return measured
@@ -90,8 +115,15 @@ class RooflineCost:
         if lane is Lane.GPU_COMPUTE:
             return hw.gpu_launch
         if lane is Lane.CPU_COMPUTE:
-            return hw.cpu_launch
+            return hw.cpu_launch + KERNELS.get(op, 1) * hw.cpu_op_dispatch
         return hw.copy_latency
+
+    def dispatch_seconds(self, op: Op) -> float:
+        """The host's time to issue a GPU node's kernels: the node takes at least this (a measured
+        fixed cost for the op already holds it)."""
+        if f"{Lane.GPU_COMPUTE}/{op}" in self._overhead:
+            return 0.0
+        return KERNELS.get(op, 1) * self.hardware.host_dispatch
 
     def compute_seconds(
         self, device: str, flops: float, n_bytes: float, attention: bool = False, rows: float = 0
@@ -109,8 +141,10 @@ class RooflineCost:
             share = hw.gemm_share(rows if rows > 0 and not attention else math.inf)
             peak = hw.peak_flops(self.dtype_bytes) * share
             return max(flops / peak, n_bytes / (hw.gpu_bandwidth * hw.gpu_memory_efficiency))
-        bandwidth = hw.cpu_bandwidth * (hw.cpu_attention_efficiency if attention else hw.cpu_gemm_efficiency)
-        return max(flops / (hw.cpu_flops * hw.cpu_compute_efficiency), n_bytes / bandwidth)
+        efficiency = hw.cpu_attention_efficiency if attention else hw.cpu_gemm_efficiency
+        bandwidth = hw.cpu_stream_bandwidth(efficiency, self.threads)
+        compute = hw.cpu_flops * hw.cpu_compute_efficiency * hw.cpu_share(self.threads)
+        return max(flops / compute, n_bytes / bandwidth)
 
     def all_reduce_seconds(self, rows: float) -> float:
         """A ring all-reduce of `rows` hidden states across the GPUs: each sends and receives

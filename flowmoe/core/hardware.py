@@ -7,8 +7,9 @@ A spec keeps the datasheet peaks (`gpu_flops`, `gpu_bandwidth`, `cpu_flops`, `cp
 `link_peak`) and adds what the hardware sustains: the share of the GPU's tensor peak a GEMM
 reaches at a given number of rows (`gemm_efficiency`), the share of memory bandwidth streaming
 kernels reach, pinned and pageable copy bandwidth, CPU GEMM / attention bandwidth as a share of
-DRAM peak, launch, copy and synchronisation costs, and for several GPUs run tensor parallel the
-interconnect their all-reduces cross. `sources` names where each sustained figure comes from.
+DRAM peak and what one core streams, launch, copy and synchronisation costs, the host's time to
+issue each GPU kernel and each CPU op, and for several GPUs run tensor parallel the interconnect
+their all-reduces cross. `sources` names where each sustained figure comes from.
 The presets live in `hardware_presets.py`; a profile is a JSON file `flowmoe calibrate`
 measured on a real machine. Every command that needs a cost model takes either, through
 `hardware(name_or_path)`.
@@ -36,7 +37,8 @@ PROFILE_FORMAT = "flowmoe-hardware/1"
 SUSTAINED = (
     "gemm_efficiency", "gpu_memory_efficiency", "h2d_bandwidth", "d2h_bandwidth", "h2d_pageable_bandwidth",
     "d2h_pageable_bandwidth", "cpu_gemm_efficiency", "cpu_attention_efficiency", "cpu_compute_efficiency",
-    "gpu_launch", "cpu_launch", "copy_latency", "sync_latency", "disk_bandwidth",
+    "gpu_launch", "cpu_launch", "copy_latency", "sync_latency", "disk_bandwidth", "host_dispatch",
+    "cpu_op_dispatch", "cpu_core_bandwidth",
 )  # fmt: skip
 MULTI_GPU = ("interconnect_bandwidth", "interconnect_latency")
 
@@ -54,7 +56,12 @@ class HardwareSpec:
     `*_roofline` is a measured roofline: (intensity in flop/B, flop/s) points of matmuls at
     growing row counts, which replaces the datasheet roofline where present;
     `*_attention_roofline` is the same for the attention kernel; `op_overhead` maps `lane/op`
-    (e.g. `cpu.compute/expert_ffn`) to a measured fixed cost that replaces the launch cost."""
+    (e.g. `cpu.compute/expert_ffn`) to a measured fixed cost that replaces the launch cost.
+
+    Per kernel (the cost model knows how many kernels each op stands for): `host_dispatch` is the
+    host's time to issue one GPU kernel (framework dispatch + launch), so a GPU node takes at least
+    its kernels x that; `cpu_op_dispatch` is added per op of a CPU node. `cpu_cores` x
+    `cpu_core_bandwidth` caps what CPU streaming work reaches below the DRAM figure (0: no cap)."""
 
     name: str
     gpu_flops: float
@@ -84,6 +91,10 @@ class HardwareSpec:
     cpu_attention_efficiency: float = 1.0  # share of cpu_bandwidth CPU attention reaches
     cpu_compute_efficiency: float = 1.0  # share of cpu_flops compute-bound CPU work reaches
     sync_latency: float = 0.0  # a host-device synchronisation point (stream/event wait)
+    host_dispatch: float = 0.0  # host time to issue one GPU kernel; a node's kernels x this bounds it
+    cpu_op_dispatch: float = 0.0  # host time per op of a CPU node (eager dispatch, OpenMP fork/join)
+    cpu_cores: int = 0  # physical cores CPU work runs on; 0: no per-core cap
+    cpu_core_bandwidth: float = 0.0  # bytes/s one core streams from DRAM; 0: no per-core cap
     link_peak: float | None = None  # datasheet host link bandwidth per direction
     gpus: int = 1  # GPUs run tensor parallel
     interconnect_bandwidth: float = 0.0  # GPU-GPU bytes/s per direction (all-reduce bus bandwidth)
@@ -110,6 +121,24 @@ class HardwareSpec:
         (r0, e0), (r1, e1) = table[k - 1], table[k]
         w = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
         return e0 + w * (e1 - e0)
+
+    def cpu_stream_bandwidth(self, efficiency: float, threads: int | None = None) -> float:
+        """What CPU work streaming from DRAM sustains: the DRAM peak x the kernel's `efficiency`,
+        capped by what the cores it runs on stream (each at most `cpu_core_bandwidth`); `threads`
+        (a run's CPU threads) limits the cores used."""
+        dram = self.cpu_bandwidth * efficiency
+        cores = self.cpu_cores
+        if threads:
+            cores = min(cores, threads) if cores else threads
+        if cores <= 0 or self.cpu_core_bandwidth <= 0:
+            return dram
+        return min(dram, cores * self.cpu_core_bandwidth)
+
+    def cpu_share(self, threads: int | None = None) -> float:
+        """Share of the CPU's cores a run with `threads` CPU threads uses (1.0: all, or not known)."""
+        if not threads or not self.cpu_cores:
+            return 1.0
+        return min(1.0, threads / self.cpu_cores)
 
     def peak_flops(self, dtype_bytes: int = 2) -> float:
         """One GPU's datasheet peak for matmuls in that element size (4: fp32, else 16-bit tensor)."""
@@ -205,6 +234,9 @@ def from_json(data: dict[str, Any], where: str) -> HardwareSpec:
             values[name] = _sources(value, where)
         elif name.endswith("_roofline") or name == "gemm_efficiency":
             values[name] = _curve(value, name, where)
+        elif name == "cpu_cores":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{where}: field 'cpu_cores' must be a whole number, got {value!r}")
         elif name == "gpus":
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(

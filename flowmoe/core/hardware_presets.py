@@ -47,6 +47,8 @@ class Host:
     cpu_bandwidth: float
     cpu_memory: int
     disk: Figure
+    cores: int  # physical cores (a cloud VM's vCPUs are hyperthreads: two per core)
+    core_bandwidth: Figure  # what one core streams from DRAM
 
 
 # --- Figures shared by every preset -------------------------------------------------------
@@ -77,18 +79,46 @@ CPU_ATTENTION = Figure(0.63, (
     "same KV cache over pinned PCIe 4.0 (25.2 GB/s sustained): 3.5 x 25.2 = 88 GB/s of the host's 140.8"
 ))  # fmt: skip
 CPU_COMPUTE = Figure(0.7, "estimate: MKL/oneDNN SGEMM on large matrices reaches 70-90% of AVX peak")
-GPU_LAUNCH = Figure(20e-6, (
-    "estimate: a node is 2-4 CUDA kernels issued from PyTorch eager at ~5 us launch latency each (CUDA C++ "
-    "Best Practices Guide, 'Asynchronous and overlapping transfers' / kernel launch overhead)"
+LAUNCHES = (
+    "NVIDIA Technical Blog, 'Getting Started with CUDA Graphs' (A. Gray, 2019): kernels of 2.9 us take "
+    "3.8 us each launched back to back from one stream and 9.6 us each with a cudaStreamSynchronize after "
+    "every one"
+)
+GPU_LAUNCH = Figure(5e-6, (
+    f"{LAUNCHES}: ~0.9 us of GPU-side gap per kernel while the host runs ahead; a node is 3-6 kernels "
+    "(cost.KERNELS): ~5 us"
+))  # fmt: skip
+HOST_DISPATCH = Figure(10e-6, (
+    "estimate: the host's time to issue one GPU kernel from PyTorch eager (Python, binding, autograd and "
+    "ATen dispatch, cudaLaunchKernel: ~5-25 us per op, 'From PyTorch op to kernel launch', "
+    f"jiahuanglin.xyz GPU-kernel-serving lesson 18; {LAUNCHES}): 10 us per kernel"
+))  # fmt: skip
+CPU_OP = Figure(5e-6, (
+    "estimate: PyTorch's eager dispatch of one CPU op (the same chain without the CUDA launch, ~5 us) with "
+    "its OpenMP parallel region; the CPU runs its ops one after another, so they add up"
 ))  # fmt: skip
 CPU_LAUNCH = Figure(30e-6, (
     "flowmoe's executor with lane threads: 32-57 us per node (bench/RESULTS.md, executor overhead)"
 ))  # fmt: skip
 COPY_LATENCY = Figure(10e-6, "estimate: cudaMemcpyAsync issue + DMA setup, ~10 us for small copies")
-SYNC = Figure(20e-6, (
-    "estimate: a host wait on a CUDA event / stream (cudaEventSynchronize) and the waiting thread's "
-    "wake-up, 10-30 us"
+SYNC = Figure(9.6e-6 - 3.8e-6 + HOST_DISPATCH.value, (
+    f"{LAUNCHES}: a cudaStreamSynchronize adds 5.8 us; after it the GPU's queue is empty, so the next "
+    "kernel waits for its own issue (host_dispatch)"
 ))  # fmt: skip
+HASWELL_CORE = Figure(19.9 * GB, (
+    "J. McCalpin, Intel Software Tuning forum, 'single core bandwidth: haswell vs. broadwell vs. skylake': "
+    "single-thread STREAM Triad 19.9 GB/s on a 2-socket Xeon E5-2690 v3 (Haswell-EP, DDR4-2133)"
+))  # fmt: skip
+MESH_XEON_CORE = Figure(15 * GB, (
+    "D. Lemire, 'Estimating your memory bandwidth' (2024): one thread reads 15 GB/s on an Ice Lake server; "
+    "Skylake-SP and later mesh Xeons are no faster per core (P. Cordes, Stack Overflow 39260020: "
+    "single-thread bandwidth is bound by line-fill buffers / latency, worse on SKX than Broadwell-EP)"
+))  # fmt: skip
+ZEN4_CORE = Figure(704.6e6 / 44.12e-3, (
+    "collaborative-inference paper, Table III: two Mixtral experts (704.6 MB) on one thread of its "
+    "Threadripper 7960X in 44.12 ms = 16.0 GB/s"
+))  # fmt: skip
+AMD_CORE = Figure(ZEN4_CORE.value, f"estimate for Zen 2/3 cores: {ZEN4_CORE.source}")
 NVME = Figure(2 * GB, "estimate: one PCIe NVMe SSD read through the page cache, under its 3-7 GB/s datasheet")
 
 GDDR = Figure(0.8, (
@@ -235,10 +265,11 @@ H200 = Gpu(
     989e12,
     67e12,
     4800 * GB,
-    141 * GB,
+    141 * GiB,
     HBM,
     LARGE,
-    "NVIDIA H200 datasheet (SXM): 989 TFLOPS bf16 dense, 67 fp32, 4.8 TB/s HBM3e, 141 GB",
+    "NVIDIA H200 datasheet (SXM): 989 TFLOPS bf16 dense, 67 fp32, 4.8 TB/s HBM3e, 141 GB (GPU memory "
+    "'GB' is GiB, as for every card here: nvidia-smi shows 143771 MiB)",
 )
 RTX3090 = Gpu(
     "RTX 3090",
@@ -319,6 +350,8 @@ S1_HOST = Host(
     68.3 * GB,
     192 * GiB,
     NVME,
+    12,
+    HASWELL_CORE,
 )
 S2_HOST = Host(
     "MoE-Lightning Table 2 S2: Intel Xeon @ 2.20 GHz (GCP G2 Cascade Lake), 24 vCPU = 12 cores, 192 GB; "
@@ -329,6 +362,8 @@ S2_HOST = Host(
     140.8 * GB,
     192 * GiB,
     NVME,
+    12,
+    MESH_XEON_CORE,
 )
 S6_HOST = Host(
     "MoE-Lightning Table 2 S6-S9: Intel Xeon @ 2.30 GHz (GCP N1 Haswell), 32 vCPU = 16 cores, 416 GB; "
@@ -337,6 +372,8 @@ S6_HOST = Host(
     68.3 * GB,
     416 * GiB,
     NVME,
+    16,
+    HASWELL_CORE,
 )
 KLOTSKI_ENV1_HOST = Host(
     "Klotski Table 2 Env1: Xeon Gold 5318Y (24 cores, 2.1 GHz, AVX-512: 3.2 TFLOP/s; "
@@ -345,6 +382,8 @@ KLOTSKI_ENV1_HOST = Host(
     187.7 * GB,
     256 * GiB,
     Figure(1 * GB, "Klotski Table 2 Env1: disk read 1 GB/s"),
+    24,
+    MESH_XEON_CORE,
 )
 KLOTSKI_ENV2_HOST = Host(
     "Klotski Table 2 Env2: Xeon Platinum 8470 (52 cores, 2.0 GHz, AVX-512: 6.7 TFLOP/s; "
@@ -353,6 +392,8 @@ KLOTSKI_ENV2_HOST = Host(
     307.2 * GB,
     800 * GiB,
     NVME,
+    52,
+    MESH_XEON_CORE,
 )
 FIDDLER_ENV1_HOST = Host(
     "Fiddler Table 1 Env1: Xeon Gold 6126, 48 threads = 2 sockets x 12 cores, 2.6 GHz, "
@@ -361,6 +402,8 @@ FIDDLER_ENV1_HOST = Host(
     256 * GB,
     192 * GiB,
     NVME,
+    24,
+    MESH_XEON_CORE,
 )
 FIDDLER_ENV2_HOST = Host(
     "Fiddler Table 1 Env2: Xeon Platinum 8480+, 112 cores = 2 sockets x 56, 2.0 GHz, "
@@ -369,6 +412,8 @@ FIDDLER_ENV2_HOST = Host(
     614.4 * GB,
     512 * GiB,
     NVME,
+    112,
+    MESH_XEON_CORE,
 )
 COLLAB_HOST = Host(
     "collaborative-inference paper §IV: Threadripper 7960X, 24 cores at 4.8-5.3 GHz "
@@ -378,6 +423,8 @@ COLLAB_HOST = Host(
     166.4 * GB,
     256 * GiB,
     NVME,
+    24,
+    ZEN4_CORE,
 )
 PREGATED_HOST = Host(
     "Pre-gated MoE §V: AMD EPYC 7V12, 64 cores at 2.45 GHz (x 32 = 5.0 TFLOP/s), "
@@ -386,6 +433,8 @@ PREGATED_HOST = Host(
     204.8 * GB,
     1800 * GiB,
     NVME,
+    64,
+    AMD_CORE,
 )
 AWS_G5_HOST = Host(
     "AWS g5.16xlarge (typical A10G host): 64 vCPU = 32 cores of an EPYC 7R32 at 2.8 GHz "
@@ -394,6 +443,8 @@ AWS_G5_HOST = Host(
     204.8 * GB,
     256 * GiB,
     NVME,
+    32,
+    AMD_CORE,
 )
 WORKSTATION = Host(
     "assumed workstation host: Threadripper PRO 5975WX, 32 cores at 3.6 GHz (x 32 = 3.7 TFLOP/s), "
@@ -402,6 +453,8 @@ WORKSTATION = Host(
     204.8 * GB,
     256 * GiB,
     NVME,
+    32,
+    AMD_CORE,
 )
 SERVER_DDR4 = Host(
     "assumed server host: one EPYC 7763 socket, 64 cores at 2.45 GHz (x 32 = 5.0 TFLOP/s), "
@@ -410,6 +463,8 @@ SERVER_DDR4 = Host(
     204.8 * GB,
     512 * GiB,
     NVME,
+    64,
+    AMD_CORE,
 )
 SERVER_DDR5 = Host(
     "assumed server host: one Xeon Platinum 8480+ socket, 56 cores at 2.0 GHz (AVX-512: "
@@ -418,6 +473,8 @@ SERVER_DDR5 = Host(
     307.2 * GB,
     1024 * GiB,
     NVME,
+    56,
+    MESH_XEON_CORE,
 )
 DESKTOP_DDR4 = Host(
     "assumed desktop host: 16 cores (AVX2, 1.7 TFLOP/s), 2 x DDR4-3200 = 51.2 GB/s, 128 GiB",
@@ -425,6 +482,8 @@ DESKTOP_DDR4 = Host(
     51.2 * GB,
     128 * GiB,
     NVME,
+    16,
+    AMD_CORE,
 )
 DESKTOP_DDR5 = Host(
     "assumed desktop host: 16 cores (2.0 TFLOP/s), 2 x DDR5-5600 = 89.6 GB/s, 128 GiB",
@@ -432,6 +491,8 @@ DESKTOP_DDR5 = Host(
     89.6 * GB,
     128 * GiB,
     NVME,
+    16,
+    AMD_CORE,
 )
 
 
@@ -448,6 +509,7 @@ def machine(name: str, gpu: Gpu, host: Host, link: Link, gpus: int = 1,
         "cpu_gemm_efficiency": CPU_GEMM, "cpu_attention_efficiency": CPU_ATTENTION,
         "cpu_compute_efficiency": CPU_COMPUTE, "gpu_launch": GPU_LAUNCH, "cpu_launch": CPU_LAUNCH,
         "copy_latency": COPY_LATENCY, "sync_latency": SYNC, "disk_bandwidth": host.disk,
+        "host_dispatch": HOST_DISPATCH, "cpu_op_dispatch": CPU_OP, "cpu_core_bandwidth": host.core_bandwidth,
     }  # fmt: skip
     if interconnect is not None:
         figures["interconnect_bandwidth"] = interconnect
@@ -457,7 +519,8 @@ def machine(name: str, gpu: Gpu, host: Host, link: Link, gpus: int = 1,
         name, gpu.flops, gpu.bandwidth, gpu.memory * gpus,
         host.cpu_flops, host.cpu_bandwidth, host.cpu_memory,
         gpu_fp32_flops=gpu.fp32, gemm_efficiency=_gemm_table(gpu.gemm_large.value), link_peak=link.peak,
-        gpus=gpus, source=f"{gpus} x {gpu.datasheet}; link {link.name}; host {host.description}",
+        gpus=gpus, cpu_cores=host.cores,
+        source=f"{gpus} x {gpu.datasheet}; link {link.name}; host {host.description}",
         sources=tuple(sorted((k, f.source) for k, f in figures.items())), **values,
     )  # fmt: skip
 
@@ -507,6 +570,8 @@ MOE_GEN_C1 = Host(
     204.8 * GB,
     256 * GiB,
     NVME,
+    28,
+    AMD_CORE,
 )
 HYBRIMOE_HOST = Host(
     "HybriMoE §VI-A: Xeon Gold 5220R limited to 10 cores (10 x 2.2 GHz x 64 AVX-512 = 1.41 TFLOP/s), "
@@ -515,6 +580,8 @@ HYBRIMOE_HOST = Host(
     128 * GB,
     256 * GiB,
     NVME,
+    10,
+    MESH_XEON_CORE,
 )
 KTRANSFORMERS_HOST = Host(
     "KTransformers (SOSP '25) setup as its authors state it (sgl-project/sglang#11425): dual Xeon Platinum "
@@ -524,6 +591,8 @@ KTRANSFORMERS_HOST = Host(
     614.4 * GB,
     1024 * GiB,
     NVME,
+    72,
+    MESH_XEON_CORE,
 )
 PRESETS.update({
     "moe-gen-c1": machine("moe-gen-c1", A5000, MOE_GEN_C1, GEN4),
