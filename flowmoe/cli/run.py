@@ -207,6 +207,10 @@ def _run(args: argparse.Namespace) -> int:
         keep_fp8_experts(model, source)
     check_page_size(policy.page_bytes, model.spec.expert_bytes)
     check_deferral(policy.defer_experts, [args.scheduler], model.spec)
+    if policy.defer_experts:
+        console.print(f"[yellow]--defer-experts {policy.defer_experts}[/]: KTransformers' Expert Deferral "
+                      "changes the model's outputs (not eager's tokens; bench/deferral.py measures "
+                      "by how much)")  # fmt: skip
     codec = TextCodec.from_folder(source) if Path(source).is_dir() else None
     job = job_from(args, model, sampling)
     if args.scheduler == "auto":  # every scheduler simulated on this job; the best runs, its policy too
