@@ -32,8 +32,9 @@ hardware's synchronisation latency.
 Attention (`--attention-on`): `gpu` is FlexGen (MoE-Lightning's schedule S4):
 the cache layer is loaded (KV_LOAD, h2d) and this step's k, v stored back
 (KV_STORE, d2h); `cpu` is FlexGen(c) (schedule S3): q, k, v go to the CPU
-(QKV_OFFLOAD), attention runs there next to the cache (CPU_ATTN), and its
-output comes back (HIDDEN_LOAD) inside the iteration, unoverlapped.
+(QKV_OFFLOAD), attention runs there next to the cache (CPU_ATTN, priced at
+the seven passes over the cache FlexGen's PyTorch path makes: `_cpu_attention`),
+and its output comes back (HIDDEN_LOAD) inside the iteration, unoverlapped.
 
 Weights: the dense part of every layer is resident, and `weights_gpu_share`
 of each layer's experts (the lowest-numbered ones: FlexGen's static per-layer
@@ -81,6 +82,8 @@ from flowmoe.schedulers._layer_nodes import (
     lm_heads,
     two_layers_bytes,
 )
+
+FLEXGEN_CPU_PASSES = 7  # bytes FlexGen's CPU attention moves per cached byte (see _cpu_attention)
 
 
 class FlexGenScheduler:
@@ -239,7 +242,7 @@ class _Block:
         yield pre
         if self.s.cpu_attention:
             qkv = self._emit(f.node(Op.QKV_OFFLOAD, Lane.GPU_D2H, layer, mb, deps=[pre.id]))
-            attn = self._emit(f.node(Op.CPU_ATTN, Lane.CPU_COMPUTE, layer, mb, deps=[qkv.id]))
+            attn = self._emit(self._cpu_attention(layer, mb, qkv.id))
             back = self._emit(f.node(Op.HIDDEN_LOAD, Lane.GPU_H2D, layer, mb, deps=[attn.id]))
             yield from (qkv, attn, back)
             post = self._emit(f.node(Op.POST_ATTN, gpu, layer, mb, deps=[back.id]))
@@ -260,6 +263,16 @@ class _Block:
         yield from tail
         self.combines[layer].append(tail[-1].id)
         self.last[mb.index] = tail[-1].id
+
+    def _cpu_attention(self, layer: int, mb: MicroBatchShape, qkv: int) -> TaskNode:
+        """FlexGen(c)'s attention on the CPU, priced as FlexGen computes it
+        (flexgen/pytorch_backend.py, `mha_gen`): the cached k and v are permuted and reshaped into
+        new tensors (a copy, read and write at 2 bytes an element), cast with `.float()` (read 2,
+        write 4) and then read by `torch.bmm` in float32 (4): 14 bytes moved per cached element
+        where a fused kernel reads 2, so the node moves the cache's bytes 7 times."""
+        node = self.f.node(Op.CPU_ATTN, Lane.CPU_COMPUTE, layer, mb, deps=[qkv])
+        cache = mb.kv_tokens * 2 * self.spec.attention.kv_width * self.spec.dtype_bytes
+        return evolve(node, bytes=node.bytes + (FLEXGEN_CPU_PASSES - 1) * cache)
 
 
 def _emitted(stream: PlanStream, emit: Callable[[TaskNode], TaskNode]) -> PlanStream:

@@ -1,0 +1,112 @@
+"""`flowmoe reproduce` runs each paper's systems the way the paper ran them: MoE-Lightning's and its
+FlexGen's CPU weights pageable (DeepSpeed's pinned), Pre-gated's Switch stand-in with experts every
+other layer predicted one MoE block ahead, Fiddler at the CPU threads its code sets, Klotski's
+weights kept on the GPU where memory is left (§6.1)."""
+
+from __future__ import annotations
+
+from attrs import evolve
+
+from flowmoe.core.cost import RooflineCost
+from flowmoe.core.executor import Span
+from flowmoe.core.plan import Op
+from flowmoe.core.policy import Policy
+from flowmoe.core.presets import preset
+from flowmoe.study import reproduce as R
+from flowmoe.study.simulate import Setup, Simulation, simulate
+
+
+def _spans(setup: Setup, name: str, step: int = 1) -> list[Span]:
+    """One step of the setup's batch (default: its first decode step) simulated with scheduler
+    `name`, on the setup's synthetic routing and the cost model of its hardware."""
+    simulation = Simulation(setup)
+    scheduler = simulation._scheduler(name, None)
+    cost = RooflineCost(setup.hardware, setup.spec)
+    return simulate(scheduler, [simulation.steps[step]], simulation.trace, cost)
+
+
+def test_moe_lightning_and_flexgen_weights_are_pageable_deepspeeds_pinned() -> None:
+    systems = [s for setting in R.settings("moe-lightning", quick=True) for s in setting.systems]
+    assert {s.scheduler for s in systems} >= {"cgopipe", "flexgen", "prefetch-all"}
+    for system in systems:
+        assert system.setup.weights_pinned is (system.scheduler == "prefetch-all"), system.name
+
+
+def test_flexgen_copies_pageable_weights_at_the_pageable_rate() -> None:
+    """The artifact's FlexGen builds its policy with pin_weight=False: every PAGE_COPY of an expert
+    is pageable, and the cost model prices it at the pageable bandwidth (slower than pinned)."""
+    base = R._setup(preset("mixtral-8x7b", layers=2), "moe-lightning-s1", "fixed:64:2", 2)
+    base = evolve(base, policy=Policy(8, 2, weights_gpu_share=0.25, kv_gpu_share=0.0))
+    seconds = {}
+    for pinned in (True, False):
+        copies = [
+            s for s in _spans(evolve(base, weights_pinned=pinned), "flexgen") if s.node.op is Op.PAGE_COPY
+        ]
+        assert copies and all(c.node.pageable is not pinned for c in copies)
+        seconds[pinned] = sum(c.end - c.start for c in copies)
+    assert seconds[False] > seconds[True]
+
+
+def test_flexgen_c_attention_moves_the_cache_seven_times() -> None:
+    """FlexGen's CPU attention copies the cached k, v (permute + reshape), casts them to float32 and
+    reads them in bmm: 14 bytes per cached 2-byte element."""
+    spec = preset("mixtral-8x7b", layers=2)
+    setup = R._setup(spec, "moe-lightning-s1", "fixed:64:2", 2)
+    setup = evolve(setup, policy=Policy(8, 2, "cpu", weights_gpu_share=0.25, kv_gpu_share=0.0))
+    for span in (s for s in _spans(setup, "flexgen") if s.node.op is Op.CPU_ATTN):
+        node = span.node
+        cache = 8 * 65 * 2 * spec.attention.kv_width * spec.dtype_bytes  # 8 sequences, 65 keys each
+        rest = node.rows * (spec.attention.q_width + spec.attention.out_width) * spec.dtype_bytes
+        assert node.bytes == 7 * cache + rest
+
+
+def test_switch_standin_has_experts_every_other_layer_and_the_artifacts_lengths() -> None:
+    """Switch-Base: 12 layers, 6 with experts (the artifact's num_layer), each expert 18,874,368 bytes
+    (its size_per_expert); the runs are 256 tokens in, 256 out at batch 1."""
+    spec = R.switch_standin("switch-base-8")
+    assert [layer for layer in range(spec.layers) if spec.is_moe_layer(layer)] == [1, 3, 5, 7, 9, 11]
+    assert spec.expert_bytes == 18874368
+    large = R.switch_standin("switch-large-128")
+    assert sum(large.is_moe_layer(layer) for layer in range(large.layers)) == 12
+    (setting, *_) = R.settings("pre-gated", quick=True)
+    setup = setting.systems[0].setup
+    assert (setup.workload.gen_len, setup.routing.pregate_accuracy) == (256, 1.0)
+
+
+def test_pre_gated_prefetches_the_next_moe_block_during_this_one() -> None:
+    """Pre-gated MoE §IV-B: block N's pre-gate picks block N + 1's experts, so on Switch's layout the
+    PREGATE of MoE layer 3 reads layer 1's state, and its copies are issued before the dense layer 2."""
+    spec = R.switch_standin("switch-base-8")
+    assert [spec.pregate_source(m) for m in (1, 3, 5)] == [0, 1, 3]
+    setup = evolve(
+        R._setup(spec, "pregated-a100", "fixed:4:2", 2), policy=Policy(1, 1, weights_gpu_share=0.0)
+    )
+    spans = _spans(setup, "pre-gated")
+    by_id = {s.node.id: s.node for s in spans}
+    pregates = [s.node for s in spans if s.node.op is Op.PREGATE]
+    assert sorted(p.layer for p in pregates) == [1, 3, 5, 7, 9, 11]
+    for pregate in pregates:
+        (post,) = [by_id[d] for d in pregate.deps]
+        assert post.op is Op.POST_ATTN and post.layer == spec.pregate_source(pregate.layer)
+    copies = [s.node for s in spans if s.node.op is Op.PAGE_COPY and s.node.layer == 3]
+    dense = next(s.node for s in spans if s.node.op is Op.POST_ATTN and s.node.layer == 2)
+    assert copies and all(by_id[c.deps[0]].op is Op.PREGATE and c.id < dense.id for c in copies)
+
+
+def test_fiddler_runs_at_the_sixteen_threads_its_code_sets() -> None:
+    (setting,) = [s for s in R.settings("lru-cache", quick=True) if s.name.startswith("mixtral-8x7b, 24")]
+    by_name = {s.name: s for s in setting.systems}
+    fiddler, ours = by_name["Fiddler"], by_name["Ours (best cache)"]
+    assert fiddler.policy is not None and fiddler.policy.cpu_threads == R.FIDDLER_THREADS == 16
+    sixteen = R.threads_host(16, preset("mixtral-8x7b"), R.P.COLLAB_MODELS["mixtral-8x7b"])
+    assert fiddler.setup.hardware == sixteen
+    assert fiddler.setup.hardware.cpu_gemm_efficiency < ours.setup.hardware.cpu_gemm_efficiency
+
+
+def test_klotski_places_weights_by_the_search_without_quantization() -> None:
+    (setting,) = R.settings("klotski", quick=True)
+    klotski = [s for s in setting.systems if s.scheduler == "klotski"]
+    assert len(klotski) == 2
+    for system in klotski:
+        assert system.policy is None and system.given.expert_format == "native"
+        assert system.given.weights_gpu_share is None and system.given.group_size == 15
