@@ -106,9 +106,13 @@ def test_fiddler_runs_at_the_sixteen_threads_its_code_sets() -> None:
 
 
 def test_klotski_places_weights_by_the_search_without_quantization() -> None:
+    """§6.1: the multi-batch rows keep what fits of the weights on the GPU (the search's shares), not
+    quantized; §9.5's simple pipeline is klotski with one batch prefetching every expert."""
     (setting,) = R.settings("klotski", quick=True)
-    klotski = [s for s in setting.systems if s.scheduler == "klotski"]
-    assert len(klotski) == 2
-    for system in klotski:
+    simple, *multi = setting.systems
+    assert simple.scheduler == "klotski" and simple.policy is not None
+    assert (simple.policy.micro_batches, simple.policy.hot_experts) == (1, 8)
+    assert [s.scheduler for s in multi] == ["klotski", "klotski"]
+    for system in multi:
         assert system.policy is None and system.given.expert_format == "native"
         assert system.given.weights_gpu_share is None and system.given.group_size == 15
