@@ -10,6 +10,7 @@ import pytest
 import torch
 from attrs import evolve
 
+import flowmoe.devices.cuda as cuda_worker
 from flowmoe.cli import main
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import hardware
@@ -21,16 +22,21 @@ from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, SchedulerConte
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.synthetic_routing import RoutingModel, SyntheticRouting, _ranks
 from flowmoe.core.workloads import workload
+from flowmoe.devices.factory import make_workers
 from flowmoe.jobs.engine import StepInput
 from flowmoe.kernels.router import group_by_expert
 from flowmoe.model.loading import load_model
 from flowmoe.model.moe_model import Deferral, MoEModel, expert_ranks
+from flowmoe.runtime.device_weights import Devices, DeviceWeights
+from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.ktransformers import deferring_layers
 from flowmoe.schedulers.registry import create
 from flowmoe.study.simulate import Setup, Simulation, batch_steps
+from flowmoe.traces.trace import Trace
 from tests.helpers import rel_err
 from tests.hf_models import hf_model, save_hf
 from tests.schedule_fixtures import TINY_CONFIG, generate, run_scheduler
+from tests.test_fake_cuda import FakeCuda
 
 # every family with top-k >= 2 (Llama 4 routes each token to one expert: nothing to defer)
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
@@ -190,3 +196,28 @@ def test_bad_k_on_the_command_line_is_one_line_exit_2(
     assert main([*common, *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert says in err[-1] and "Traceback" not in "\n".join(err)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> MoEModel:
+    return load_model(save_hf(hf_model("mixtral"), tmp_path_factory.mktemp("deferral-cuda") / "mixtral"))
+
+
+def test_the_cuda_host_path_defers_the_same(mixtral: MoEModel) -> None:
+    """On the fake CUDA (stream worker, events, the routing left on the device until its ranks are
+    asked for): the same tokens as the eager model with the same deferral."""
+    fake = FakeCuda()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuda_worker, "cuda", fake)
+        workers, events = make_workers(torch.device("cuda"))
+        devices = Devices(torch.device("cpu"))
+        plugin = create("ktransformers", SchedulerContext(mixtral.spec, POLICY, NodeFactory(mixtral.spec)))
+        weights = DeviceWeights(mixtral, devices)
+        weights.setup(plugin.residency(), plugin.weight_buffer_bytes())
+        runtime = Runtime(mixtral, plugin, devices, weights, workers, events, Trace(name="ktransformers"))
+        try:
+            results, _ = generate(mixtral, runtime)
+        finally:
+            runtime.close()
+    reference, _ = generate(mixtral, eager_with(Deferral(1, plugin.deferring)))
+    assert plugin.deferring and [r.output_ids for r in results] == [r.output_ids for r in reference]
