@@ -39,7 +39,7 @@ python/sglang/srt/layers/moe/kt_ep_wrapper.py and server_args.py
 - accuracy and speed: the paper reports CPU utilisation from below 75% to almost 100% and up to
   1.45x more decode throughput, with an average accuracy drop of at most 0.5% over its benchmarks
   (SOSP '25 abstract; sglang PR #12586: "accuracy variation below 0.5%"); kt-kernel's README
-  recommends K in 1-4 and warns of noticeable loss at 5-7 (of DeepSeek's top-8).
+  recommends K in 1-4 and warns of noticeable accuracy loss at 5-7 (its examples are top-8 models).
 K > 0 changes the model's outputs (flowmoe's eager reference with the same deferral,
 MoEModel.forward(deferral=...), gives its tokens): it is an explicit opt-in, excluded from the
 same-tokens contract; K = 0 (the default) is exact, eager's tokens. K must be below the model's

@@ -15,7 +15,7 @@ from attrs import define, frozen
 
 from flowmoe.core.spec import ModelSpec
 from flowmoe.kernels.attention import attend
-from flowmoe.kernels.experts import swiglu_ffn
+from flowmoe.kernels.experts import swiglu_ffn, swiglu_ffn_group
 from flowmoe.kernels.kv_cache import KVCache, write_kv
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.kernels.linear import linear
@@ -167,12 +167,26 @@ class MoEModel:
     def expert(self, x: torch.Tensor, routing: Routing, expert: int, ffn: FFNWeights) -> torch.Tensor:
         """The scaled output of one routed expert for its tokens: [n_e, hidden], on x's device
         (the routing may live on another device when the expert runs on the CPU)."""
-        rows = routing.tokens[expert].to(x.device)
-        if self.spec.moe.scale_input:  # Llama 4 scales the expert's input
-            x_in = x[rows] * routing.scales[expert].to(x.device)[:, None].to(x.dtype)
-            return swiglu_ffn(x_in, ffn.gate_up, ffn.down, self.spec.moe, ffn.gate_up_bias, ffn.down_bias)
-        out = swiglu_ffn(x[rows], ffn.gate_up, ffn.down, self.spec.moe, ffn.gate_up_bias, ffn.down_bias)
-        return out * routing.scales[expert].to(x.device)[:, None]  # float32 scales give a float32 product
+        return self.routed_experts(x, routing, {expert: ffn})[expert]
+
+    def routed_experts(
+        self, x: torch.Tensor, routing: Routing, ffns: dict[int, FFNWeights]
+    ) -> dict[int, torch.Tensor]:
+        """`expert` for several experts in one kernel call (one dispatch per layer at decode, not
+        one per expert): expert -> its scaled output [n_e, hidden]."""
+        xs, scales = [], []
+        for expert in ffns:
+            rows = routing.tokens[expert].to(x.device)
+            scale = routing.scales[expert].to(x.device)[:, None]  # [n_e, 1]
+            # Llama 4 scales the expert's input, the others its output
+            xs.append(x[rows] * scale.to(x.dtype) if self.spec.moe.scale_input else x[rows])
+            scales.append(scale)
+        weights = [(f.gate_up, f.down, f.gate_up_bias, f.down_bias) for f in ffns.values()]
+        outs = swiglu_ffn_group(xs, weights, self.spec.moe)
+        if self.spec.moe.scale_input:
+            return dict(zip(ffns, outs, strict=True))
+        # float32 scales give a float32 product
+        return {expert: out * scale for expert, out, scale in zip(ffns, outs, scales, strict=True)}
 
     def shared(self, layer: int, x: torch.Tensor, lw: LayerWeights | None = None) -> torch.Tensor:
         """Shared expert (gated by a sigmoid when the family has one) or dense MLP: [T, hidden]."""
@@ -196,8 +210,9 @@ class MoEModel:
         order the experts ran in) + the shared/dense output -> [T, hidden]. Expert Deferral:
         the `deferred` experts are left out (their `routed_sum` is the next layer's `carry`), and
         `carry` [T, hidden], the previous layer's, is added after this layer's experts."""
-        moe = torch.zeros_like(hidden)
-        if routing is not None:
+        if routing is None:
+            moe = torch.zeros_like(hidden)
+        else:
             moe = self.routed_sum(hidden, routing, outputs, [e for e in routing.experts if e not in deferred])
         if carry is not None:
             moe = moe + carry
@@ -256,7 +271,7 @@ class MoEModel:
             return self.combine(hidden, None, {}, self.shared(layer, x), carry=carry), None
         routing = self.gate(layer, x)
         experts = self.weights.layers[layer].experts
-        outputs = {e: self.expert(x, routing, e, experts[e]) for e in routing.experts}
+        outputs = self.routed_experts(x, routing, {e: experts[e] for e in routing.experts})
         shared = self.shared(layer, x) if self.spec.moe.has_shared else None
         later = self.deferred_experts(routing, defer)
         out = self.combine(hidden, routing, outputs, shared, later, carry)
