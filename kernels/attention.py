@@ -1,4 +1,16 @@
-"""Causal grouped-query attention over a KV cache, with sliding windows and attention sinks."""
+"""Causal grouped-query attention over a KV cache, with sliding windows, attention sinks and chunks.
+
+On the CPU every product runs in torch's flash-attention kernel (the one
+F.scaled_dot_product_attention dispatches to there; called directly because it also
+returns each row's logsumexp). A KV group's g query heads are stacked as g query rows
+against their KV head, so K and V are read once, in place in the cache, block by block
+with an online softmax: no scores tensor, no float copy, no gathered K/V. A sequence run
+of consecutive cache slots is one call; a mask is built only where some key must be
+hidden (shorter sequences of a batch, windows, chunks), and keys that no query of the
+call can see (before every window or chunk) are not read at all. Attention sinks add
+exp(sink) to a row's softmax denominator, so the output is scaled by
+sigmoid(logsumexp - sink). Elsewhere (CUDA) the same steps run as plain matmuls.
+"""
 
 from __future__ import annotations
 
@@ -18,31 +30,53 @@ def attend(
 ) -> torch.Tensor:
     """q: [T, heads, D]; keys/values: [slots, kv_heads, capacity, D] already holding this step's
     tokens -> [T, heads * D]. `chunk`: a query sees only keys of its own chunk of positions.
-    Sequences with one new token (decode) are attended all at once;
-    the others (a prefill, alone or sharing the step with decodes) one by one."""
-    if layout.is_decode:
-        return _decode(q, keys, values, layout, window, sinks, chunk)
+    Sequences with one new token (decode) are attended together, one call per run of
+    consecutive cache slots; the others (a prefill, alone or sharing the step with decodes) one by one."""
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, H * D]
     decoding = [i for i, count in enumerate(layout.counts) if count == 1]
-    if len(decoding) > 1:
-        rows = torch.tensor([layout.starts[i] for i in decoding], device=q.device)
-        single = TokenLayout(tuple(layout.slots[i] for i in decoding), (1,) * len(decoding),
-                             tuple(layout.past[i] for i in decoding))  # fmt: skip
-        out[rows] = _decode(q[rows], keys, values, single, window, sinks, chunk)
-    alone = [i for i in range(len(layout.counts)) if len(decoding) < 2 or i not in decoding]
-    for i in alone:
-        slot, start, count, past = layout.slots[i], layout.starts[i], layout.counts[i], layout.past[i]
-        length = past + count
-        out[start : start + count] = _attend_one(
-            q[start : start + count],  # [n, H, D]
-            keys[slot, :, :length],  # [kvh, L, D]
-            values[slot, :, :length],
-            torch.arange(past, length, device=q.device),
+    for run in _slot_runs([layout.slots[i] for i in decoding]):
+        members = [decoding[j] for j in run]
+        rows = [layout.starts[i] for i in members]
+        past = [layout.past[i] for i in members]
+        first = layout.slots[members[0]]
+        together = q[rows[0] : rows[-1] + 1] if rows == list(range(rows[0], rows[-1] + 1)) else q[rows]
+        out_rows = _attend_group(
+            together[:, None],  # [b, 1, H, D]
+            keys[first : first + len(members)],
+            values[first : first + len(members)],
+            torch.tensor(past, device=q.device)[:, None],  # [b, 1]
+            max(past) + 1,
             window,
             sinks,
             chunk,
-        )
+        )  # [b, 1, H * D]
+        out[rows] = out_rows[:, 0]
+    for i in range(len(layout.counts)):
+        if layout.counts[i] == 1:
+            continue
+        slot, start, count, past = layout.slots[i], layout.starts[i], layout.counts[i], layout.past[i]
+        out[start : start + count] = _attend_group(
+            q[start : start + count][None],  # [1, n, H, D]
+            keys[slot : slot + 1],
+            values[slot : slot + 1],
+            torch.arange(past, past + count, device=q.device)[None],  # [1, n]
+            past + count,
+            window,
+            sinks,
+            chunk,
+        )[0]
     return out
+
+
+def _slot_runs(slots: list[int]) -> list[list[int]]:
+    """Indices into `slots` split where the next slot is not the previous one plus one."""
+    runs: list[list[int]] = []
+    for j, slot in enumerate(slots):
+        if runs and slots[runs[-1][-1]] + 1 == slot:
+            runs[-1].append(j)
+        else:
+            runs.append([j])
+    return runs
 
 
 def _mask(q_pos: torch.Tensor, length: int, window: int | None, chunk: int | None = None) -> torch.Tensor:
@@ -57,69 +91,69 @@ def _mask(q_pos: torch.Tensor, length: int, window: int | None, chunk: int | Non
     return allowed
 
 
-def _softmax_values(
-    scores: torch.Tensor, allowed: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None
-) -> torch.Tensor:
-    """scores: [..., kvh, a, b, L] float32 (a × b: the group's query heads × queries, in either
-    order), v: [..., kvh, L, D], sink: the heads' sink logits shaped to broadcast as [..., kvh, a, b, 1]
-    -> [..., kvh, a, b, D]."""
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if sink is None:
-        probs = torch.softmax(scores, dim=-1)
-    else:
-        sink = sink.to(torch.float32).expand(*scores.shape[:-1], 1)
-        combined = torch.cat([scores, sink], dim=-1)
-        combined = combined - combined.amax(dim=-1, keepdim=True)
-        probs = torch.softmax(combined, dim=-1)[..., :-1]
-    return torch.matmul(probs.to(v.dtype), v.unsqueeze(-3))
+def _first_visible(q_pos: torch.Tensor, window: int | None, chunk: int | None) -> int:
+    """The first key position any of the queries at q_pos can see."""
+    first = int(q_pos.min())
+    lowest = 0
+    if window is not None:
+        lowest = max(lowest, first - window + 1)
+    if chunk is not None:
+        lowest = max(lowest, first // chunk * chunk)
+    return lowest
 
 
-def _attend_one(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    window: int | None,
-    sinks: torch.Tensor | None,
-    chunk: int | None = None,
-) -> torch.Tensor:
-    """q: [n, H, D], k/v: [kvh, L, D] -> [n, H * D]."""
-    n, heads, dim = q.shape
-    kv_heads, length = k.shape[0], k.shape[1]
-    qg = q.transpose(0, 1).reshape(kv_heads, heads // kv_heads, n, dim)  # [kvh, g, n, D]
-    scores = torch.matmul(qg, k.unsqueeze(1).transpose(-1, -2)).float() * dim**-0.5  # [kvh, g, n, L]
-    sink = sinks.reshape(kv_heads, -1, 1, 1) if sinks is not None else None  # [kvh, g, 1, 1]
-    out = _softmax_values(scores, _mask(q_pos, length, window, chunk), v, sink)  # [kvh, g, n, D]
-    return out.reshape(heads, n, dim).transpose(0, 1).reshape(n, heads * dim)
-
-
-def _decode(
+def _attend_group(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    layout: TokenLayout,
+    q_pos: torch.Tensor,
+    length: int,
     window: int | None,
     sinks: torch.Tensor | None,
-    chunk: int | None = None,
+    chunk: int | None,
 ) -> torch.Tensor:
-    """One query per sequence: q [B, H, D] -> [B, H * D], all sequences in one batched matmul.
-    A group's g query heads stand in the queries' place, so K and V are read as they lie in the
-    cache (one [g, D] @ [D, L] product per sequence and KV head, no copy of K or V per head)."""
-    batch, heads, dim = q.shape
+    """q: [b, n, H, D] (b sequences of n queries each), keys/values: [b, kvh, C, D] their cache slots,
+    q_pos: [b, n] the queries' positions, length: keys held by the longest -> [b, n, H * D]."""
+    batch, n, heads, dim = q.shape
     kv_heads = keys.shape[1]
-    length = max(layout.advanced())
-    k, v = _gather_slots(keys, layout, length), _gather_slots(values, layout, length)
-    qg = q.reshape(batch, kv_heads, 1, heads // kv_heads, dim)  # [B, kvh, 1, g, D]
-    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).float() * dim**-0.5  # [B, kvh, 1, g, L]
-    q_pos = layout.positions.to(q.device).reshape(batch, 1, 1, 1)
-    sink = sinks.reshape(kv_heads, 1, -1, 1) if sinks is not None else None  # [kvh, 1, g, 1]
-    out = _softmax_values(scores, _mask(q_pos, length, window, chunk), v, sink)  # [B, kvh, 1, g, D]
-    return out.reshape(batch, heads * dim)
+    group = heads // kv_heads
+    lowest = _first_visible(q_pos, window, chunk)
+    k, v = keys[:, :, lowest:length], values[:, :, lowest:length]  # [b, kvh, L', D] views
+    qg = q.permute(0, 2, 1, 3).reshape(batch, kv_heads, group * n, dim)  # [b, kvh, g * n, D]: head-major rows
+    allowed = _mask(q_pos, length, window, chunk)[..., lowest:]  # [b, n, L']
+    mask = None
+    if not bool(allowed.all()):
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            ~allowed, float("-inf")
+        )
+        mask = mask[:, None, None].expand(batch, 1, group, n, mask.shape[-1])  # [b, 1, g, n, L']
+        mask = mask.reshape(batch, 1, group * n, mask.shape[-1])
+    out, lse = _flash(qg, k, v, mask, dim**-0.5)  # [b, kvh, g * n, D], [b, kvh, g * n]
+    if sinks is not None:
+        sink = sinks.reshape(kv_heads, group, 1).expand(kv_heads, group, n).reshape(kv_heads, group * n)
+        out = (out.float() * torch.sigmoid(lse - sink.float())[..., None]).to(q.dtype)
+    return out.reshape(batch, heads, n, dim).transpose(1, 2).reshape(batch, n, heads * dim)
 
 
-def _gather_slots(cache: torch.Tensor, layout: TokenLayout, length: int) -> torch.Tensor:
-    """cache: [S, kvh, C, D] -> [B, kvh, length, D]; a view when the slots are consecutive."""
-    slots, first = layout.slots, layout.slots[0]
-    if slots == tuple(range(first, first + len(slots))):
-        return cache[first : first + len(slots), :, :length]
-    return cache[:, :, :length].index_select(0, layout.slot_index.to(cache.device))
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [b, h, m, D], k/v: [b, h, L, D], mask: additive, broadcast to [b, h, m, L] or None
+    -> out [b, h, m, D] in q's dtype, logsumexp [b, h, m] float32."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=mask, scale=scale
+        )
+    return _flash_math(q, k, v, mask, scale)
+
+
+def _flash_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_flash` as plain matmuls (for devices without the CPU kernel)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [b, h, m, L]
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    return torch.matmul(probs.to(v.dtype), v), lse
