@@ -1,4 +1,4 @@
-"""Which worker serves which lane on this machine."""
+"""Which worker serves which lane on this machine, with how many threads (the thread plan)."""
 
 from __future__ import annotations
 
@@ -6,19 +6,35 @@ import torch
 
 from flowmoe.core.executor import Worker
 from flowmoe.core.plan import Lane
+from flowmoe.core.threads import ThreadPlan, plan_threads, usable_cores
 from flowmoe.devices.cuda import CudaStreamWorker, EventBook
+from flowmoe.devices.inline import InlineWorker
 from flowmoe.devices.threadpool import ThreadPoolWorker
+
+LAUNCH_CORES = 1  # with CUDA: the core the event loop and the stream launch threads keep
+
+
+def host_plan(gpu: torch.device, threads: int | None = None) -> ThreadPlan:
+    """The thread plan of a run on `gpu` with --cpu-threads `threads` (flowmoe/core/threads.py):
+    one thread computes on the host (without CUDA the loop's, with it the cpu.compute lane's),
+    with the whole budget, less the launch core when a GPU computes. Without --cpu-threads the
+    budget is the calling thread's torch threads (OMP_NUM_THREADS, torch.set_num_threads)."""
+    reserve = LAUNCH_CORES if gpu.type == "cuda" else 0
+    default = torch.get_num_threads()
+    return plan_threads(usable_cores(), threads, compute_threads=1, reserve=reserve, default=default)
 
 
 def make_workers(
     gpu: torch.device, threads: int | None = None
 ) -> tuple[dict[Lane, Worker], EventBook | None]:
-    """CUDA streams for the gpu.* lanes when `gpu` is a CUDA device, host threads otherwise
-    (the same kernels then run on the CPU); host threads for cpu.compute and disk.read."""
+    """Without CUDA every lane on the event loop's thread (the "GPU" is the same cores: nothing to
+    overlap); with CUDA, CUDA streams for the gpu.* lanes and host threads for cpu.compute and
+    disk.read. `threads`: --cpu-threads, split by `host_plan`."""
+    plan = host_plan(gpu, threads)
     if gpu.type != "cuda":
-        pool = ThreadPoolWorker(threads)
-        return {lane: pool for lane in Lane}, None
+        inline = InlineWorker(plan.intra_op)
+        return dict.fromkeys(Lane, inline), None
     events = EventBook(gpu)
-    host = ThreadPoolWorker(threads, before=events.wait_host)
+    host = ThreadPoolWorker(plan.intra_op, before=events.wait_host)
     streams = CudaStreamWorker(gpu, events)
     return {lane: (streams if lane.on_gpu else host) for lane in Lane}, events

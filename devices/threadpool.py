@@ -1,9 +1,11 @@
 """ThreadPoolWorker: CPU work (and the GPU lanes on a machine without CUDA) on host threads.
 
 Each lane gets one thread of its own, so its nodes run one at a time in
-emission order while different lanes overlap; torch ops release the GIL. The
-number of threads each torch op may use inside itself is configurable
-(default: what the machine has, split over the compute lanes).
+emission order while different lanes overlap; torch ops release the GIL. Each
+lane thread sets its own torch intra-op threads once, when it starts (the thread
+plan's share, flowmoe/core/threads.py; 1 unless told): torch's setting holds per
+calling thread, and a thread that never set it would take whatever another
+thread set last.
 
 `LaneThreads` is the hop itself: a queue and a thread per lane, nothing else
 per node (no future, no work item), so handing a node to its lane costs one
@@ -27,6 +29,25 @@ Hook = Callable[[TaskNode], None]
 Job = tuple[TaskNode, Action, Finish]
 
 
+def set_intra_op(threads: int) -> None:
+    """The calling thread's torch intra-op threads (its OpenMP team and MKL's), for good.
+
+    torch sizes a thread's team from the process-wide value the first time that thread asks for
+    it; asking first (get_num_threads) settles that, so a later set_num_threads on another thread
+    cannot resize this one's team behind its back."""
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+
+def run_action(node: TaskNode, action: Callable[[], object], ranges: bool = True) -> None:
+    """`action()`, named for the node in torch's profiler while one records (`ranges`)."""
+    if ranges and torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function(node.label):
+            action()
+    else:
+        action()
+
+
 class LaneThreads:
     """One thread per lane running `serve(node, action, finish)` for each job put on that lane.
 
@@ -38,11 +59,14 @@ class LaneThreads:
         serve: Callable[[TaskNode, Action, Finish], None],
         prefix: str = "flowmoe",
         init: Callable[[Lane], None] | None = None,
+        intra_op: int = 1,
     ) -> None:
-        """`init(lane)` runs once on each lane's thread before its first job."""
+        """`init(lane)` runs once on each lane's thread before its first job; `intra_op`: the torch
+        threads each lane thread computes with (1: launch threads, which compute little)."""
         self._serve = serve
         self._prefix = prefix
         self._init = init
+        self._intra_op = intra_op
         self._queues: dict[Lane, SimpleQueue[Job | None]] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -68,6 +92,7 @@ class LaneThreads:
 
     def _loop(self, lane: Lane, queue: SimpleQueue[Job | None]) -> None:
         serve, broken = self._serve, None
+        set_intra_op(self._intra_op)
         if self._init is not None:
             try:
                 self._init(lane)
@@ -98,14 +123,13 @@ class ThreadPoolWorker:
     def __init__(
         self, threads: int | None = None, before: Hook | None = None, profile_ranges: bool = True
     ) -> None:
-        """`threads`: torch intra-op threads; `before(node)` runs on the lane thread ahead of the
-        node (the CUDA worker hooks its event waits there); `profile_ranges` names each node
-        in torch's profiler while one records."""
-        if threads is not None:
-            torch.set_num_threads(max(1, threads))
+        """`threads`: torch intra-op threads of each lane thread (default: those of the thread that
+        makes the worker); `before(node)` runs on the lane thread ahead of the node (the CUDA worker
+        hooks its event waits there); `profile_ranges` names each node in torch's profiler while one
+        records."""
         self._before = before
         self._ranges = profile_ranges
-        self._lanes = LaneThreads(self._run)
+        self._lanes = LaneThreads(self._run, intra_op=threads or torch.get_num_threads())
 
     def start(self, node: TaskNode, action: Action, finish: Finish) -> None:
         self._lanes.put(node, action, finish)
@@ -118,11 +142,7 @@ class ThreadPoolWorker:
                 self._before(node)
                 start = time.perf_counter()
             if action is not None:
-                if self._ranges and torch.autograd.profiler._is_profiler_enabled:
-                    with torch.profiler.record_function(node.label):
-                        action()
-                else:
-                    action()
+                run_action(node, action, self._ranges)
         except BaseException as exc:  # reported through the executor, which names the node
             error = exc
         finish(start, time.perf_counter(), error)

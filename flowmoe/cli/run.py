@@ -38,6 +38,7 @@ from flowmoe.core.jsonfile import os_reason
 from flowmoe.core.policy import EXPERT_FORMATS, Policy, parse_bytes
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.synthetic_routing import observed_popularity
+from flowmoe.core.threads import plan_threads, usable_cores
 from flowmoe.jobs.job import JobReport, JobSpec, run_job
 from flowmoe.jobs.job import Progress as JobProgress
 from flowmoe.jobs.joblog import check_output
@@ -165,7 +166,11 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
         default=PAGE_SIZE("16MiB"),
         help="cgopipe: weight page size (%(type)s)",
     )
-    group.add_argument("--cpu-threads", type=POSITIVE_INT, help="torch threads per op on the CPU (%(type)s)")
+    group.add_argument(
+        "--cpu-threads", type=POSITIVE_INT,
+        help="host threads computing at once, split over the host's compute threads (at most the usable "
+        "cores; default: OMP_NUM_THREADS or every usable core; %(type)s)",
+    )  # fmt: skip
     group.add_argument("--expert-format", choices=EXPERT_FORMATS, default="native", help=EXPERT_FORMAT_HELP)
     group.add_argument("--defer-experts", type=NON_NEGATIVE_INT, default=0, help=DEFER_EXPERTS_HELP)
 
@@ -201,6 +206,7 @@ def _run(args: argparse.Namespace) -> int:
         return run_on_ray(args, sampling, policy)
     if args.replicas:
         raise FlowmoeError("--replicas needs --ray ADDRESS (--ray local: this machine's CPUs)")
+    plan_threads(usable_cores(), args.cpu_threads)  # more threads than cores fail before the model loads
     source = args.model or str(ensure_builtin())
     model = load_with_progress(source, args.dtype, args.layers)
     if policy.expert_format == "fp8":

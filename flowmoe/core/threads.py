@@ -1,0 +1,75 @@
+"""The thread plan: the host's cores split between the threads that compute, never oversubscribed.
+
+A torch op on the CPU runs on the thread that calls it plus an OpenMP team of that thread's own,
+sized by that thread's intra-op setting (torch.set_num_threads applies to the calling thread; a
+thread that never set it takes the last value any thread set). Two lane threads that each
+compute with every core put twice as many busy threads as cores on the machine, and OpenMP's
+waiting workers spin on cores the other team needs: the same small job then takes anywhere from
+0.4 to 41 s on a busy 2-core machine (issue 15).
+
+The plan gives `compute_threads` host threads that may compute at the same time `intra_op` torch
+threads each, so that compute_threads × intra_op ≤ the budget ≤ the cores this process may use
+(os.sched_getaffinity). The budget is --cpu-threads; by default the process's own torch threads
+(OMP_NUM_THREADS when set, otherwise torch's default: every core), at most the usable cores. `reserve`
+cores are kept for threads that launch work but compute little (the event loop and the CUDA launch
+threads when a GPU computes; they run with one intra-op thread each), as long as the budget leaves
+at least one core to compute with.
+
+How the runtime uses it (devices/factory.py): without CUDA every lane's nodes run on the event
+loop's thread, one compute thread with the whole budget, exactly as a plain eager step; with CUDA
+the host lanes (cpu.compute) get the budget less one core, which the loop and launch threads keep.
+"""
+
+from __future__ import annotations
+
+import os
+
+from attrs import frozen
+
+from flowmoe.core.errors import ConfigError
+
+
+@frozen
+class ThreadPlan:
+    cores: int  # usable by this process
+    budget: int  # threads the plan may keep busy (--cpu-threads; default: cores)
+    compute_threads: int  # host threads that compute at the same time
+    intra_op: int  # torch intra-op threads of each compute thread
+
+    @property
+    def busy(self) -> int:
+        """Threads computing at once at most (≤ budget ≤ cores)."""
+        return self.compute_threads * self.intra_op
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # a platform without affinity (macOS)
+        return os.cpu_count() or 1
+
+
+def plan_threads(
+    cores: int,
+    budget: int | None = None,
+    compute_threads: int = 1,
+    reserve: int = 0,
+    default: int | None = None,
+) -> ThreadPlan:
+    """Split `budget` threads over `compute_threads` host threads, keeping `reserve` cores for
+    non-computing threads when at least one core is left to compute with. A budget outside
+    [1, cores] is refused: more would oversubscribe the cores. Without a budget: `default` (the
+    process's torch threads) up to `cores`, or all `cores`."""
+    if cores < 1 or compute_threads < 1 or reserve < 0:
+        raise ValueError(f"cores {cores}, compute threads {compute_threads}, reserve {reserve}")
+    if budget is None:
+        budget = max(1, min(default or cores, cores))
+    if not 1 <= budget <= cores:
+        raise ConfigError(
+            f"--cpu-threads {budget}: must be in [1, {cores}], the cores this process may use "
+            "(os.sched_getaffinity); more threads than cores only oversubscribe them"
+        )
+    computing = budget - reserve if budget > reserve else budget
+    threads = min(compute_threads, computing)
+    return ThreadPlan(cores, budget, threads, computing // threads)
