@@ -1,4 +1,17 @@
-"""Expert feed-forward networks: SwiGLU (SiLU) and GPT-OSS's clamped SwiGLU, with optional biases."""
+"""Expert feed-forward networks: SwiGLU (SiLU) and GPT-OSS's clamped SwiGLU, with optional biases.
+
+Public entry points (stable; bench/cpu_kernels.py measures them):
+
+* `swiglu_ffn(x, gate_up, down, moe, gate_up_bias, down_bias)`: one expert's FFN for its rows.
+* `swiglu_ffn_group(xs, ffns, moe)`: the FFNs of several experts (a layer's routed experts) in
+  one call, so that a decode step pays one dispatch per layer rather than one per expert.
+* `swiglu_ffn_torch(x, (gate_up, down, gate_up_bias, down_bias), moe)`: the same math composed of
+  torch ops (the reference, and the path for what the CPU kernels do not take).
+
+A few fp32 rows on the CPU (<= cpu_expert.MAX_ROWS; one row in bf16) run cpu_expert.c: gate/up
+projections fused with the activation, each weight read once at memory speed. Everything else
+(more rows, bf16 from two rows on, fp16, CUDA) is `swiglu_ffn_torch`.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +19,15 @@ import torch
 import torch.nn.functional as F
 
 from flowmoe.core.spec import MoESpec
+from flowmoe.kernels import cpu_expert
 from flowmoe.kernels.linear import linear
+
+# (gate_up [2I, hidden], down [hidden, I], gate_up_bias [2I] | None, down_bias [hidden] | None)
+FFN = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def _fused(x: torch.Tensor, ffn: FFN) -> bool:
+    return cpu_expert.fits(x, ffn[0]) and cpu_expert.fits(x, ffn[1])
 
 
 def swiglu_ffn(
@@ -18,6 +39,31 @@ def swiglu_ffn(
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [n, hidden], gate_up: [2I, hidden] (gate rows, then up rows), down: [hidden, I] -> [n, hidden]."""
+    ffn = (gate_up, down, gate_up_bias, down_bias)
+    if _fused(x, ffn):
+        return cpu_expert.swiglu_group([x], [ffn], moe)[0]
+    return swiglu_ffn_torch(x, ffn, moe)
+
+
+def swiglu_ffn_group(xs: list[torch.Tensor], ffns: list[FFN], moe: MoESpec) -> list[torch.Tensor]:
+    """xs[e]: [n_e, hidden] with ffns[e] = (gate_up, down, gate_up_bias, down_bias) -> [n_e, hidden]
+    each: the experts the CPU kernels take run in one call, the others one by one."""
+    fused = [i for i, (x, ffn) in enumerate(zip(xs, ffns, strict=True)) if _fused(x, ffn)]
+    outs: list[torch.Tensor | None] = [None] * len(xs)
+    if fused:
+        group = cpu_expert.swiglu_group([xs[i] for i in fused], [ffns[i] for i in fused], moe)
+        for i, out in zip(fused, group, strict=True):
+            outs[i] = out
+    return [
+        out if out is not None else swiglu_ffn_torch(x, ffn, moe)
+        for out, x, ffn in zip(outs, xs, ffns, strict=True)
+    ]
+
+
+def swiglu_ffn_torch(x: torch.Tensor, ffn: FFN, moe: MoESpec) -> torch.Tensor:
+    """`swiglu_ffn` composed of torch ops: x [n, hidden], ffn = (gate_up, down, gate_up_bias,
+    down_bias) -> [n, hidden]."""
+    gate_up, down, gate_up_bias, down_bias = ffn
     h = linear(x, gate_up, gate_up_bias)  # [n, 2I]
     gate, up = h.chunk(2, dim=-1)  # [n, I] each
     if moe.activation == "clamped_swiglu":

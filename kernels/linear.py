@@ -1,17 +1,19 @@
 """Linear projections in the fastest form the CPU has for their shape.
 
-* Few rows (a decode step's tokens, or the few tokens one expert gets): with MKL,
-  x @ w.T runs a kernel several times slower than the same product asked for as
-  (w @ x.T).T, which streams the weight at memory speed (measured on a 2-core AVX2
-  EPYC: a [4096, 1024] fp32 weight against 4 rows, 3.4 ms as x @ w.T, 1.3 ms as
-  (w @ x.T).T; equal from a few hundred rows on). The fast kernel wants x row-major
+* A few fp32 rows (a decode step's tokens, the tokens one expert gets; one row in bf16):
+  cpu_expert.c, which reads the weight once at memory speed (see kernels/cpu_expert.py).
+* Up to a few hundred rows otherwise: (w @ x.T).T, which MKL (fp32) and oneDNN (bf16 on a CPU
+  with AVX512-BF16 / AMX) run faster than x @ w.T. Measured in one run on the 2-vCPU Xeon with
+  AMX of issue 15, one thread, a [14336, 2048] weight streamed from memory: fp32 at 32-64 rows
+  5.8 vs 4.3 GB/s; bf16 at 2-16 rows 13.6-14.2 vs 10.7-10.8 GB/s (F.linear). On a 2-core AVX2
+  EPYC, fp32 at 4 rows: 1.3 ms vs 3.4 ms as x @ w.T. The fast kernel wants x row-major
   (x.t() a transposed view), so an x that is itself a transposed view is copied first.
 * bf16 / fp16 with many rows (prefill) on a CPU without native half-precision matmul
   (no AVX512-BF16 / AMX): the half-precision GEMM is emulated and compute-bound,
   about 4x slower than widening the operands to fp32, multiplying there, and rounding
   the product back (both accumulate in fp32; the product is rounded once either way).
 
-Elsewhere (CUDA, or few half-precision rows) it is F.linear.
+Elsewhere (CUDA, fp16, emulated half precision with few rows, many rows) it is F.linear.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-FEW_ROWS = 256  # up to this many rows the transposed form is the faster one on the CPU
+from flowmoe.kernels import cpu_expert
+
+FEW_ROWS = 256  # up to this many rows the transposed form is the faster one on the CPU (fp32, bf16)
 WIDEN_ROWS = 32  # from this many rows an emulated half-precision GEMM is slower than widening
 
 
@@ -39,11 +43,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x: [n, in], weight: [out, in], bias: [out] -> [n, out] (a transposed view for few rows)."""
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
+    if cpu_expert.fits(x, weight):
+        return cpu_expert.linear_rows(x, weight, bias)
     rows = x.shape[0]
     if rows >= WIDEN_ROWS and _emulated(x.dtype):
         wide_bias = bias.float() if bias is not None else None
         return linear(x.float(), weight.float(), wide_bias).to(x.dtype)
-    if rows > FEW_ROWS or x.dtype != torch.float32:
+    if rows > FEW_ROWS or x.dtype not in (torch.float32, torch.bfloat16) or _emulated(x.dtype):
         return F.linear(x, weight, bias)
     out = torch.matmul(weight, x.contiguous().t()).t()  # [n, out]
     return out if bias is None else out + bias

@@ -48,7 +48,13 @@ def test_widening_only_where_half_precision_is_emulated(monkeypatch: pytest.Monk
         calls.append(x.dtype)
         return real(x, weight, bias)
 
+    def spy_matmul(weight: torch.Tensor, x_t: torch.Tensor) -> torch.Tensor:  # the few-row form
+        calls.append(x_t.dtype)
+        return real_matmul(weight, x_t)
+
+    real_matmul = torch.matmul
     monkeypatch.setattr(kernel.F, "linear", spy)
+    monkeypatch.setattr(kernel.torch, "matmul", spy_matmul)
     x, weight = torch.randn(300, 32).bfloat16(), torch.randn(16, 32).bfloat16()
     kernel.linear(x, weight)  # widened, the fp32 product of 300 rows is F.linear's
     assert calls == ([torch.float32] if kernel._emulated(torch.bfloat16) else [torch.bfloat16])

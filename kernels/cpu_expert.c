@@ -1,0 +1,196 @@
+/* Few-row projections and expert FFNs on the CPU at memory speed (built by cpu_expert.py).
+
+   y[r, o] = sum_k x[r, k] * w[o, k] for a few rows r of x (fp32) against a row-major weight w
+   [O, K] in fp32 or bf16, accumulated in fp32. The weight is the big operand: each block of OB
+   weight rows is read from memory once, KC columns at a time, and multiplied there against every
+   row of x, RT rows per register tile (bf16 weights are widened to fp32 in registers).
+   Each product is summed in a fixed order that depends on neither the number of rows nor the
+   thread count: 16 lanes over k, one lane per k mod 16, then the lanes left to right.
+
+   Written with GCC vector extensions: one AVX-512 register per vector with -march=native on an
+   AVX-512 CPU, two AVX2 registers elsewhere. Threads: OpenMP over blocks of weight rows, with
+   the thread count the caller passes (torch's, so that both share one pool of workers). */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+#define VL 16  /* lanes per vector */
+#define OB 4   /* weight rows per block */
+#define KC 128 /* columns per chunk of a block (measured best of 128-2048 at 16 rows) */
+#ifdef __AVX512F__
+#define RT 6 /* x rows per register tile: OB * RT accumulators + OB weights + 1 x in 32 registers */
+#else
+#define RT 2 /* with 16 AVX2 registers (a v16 is two of them) */
+#endif
+
+static inline v16 load_f32(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v16 load_bf16(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16 v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float hsum(v16 v) {
+    float s = 0.0f;
+    for (int i = 0; i < VL; i++) s += v[i];
+    return s;
+}
+
+static inline __attribute__((always_inline)) v16 load_w(const void *p, long i, int bf16) {
+    return bf16 ? load_bf16((const uint16_t *)p + i) : load_f32((const float *)p + i);
+}
+
+/* acc[r0 + r][j] += x[r0 + r, k0:k0+kc] . w_j[0:kc] for r < rt, with w_j = wp[j]: one register tile. */
+static inline __attribute__((always_inline)) void tile(
+    int rt, int bf16, const float *x, long ldx, int r0, long k0, int kc, const void *const *wp, v16 (*acc)[OB]) {
+    v16 a[RT][OB];
+    for (int r = 0; r < rt; r++)
+        for (int j = 0; j < OB; j++) a[r][j] = acc[r0 + r][j];
+    for (int k = 0; k < kc; k += VL) {
+        v16 w[OB];
+        for (int j = 0; j < OB; j++) w[j] = load_w(wp[j], k, bf16);
+        for (int r = 0; r < rt; r++) {
+            v16 xv = load_f32(x + (long)(r0 + r) * ldx + k0 + k);
+            for (int j = 0; j < OB; j++) a[r][j] += xv * w[j];
+        }
+    }
+    for (int r = 0; r < rt; r++)
+        for (int j = 0; j < OB; j++) acc[r0 + r][j] = a[r][j];
+}
+
+/* Every row of x against one chunk of the block: tiles of RT rows, then one of the rest (constant
+   tile heights, so that the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void tiles(
+    int bf16, const float *x, long ldx, int n, long k0, int kc, const void *const *wp, v16 (*acc)[OB]) {
+    int r0 = 0;
+    for (; r0 + RT <= n; r0 += RT) tile(RT, bf16, x, ldx, r0, k0, kc, wp, acc);
+    switch (n - r0) {
+    case 1: tile(1, bf16, x, ldx, r0, k0, kc, wp, acc); break;
+#if RT > 2
+    case 2: tile(2, bf16, x, ldx, r0, k0, kc, wp, acc); break;
+    case 3: tile(3, bf16, x, ldx, r0, k0, kc, wp, acc); break;
+    case 4: tile(4, bf16, x, ldx, r0, k0, kc, wp, acc); break;
+    case 5: tile(5, bf16, x, ldx, r0, k0, kc, wp, acc); break;
+#endif
+    default: break;
+    }
+}
+
+static const float zeros[KC] __attribute__((aligned(64)));  /* the rows of a short last block */
+
+/* The rows [o0, o0 + ob) of w (ob <= OB) against the n rows of x: res[r * OB + j]. The weight is
+   read straight from memory, KC columns of the OB rows at a time: the first tile of rows brings
+   the chunk into L1, the others reuse it there (copying or widening it into a buffer first, or
+   prefetching ahead in software, measured slower). */
+static void block(const float *x, long ldx, int n, long K, const void *w, int bf16, long o0, int ob, float *res) {
+    v16 acc[n][OB];
+    memset(acc, 0, sizeof acc);
+    int esize = bf16 ? 2 : 4;
+    long kv = K / VL * VL;
+    for (long k0 = 0; k0 < kv; k0 += KC) {
+        int kc = (int)(kv - k0 < KC ? kv - k0 : KC);
+        const void *wp[OB];
+        for (int j = 0; j < OB; j++) {
+            wp[j] = j < ob ? (const char *)w + ((o0 + j) * K + k0) * esize : (const void *)zeros;
+        }
+        if (bf16)
+            tiles(1, x, ldx, n, k0, kc, wp, acc);
+        else
+            tiles(0, x, ldx, n, k0, kc, wp, acc);
+    }
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < ob; j++) {
+            float s = hsum(acc[r][j]);
+            for (long k = kv; k < K; k++) {
+                long i = (o0 + j) * K + k;
+                float wk = bf16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+                s += x[r * ldx + k] * wk;
+            }
+            res[r * OB + j] = s;
+        }
+}
+
+/* y [n, O] (row stride ldy) = x [n, K] (row stride ldx) @ w [O, K]^T (+ bias [O], fp32). */
+void flowmoe_linear(const float *x, long ldx, int n, long K, const void *w, int bf16, long O,
+                    const float *bias, float *y, long ldy, int threads) {
+    long blocks = (O + OB - 1) / OB;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < blocks; b++) {
+        float res[n * OB];
+        long o0 = b * OB;
+        int ob = (int)(O - o0 < OB ? O - o0 : OB);
+        block(x, ldx, n, K, w, bf16, o0, ob, res);
+        for (int r = 0; r < n; r++)
+            for (int j = 0; j < ob; j++) y[r * ldy + o0 + j] = res[r * OB + j] + (bias ? bias[o0 + j] : 0.0f);
+    }
+}
+
+/* SiLU(gate) * up, or GPT-OSS's clamped form (up + 1) * gate * sigmoid(alpha * gate) after
+   clamping gate to <= limit and up to [-limit, limit]. */
+static inline float activation(float g, float u, int clamped, float alpha, float limit) {
+    if (!clamped) return g / (1.0f + expf(-g)) * u;
+    g = g < limit ? g : limit;
+    u = u < -limit ? -limit : (u > limit ? limit : u);
+    return (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
+}
+
+/* The expert FFNs of a group of experts (a layer's routed experts, or one) in one parallel pass:
+   for expert e, act_e [n_e, I] = activation(x_e @ gate^T + bg, x_e @ up^T + bu) with gate_up_e
+   [2I, H] (gate rows, then up rows), then out_e [n_e, H] = act_e @ down_e^T + bd with down_e
+   [H, I]. Threads share the blocks of all experts; the biases may be null. */
+void flowmoe_ffn_group(int experts, const float *const *xs, const int *ns, long H, long I,
+                       const void *const *gate_ups, const void *const *downs, int bf16,
+                       const float *const *gate_up_biases, const float *const *down_biases, int clamped,
+                       float alpha, float limit, float *const *acts, float *const *outs, int threads) {
+    long up_blocks = (I + OB - 1) / OB, down_blocks = (H + OB - 1) / OB;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (long t = 0; t < experts * up_blocks; t++) {
+            int e = (int)(t / up_blocks), n = ns[e];
+            long o0 = t % up_blocks * OB;
+            int ob = (int)(I - o0 < OB ? I - o0 : OB);
+            const float *bias = gate_up_biases[e];
+            float g[n * OB], u[n * OB];
+            block(xs[e], H, n, H, gate_ups[e], bf16, o0, ob, g);
+            block(xs[e], H, n, H, gate_ups[e], bf16, I + o0, ob, u);
+            for (int r = 0; r < n; r++)
+                for (int j = 0; j < ob; j++) {
+                    float gv = g[r * OB + j] + (bias ? bias[o0 + j] : 0.0f);
+                    float uv = u[r * OB + j] + (bias ? bias[I + o0 + j] : 0.0f);
+                    acts[e][r * I + o0 + j] = activation(gv, uv, clamped, alpha, limit);
+                }
+        }
+#pragma omp for schedule(static)
+        for (long t = 0; t < experts * down_blocks; t++) {
+            int e = (int)(t / down_blocks), n = ns[e];
+            long o0 = t % down_blocks * OB;
+            int ob = (int)(H - o0 < OB ? H - o0 : OB);
+            const float *bias = down_biases[e];
+            float res[n * OB];
+            block(acts[e], I, n, I, downs[e], bf16, o0, ob, res);
+            for (int r = 0; r < n; r++)
+                for (int j = 0; j < ob; j++) outs[e][r * H + o0 + j] = res[r * OB + j] + (bias ? bias[o0 + j] : 0.0f);
+        }
+    }
+}

@@ -1,0 +1,175 @@
+"""The CPU's few-row projections and expert FFNs at memory speed: cpu_expert.c, built on first use.
+
+A decode step gives each expert a few rows, so its FFN is a weight read with a little arithmetic
+per byte: 2 * rows flops per fp32 weight. torch's fp32 kernels lose most of the bandwidth there
+(MKL's x @ w.T reads a Mixtral-sized expert weight at ~40% of this machine's read rate at 16 rows,
+(w @ x.T).T ~60%); cpu_expert.c streams each weight once and multiplies it against every row while
+it is in L1, and fuses the gate/up projections with the activation (no [n, 2I] intermediate).
+Its sums run in a fixed order per output element whatever the number of rows, so an expert gives
+its rows the same result however a schedule splits them. Numbers: bench/RESULTS.md (issue 15).
+
+The library is compiled with the host's C compiler (`$CC`, else `cc`) for the host's CPU
+(-march=native, OpenMP linked against the libgomp torch has loaded, so both share one pool of
+worker threads) into `$XDG_CACHE_HOME/flowmoe/` (default ~/.cache/flowmoe/), once per source
+and CPU. Without a compiler, on a non-x86 host or with FLOWMOE_CPU_KERNELS=0 every caller takes
+torch's path instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import structlog
+import torch
+
+from flowmoe.core.spec import MoESpec
+
+log = structlog.get_logger(__name__)
+
+MAX_ROWS = 32  # beyond this many rows the GEMM is compute-bound and MKL's blocking wins
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+_PP, _PI = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int)
+
+
+def _cpu_id() -> str:
+    """The CPU's model and flags (what -march=native compiles for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = text.splitlines(keepends=True)
+    return "".join(line for line in lines if line.startswith(("model name", "flags")))
+
+
+def _build(source: bytes, compiler: str, target: Path) -> None:
+    """Compile into a temporary file beside `target`, then move it in (atomic for concurrent builds)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, out = Path(tmp) / "cpu_expert.c", Path(tmp) / target.name
+        src.write_bytes(source)
+        subprocess.run([compiler, *_FLAGS, str(src), "-o", str(out), "-lm"], check=True, capture_output=True)
+        os.replace(out, target)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they cannot be built here (logged once)."""
+    if os.environ.get("FLOWMOE_CPU_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        log.info("cpu_kernels.unavailable", reason="no C compiler")
+        return None
+    source = resources.files("flowmoe.kernels").joinpath("cpu_expert.c").read_bytes()
+    parts = [source, compiler.encode(), " ".join(_FLAGS).encode(), _cpu_id().encode()]
+    key = hashlib.sha256(b"\0".join(parts))
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flowmoe"
+    target = cache / f"cpu_expert-{key.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            _build(source, compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except subprocess.CalledProcessError as e:
+        log.warning("cpu_kernels.unavailable", reason=e.stderr.decode(errors="replace")[-500:])
+        return None
+    except OSError as e:
+        log.warning("cpu_kernels.unavailable", reason=str(e))
+        return None
+    lib.flowmoe_linear.argtypes = [_P, _L, _I, _L, _P, _I, _L, _P, _P, _L, _I]
+    lib.flowmoe_linear.restype = None
+    lib.flowmoe_ffn_group.argtypes = [_I, _PP, _PI, _L, _L, _PP, _PP, _I, _PP, _PP, _I, _F, _F, _PP, _PP, _I]
+    lib.flowmoe_ffn_group.restype = None
+    return lib
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernels take x [n, in] against weight [out, in]: a few fp32 rows on the CPU, or
+    one bf16 row (from two rows on oneDNN's AMX / AVX512-BF16 kernels read bf16 weights faster),
+    and no autograd."""
+    rows = x.shape[0] if x.dim() == 2 else 0
+    return (
+        x.device.type == "cpu"
+        and 0 < rows <= (MAX_ROWS if x.dtype == torch.float32 else 1)
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.is_contiguous()
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and library() is not None
+    )
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _array(values: list[int | None]) -> ctypes.Array[ctypes.c_void_p]:
+    return (ctypes.c_void_p * len(values))(*values)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as fp32 with unit column stride (the kernels read rows)."""
+    x = x.float()
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [n, in], weight: [out, in], bias: [out] -> [n, out] in x's dtype (where `fits`)."""
+    lib = library()
+    assert lib is not None
+    rows = _rows(x)
+    n, k = rows.shape
+    out = torch.empty(n, weight.shape[0], dtype=torch.float32)  # [n, out]
+    b = bias.float().contiguous() if bias is not None else None
+    bf16 = int(weight.dtype == torch.bfloat16)
+    threads = torch.get_num_threads()
+    w, o = weight.data_ptr(), weight.shape[0]
+    lib.flowmoe_linear(rows.data_ptr(), rows.stride(0), n, k, w, bf16, o, _ptr(b), out.data_ptr(), o, threads)
+    return out.to(x.dtype)
+
+
+def swiglu_group(
+    xs: list[torch.Tensor],
+    ffns: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
+    moe: MoESpec,
+) -> list[torch.Tensor]:
+    """Expert FFNs in one call: xs[e] [n_e, hidden] with ffns[e] = (gate_up [2I, hidden],
+    down [hidden, I], gate_up_bias [2I] | None, down_bias [hidden] | None) -> [n_e, hidden] each,
+    in the experts' dtype. Every (x, weight) pair must `fit`; all experts share one shape."""
+    lib = library()
+    assert lib is not None
+    hidden, inter = ffns[0][1].shape
+    rows = [x.float().contiguous() for x in xs]
+    acts = [torch.empty(r.shape[0], inter) for r in rows]  # [n_e, I] each
+    outs = [torch.empty(r.shape[0], hidden) for r in rows]  # [n_e, hidden] each
+    gate_up_biases = [b.float().contiguous() if b is not None else None for _, _, b, _ in ffns]
+    down_biases = [b.float().contiguous() if b is not None else None for _, _, _, b in ffns]
+    counts = (ctypes.c_int * len(rows))(*(r.shape[0] for r in rows))
+    lib.flowmoe_ffn_group(
+        len(rows),
+        _array([r.data_ptr() for r in rows]),
+        counts,
+        hidden,
+        inter,
+        _array([f[0].data_ptr() for f in ffns]),
+        _array([f[1].data_ptr() for f in ffns]),
+        int(ffns[0][0].dtype == torch.bfloat16),
+        _array([_ptr(b) for b in gate_up_biases]),
+        _array([_ptr(b) for b in down_biases]),
+        int(moe.activation == "clamped_swiglu"),
+        moe.swiglu_alpha,
+        moe.swiglu_limit,
+        _array([a.data_ptr() for a in acts]),
+        _array([o.data_ptr() for o in outs]),
+        torch.get_num_threads(),
+    )
+    return [o.to(x.dtype) for o, x in zip(outs, xs, strict=True)]

@@ -1,0 +1,172 @@
+"""kernels.cpu_expert: the CPU's few-row projections and expert FFNs compute what plain torch does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flowmoe.core.spec import MoESpec
+from flowmoe.kernels import cpu_expert
+from flowmoe.kernels.experts import swiglu_ffn, swiglu_ffn_group, swiglu_ffn_torch
+from flowmoe.kernels.linear import linear
+from tests.helpers import rel_err
+
+compiled = pytest.mark.skipif(cpu_expert.library() is None, reason="no C compiler for the CPU kernels here")
+# bf16 products are rounded once (linear) or a few times (the FFN's torch composition): within a
+# few ulp (2^-8) of the exact value, norm-wise; a wrong row, column or weight is off by O(1)
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _moe(activation: str) -> MoESpec:
+    return MoESpec(experts=4, top_k=2, intermediate=8, activation=activation)
+
+
+def _tensor(generator: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator, dtype=torch.float64) * scale
+
+
+def _reference(x: torch.Tensor, ffn: tuple, moe: MoESpec) -> torch.Tensor:
+    """The expert FFN in float64 on the inputs' values."""
+    gate_up, down, gate_up_bias, down_bias = (t.double() if t is not None else None for t in ffn)
+    gate, up = F.linear(x.double(), gate_up, gate_up_bias).chunk(2, dim=-1)
+    if moe.activation == "clamped_swiglu":
+        gate = gate.clamp(max=moe.swiglu_limit)
+        up = up.clamp(min=-moe.swiglu_limit, max=moe.swiglu_limit)
+        act = (up + 1) * (gate * torch.sigmoid(gate * moe.swiglu_alpha))
+    else:
+        act = F.silu(gate) * up
+    return F.linear(act, down, down_bias)
+
+
+def _ffn(generator: torch.Generator, hidden: int, inter: int, dtype: torch.dtype, bias: bool) -> tuple:
+    gate_up = _tensor(generator, 2 * inter, hidden, scale=hidden**-0.5).to(dtype)
+    down = _tensor(generator, hidden, inter, scale=inter**-0.5).to(dtype)
+    if not bias:
+        return gate_up, down, None, None
+    return gate_up, down, _tensor(generator, 2 * inter).to(dtype), _tensor(generator, hidden).to(dtype)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, cpu_expert.MAX_ROWS + 8),
+    n_in=st.integers(1, 70),
+    n_out=st.integers(1, 40),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_matches_float64(
+    rows: int, n_in: int, n_out: int, dtype: torch.dtype, bias: bool, seed: int
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    x = _tensor(generator, rows, n_in).to(dtype)
+    weight = _tensor(generator, n_out, n_in).to(dtype)
+    b = _tensor(generator, n_out).to(dtype) if bias else None
+    out = linear(x, weight, b)
+    assert out.shape == (rows, n_out) and out.dtype == dtype
+    exact = F.linear(x.double(), weight.double(), b.double() if bias else None)
+    assert rel_err(out, exact) <= TOLERANCE[dtype]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, cpu_expert.MAX_ROWS + 8),
+    hidden=st.integers(1, 48),
+    inter=st.integers(1, 40),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    bias=st.booleans(),
+    activation=st.sampled_from(["silu", "clamped_swiglu"]),
+    seed=st.integers(0, 2**16),
+)
+def test_swiglu_ffn_matches_float64(
+    rows: int, hidden: int, inter: int, dtype: torch.dtype, bias: bool, activation: str, seed: int
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    moe = _moe(activation)
+    ffn = _ffn(generator, hidden, inter, dtype, bias)
+    x = (_tensor(generator, rows, hidden) * 3).to(dtype)  # large enough for GPT-OSS's clamps to bite
+    out = swiglu_ffn(x, *ffn[:2], moe, *ffn[2:])
+    assert out.shape == (rows, hidden) and out.dtype == dtype
+    exact = _reference(x, ffn, moe)
+    assert rel_err(out, exact) <= TOLERANCE[dtype]
+    assert rel_err(swiglu_ffn_torch(x, ffn, moe), exact) <= TOLERANCE[dtype]
+
+
+@compiled
+@settings(max_examples=25, deadline=None)
+@given(
+    counts=st.lists(st.integers(1, cpu_expert.MAX_ROWS), min_size=1, max_size=5),
+    bias=st.booleans(),
+    activation=st.sampled_from(["silu", "clamped_swiglu"]),
+    seed=st.integers(0, 2**16),
+)
+def test_group_and_row_splits_give_identical_results(
+    counts: list[int], bias: bool, activation: str, seed: int
+) -> None:
+    """A layer's experts in one call give each expert what it gets alone, and a row gets the same
+    bits whichever other rows share its call (so a schedule's micro-batches keep eager's tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    moe, hidden, inter = _moe(activation), 40, 24
+    ffns = [_ffn(generator, hidden, inter, torch.float32, bias) for _ in counts]
+    xs = [_tensor(generator, n, hidden).float() for n in counts]
+    assert all(cpu_expert.fits(x, ffn[0]) for x, ffn in zip(xs, ffns, strict=True))
+    grouped = swiglu_ffn_group(xs, ffns, moe)
+    for x, ffn, out in zip(xs, ffns, grouped, strict=True):
+        assert torch.equal(out, swiglu_ffn(x, *ffn[:2], moe, *ffn[2:]))
+        assert torch.equal(out[-1:], swiglu_ffn(x[-1:], *ffn[:2], moe, *ffn[2:]))
+        assert rel_err(out, _reference(x, ffn, moe)) <= TOLERANCE[torch.float32]
+
+
+@compiled
+def test_which_shapes_take_the_kernels() -> None:
+    w32, w16 = torch.zeros(8, 16), torch.zeros(8, 16, dtype=torch.bfloat16)
+    assert cpu_expert.fits(torch.zeros(cpu_expert.MAX_ROWS, 16), w32)
+    assert not cpu_expert.fits(torch.zeros(cpu_expert.MAX_ROWS + 1, 16), w32)  # compute-bound: MKL
+    assert cpu_expert.fits(torch.zeros(1, 16, dtype=torch.bfloat16), w16)
+    assert not cpu_expert.fits(torch.zeros(2, 16, dtype=torch.bfloat16), w16)  # oneDNN's AMX kernels
+    assert not cpu_expert.fits(torch.zeros(2, 16, dtype=torch.float16), w16.half())
+    assert not cpu_expert.fits(torch.zeros(2, 16), w32.t().contiguous().t())  # a transposed weight
+    assert not cpu_expert.fits(torch.zeros(0, 16), w32)
+    assert not cpu_expert.fits(torch.zeros(2, 16, requires_grad=True), w32)
+
+
+def test_mixed_group_falls_back_per_expert() -> None:
+    """Experts the kernels do not take (too many rows, or a half-precision copy) still run."""
+    generator = torch.Generator().manual_seed(3)
+    moe = _moe("silu")
+    ffns = [_ffn(generator, 24, 16, torch.float32, True) for _ in range(3)]
+    xs = [_tensor(generator, n, 24).float() for n in (2, cpu_expert.MAX_ROWS + 5, 1)]
+    for x, ffn, out in zip(xs, ffns, swiglu_ffn_group(xs, ffns, moe), strict=True):
+        assert rel_err(out, _reference(x, ffn, moe)) <= TOLERANCE[torch.float32]
+
+
+def test_without_a_compiler_torch_computes_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A failed build leaves the kernels off (one log line) and every caller on torch's path."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    monkeypatch.setattr(cpu_expert.shutil, "which", lambda name: "/bin/false" if name == "false" else None)
+    assert cpu_expert.library.__wrapped__() is None
+    assert not any(tmp_path.rglob("*.so"))  # nothing half-written into the cache
+    monkeypatch.setattr(cpu_expert, "library", lambda: None)
+    generator = torch.Generator().manual_seed(5)
+    moe, ffn = _moe("silu"), _ffn(generator, 20, 12, torch.float32, True)
+    x = _tensor(generator, 3, 20).float()
+    assert not cpu_expert.fits(x, ffn[0])
+    out = swiglu_ffn(x, *ffn[:2], moe, *ffn[2:])
+    assert rel_err(out, _reference(x, ffn, moe)) <= TOLERANCE[torch.float32]
+
+
+@compiled
+def test_build_is_cached_per_source_and_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cpu_expert.library.__wrapped__() is not None
+    built = list((tmp_path / "flowmoe").glob("cpu_expert-*.so"))
+    assert len(built) == 1 and list(tmp_path.rglob("*")) == [tmp_path / "flowmoe", built[0]]
+    stamp = built[0].stat().st_mtime_ns
+    assert cpu_expert.library.__wrapped__() is not None  # found, not rebuilt
+    assert built[0].stat().st_mtime_ns == stamp
