@@ -35,6 +35,9 @@ from flowmoe.core.spec import MoESpec
 
 log = structlog.get_logger(__name__)
 
+# (gate_up [2I, hidden], down [hidden, I], gate_up_bias [2I] | None, down_bias [hidden] | None)
+FFN = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
 MAX_ROWS = 32  # beyond this many rows the GEMM is compute-bound and MKL's blocking wins
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
@@ -92,20 +95,40 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernels take x [n, in] against weight [out, in]: a few fp32 rows on the CPU, or
-    one bf16 row (from two rows on oneDNN's AMX / AVX512-BF16 kernels read bf16 weights faster),
-    and no autograd."""
+def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A few fp32 rows on the CPU, or one bf16 row (from two rows on oneDNN's AMX / AVX512-BF16
+    kernels read bf16 weights faster), a row-major weight of x's dtype, and no autograd."""
     rows = x.shape[0] if x.dim() == 2 else 0
     return (
         x.device.type == "cpu"
         and 0 < rows <= (MAX_ROWS if x.dtype == torch.float32 else 1)
         and x.dtype == weight.dtype
         and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dim() == 2
         and weight.is_contiguous()
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and library() is not None
     )
+
+
+def _bias_fits(bias: torch.Tensor | None, size: int) -> bool:
+    return bias is None or (bias.device.type == "cpu" and bias.shape == (size,))
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `linear_rows` takes x [n, in] against weight [out, in] and bias [out] (else torch,
+    which also names any mismatch)."""
+    return _takes(x, weight) and x.shape[1] == weight.shape[1] and _bias_fits(bias, weight.shape[0])
+
+
+def fits_ffn(x: torch.Tensor, ffn: FFN) -> bool:
+    """Whether `swiglu_group` takes x [n, hidden] through ffn = (gate_up [2I, hidden], down
+    [hidden, I], gate_up_bias [2I] | None, down_bias [hidden] | None)."""
+    gate_up, down, gate_up_bias, down_bias = ffn
+    if not fits(x, gate_up, gate_up_bias) or gate_up.shape[0] % 2:
+        return False
+    hidden, inter = gate_up.shape[1], gate_up.shape[0] // 2
+    return _takes(x, down) and down.shape == (hidden, inter) and _bias_fits(down_bias, hidden)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -137,14 +160,9 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out.to(x.dtype)
 
 
-def swiglu_group(
-    xs: list[torch.Tensor],
-    ffns: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
-    moe: MoESpec,
-) -> list[torch.Tensor]:
-    """Expert FFNs in one call: xs[e] [n_e, hidden] with ffns[e] = (gate_up [2I, hidden],
-    down [hidden, I], gate_up_bias [2I] | None, down_bias [hidden] | None) -> [n_e, hidden] each,
-    in the experts' dtype. Every (x, weight) pair must `fit`; all experts share one shape."""
+def swiglu_group(xs: list[torch.Tensor], ffns: list[FFN], moe: MoESpec) -> list[torch.Tensor]:
+    """Expert FFNs in one call: xs[e] [n_e, hidden] through ffns[e] -> [n_e, hidden] each, in the
+    experts' dtype. Every (x, ffn) must `fits_ffn`, and all experts share one shape and dtype."""
     lib = library()
     assert lib is not None
     hidden, inter = ffns[0][1].shape

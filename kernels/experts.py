@@ -22,12 +22,7 @@ from flowmoe.core.spec import MoESpec
 from flowmoe.kernels import cpu_expert
 from flowmoe.kernels.linear import linear
 
-# (gate_up [2I, hidden], down [hidden, I], gate_up_bias [2I] | None, down_bias [hidden] | None)
-FFN = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-
-
-def _fused(x: torch.Tensor, ffn: FFN) -> bool:
-    return cpu_expert.fits(x, ffn[0]) and cpu_expert.fits(x, ffn[1])
+FFN = cpu_expert.FFN
 
 
 def swiglu_ffn(
@@ -40,22 +35,26 @@ def swiglu_ffn(
 ) -> torch.Tensor:
     """x: [n, hidden], gate_up: [2I, hidden] (gate rows, then up rows), down: [hidden, I] -> [n, hidden]."""
     ffn = (gate_up, down, gate_up_bias, down_bias)
-    if _fused(x, ffn):
+    if cpu_expert.fits_ffn(x, ffn):
         return cpu_expert.swiglu_group([x], [ffn], moe)[0]
     return swiglu_ffn_torch(x, ffn, moe)
 
 
 def swiglu_ffn_group(xs: list[torch.Tensor], ffns: list[FFN], moe: MoESpec) -> list[torch.Tensor]:
     """xs[e]: [n_e, hidden] with ffns[e] = (gate_up, down, gate_up_bias, down_bias) -> [n_e, hidden]
-    each: the experts the CPU kernels take run in one call, the others one by one."""
-    fused = [i for i, (x, ffn) in enumerate(zip(xs, ffns, strict=True)) if _fused(x, ffn)]
+    each: the experts the CPU kernels take (those of the first one's shape and dtype: all of a
+    layer's) in one call, the others one by one."""
+    fused = [i for i, (x, ffn) in enumerate(zip(xs, ffns, strict=True)) if cpu_expert.fits_ffn(x, ffn)]
+    if fused:
+        first = ffns[fused[0]][0]
+        fused = [i for i in fused if ffns[i][0].shape == first.shape and ffns[i][0].dtype == first.dtype]
     outs: list[torch.Tensor | None] = [None] * len(xs)
     if fused:
         group = cpu_expert.swiglu_group([xs[i] for i in fused], [ffns[i] for i in fused], moe)
         for i, out in zip(fused, group, strict=True):
             outs[i] = out
     return [
-        out if out is not None else swiglu_ffn_torch(x, ffn, moe)
+        out if out is not None else swiglu_ffn(x, ffn[0], ffn[1], moe, ffn[2], ffn[3])
         for out, x, ffn in zip(outs, xs, ffns, strict=True)
     ]
 

@@ -43,7 +43,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x: [n, in], weight: [out, in], bias: [out] -> [n, out] (a transposed view for few rows)."""
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
-    if cpu_expert.fits(x, weight):
+    if cpu_expert.fits(x, weight, bias):
         return cpu_expert.linear_rows(x, weight, bias)
     rows = x.shape[0]
     if rows >= WIDEN_ROWS and _emulated(x.dtype):

@@ -17,9 +17,9 @@ from flowmoe.kernels.linear import linear
 from tests.helpers import rel_err
 
 compiled = pytest.mark.skipif(cpu_expert.library() is None, reason="no C compiler for the CPU kernels here")
-# bf16 products are rounded once (linear) or a few times (the FFN's torch composition): within a
-# few ulp (2^-8) of the exact value, norm-wise; a wrong row, column or weight is off by O(1)
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# of the largest output: a bf16 product is rounded once (3 ulp of 2^-8); a wrong row, column or
+# weight is off by O(1)
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3 * 2**-8}
 
 
 def _moe(activation: str) -> MoESpec:
@@ -86,6 +86,9 @@ def test_linear_matches_float64(
 def test_swiglu_ffn_matches_float64(
     rows: int, hidden: int, inter: int, dtype: torch.dtype, bias: bool, activation: str, seed: int
 ) -> None:
+    """fp32 at any row count; bf16 at the one row the kernels take, whose only rounding is the
+    output's (torch's bf16 composition rounds the projections and each activation op too)."""
+    rows = rows if dtype == torch.float32 else 1
     generator = torch.Generator().manual_seed(seed)
     moe = _moe(activation)
     ffn = _ffn(generator, hidden, inter, dtype, bias)
@@ -94,7 +97,8 @@ def test_swiglu_ffn_matches_float64(
     assert out.shape == (rows, hidden) and out.dtype == dtype
     exact = _reference(x, ffn, moe)
     assert rel_err(out, exact) <= TOLERANCE[dtype]
-    assert rel_err(swiglu_ffn_torch(x, ffn, moe), exact) <= TOLERANCE[dtype]
+    if dtype == torch.float32:
+        assert rel_err(swiglu_ffn_torch(x, ffn, moe), exact) <= TOLERANCE[dtype]
 
 
 @compiled
@@ -114,7 +118,7 @@ def test_group_and_row_splits_give_identical_results(
     moe, hidden, inter = _moe(activation), 40, 24
     ffns = [_ffn(generator, hidden, inter, torch.float32, bias) for _ in counts]
     xs = [_tensor(generator, n, hidden).float() for n in counts]
-    assert all(cpu_expert.fits(x, ffn[0]) for x, ffn in zip(xs, ffns, strict=True))
+    assert all(cpu_expert.fits_ffn(x, ffn) for x, ffn in zip(xs, ffns, strict=True))
     grouped = swiglu_ffn_group(xs, ffns, moe)
     for x, ffn, out in zip(xs, ffns, grouped, strict=True):
         assert torch.equal(out, swiglu_ffn(x, *ffn[:2], moe, *ffn[2:]))
@@ -133,16 +137,26 @@ def test_which_shapes_take_the_kernels() -> None:
     assert not cpu_expert.fits(torch.zeros(2, 16), w32.t().contiguous().t())  # a transposed weight
     assert not cpu_expert.fits(torch.zeros(0, 16), w32)
     assert not cpu_expert.fits(torch.zeros(2, 16, requires_grad=True), w32)
+    assert not cpu_expert.fits(torch.zeros(2, 15), w32)  # torch names the mismatch
+    assert not cpu_expert.fits(torch.zeros(2, 16), w32, torch.zeros(7))
+    gate_up, down = torch.zeros(2 * 24, 16), torch.zeros(16, 24)
+    assert cpu_expert.fits_ffn(torch.zeros(3, 16), (gate_up, down, torch.zeros(48), torch.zeros(16)))
+    assert not cpu_expert.fits_ffn(torch.zeros(3, 16), (gate_up, down.t().contiguous(), None, None))
+    assert not cpu_expert.fits_ffn(torch.zeros(3, 16), (gate_up, down, torch.zeros(24), None))
+    assert not cpu_expert.fits_ffn(torch.zeros(3, 16), (gate_up[:47], torch.zeros(16, 23), None, None))
 
 
 def test_mixed_group_falls_back_per_expert() -> None:
-    """Experts the kernels do not take (too many rows, or a half-precision copy) still run."""
+    """Experts the kernels do not take (too many rows, another shape or dtype) still run."""
     generator = torch.Generator().manual_seed(3)
     moe = _moe("silu")
     ffns = [_ffn(generator, 24, 16, torch.float32, True) for _ in range(3)]
-    xs = [_tensor(generator, n, 24).float() for n in (2, cpu_expert.MAX_ROWS + 5, 1)]
+    ffns += [_ffn(generator, 24, 8, torch.float32, False), _ffn(generator, 24, 16, torch.bfloat16, True)]
+    xs = [_tensor(generator, n, 24).float() for n in (2, cpu_expert.MAX_ROWS + 5, 1, 3)]
+    xs.append(_tensor(generator, 1, 24).bfloat16())
     for x, ffn, out in zip(xs, ffns, swiglu_ffn_group(xs, ffns, moe), strict=True):
-        assert rel_err(out, _reference(x, ffn, moe)) <= TOLERANCE[torch.float32]
+        assert out.dtype == x.dtype
+        assert rel_err(out, _reference(x, ffn, moe)) <= TOLERANCE[x.dtype]
 
 
 def test_without_a_compiler_torch_computes_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
