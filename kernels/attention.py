@@ -1,15 +1,16 @@
 """Causal grouped-query attention over a KV cache, with sliding windows, attention sinks and chunks.
 
-On the CPU every product runs in torch's flash-attention kernel (the one
-F.scaled_dot_product_attention dispatches to there; called directly because it also
-returns each row's logsumexp). A KV group's g query heads are stacked as g query rows
-against their KV head, so K and V are read once, in place in the cache, block by block
-with an online softmax: no scores tensor, no float copy, no gathered K/V. A sequence run
-of consecutive cache slots is one call; a mask is built only where some key must be
-hidden (shorter sequences of a batch, windows, chunks), and keys that no query of the
-call can see (before every window or chunk) are not read at all. Attention sinks add
-exp(sink) to a row's softmax denominator, so the output is scaled by
-sigmoid(logsumexp - sink). Elsewhere (CUDA) the same steps run as plain matmuls.
+A KV group's g query heads are stacked as g query rows against their KV head, so K and V are
+read once, in place in the cache (a run of consecutive cache slots is one call; no gathered
+K/V). A mask is built only where some key must be hidden (shorter sequences of a batch,
+windows, chunks, causality within a prefill), and keys no query of the call can see (before
+every window or chunk) are not read at all. fp32, and every prefill, run in torch's CPU
+flash-attention kernel (the one F.scaled_dot_product_attention dispatches to there, called
+directly because it also returns each row's logsumexp): no scores tensor, no float copy.
+Half-precision decode runs as two oneDNN matmuls around a float32 softmax (faster than the
+flash kernel's bf16 path at one query per sequence: bench/RESULTS.md), as does every call on
+other devices (CUDA). Attention sinks add exp(sink) to a row's softmax denominator, so the
+output is scaled by sigmoid(logsumexp - sink).
 """
 
 from __future__ import annotations
@@ -128,32 +129,35 @@ def _attend_group(
         )
         mask = mask[:, None, None].expand(batch, 1, group, n, mask.shape[-1])  # [b, 1, g, n, L']
         mask = mask.reshape(batch, 1, group * n, mask.shape[-1])
-    out, lse = _flash(qg, k, v, mask, dim**-0.5)  # [b, kvh, g * n, D], [b, kvh, g * n]
-    if sinks is not None:
+    fused = q.device.type == "cpu" and (q.dtype == torch.float32 or n > 1)
+    products = _flash if fused else _flash_math
+    out, lse = products(qg, k, v, mask, dim**-0.5, sinks is not None)  # [b, kvh, g * n, D], [b, kvh, g * n]
+    if lse is not None:
         sink = sinks.reshape(kv_heads, group, 1).expand(kv_heads, group, n).reshape(kv_heads, group * n)
         out = (out.float() * torch.sigmoid(lse - sink.float())[..., None]).to(q.dtype)
     return out.reshape(batch, heads, n, dim).transpose(1, 2).reshape(batch, n, heads * dim)
 
 
 def _flash(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q: [b, h, m, D], k/v: [b, h, L, D], mask: additive, broadcast to [b, h, m, L] or None
-    -> out [b, h, m, D] in q's dtype, logsumexp [b, h, m] float32."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, attn_mask=mask, scale=scale
-        )
-    return _flash_math(q, k, v, mask, scale)
+    -> out [b, h, m, D] in q's dtype, and (if `lse`) the rows' logsumexp [b, h, m] float32."""
+    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, attn_mask=mask, scale=scale
+    )
+    return out, logsumexp if lse else None
 
 
 def _flash_math(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_flash` as plain matmuls (for devices without the CPU kernel)."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_flash` as two matmuls around a float32 softmax (scores rounded to q's dtype first, as a
+    half-precision matmul gives them)."""
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [b, h, m, L]
     if mask is not None:
         scores = scores + mask
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None])
-    return torch.matmul(probs.to(v.dtype), v), lse
+    if not lse:
+        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v), None
+    logsumexp = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - logsumexp[..., None]).to(v.dtype), v), logsumexp

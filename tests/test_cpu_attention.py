@@ -1,7 +1,8 @@
-"""The attention kernel (torch's CPU flash kernel with grouped heads as query rows, masks only where
-needed, keys no query sees not read, sinks through the logsumexp) against a plain per-query,
-per-head softmax in float64, for random shapes, slot orders, mixed prefill / decode steps,
-sliding windows, chunks and sinks; and the matmul form other devices run against the CPU kernel."""
+"""The attention kernel (grouped heads as query rows, masks only where needed, keys no query sees
+not read, sinks through the logsumexp) against a plain per-query, per-head softmax in float64, for
+random shapes, slot orders, mixed prefill / decode steps, sliding windows, chunks and sinks, in
+fp32 (torch's CPU flash kernel) and bf16 (matmuls for decode); and the matmul form against the
+flash kernel."""
 
 from __future__ import annotations
 
@@ -104,6 +105,7 @@ def test_matmul_form_equals_the_cpu_kernel(batch, rows, length, dim, masked, see
         hidden = torch.rand(batch, 1, rows, length, generator=generator) < 0.4
         hidden[..., 0] = False  # every row sees a key
         mask = torch.zeros(hidden.shape).masked_fill(hidden, float("-inf"))
-    out, lse = _flash(q, k, v, mask, dim**-0.5)
-    math_out, math_lse = _flash_math(q, k, v, mask, dim**-0.5)
+    out, lse = _flash(q, k, v, mask, dim**-0.5, lse=True)
+    math_out, math_lse = _flash_math(q, k, v, mask, dim**-0.5, lse=True)
+    assert torch.allclose(math_out, _flash_math(q, k, v, mask, dim**-0.5, lse=False)[0], atol=1e-6)
     assert torch.allclose(out, math_out, atol=1e-6) and torch.allclose(lse, math_lse, atol=1e-6)

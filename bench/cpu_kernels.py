@@ -1,0 +1,367 @@
+"""Each CPU kernel as a fraction of the roof that bounds it, all measured in one run.
+
+Roofs: memory read (a sum over a 1 GiB fp32 tensor, far beyond the LLC), copy (read + write
+counted, as STREAM does) and compute (a square fp32 / bf16 GEMM), with the thread count
+the kernels get (`--threads`, default torch's). Ops at the shapes schedules give them:
+
+* decode attention over a KV cache (Mixtral 8x7B's GQA: 32 query heads, 8 KV heads, head
+  dim 128; config.json of mistralai/Mixtral-8x7B-v0.1), batch 1-16, lengths 128-8k;
+  bytes = the K and V read. Variants: flowmoe's `attend`, the same file at `--baseline`
+  (the matmul / masked softmax / matmul kernel before issue 15), and torch's
+  F.scaled_dot_product_attention (CPU flash kernel) with enable_gqa (q [B, 32, 1, D]) and with
+  each KV group's query heads as query rows (q [B, 8, 4, D]);
+* prefill attention (one sequence, causal), FLOP-bound: 4 H D n(n+1)/2 FLOPs;
+* expert FFN (SwiGLU gate_up + down) for 1-64 rows: OLMoE-1B-7B's expert (hidden 2048,
+  intermediate 1024; allenai/OLMoE-1B-7B-0924 config.json) and, without --quick, Mixtral
+  8x7B's (4096 x 14336); bytes = the expert's weights. Variants: `swiglu_ffn`,
+  `swiglu_ffn_group` over 8 experts (bytes x 8) and `swiglu_ffn_torch` (torch ops).
+
+Caches and weights are cycled through distinct buffers totalling >= 2 GiB so no repetition
+finds its operands in the last-level cache. Each row interleaves roof samples with the
+variants; rates are best-of-N (median also kept) and fractions use the best roof of the
+run. Prints rich tables, writes bench/cpu_kernels.json.
+
+On a machine others load, `--threads 1 --clock cpu` times each call by its thread's CPU time
+(preemption excluded; other processes still share the memory bus).
+
+    python bench/cpu_kernels.py [--quick] [--threads N] [--baseline REV] [--clock wall|cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+from flowmoe.core.spec import MoESpec
+from flowmoe.kernels.attention import attend
+from flowmoe.kernels.experts import swiglu_ffn, swiglu_ffn_group, swiglu_ffn_torch
+from flowmoe.kernels.layout import TokenLayout
+
+ROOT = Path(__file__).resolve().parent.parent
+BASELINE = "455bf73"  # the last commit of kernels/attention.py before issue 15
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Mixtral 8x7B
+EXPERTS = {"OLMoE-1B-7B": (2048, 1024), "Mixtral-8x7B": (4096, 14336)}  # hidden, intermediate
+CYCLE = 2 << 30  # bytes cycled per row, > 4x the 480 MiB LLC lscpu reports here
+ROOF_BYTES = 1 << 30
+CONSOLE = Console()
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def machine() -> dict:
+    """lscpu's model, cores and SIMD / AMX flags."""
+    info = {"model": platform.processor(), "cpus": os.cpu_count(), "flags": []}
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return info
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    flags = set(fields.get("Flags", "").split())
+    info["model"] = fields.get("Model name", "").strip()
+    info["flags"] = [f for f in FLAGS if f in flags]
+    info["l3"] = fields.get("L3 cache", "").strip()
+    return info
+
+
+def baseline_attend(rev: str) -> Callable | None:
+    """`attend` from kernels/attention.py at git revision `rev`, or None outside a git checkout."""
+    shown = subprocess.run(
+        ["git", "show", f"{rev}:kernels/attention.py"], cwd=ROOT, capture_output=True, text=True
+    )
+    if shown.returncode != 0:
+        return None
+    module = types.ModuleType("attention_baseline")
+    exec(compile(shown.stdout, f"{rev}:kernels/attention.py", "exec"), module.__dict__)
+    return module.attend
+
+
+CLOCK = time.perf_counter  # --clock cpu: time.thread_time (the calling thread's CPU time, --threads 1)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    started = CLOCK()
+    fn()
+    return CLOCK() - started
+
+
+class Roofs:
+    """Read / copy / GEMM roofs, sampled between the ops' repetitions; the best sample counts."""
+
+    def __init__(self, gemm_n: int) -> None:
+        self.read_buf = torch.ones(ROOF_BYTES // 4)
+        self.copy_src, self.copy_dst = torch.ones(ROOF_BYTES // 16), torch.zeros(ROOF_BYTES // 16)
+        self.gemm = {
+            name: (torch.randn(gemm_n, gemm_n).to(dt), torch.randn(gemm_n, gemm_n).to(dt))
+            for name, dt in DTYPES.items()
+        }
+        self.samples: dict[str, list[float]] = {"read": [], "copy": [], "gemm fp32": [], "gemm bf16": []}
+
+    def sample_read(self) -> None:
+        self.samples["read"].append(ROOF_BYTES / timed(self.read_buf.sum))
+        self.samples["copy"].append(
+            2 * self.copy_src.nbytes / timed(lambda: self.copy_dst.copy_(self.copy_src))
+        )
+
+    def sample_gemm(self, dtype: str) -> None:
+        a, b = self.gemm[dtype]
+        self.samples[f"gemm {dtype}"].append(2 * a.shape[0] ** 3 / timed(lambda: torch.mm(a, b)))
+
+    def best(self, name: str) -> float:
+        return max(self.samples[name])
+
+    def summary(self) -> dict:
+        return {
+            name: {"best": max(s), "median": statistics.median(s), "samples": len(s)}
+            for name, s in self.samples.items()
+            if s
+        }
+
+
+def cycled(make: Callable[[], object], nbytes: int) -> list:
+    """Enough distinct operand sets of `nbytes` each that together they exceed CYCLE."""
+    return [make() for _ in range(max(2, -(-CYCLE // nbytes)))]
+
+
+def measure(variants: dict[str, Callable], operands: list, repeats: int, roof: Callable[[], None]) -> dict:
+    """Interleaved: per repetition one roof sample, then every variant over every operand set."""
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        roof()
+        for ops in operands:
+            for name, fn in variants.items():
+                seconds[name].append(timed(lambda fn=fn, ops=ops: fn(*ops)))
+    return {name: {"best_s": min(s), "median_s": statistics.median(s)} for name, s in seconds.items()}
+
+
+def progress(row: dict) -> dict:
+    """Print a measured row (best time per variant) as it completes."""
+    times = ", ".join(f"{name} {stats['best_s'] * 1e3:.2f} ms" for name, stats in row["variants"].items())
+    CONSOLE.print(f"{row['op']} {row['shape']} {row['dtype']}: {times}", highlight=False)
+    return row
+
+
+def rates(row: dict, work: float, roof: float) -> dict:
+    for stats in row["variants"].values():
+        stats["rate"] = work / stats["best_s"]
+        stats["rate_median"] = work / stats["median_s"]
+        stats["fraction"] = stats["rate"] / roof
+    return row
+
+
+def decode_rows(shapes, roofs: Roofs, repeats: int, before: Callable | None) -> list[dict]:
+    rows = []
+    for dtype_name, dtype in DTYPES.items():
+        for batch, length, ragged, shuffled in shapes:
+            past = [length - 1 - (i * length // (2 * batch) if ragged else 0) for i in range(batch)]
+            slots = tuple(reversed(range(batch))) if shuffled else tuple(range(batch))
+            layout = TokenLayout(slots, (1,) * batch, tuple(past))
+            shape = (batch, KV_HEADS, length, HEAD_DIM)
+            src = torch.randn(shape).to(dtype)
+            q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
+            nbytes = 2 * src.nbytes
+            operands = cycled(lambda src=src: (src.clone(), src.clone()), nbytes)
+            read = 2 * sum(p + 1 for p in past) * KV_HEADS * HEAD_DIM * src.element_size()
+            variants = {"flowmoe": lambda k, v, lay=layout, q=q: attend(q, k, v, lay)}
+            if before is not None:
+                variants["before"] = lambda k, v, lay=layout, q=q: before(q, k, v, lay)
+            if not ragged and not shuffled:  # torch's public calls, K/V read per query head or per KV head
+                qh = q.reshape(batch, HEADS, 1, HEAD_DIM)
+                qg = q.reshape(batch, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+                variants["sdpa gqa"] = lambda k, v, qh=qh: F.scaled_dot_product_attention(
+                    qh, k, v, enable_gqa=True
+                )
+                variants["sdpa grouped"] = lambda k, v, qg=qg: F.scaled_dot_product_attention(qg, k, v)
+            label = (
+                f"B{batch} L{length}"
+                + (" ragged" if ragged else "")
+                + (" slots reversed" if shuffled else "")
+            )
+            row = {
+                "op": "decode attention",
+                "shape": label,
+                "dtype": dtype_name,
+                "bytes": read,
+                "bound": "read",
+                "variants": measure(variants, operands, repeats, roofs.sample_read),
+            }
+            rows.append(progress(row))
+            del operands
+    for row in rows:
+        rates(row, row["bytes"], roofs.best("read"))
+    return rows
+
+
+def prefill_rows(lengths, roofs: Roofs, repeats: int, before: Callable | None) -> list[dict]:
+    rows = []
+    for dtype_name, dtype in DTYPES.items():
+        for n in lengths:
+            keys, values = (torch.randn(1, KV_HEADS, n, HEAD_DIM).to(dtype) for _ in range(2))
+            q = torch.randn(n, HEADS, HEAD_DIM).to(dtype)
+            layout = TokenLayout((0,), (n,), (0,))
+            variants = {"flowmoe": lambda lay=layout, q=q, k=keys, v=values: attend(q, k, v, lay)}
+            if before is not None:
+                variants["before"] = lambda lay=layout, q=q, k=keys, v=values: before(q, k, v, lay)
+            flops = 4 * HEADS * HEAD_DIM * n * (n + 1) / 2
+            row = {
+                "op": "prefill attention",
+                "shape": f"n{n}",
+                "dtype": dtype_name,
+                "flops": flops,
+                "bound": f"gemm {dtype_name}",
+                "variants": measure(variants, [()], repeats, lambda d=dtype_name: roofs.sample_gemm(d)),
+            }
+            rows.append(progress(row))
+    for row in rows:
+        rates(row, row["flops"], roofs.best(row["bound"]))
+    return rows
+
+
+def expert_rows(experts: dict, row_counts, roofs: Roofs, repeats: int) -> list[dict]:
+    rows, group = [], 8
+    moe = MoESpec(experts=group, top_k=2, intermediate=0)
+    for name, (hidden, inter) in experts.items():
+        for dtype_name, dtype in DTYPES.items():
+            gate_up = torch.randn(2 * inter, hidden).to(dtype) * hidden**-0.5
+            down = torch.randn(hidden, inter).to(dtype) * inter**-0.5
+            weight_bytes = gate_up.nbytes + down.nbytes
+            sets = cycled(lambda g=gate_up, d=down: (g.clone(), d.clone()), weight_bytes)  # one expert each
+            for n in row_counts:
+                x = torch.randn(n, hidden).to(dtype)
+                single = {
+                    "swiglu_ffn": lambda g, d, x=x: swiglu_ffn(x, g, d, moe),
+                    "swiglu_ffn_torch": lambda g, d, x=x: swiglu_ffn_torch(x, (g, d, None, None), moe),
+                }
+                measured = measure(single, sets, repeats, roofs.sample_read)
+                grouped = [
+                    [(g, d, None, None) for g, d in sets[i : i + group]]
+                    for i in range(0, len(sets) - group + 1, group)
+                ]
+                if grouped:
+                    xs = [x] * group
+                    measured |= measure(
+                        {f"swiglu_ffn_group x{group}": lambda ffns, xs=xs: swiglu_ffn_group(xs, ffns, moe)},
+                        [(ffns,) for ffns in grouped],
+                        repeats,
+                        roofs.sample_read,
+                    )
+                row = {
+                    "op": "expert FFN",
+                    "shape": f"{name} {hidden}x{inter} rows {n}",
+                    "dtype": dtype_name,
+                    "bytes": weight_bytes,
+                    "bound": "read",
+                    "variants": measured,
+                }
+                rows.append(progress(row))
+            del sets
+    for row in rows:
+        for vname, stats in row["variants"].items():
+            work = row["bytes"] * (group if vname.startswith("swiglu_ffn_group") else 1)
+            stats["rate"] = work / stats["best_s"]
+            stats["rate_median"] = work / stats["median_s"]
+            stats["fraction"] = stats["rate"] / roofs.best("read")
+    return rows
+
+
+def table(title: str, rows: list[dict], unit: str, scale: float) -> Table:
+    names = list(dict.fromkeys(v for row in rows for v in row["variants"]))
+    out = Table(title=title)
+    for column in ("shape", "dtype", *[f"{n} {unit} (frac)" for n in names]):
+        out.add_column(column, justify="right")
+    for row in rows:
+        cells = []
+        for name in names:
+            stats = row["variants"].get(name)
+            cells.append(f"{stats['rate'] / scale:.1f} ({stats['fraction']:.0%})" if stats else "-")
+        out.add_row(row["shape"], row["dtype"], *cells)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (< 2 min)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--baseline", default=BASELINE, help="git revision of the 'before' attention kernel")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: time each call by its thread's CPU time (needs --threads 1), for a machine others load",
+    )
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("cpu_kernels.json"))
+    args = parser.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu: needs --threads 1 (a thread's CPU time misses the other threads' work)")
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    load_before = os.getloadavg()
+    info = machine()
+    CONSOLE.print(
+        f"{info['model']}, {info['cpus']} CPUs, L3 {info.get('l3', '?')}, flags: {' '.join(info['flags'])}; "
+        f"torch {torch.__version__}, {args.threads} threads; load {load_before}"
+    )
+    repeats = 3 if args.quick else 5
+    roofs = Roofs(gemm_n=2048 if args.quick else 4096)
+    for _ in range(repeats):
+        roofs.sample_read()
+        for dtype in DTYPES:
+            roofs.sample_gemm(dtype)
+    before = baseline_attend(args.baseline)
+    if args.quick:
+        decode = [(1, 2048, False, False), (16, 512, False, False), (4, 8192, False, False)]
+        prefill, counts, experts = (512,), (1, 4, 16, 64), {"OLMoE-1B-7B": EXPERTS["OLMoE-1B-7B"]}
+    else:
+        decode = [(b, n, False, False) for b in (1, 4, 16) for n in (128, 512, 2048, 8192) if b * n <= 32768]
+        decode += [(16, 2048, True, False), (16, 2048, False, True)]
+        prefill, counts, experts = (512, 2048), (1, 2, 4, 8, 16, 32, 64), EXPERTS
+    rows = decode_rows(decode, roofs, repeats, before)
+    rows += prefill_rows(prefill, roofs, repeats, before)
+    rows += expert_rows(experts, counts, roofs, repeats)
+    load_after = os.getloadavg()
+    roof_summary = roofs.summary()
+    CONSOLE.print(
+        f"roofs (best of run): read {roofs.best('read') / 1e9:.1f} GB/s, "
+        f"copy {roofs.best('copy') / 1e9:.1f} GB/s, GEMM fp32 {roofs.best('gemm fp32') / 1e9:.0f} GFLOP/s, "
+        f"bf16 {roofs.best('gemm bf16') / 1e9:.0f} GFLOP/s"
+    )
+    for op, unit, scale in (
+        ("decode attention", "GB/s", 1e9),
+        ("prefill attention", "GFLOP/s", 1e9),
+        ("expert FFN", "GB/s", 1e9),
+    ):
+        CONSOLE.print(
+            table(f"{op}: best rate (fraction of roof)", [r for r in rows if r["op"] == op], unit, scale)
+        )
+    CONSOLE.print(f"load average before {load_before}, after {load_after}")
+    meta = {
+        "machine": info,
+        "threads": args.threads,
+        "clock": args.clock,
+        "torch": torch.__version__,
+        "quick": args.quick,
+        "baseline": args.baseline if before else None,
+        "cycle_bytes": CYCLE,
+        "load_before": load_before,
+        "load_after": load_after,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    args.out.write_text(json.dumps({"meta": meta, "roofs": roof_summary, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
