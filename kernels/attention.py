@@ -4,13 +4,14 @@ A KV group's g query heads are stacked as g query rows against their KV head, so
 read once, in place in the cache (a run of consecutive cache slots is one call; no gathered
 K/V). A mask is built only where some key must be hidden (shorter sequences of a batch,
 windows, chunks, causality within a prefill), and keys no query of the call can see (before
-every window or chunk) are not read at all. fp32, and every prefill, run in torch's CPU
+every window or chunk) are not read at all. On the CPU the products run in torch's
 flash-attention kernel (the one F.scaled_dot_product_attention dispatches to there, called
-directly because it also returns each row's logsumexp): no scores tensor, no float copy.
-Half-precision decode runs as two oneDNN matmuls around a float32 softmax (faster than the
-flash kernel's bf16 path at one query per sequence: bench/RESULTS.md), as does every call on
-other devices (CUDA). Attention sinks add exp(sink) to a row's softmax denominator, so the
-output is scaled by sigmoid(logsumexp - sink).
+directly because it also returns each row's logsumexp): threads over (sequence, KV head),
+no scores tensor, no float copy. (Two matmuls around a float32 softmax, as the kernel was
+before, run bf16 decode ~15% faster on one thread but 2-5x slower on two: torch's batched
+matmul threads poorly at these shapes; bench/RESULTS.md.) Other devices (CUDA) run those
+matmuls. Attention sinks add exp(sink) to a row's softmax denominator, so the output is
+scaled by sigmoid(logsumexp - sink).
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ def attend(
             together[:, None],  # [b, 1, H, D]
             keys[first : first + len(members)],
             values[first : first + len(members)],
-            torch.tensor(past, device=q.device)[:, None],  # [b, 1]
-            max(past) + 1,
+            past,
             window,
             sinks,
             chunk,
@@ -60,8 +60,7 @@ def attend(
             q[start : start + count][None],  # [1, n, H, D]
             keys[slot : slot + 1],
             values[slot : slot + 1],
-            torch.arange(past, past + count, device=q.device)[None],  # [1, n]
-            past + count,
+            [past],
             window,
             sinks,
             chunk,
@@ -92,9 +91,8 @@ def _mask(q_pos: torch.Tensor, length: int, window: int | None, chunk: int | Non
     return allowed
 
 
-def _first_visible(q_pos: torch.Tensor, window: int | None, chunk: int | None) -> int:
-    """The first key position any of the queries at q_pos can see."""
-    first = int(q_pos.min())
+def _first_visible(first: int, window: int | None, chunk: int | None) -> int:
+    """The first key position a query at `first` or later can see."""
     lowest = 0
     if window is not None:
         lowest = max(lowest, first - window + 1)
@@ -107,30 +105,30 @@ def _attend_group(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    q_pos: torch.Tensor,
-    length: int,
+    past: list[int],
     window: int | None,
     sinks: torch.Tensor | None,
     chunk: int | None,
 ) -> torch.Tensor:
-    """q: [b, n, H, D] (b sequences of n queries each), keys/values: [b, kvh, C, D] their cache slots,
-    q_pos: [b, n] the queries' positions, length: keys held by the longest -> [b, n, H * D]."""
+    """q: [b, n, H, D] (b sequences of n new tokens each, after past[i] cached ones), keys/values:
+    [b, kvh, C, D] their cache slots -> [b, n, H * D]."""
     batch, n, heads, dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
-    lowest = _first_visible(q_pos, window, chunk)
+    length = max(past) + n
+    lowest = _first_visible(min(past), window, chunk)
     k, v = keys[:, :, lowest:length], values[:, :, lowest:length]  # [b, kvh, L', D] views
     qg = q.permute(0, 2, 1, 3).reshape(batch, kv_heads, group * n, dim)  # [b, kvh, g * n, D]: head-major rows
-    allowed = _mask(q_pos, length, window, chunk)[..., lowest:]  # [b, n, L']
     mask = None
-    if not bool(allowed.all()):
+    if n > 1 or min(past) != max(past):  # else every query sees keys lowest..length-1, all of them
+        q_pos = torch.tensor(past, device=q.device)[:, None] + torch.arange(n, device=q.device)  # [b, n]
+        allowed = _mask(q_pos, length, window, chunk)[..., lowest:]  # [b, n, L']
         mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
             ~allowed, float("-inf")
         )
         mask = mask[:, None, None].expand(batch, 1, group, n, mask.shape[-1])  # [b, 1, g, n, L']
         mask = mask.reshape(batch, 1, group * n, mask.shape[-1])
-    fused = q.device.type == "cpu" and (q.dtype == torch.float32 or n > 1)
-    products = _flash if fused else _flash_math
+    products = _flash if q.device.type == "cpu" else _flash_math
     out, lse = products(qg, k, v, mask, dim**-0.5, sinks is not None)  # [b, kvh, g * n, D], [b, kvh, g * n]
     if lse is not None:
         sink = sinks.reshape(kv_heads, group, 1).expand(kv_heads, group, n).reshape(kv_heads, group * n)

@@ -1,8 +1,7 @@
 """The attention kernel (grouped heads as query rows, masks only where needed, keys no query sees
 not read, sinks through the logsumexp) against a plain per-query, per-head softmax in float64, for
 random shapes, slot orders, mixed prefill / decode steps, sliding windows, chunks and sinks, in
-fp32 (torch's CPU flash kernel) and bf16 (matmuls for decode); and the matmul form against the
-flash kernel."""
+fp32 and bf16; and the matmul form other devices run against the CPU flash kernel."""
 
 from __future__ import annotations
 
