@@ -30,7 +30,8 @@ from flowmoe.kernels.kv_cache import read_kv, write_kv
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.kernels.router import Routing, choose, sort_by_expert, split_by_expert
 from flowmoe.model.moe_model import MoEModel, Rope, expert_ranks
-from flowmoe.runtime.device_weights import Devices, DeviceWeights
+from flowmoe.model.weights import FFNWeights
+from flowmoe.runtime.device_weights import Devices, DeviceWeights, NotResident
 
 Key = tuple[int, int]  # (layer, micro-batch)
 
@@ -78,6 +79,7 @@ class StepState:
     _lock: threading.Lock = field(factory=threading.Lock)
     _x_readers: dict[Key, int] = field(factory=dict)  # pre-gates submitted, not yet run, per x they read
     _x_done: set[Key] = field(factory=set)  # x whose next layer has combined
+    _ffn_bound: dict[tuple[Key, Lane], list[int]] = field(factory=dict)  # EXPERT_FFN nodes bound, not yet run
 
     @classmethod
     def create(
@@ -168,6 +170,9 @@ class StepState:
             with self._lock:
                 source = (self.model.spec.pregate_source(node.layer), node.mb)
                 self._x_readers[source] = self._x_readers.get(source, 0) + 1
+        if node.op is Op.EXPERT_FFN:
+            with self._lock:
+                self._ffn_bound.setdefault(((node.layer, node.mb), node.lane), []).append(node.expert)
         return partial(handler, self, node)
 
     def release_x(self, key: Key, reader: bool) -> None:
@@ -287,14 +292,37 @@ def _hidden_offload(s: StepState, n: TaskNode) -> None:
 
 
 def _expert(s: StepState, n: TaskNode) -> None:
+    """The node's expert, and with it in one kernel call (MoEModel.routed_experts) the other experts of
+    its layer and micro-batch bound to the same lane whose weights are at hand: the host's own (the
+    CPU lane, or a host without CUDA, where a resident expert is the host tensor and no copy is in
+    flight). Their own nodes then find their outputs there; the rest run at their nodes."""
     key = (n.layer, n.mb)
-    routing = s.routing_of(s.routing, key)
+    with s._lock:
+        bound = s._ffn_bound.get((key, n.lane), [])
+        if n.expert not in bound:
+            return  # ran in the group of an earlier node
+        ffns = {e: ffn for e in bound if (ffn := _ffn_at_hand(s, n, e)) is not None}
+        s._ffn_bound[(key, n.lane)] = [e for e in bound if e not in ffns]
+    x = s.x_cpu[key] if n.lane is Lane.CPU_COMPUTE else s.x[key]
+    outputs = s.model.routed_experts(x, s.routing_of(s.routing, key), ffns)
+    for expert, out in outputs.items():
+        table = s.later if expert in s.deferred.get(key, ()) else s.outputs  # Expert Deferral's apart
+        table.setdefault(key, {})[expert] = out
+
+
+def _ffn_at_hand(s: StepState, n: TaskNode, expert: int) -> FFNWeights | None:
+    """`expert`'s weights for node n's lane: the node's own (NotResident if missing, as ever), or
+    another's where running it now is safe."""
     if n.lane is Lane.CPU_COMPUTE:
-        x, ffn = s.x_cpu[key], s.model.weights.layers[n.layer].experts[n.expert]
-    else:
-        x, ffn = s.x[key], s.weights.expert(n.layer, n.expert)
-    table = s.later if n.expert in s.deferred.get(key, ()) else s.outputs  # Expert Deferral's apart
-    table.setdefault(key, {})[n.expert] = s.model.expert(x, routing, n.expert, ffn)
+        return s.model.weights.layers[n.layer].experts[expert]
+    if expert == n.expert:
+        return s.weights.expert(n.layer, expert)
+    if s.devices.cuda:  # its copy may still be in flight on another stream
+        return None
+    try:
+        return s.weights.expert(n.layer, expert)
+    except NotResident:
+        return None
 
 
 def _expert_load(s: StepState, n: TaskNode) -> None:
