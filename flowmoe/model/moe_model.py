@@ -164,16 +164,12 @@ class MoEModel:
         w = lw or self.weights.layers[layer]
         return route(x, w.router, w.router_bias, self.spec.moe, w.selection_bias)
 
-    def expert(self, x: torch.Tensor, routing: Routing, expert: int, ffn: FFNWeights) -> torch.Tensor:
-        """The scaled output of one routed expert for its tokens: [n_e, hidden], on x's device
-        (the routing may live on another device when the expert runs on the CPU)."""
-        return self.routed_experts(x, routing, {expert: ffn})[expert]
-
     def routed_experts(
         self, x: torch.Tensor, routing: Routing, ffns: dict[int, FFNWeights]
     ) -> dict[int, torch.Tensor]:
-        """`expert` for several experts in one kernel call (one dispatch per layer at decode, not
-        one per expert): expert -> its scaled output [n_e, hidden]."""
+        """The scaled outputs of routed experts for their tokens, in one kernel call where the CPU
+        kernels take them (one dispatch per layer at decode, not one per expert): expert -> [n_e,
+        hidden] on x's device (the routing may live on another device when experts run on the CPU)."""
         xs, scales = [], []
         for expert in ffns:
             rows = routing.tokens[expert].to(x.device)
