@@ -402,11 +402,7 @@ def write_results(path: Path, rows: list[dict], meta: dict) -> None:
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     block = "\n".join(lines).rstrip("\n") + "\n"
     pattern = re.compile(re.escape(SECTION) + r"\n.*?(?=\n## |\Z)", re.S)
-    text = (
-        pattern.sub(lambda _: block.rstrip("\n"), text)
-        if SECTION in text
-        else text.rstrip("\n") + "\n\n" + block
-    )
+    text = pattern.sub(lambda _: block, text) if SECTION in text else text.rstrip("\n") + "\n\n" + block
     _write_atomic(path, text.rstrip("\n") + "\n")
 
 
