@@ -4,14 +4,13 @@ A KV group's g query heads are stacked as g query rows against their KV head, so
 read once, in place in the cache (a run of consecutive cache slots is one call; no gathered
 K/V). A mask is built only where some key must be hidden (shorter sequences of a batch,
 windows, chunks, causality within a prefill), and keys no query of the call can see (before
-every window or chunk) are not read at all. On the CPU the products run in torch's
-flash-attention kernel (the one F.scaled_dot_product_attention dispatches to there, called
-directly because it also returns each row's logsumexp): threads over (sequence, KV head),
-no scores tensor, no float copy. (Two matmuls around a float32 softmax, as the kernel was
-before, run bf16 decode ~15% faster on one thread but 2-5x slower on two: torch's batched
-matmul threads poorly at these shapes; bench/RESULTS.md.) Other devices (CUDA) run those
-matmuls. Attention sinks add exp(sink) to a row's softmax denominator, so the output is
-scaled by sigmoid(logsumexp - sink).
+every window or chunk) are not read at all. fp32 on the CPU, and every CPU prefill, run in
+torch's flash-attention kernel (the one F.scaled_dot_product_attention dispatches to there,
+called directly because it also returns each row's logsumexp): no scores tensor, no float
+copy. Half-precision decode runs as two (oneDNN) matmuls around a float32 softmax, measured
+12-18% faster than the flash kernel's bf16 path at one query per sequence (bench/RESULTS.md),
+as does every call on other devices (CUDA). Attention sinks add exp(sink) to a row's softmax
+denominator, so the output is scaled by sigmoid(logsumexp - sink).
 """
 
 from __future__ import annotations
@@ -128,7 +127,8 @@ def _attend_group(
         )
         mask = mask[:, None, None].expand(batch, 1, group, n, mask.shape[-1])  # [b, 1, g, n, L']
         mask = mask.reshape(batch, 1, group * n, mask.shape[-1])
-    products = _flash if q.device.type == "cpu" else _flash_math
+    fused = q.device.type == "cpu" and (q.dtype == torch.float32 or n > 1)
+    products = _flash if fused else _flash_math
     out, lse = products(qg, k, v, mask, dim**-0.5, sinks is not None)  # [b, kvh, g * n, D], [b, kvh, g * n]
     if lse is not None:
         sink = sinks.reshape(kv_heads, group, 1).expand(kv_heads, group, n).reshape(kv_heads, group * n)
