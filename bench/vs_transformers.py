@@ -60,19 +60,21 @@ NOTES = """
   the runtime runs every lane's nodes on the event loop's thread with the whole thread budget, so a
   `flowmoe run` step runs the same ops on the same OpenMP team as `eager_step`; before, each lane
   had a thread of its own at every core's worth of OpenMP threads (oversubscribed) and every node
-  and routing answer crossed threads.
-* **What the runtime still adds over eager_step**, measured on this machine: the eager plan's 80
-  nodes a step cost ~0.4 ms to plan and ~0.6 ms to run through the executor with no-op actions
-  (uvloop: ~1.0 ms in all, load ~15); and the runtime runs each routed expert as a node (and a
-  kernel call) of its own where eager_step runs a layer's experts in one grouped call: 19.5 against
-  18.8 ms of CPU per layer on one thread, and at two threads each extra call is one more OpenMP
-  fork/join, which stalls whenever the other vCPU is busy (58 against 14 ms per layer at load ~15).
-  Grouping a layer's expert nodes on one lane into one call is an actions.py change.
-* **Shared machine.** The figures above were taken with other jobs running (load averages in the
+  and routing answer crossed threads. A layer's experts run in one kernel call on both paths
+  (actions.py groups the expert nodes bound to one lane).
+* **What the runtime still adds over eager_step** (CPU time of the step's thread, one torch
+  thread, the two interleaved, load ~15): the model's own methods take the same time on both
+  paths; the eager plan's 80 nodes a step cost ~0.4 ms to plan and ~0.6 ms to pass through the
+  executor with no-op actions (uvloop; asyncio's loop ~0.75 ms), the actions' bookkeeping ~1.5 ms
+  more. On a loaded machine the thread's CPU time outside the model ran 5-11 ms a step (~3-6 %
+  of a ~170 ms CPU step), the scatter being the load's.
+* **Shared machine.** These figures were taken with other jobs running (load averages in the
   first line): an OpenMP parallel region waits for its second thread whenever another process
   holds the other vCPU, so absolute times and the spread are the load's; the lockstep keeps the
   comparison fair (each step of each runner meets the same load), and the per-step ratio is the
-  steadiest figure. `OMP_NUM_THREADS=1` trades the second core for steady times.
+  steadiest figure. `OMP_NUM_THREADS=1` trades the second core for steadier times: one such
+  fp32 run at load ~13 (2 runs, 00:30 UTC): transformers 18.1 /
+  19.4 s decode, flowmoe run 14.5 / 15.4 s (1.26x), eager_step 13.8 / 14.6 s (1.33x), spread 12 %.
 """
 RUNNERS = ("transformers generate", "flowmoe run (runtime, eager)", "flowmoe eager_step")
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -398,6 +400,7 @@ def write_results(path: Path, rows: list[dict], meta: dict) -> None:
     lines += ["| " + " | ".join(cells(r, meta["batch"])) + " |" for r in rows]
     failed = {r["dtype"]: r["failed_runs"] for r in rows if r.get("failed_runs")}
     lines += [f"\n{dtype}: {len(f)} run(s) failed and are left out: {f[0]}" for dtype, f in failed.items()]
+    lines += [f"\nNo row: {failure}" for failure in meta.get("failed", [])]
     lines += ["", NOTES.strip()]
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     block = "\n".join(lines).rstrip("\n") + "\n"
@@ -447,6 +450,7 @@ def main() -> None:
                 rows += bench_dtype(args, folder, dtype, plan.intra_op)
             except RuntimeError as exc:  # the other dtypes' rows are still written
                 console.print(f"[red]{exc}[/]")
+                meta.setdefault("failed", []).append(str(exc))
     meta["load_after"] = _load()
     console.print(table(rows, meta))
     if not args.no_write:
