@@ -141,6 +141,7 @@ def _flash(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q: [b, h, m, D], k/v: [b, h, L, D], mask: additive, broadcast to [b, h, m, L] or None
     -> out [b, h, m, D] in q's dtype, and (if `lse`) the rows' logsumexp [b, h, m] float32."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the kernel assumes it
     out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, attn_mask=mask, scale=scale
     )
