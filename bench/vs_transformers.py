@@ -67,7 +67,7 @@ NOTES = """
   paths; the eager plan's 80 nodes a step cost ~0.4 ms to plan and ~0.6 ms to pass through the
   executor with no-op actions (uvloop; asyncio's loop ~0.75 ms), the actions' bookkeeping ~1.5 ms
   more. On a loaded machine the thread's CPU time outside the model ran 5-11 ms a step (~3-6 %
-  of a ~170 ms CPU step), the scatter being the load's.
+  of a ~150 ms CPU step), the scatter being the load's.
 * **Shared machine.** These figures were taken with other jobs running (load averages in the
   first line): an OpenMP parallel region waits for its second thread whenever another process
   holds the other vCPU, so absolute times and the spread are the load's; the lockstep keeps the
