@@ -52,6 +52,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows > FEW_ROWS or x.dtype not in (torch.float32, torch.bfloat16) or _emulated(x.dtype):
         return F.linear(x, weight, bias)
     out = torch.matmul(weight, x.contiguous().t()).t()  # [n, out]
-    if x.dtype != torch.float32:  # row-major: with the transposed view, a bf16 decode through the
-        out = out.contiguous()  # runtime gave NaN logits (vs_transformers --dtypes bfloat16; cause open)
     return out if bias is None else out + bias
