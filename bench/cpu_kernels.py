@@ -186,6 +186,11 @@ def decode_rows(shapes, roofs: Roofs, repeats: int, before: Callable | None) -> 
             operands = cycled(lambda src=src: (src.clone(), src.clone()), nbytes)
             read = 2 * sum(p + 1 for p in past) * KV_HEADS * HEAD_DIM * src.element_size()
             variants = {READ: lambda k, v: (k.sum(), v.sum())}
+            if ragged:  # only the keys and values the row counts
+                ends = [p + 1 for p in past]
+                variants[READ] = lambda k, v, ends=ends: [
+                    (k[i, :, :end].sum(), v[i, :, :end].sum()) for i, end in enumerate(ends)
+                ]
             variants["flowmoe"] = lambda k, v, lay=layout, q=q: attend(q, k, v, lay)
             if before is not None:
                 variants["before"] = lambda k, v, lay=layout, q=q: before(q, k, v, lay)
