@@ -11,11 +11,12 @@ A Mixtral-shaped checkpoint with random weights (hidden 768, 6 layers, 8 experts
 with default threads (the thread plan's; OMP_NUM_THREADS narrows it), the checkpoint's weights
 converted to each --dtypes the same way on both sides.
 
-The three run in lockstep, in one process: one step of each in turn (a baton passes between their
-threads at each step boundary), so a load change on a shared machine hits all three alike. A step
-of transformers is the time between two tokens its streamer receives; a step of flowmoe the time
-between two calls of its step runner (the engine's sampling included on both sides). Decode =
-incremental steps 2..N (prefill excluded); end-to-end = every step of the run, prefill included.
+The three run in one process, each on the main thread (as `flowmoe run` and a transformers script
+do), interleaved run by run (A B C A B C ...), so a load change on a shared machine hits all three
+alike across the repeats. A step of transformers is the time between two tokens its streamer
+receives; a step of flowmoe the time between two calls of its step runner (the engine's sampling
+included on both sides). Decode = incremental steps 2..N (prefill excluded); end-to-end = every
+step of the run, prefill included.
 Each measured run is repeated (--repeats); best and median of the repeats are reported, with the
 run-to-run spread (max / min - 1). Prints a rich table, writes bench/vs_transformers.json and the
 `## vs transformers (CPU)` section of bench/RESULTS.md.
@@ -35,7 +36,6 @@ import re
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -68,13 +68,22 @@ NOTES = """
   executor with no-op actions (uvloop; asyncio's loop ~0.75 ms), the actions' bookkeeping ~1.5 ms
   more. On a loaded machine the thread's CPU time outside the model ran 5-11 ms a step (~3-6 %
   of a ~150 ms CPU step), the scatter being the load's.
-* **Shared machine.** These figures were taken with other jobs running (load averages in the
-  first line): an OpenMP parallel region waits for its second thread whenever another process
-  holds the other vCPU, so absolute times and the spread are the load's; the lockstep keeps the
-  comparison fair (each step of each runner meets the same load), and the per-step ratio is the
-  steadiest figure. `OMP_NUM_THREADS=1` trades the second core for steadier times: one such
-  fp32 run at load ~13 (2 runs, 00:30 UTC): transformers 18.1 /
-  19.4 s decode, flowmoe run 14.5 / 15.4 s (1.26x), eager_step 13.8 / 14.6 s (1.33x), spread 12 %.
+* **Why one thread** (measured 2026-11-24 ~01:07 UTC, load 0.8-1.6, fp32, eager_step alone, 20
+  steps): libgomp gives every thread that enters a parallel region an OpenMP team of its own, and
+  once the process holds more OpenMP threads than cores it lets a finished team's workers spin only
+  briefly (its throttled spin count) before they sleep on a futex, so each parallel region must wake
+  them again. eager_step on the main thread: 84 ms/step, ~40 context switches a step; the same on a
+  second thread (the main thread's team still alive), or on the main thread while another thread's
+  team is parked: 154-159 ms/step, ~1650 context switches a step; OMP_WAIT_POLICY=passive on the
+  main thread alone (never spin) gives the same 156 ms. GOMP_SPINCOUNT does not lift the throttle,
+  and OMP_WAIT_POLICY=active makes the parked teams spin on the cores. flowmoe's steps run many short
+  parallel regions (its C kernels, small ops), so they pay this more than transformers' fewer,
+  larger ones: an earlier version of this script ran the three in lockstep, each on a thread of its
+  own, and measured eager_step at 113 ms/step vs transformers' 123 (1.09x) where, standalone on the
+  main thread, they run 83 vs 108 ms/step (1.30x). Hence every runner here runs on the main thread.
+* **Shared machine.** On a loaded machine an OpenMP parallel region waits for its second thread
+  whenever another process holds the other vCPU, so absolute times and the spread are the load's;
+  the runs are interleaved so that each runner meets the same load across the repeats.
 """
 RUNNERS = ("transformers generate", "flowmoe run (runtime, eager)", "flowmoe eager_step")
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -97,7 +106,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-lengths", default="16:128", help="MIN:MAX prompt tokens (uniform)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--repeats", type=int, default=3, help="lockstep runs per dtype")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each runner per dtype")
     parser.add_argument("--checkpoint", type=Path, help="reuse (or write once into) this folder")
     parser.add_argument("--quick", action="store_true", help="a small model, fp32 only (checks the script)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave the JSON and RESULTS.md")
@@ -130,52 +139,27 @@ def prompts(args: argparse.Namespace) -> list[list[int]]:
     return [torch.randint(3, args.vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-class Baton:
-    """Turns among runners in a fixed order: one step of each in turn. Each runner's own time is
-    the sum of its turns (the time it waited for the others is not counted)."""
+class Clock:
+    """A run's step boundaries: the time between two ticks is one step."""
 
-    def __init__(self, names: Sequence[str]) -> None:
-        self._order = list(names)
-        self._turn = self._order[0]
-        self._ready = threading.Condition()
-        self.steps: dict[str, list[float]] = {name: [] for name in names}
-        self._began: dict[str, float] = {}
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+        self._began = time.perf_counter()
 
-    def begin(self, name: str) -> None:
-        """Wait for `name`'s first turn."""
-        with self._ready:
-            self._ready.wait_for(lambda: self._turn == name)
-        self._began[name] = time.perf_counter()
-
-    def boundary(self, name: str) -> None:
-        """End `name`'s current step, let the others take theirs, then start its next."""
-        self.steps[name].append(time.perf_counter() - self._began[name])
-        with self._ready:
-            self._pass(name)
-            self._ready.wait_for(lambda: self._turn == name)
-        self._began[name] = time.perf_counter()
-
-    def finish(self, name: str) -> None:
-        """`name`'s last step has ended: it leaves the rotation."""
-        self.steps[name].append(time.perf_counter() - self._began[name])
-        with self._ready:
-            self._pass(name)
-            self._order.remove(name)
-
-    def _pass(self, name: str) -> None:
-        position = self._order.index(name)
-        self._turn = self._order[(position + 1) % len(self._order)]
-        self._ready.notify_all()
+    def tick(self) -> None:
+        now = time.perf_counter()
+        self.steps.append(now - self._began)
+        self._began = now
 
 
 class Streamer:
     """transformers' streamer hook: each token batch it receives is a step boundary."""
 
-    def __init__(self, baton: Baton, name: str) -> None:
-        self.baton, self.name = baton, name
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
 
     def put(self, value: torch.Tensor) -> None:
-        self.baton.boundary(self.name)
+        self.clock.tick()
 
     def end(self) -> None:
         pass
@@ -200,16 +184,17 @@ def hf_generate(model, batch: list[list[int]], new_tokens: int, streamer: Stream
 Runner = Callable[[MoEModel, Sequence[StepInput]], object]
 
 
-def flowmoe_generate(model: MoEModel, runner: Runner, batch: list[list[int]], new_tokens: int,
-                     baton: Baton | None = None, name: str = "") -> Tokens:  # fmt: skip
+def flowmoe_generate(
+    model: MoEModel, runner: Runner, batch: list[list[int]], new_tokens: int, clock: Clock | None = None
+) -> Tokens:
     """The whole batch in one micro-batch (`flowmoe run --batch-size 16`), prompts packed without
     padding; every call of the step runner is a step boundary."""
     requests = [Request(str(i), tuple(p), i) for i, p in enumerate(batch)]
     limits = BatchLimits(micro_batches=1, micro_batch_size=len(batch), max_new_tokens=new_tokens)
 
     async def step(m: MoEModel, inputs: Sequence[StepInput]) -> list[torch.Tensor]:
-        if baton is not None:
-            baton.boundary(name)
+        if clock is not None:
+            clock.tick()
         return await runner(m, inputs)  # type: ignore[misc]
 
     async def go() -> dict[str, tuple[int, ...]]:
@@ -230,32 +215,18 @@ def agreement(ours: Tokens, reference: Tokens) -> tuple[int, float]:
     return same, agreed / sum(len(r) for r in reference)
 
 
-def lockstep(
-    runs: dict[str, Callable[[Baton, str], Tokens]], threads: int
-) -> tuple[Baton, dict[str, Tokens]]:
-    """One run of each, step by step in turn, each on a thread of its own with `threads` torch threads."""
-    baton = Baton(list(runs))
+def one_repeat(
+    runs: dict[str, Callable[[Clock], Tokens]],
+) -> tuple[dict[str, list[float]], dict[str, Tokens]]:
+    """One run of each in turn, on this thread: each run's step times and tokens."""
+    steps: dict[str, list[float]] = {}
     tokens: dict[str, Tokens] = {}
-    errors: list[BaseException] = []
-
-    def body(name: str, run: Callable[[Baton, str], Tokens]) -> None:
-        set_intra_op(threads)
-        baton.begin(name)
-        try:
-            tokens[name] = run(baton, name)
-        except BaseException as exc:  # reported after the others have finished
-            errors.append(exc)
-        finally:
-            baton.finish(name)
-
-    workers = [threading.Thread(target=body, args=item, name=item[0]) for item in runs.items()]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    if errors:
-        raise errors[0]
-    return baton, tokens
+    for name, run in runs.items():
+        clock = Clock()
+        tokens[name] = run(clock)
+        clock.tick()  # what the run does after its last step
+        steps[name] = clock.steps
+    return steps, tokens
 
 
 def bench_dtype(args: argparse.Namespace, folder: Path, dtype: str, threads: int) -> list[dict]:
@@ -268,23 +239,23 @@ def bench_dtype(args: argparse.Namespace, folder: Path, dtype: str, threads: int
     ours = load_model(folder, dtype)
     runtime = Runtime.create(ours, "eager", record=False)  # `flowmoe run`'s defaults
     new = args.new_tokens
-    runs: dict[str, Callable[[Baton, str], Tokens]] = {
-        RUNNERS[0]: lambda baton, name: hf_generate(hf, batch, new, Streamer(baton, name)),
-        RUNNERS[1]: lambda baton, name: flowmoe_generate(ours, runtime, batch, new, baton, name),
-        RUNNERS[2]: lambda baton, name: flowmoe_generate(ours, eager_step, batch, new, baton, name),
+    runs: dict[str, Callable[[Clock], Tokens]] = {
+        RUNNERS[0]: lambda clock: hf_generate(hf, batch, new, Streamer(clock)),
+        RUNNERS[1]: lambda clock: flowmoe_generate(ours, runtime, batch, new, clock),
+        RUNNERS[2]: lambda clock: flowmoe_generate(ours, eager_step, batch, new, clock),
     }
     repeats: list[dict[str, list[float]]] = []
     failures: list[str] = []
     try:
         for repeat in range(args.repeats):
             try:
-                baton, tokens = lockstep(runs, threads)
+                steps, tokens = one_repeat(runs)
             except Exception as exc:  # a run that fails is reported and left out; the others count
                 failures.append(f"{type(exc).__name__}: {exc}")
                 console.print(f"  repeat {repeat + 1} failed (left out): {failures[-1]}")
                 continue
-            repeats.append(baton.steps)
-            line = ", ".join(f"{n} decode {sum(decode_steps(baton.steps[n], new)):.2f} s" for n in RUNNERS)
+            repeats.append(steps)
+            line = ", ".join(f"{n} decode {sum(decode_steps(steps[n], new)):.2f} s" for n in RUNNERS)
             console.print(f"  repeat {repeat + 1}: {line}")
     finally:
         runtime.close()
@@ -297,8 +268,8 @@ def bench_dtype(args: argparse.Namespace, folder: Path, dtype: str, threads: int
 
 
 def decode_steps(steps: list[float], new_tokens: int) -> list[float]:
-    """Incremental decode steps 2..N: a run's turns are its setup, its prefill (token 1), one turn
-    per further token, then (transformers) what `generate` does after its last token."""
+    """Incremental decode steps 2..N: a run's steps are its setup, its prefill (token 1), one step
+    per further token, then what the run does after its last token."""
     return steps[2 : new_tokens + 1]
 
 
@@ -388,10 +359,11 @@ def write_results(path: Path, rows: list[dict], meta: dict) -> None:
         f"Model: {meta['model']} (random weights, written by transformers' save_pretrained). "
         f"{meta['batch']} prompts of {meta['prompt_lengths']} tokens ({meta['prompt_tokens']} in all; "
         f"{meta['padded_tokens']} once left-padded), greedy, {meta['new_tokens']} new tokens each, EOS off. "
-        f"The three runners in lockstep (one step of each in turn, one process), {meta['repeats']} runs; "
+        "The three runners in one process on its main thread, interleaved run by run, "
+        f"{meta['repeats']} runs each; "
         "decode = steps 2..N (prefill excluded), tok/s = decoded tokens / median decode time, "
         "per-step × = median over steps of transformers' step time / the runner's (same step, same "
-        "run), ÷ eager_step = decode time / flowmoe eager_step's, spread = max / min − 1 over the "
+        "repeat), ÷ eager_step = decode time / flowmoe eager_step's, spread = max / min − 1 over the "
         "runs. Agreement is against transformers' tokens.",
         "",
         "| " + " | ".join(title for title, _, _ in COLUMNS) + " |",
@@ -426,11 +398,13 @@ def main() -> None:
     import transformers
 
     plan = host_plan(torch.device("cpu"))
+    set_intra_op(plan.intra_op)  # this (main) thread runs all three, as `flowmoe run` would
     batch = prompts(args)
     meta = {
         "machine": _machine(), "torch": torch.__version__, "transformers": transformers.__version__,
         "command": " --quick" if args.quick else "",
-        "threads": f"{plan.intra_op} torch threads per runner ({usable_cores()} usable cores, default plan)",
+        "threads": f"{plan.intra_op} torch threads ({usable_cores()} usable cores, default plan), "
+                   "main thread",
         "load_before": _load(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "batch": args.batch, "new_tokens": args.new_tokens, "repeats": args.repeats,
         "prompt_lengths": args.prompt_lengths.replace(":", "–"),
