@@ -19,7 +19,7 @@ from flowmoe.study.reproduce_successors import DECODE, PREFILL
 from flowmoe.study.simulate import Setup
 
 MACHINES = {"moe-gen": {"moe-gen-c1", "moe-gen-c2"}, "hybrimoe": {"hybrimoe-a6000"},
-            "ktransformers": {"ktransformers-a100"}}  # fmt: skip
+            "ktransformers": {"ktransformers-a100"}, "fate": {"fate-1080ti"}}  # fmt: skip
 
 
 def shrunk(setting: Setting) -> Setting:
@@ -42,6 +42,27 @@ def test_derived_numbers_match_the_figures_the_papers_quote() -> None:
     assert table["kTransformers"] / table["HybriMoE"] == pytest.approx(N.HYBRIMOE_TABLE3_SPEEDUP, abs=0.06)
     low, high = N.KTRANSFORMERS_OVER_EXISTING["decode"]
     assert low < high
+    # Fate's abstract: EAP is the stronger baseline in both phases, so Fate's lead over it is smaller
+    assert all(N.FATE_OVER_EAP[p] < N.FATE_OVER_ON_DEMAND[p] for p in ("prefill", "decode"))
+
+
+def test_fate_settings_say_what_they_cannot_run() -> None:
+    """Fate's settings compare against `on-demand` only, on the 11 GB 1080 Ti, and their notes name
+    the EAP baseline and the INT2/INT4 quantization flowmoe does not model."""
+    every = settings("fate")
+    assert {s.where for s in every} == {f"{N.FATE}, abstract"} and len(every) == 2
+    for setting in every:
+        assert "EAP" in setting.note and "INT2/INT4" in setting.note
+        assert {s.scheduler for s in setting.systems} == {"fate", "on-demand"}
+        (speedup,) = setting.speedups
+        assert speedup.published in N.FATE_OVER_ON_DEMAND.values()
+    assert hardware("fate-1080ti").gpu_memory == 11 * 2**30
+
+
+def test_fate_quantization_row_copies_less() -> None:
+    """The FP8 row halves what crosses the link, so on the copy-bound 1080 Ti it runs faster."""
+    rows = {r["system"]: r["simulated"] for r in run_setting(shrunk(settings("fate", quick=True)[0]))["rows"]}
+    assert rows["Fate, FP8 experts"] > rows["Fate"] > 0
 
 
 def test_every_setting_cites_its_source_and_runs_on_the_papers_machine() -> None:

@@ -600,6 +600,21 @@ PRESETS.update({
     "hybrimoe-a6000": machine("hybrimoe-a6000", A6000, HYBRIMOE_HOST, GEN3),
     "ktransformers-a100": machine("ktransformers-a100", A100_40, KTRANSFORMERS_HOST, GEN4),
 })  # fmt: skip
+GTX1080TI = Gpu(
+    "GTX 1080 Ti",
+    11.34e12,
+    11.34e12,
+    484 * GB,
+    11 * GiB,
+    GDDR,
+    LARGE,
+    "NVIDIA GeForce GTX 1080 Ti specifications: 3584 CUDA cores at 1582 MHz boost = 11.34 TFLOPS fp32, "
+    "484 GB/s GDDR5X, 11 GB, PCIe 3.0 x16; Pascal GP102 has no tensor cores and runs fp16 at 1/64 "
+    "rate, so half-precision GEMMs are taken at the fp32 peak (cuBLAS with fp32 compute)",
+)
+# Fate (arXiv 2502.12224): the 11 GB RTX 1080 Ti its introduction names as the edge GPU; its host is not
+# at hand, so the assumed desktop DDR4 host stands in.
+PRESETS["fate-1080ti"] = machine("fate-1080ti", GTX1080TI, DESKTOP_DDR4, GEN3)
 ALIASES = {"moe-lightning-s1": "t4", "moe-lightning-s2": "l4", "moe-lightning-s6": "2xt4",
            "moe-lightning-s7": "4xt4"}  # fmt: skip
 PRESETS.update({alias: evolve(PRESETS[target], name=alias) for alias, target in ALIASES.items()})

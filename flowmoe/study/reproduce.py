@@ -33,7 +33,7 @@ from flowmoe.study.best_policy import Given, best_policy, describe_policy
 from flowmoe.study.sim_report import SimulationResult
 from flowmoe.study.simulate import Setup, Simulation
 
-SUCCESSORS = ("moe-gen", "hybrimoe", "ktransformers")  # their settings: reproduce_successors
+SUCCESSORS = ("moe-gen", "hybrimoe", "ktransformers", "fate")  # their settings: reproduce_successors
 PAPERS = ("moe-lightning", "klotski", "lru-cache", "pre-gated", "fiddler", *SUCCESSORS)
 ROUTING = RoutingModel(skew=0.5, correlation=0.3)  # flowmoe's defaults (`flowmoe simulate`)
 MTBENCH_REQUESTS = 3072  # the artifact's MTBench runs processed ~3,100 requests (time x tok/s / gen)

@@ -1,16 +1,17 @@
-"""`flowmoe reproduce moe-gen | hybrimoe | ktransformers`: the successor papers' published numbers next
-to the simulator's, in `reproduce`'s Setting / System structure, on the hardware presets of the papers'
-machines (`moe-gen-c1/c2`, `hybrimoe-a6000`, `ktransformers-a100`). Every compared number is in
-`successor_numbers` with its table or section.
+"""`flowmoe reproduce moe-gen | hybrimoe | ktransformers | fate`: the successor papers' published numbers
+next to the simulator's, in `reproduce`'s Setting / System structure, on the hardware presets of the
+papers' machines (`moe-gen-c1/c2`, `hybrimoe-a6000`, `ktransformers-a100`, `fate-1080ti`). Every compared
+number is in `successor_numbers` with its table or section.
 
 Stand-ins: MoE-Gen(G) -> `moe-gen` (attention on the GPU), MoE-Gen(H) -> `moe-gen --attention-on cpu`,
 DeepSpeed-Inference -> `prefetch-all` (one micro-batch), FlexGen* -> `flexgen`, MoE-Lightning* ->
 `cgopipe`; kTransformers -> `ktransformers` at the cache ratio (that share of the MoE layers' experts
 on the GPU), HybriMoE -> `hybrimoe` at the cache ratio; Fiddler -> `fiddler`; KTransformers' Expert
-Deferral -> `ktransformers --defer-experts 2`. Where a paper gives no policy, each system runs the
-best policy that fits its scheduler (`best_policy`). Metrics: MoE-Gen's decoding throughput = the
-tokens of the decode steps / their time; prefill throughput = prompt tokens / prefill time (Table 7);
-HybriMoE's time between tokens as its inverse (decode tokens/s at batch 1), TTFT as prefill tokens/s.
+Deferral -> `ktransformers --defer-experts 2`; Fate -> `fate`, Load on Demand -> `on-demand`. Where a
+paper gives no policy, each system runs the best policy that fits its scheduler (`best_policy`).
+Metrics: MoE-Gen's decoding throughput = the tokens of the decode steps / their time; prefill
+throughput = prompt tokens / prefill time (Table 7); HybriMoE's time between tokens as its inverse
+(decode tokens/s at batch 1), TTFT as prefill tokens/s.
 """
 
 from __future__ import annotations
@@ -267,8 +268,50 @@ def _deferral(spec: ModelSpec, model: str) -> Setting:
     )
 
 
+# Fate ---------------------------------------------------------------------------------------------
+
+FATE_WORKS = {"decode": ("fixed:128:32", 32), "prefill": ("fixed:512:2", 2)}  # assumed: lengths not at hand
+FATE_NOTE = (
+    "the published figure is a maximum ('up to') over Fate's models and memory budgets; batch 1; each "
+    "system at its best policy that fits the 11 GB GPU; Load on Demand = `on-demand`; the EAP baseline "
+    "has no stand-in (no flowmoe scheduler prefetches from expert activation paths); not modelled: "
+    "Fate's popularity-aware INT2/INT4 hybrid quantization of the copied experts (here every expert "
+    "crosses the link at the checkpoint's bf16, so Fate's copies are 4-8x larger than the paper's; the "
+    "'FP8 experts' row, copies half as large, shows its direction); "
+    "machine: the RTX 1080 Ti its introduction names, on an assumed desktop host (its host not at hand)"
+)
+
+
+def fate(quick: bool) -> Iterator[Setting]:
+    spec = preset(N.FATE_MODEL)
+    for phase, (work, gen) in FATE_WORKS.items():
+        if quick and phase != "decode":
+            continue
+        metric = DECODE if phase == "decode" else PREFILL
+        setup = _setup(spec, "fate-1080ti", work, gen, samples=4 if gen > 2 else 1)
+        at = Given(batch_size=1)
+        systems = (
+            System("Fate", "fate", setup, None, given=at, metric=metric),
+            System("Load on Demand", "on-demand", setup, None, given=at, metric=metric),
+        )
+        # the direction of the quantization left out: FP8, flowmoe's nearest format to INT4 (half of bf16)
+        fp8 = Given(batch_size=1, expert_format=HYBRID_EXPERTS)
+        systems += (System("Fate, FP8 experts", "fate", setup, None, given=fp8, metric=metric),)
+        if phase == "decode" and not quick:
+            systems += (System("Fate (cache)", "fate", setup, N.FATE_HIT, given=at, metric="hit rate"),)
+        yield Setting(
+            "fate",
+            f"{N.FATE_MODEL} {phase}, batch 1 @ GTX 1080 Ti",
+            f"{N.FATE}, abstract",
+            systems,
+            (Speedup("Fate", "Load on Demand", N.FATE_OVER_ON_DEMAND[phase]),),
+            f"{work} (assumed); {FATE_NOTE}",
+        )
+
+
 SUCCESSOR_BUILDERS: dict[str, Callable[[bool], Iterator[Setting]]] = {
     "moe-gen": moe_gen,
     "hybrimoe": hybrimoe,
     "ktransformers": ktransformers,
+    "fate": fate,
 }

@@ -8,7 +8,8 @@ stand-in: continuous batching, whole layers on the CPU); HybriMoE's Figs. 7 and 
 per-cache-ratio bars, no figures in the text) and its llama.cpp and AdapMoE baselines; KTransformers'
 per-model figures (Figs. only); Fate's figures
 (its evaluation text was not at hand: machines, models and memory budgets unknown; the abstract gives
-only maxima over them, "up to 4.5x prefill and 4.1x decode over Load on Demand, 1.9x / 2.2x over EAP").
+only maxima over them, "up to 4.5x prefill and 4.1x decode over Load on Demand, 1.9x / 2.2x over EAP"),
+and its EAP baseline (no flowmoe scheduler predicts from expert activation paths).
 """
 
 from __future__ import annotations
@@ -68,3 +69,14 @@ KTRANSFORMERS_MODELS = ("deepseek-v3", "qwen2-57b-a14b")  # DeepSeek-V2.5 has no
 # Abstract: Expert Deferral "yields up to 1.45x additional throughput beyond the aforementioned
 # optimizations, with an average model accuracy drop of no more than 0.5%".
 KTRANSFORMERS_DEFERRAL = 1.45
+
+FATE = "Fate (Fang et al., arXiv 2502.12224)"
+# Abstract: "compared to Load on Demand and Expert Activation Path-based method, Fate achieves up to 4.5x
+# and 1.9x speedups in prefill speed and up to 4.1x and 2.2x speedups in decoding speed, respectively";
+# maxima over its models (Qwen1.5-MoE, DeepSeekMoE) and memory budgets. Only the Load on Demand pair
+# has a flowmoe stand-in.
+FATE_OVER_ON_DEMAND = {"prefill": 4.5, "decode": 4.1}
+FATE_OVER_EAP = {"prefill": 1.9, "decode": 2.2}
+# Abstract: the shallow-favouring cache "increases the expert hit rate to 99%".
+FATE_HIT = 0.99
+FATE_MODEL = "qwen1.5-moe-a2.7b"  # DeepSeekMoE 16B has no preset
