@@ -562,7 +562,7 @@ PRESETS: dict[str, HardwareSpec] = {
     "rtx4090": machine("rtx4090", RTX4090, DESKTOP_DDR5, GEN4),
     "rtx5090": machine("rtx5090", RTX5090, DESKTOP_DDR5, GEN5),
 }
-# The successor papers' machines (`flowmoe reproduce moe-gen | hybrimoe | ktransformers`).
+# The successor papers' machines (`flowmoe reproduce moe-gen | hybrimoe | ktransformers | fate`).
 MOE_GEN_C1 = Host(
     "MoE-Gen Table 3 (C1; C2 the same with 512 GB): AMD EPYC 7453, 28 cores at 2.75 GHz (Zen 3 AVX2, x 32 = "
     "2.46 TFLOP/s), 8 x DDR4-3200 = 204.8 GB/s, 256 GB; Fig. 3: the A5000 over PCIe 4.0",
