@@ -7,6 +7,7 @@ output) or by a recorded routing trace alike.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import StrEnum
 
 from attrs import frozen
@@ -112,6 +113,14 @@ class RoutingRequest:
     defer: int = 0
 
 
+def deferred_by_rank(ranks: Iterable[tuple[int, int]], keep: int) -> tuple[int, ...]:
+    """Experts no token places among its `keep` heaviest, from (expert, best rank) pairs: what
+    KTransformers' Expert Deferral defers when it keeps `keep` = top_k - K experts of each token
+    (kt-kernel's rule: an expert one token keeps runs at once for all its tokens). The one rule the
+    scheduler, the runtime and the eager reference (MoEModel.deferred_experts) share."""
+    return tuple(e for e, rank in ranks if rank >= keep)
+
+
 @frozen
 class ExpertCounts:
     """The answer to a RoutingRequest: tokens routed to each expert with any, ascending."""
@@ -131,10 +140,8 @@ class ExpertCounts:
         return tuple(e for e, _ in self.counts)
 
     def deferrable(self, keep: int) -> tuple[int, ...]:
-        """Experts no token places among its `keep` heaviest: what KTransformers' Expert Deferral
-        defers when it keeps `keep` = top_k - K experts of each token (kt-kernel's rule: an expert one
-        token keeps runs at once for all its tokens)."""
-        return tuple(e for e, rank in self.ranks if rank >= keep)
+        """Expert Deferral's choice from this answer's ranks (`deferred_by_rank`)."""
+        return deferred_by_rank(self.ranks, keep)
 
     def tokens(self, expert: int) -> int:
         return dict(self.counts).get(expert, 0)

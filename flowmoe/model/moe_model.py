@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from attrs import define, frozen
 
+from flowmoe.core.plan import deferred_by_rank
 from flowmoe.core.spec import ModelSpec
 from flowmoe.kernels.attention import attend
 from flowmoe.kernels.experts import swiglu_ffn, swiglu_ffn_group
@@ -230,8 +231,7 @@ class MoEModel:
         places among its top_k - `defer` heaviest (ties: the earlier slot first); none for 0."""
         if not defer:
             return frozenset()
-        keep = self.spec.moe.top_k - defer
-        return frozenset(e for e, rank in expert_ranks(routing).items() if rank >= keep)
+        return frozenset(deferred_by_rank(expert_ranks(routing).items(), self.spec.moe.top_k - defer))
 
     def logits(
         self, hidden: torch.Tensor, norm: torch.Tensor | None = None, head: torch.Tensor | None = None
