@@ -123,18 +123,25 @@ def layer_tail(
 
 
 def cpu_experts(
-    f: NodeFactory, layer: int, mb: MicroBatchShape, gate: int, counts: Sequence[tuple[int, int]]
+    f: NodeFactory,
+    layer: int,
+    mb: MicroBatchShape,
+    gate: int,
+    counts: Sequence[tuple[int, int]],
+    offload: TaskNode | None = None,
 ) -> list[TaskNode]:
-    """Experts computed on the CPU: HIDDEN_OFFLOAD, one EXPERT_FFN per (expert, tokens) on
-    cpu.compute, then one EXPERT_LOAD of every output (the last node). Empty if `counts` is."""
+    """Experts computed on the CPU: HIDDEN_OFFLOAD (unless `offload`, one already emitted, brings
+    the hidden states), one EXPERT_FFN per (expert, tokens) on cpu.compute, then one EXPERT_LOAD of
+    every output (the last node). Empty if `counts` is."""
     if not counts:
         return []
-    offload = f.node(Op.HIDDEN_OFFLOAD, Lane.GPU_D2H, layer, mb, deps=[gate])
+    fresh = [] if offload else [f.node(Op.HIDDEN_OFFLOAD, Lane.GPU_D2H, layer, mb, deps=[gate])]
+    source = offload or fresh[0]
     ffns = [
-        f.node(Op.EXPERT_FFN, Lane.CPU_COMPUTE, layer, mb, e, deps=[offload.id], tokens=n) for e, n in counts
+        f.node(Op.EXPERT_FFN, Lane.CPU_COMPUTE, layer, mb, e, deps=[source.id], tokens=n) for e, n in counts
     ]
     load = f.node(Op.EXPERT_LOAD, Lane.GPU_H2D, layer, mb, deps=[ffn.id for ffn in ffns])
-    return [offload, *ffns, load]
+    return [*fresh, *ffns, load]
 
 
 def gate_and_route(f: NodeFactory, layer: int, mb: MicroBatchShape, post: int, defer: int = 0) -> PlanStream:

@@ -124,16 +124,10 @@ class KTransformersScheduler:
         on_cpu = cpu_experts(f, layer, mb, gate, [(e, n) for e, n in counts.counts if e not in later])
         yield from on_cpu
         if later:  # after the kept experts on the CPU lane; the next layer's combine waits for them
-            offload = on_cpu[0] if on_cpu else f.node(Op.HIDDEN_OFFLOAD, Lane.GPU_D2H, layer, mb, deps=[gate])
-            ffns = [
-                f.node(Op.EXPERT_FFN, Lane.CPU_COMPUTE, layer, mb, e, deps=[offload.id], tokens=n)
-                for e, n in counts.counts
-                if e in later
-            ]
-            load = f.node(Op.EXPERT_LOAD, Lane.GPU_H2D, layer, mb, deps=[n.id for n in ffns])
-            yield from ([] if on_cpu else [offload])
-            yield from [*ffns, load]
-            self._carried[mb.index] = load.id
+            deferred = [(e, n) for e, n in counts.counts if e in later]
+            nodes = cpu_experts(f, layer, mb, gate, deferred, offload=on_cpu[0] if on_cpu else None)
+            yield from nodes
+            self._carried[mb.index] = nodes[-1].id
         return ([on_cpu[-1].id] if on_cpu else []) + carried
 
     def _deferred(self, counts: ExpertCounts, defer: int) -> tuple[int, ...]:
