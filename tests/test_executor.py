@@ -262,6 +262,25 @@ def test_a_worker_that_cannot_start_a_node_fails_the_run() -> None:
         asyncio.run(_drain_with(executor, _mixed(20)))
 
 
+class _Interrupted(_Refusing):
+    """Ctrl-C arrives while node 5 is handed to its worker."""
+
+    def start(self, node: TaskNode, action, finish) -> None:
+        if node.id == 5:
+            raise KeyboardInterrupt
+        self._inline.start(node, action, finish)
+
+
+def test_an_interrupt_while_a_node_starts_fails_the_run_and_goes_on() -> None:
+    """The run is failed (nothing waits on it) and the interrupt, not a NodeFailed, leaves the loop:
+    the command exits as interrupted (130), not with an error line."""
+    executor = Executor(dict.fromkeys(Lane, _Interrupted()))
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(_drain_with(executor, _mixed(20)))
+    with pytest.raises(NodeFailed, match=r"\(node 5\) could not start: KeyboardInterrupt"):
+        executor.submit(TaskNode(99, Op.GATE, Lane.GPU_COMPUTE))
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     return load_model(save_hf(hf_model("mixtral"), tmp_path_factory.mktemp("executor") / "mixtral"))

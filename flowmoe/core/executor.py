@@ -262,13 +262,16 @@ class Executor:
 
     def _crash(self, node: TaskNode, error: BaseException, what: str, claimed: list[Start]) -> None:
         """The executor itself failed around `node`: release the lanes claimed for nodes that will
-        not start, fail the run naming `node`, wake every waiter."""
+        not start, fail the run naming `node`, wake every waiter. An interrupt (Ctrl-C, raised on
+        the main thread wherever it was) then goes on, so the command ends as interrupted."""
         with self._lock:
             self._busy.discard(node.lane)  # whatever ran (or was to run) `node` holds its lane no more
             for claimed_node, _ in claimed:
                 self._busy.discard(claimed_node.lane)
             self._fail(node, error, what)
             self._wake()
+        if not isinstance(error, Exception):
+            raise error
 
     def _fail(self, node: TaskNode, error: BaseException, what: str = "failed") -> None:
         if self._error is None:
