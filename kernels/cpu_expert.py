@@ -9,85 +9,33 @@ it is in L1, and fuses the gate/up projections with the activation (no [n, 2I] i
 Its sums run in a fixed order per output element whatever the number of rows, so an expert gives
 its rows the same result however a schedule splits them. Numbers: bench/RESULTS.md (issue 15).
 
-The library is compiled with the host's C compiler (`$CC`, else `cc`) for the host's CPU
-(-march=native, OpenMP linked against the libgomp torch has loaded, so both share one pool of
-worker threads) into `$XDG_CACHE_HOME/flowmoe/` (default ~/.cache/flowmoe/), once per source
-and CPU. Without a compiler, on a non-x86 host or with FLOWMOE_CPU_KERNELS=0 every caller takes
-torch's path instead.
+The C source is built with the others of this folder by `native.library()`; without it (no
+compiler, a non-x86 host, FLOWMOE_CPU_KERNELS=0) every caller takes torch's path instead.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from importlib import resources
-from pathlib import Path
 
-import structlog
 import torch
 
 from flowmoe.core.spec import MoESpec
-
-log = structlog.get_logger(__name__)
+from flowmoe.kernels import native
 
 # (gate_up [2I, hidden], down [hidden, I], gate_up_bias [2I] | None, down_bias [hidden] | None)
 FFN = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 MAX_ROWS = 32  # beyond this many rows the GEMM is compute-bound and MKL's blocking wins
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _PP, _PI = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int)
 
 
-def _cpu_id() -> str:
-    """The CPU's model and flags (what -march=native compiles for)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    lines = text.splitlines(keepends=True)
-    return "".join(line for line in lines if line.startswith(("model name", "flags")))
-
-
-def _build(source: bytes, compiler: str, target: Path) -> None:
-    """Compile into a temporary file beside `target`, then move it in (atomic for concurrent builds)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, out = Path(tmp) / "cpu_expert.c", Path(tmp) / target.name
-        src.write_bytes(source)
-        subprocess.run([compiler, *_FLAGS, str(src), "-o", str(out), "-lm"], check=True, capture_output=True)
-        os.replace(out, target)
-
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None where they cannot be built here (logged once)."""
-    if os.environ.get("FLOWMOE_CPU_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        log.info("cpu_kernels.unavailable", reason="no C compiler")
-        return None
-    source = resources.files("flowmoe.kernels").joinpath("cpu_expert.c").read_bytes()
-    parts = [source, compiler.encode(), " ".join(_FLAGS).encode(), _cpu_id().encode()]
-    key = hashlib.sha256(b"\0".join(parts))
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flowmoe"
-    target = cache / f"cpu_expert-{key.hexdigest()[:16]}.so"
-    try:
-        if not target.exists():
-            _build(source, compiler, target)
-        lib = ctypes.CDLL(str(target))
-    except subprocess.CalledProcessError as e:
-        log.warning("cpu_kernels.unavailable", reason=e.stderr.decode(errors="replace")[-500:])
-        return None
-    except OSError as e:
-        log.warning("cpu_kernels.unavailable", reason=str(e))
+    """The compiled kernels with this module's functions declared, or None (see native.library)."""
+    lib = native.library()
+    if lib is None:
         return None
     lib.flowmoe_linear.argtypes = [_P, _L, _I, _L, _P, _I, _L, _P, _P, _L, _I]
     lib.flowmoe_linear.restype = None

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowmoe.core.spec import MoESpec
-from flowmoe.kernels import cpu_expert
+from flowmoe.kernels import cpu_expert, native
 from flowmoe.kernels.experts import swiglu_ffn, swiglu_ffn_group, swiglu_ffn_torch
 from flowmoe.kernels.linear import linear
 from tests.helpers import rel_err
@@ -178,8 +178,8 @@ def test_without_a_compiler_torch_computes_it(monkeypatch: pytest.MonkeyPatch, t
     """A failed build leaves the kernels off (one log line) and every caller on torch's path."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    monkeypatch.setattr(cpu_expert.shutil, "which", lambda name: "/bin/false" if name == "false" else None)
-    assert cpu_expert.library.__wrapped__() is None
+    monkeypatch.setattr(native.shutil, "which", lambda name: "/bin/false" if name == "false" else None)
+    assert native.library.__wrapped__() is None
     assert not any(tmp_path.rglob("*.so"))  # nothing half-written into the cache
     monkeypatch.setattr(cpu_expert, "library", lambda: None)
     generator = torch.Generator().manual_seed(5)
@@ -193,9 +193,9 @@ def test_without_a_compiler_torch_computes_it(monkeypatch: pytest.MonkeyPatch, t
 @compiled
 def test_build_is_cached_per_source_and_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert cpu_expert.library.__wrapped__() is not None
-    built = list((tmp_path / "flowmoe").glob("cpu_expert-*.so"))
+    assert native.library.__wrapped__() is not None
+    built = list((tmp_path / "flowmoe").glob("kernels-*.so"))
     assert len(built) == 1 and list(tmp_path.rglob("*")) == [tmp_path / "flowmoe", built[0]]
     stamp = built[0].stat().st_mtime_ns
-    assert cpu_expert.library.__wrapped__() is not None  # found, not rebuilt
+    assert native.library.__wrapped__() is not None  # found, not rebuilt
     assert built[0].stat().st_mtime_ns == stamp

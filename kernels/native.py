@@ -1,0 +1,84 @@
+"""flowmoe's C kernels (every `*.c` of this folder), built into one shared library on first use.
+
+The library is compiled with the host's C compiler (`$CC`, else `cc`) for the host's CPU
+(-march=native, OpenMP linked against the libgomp torch has loaded, so both share one pool of
+worker threads) into `$XDG_CACHE_HOME/flowmoe/` (default ~/.cache/flowmoe/), once per source,
+compiler and CPU. Without a compiler, on a non-x86 host or with FLOWMOE_CPU_KERNELS=0 there is no
+library and every caller takes torch's path. Each wrapper module declares its own functions'
+argument types on the library it gets from here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+
+
+def _cpu_id() -> str:
+    """The CPU's model and flags (what -march=native compiles for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = text.splitlines(keepends=True)
+    return "".join(line for line in lines if line.startswith(("model name", "flags")))
+
+
+def sources() -> dict[str, bytes]:
+    """Every C source of flowmoe.kernels, by file name."""
+    folder = resources.files("flowmoe.kernels")
+    files = sorted((f for f in folder.iterdir() if f.name.endswith(".c")), key=lambda f: f.name)
+    return {f.name: f.read_bytes() for f in files}
+
+
+def _build(files: dict[str, bytes], compiler: str, target: Path) -> None:
+    """Compile into a temporary file beside `target`, then move it in (atomic for concurrent builds)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        paths = []
+        for name, text in files.items():
+            (Path(tmp) / name).write_bytes(text)
+            paths.append(str(Path(tmp) / name))
+        out = Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, *paths, "-o", str(out), "-lm"], check=True, capture_output=True)
+        os.replace(out, target)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they cannot be built here (logged once)."""
+    if os.environ.get("FLOWMOE_CPU_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        log.info("cpu_kernels.unavailable", reason="no C compiler")
+        return None
+    files = sources()
+    parts = [name.encode() + b"\0" + text for name, text in files.items()]
+    parts += [compiler.encode(), " ".join(FLAGS).encode(), _cpu_id().encode()]
+    key = hashlib.sha256(b"\0".join(parts))
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flowmoe"
+    target = cache / f"kernels-{key.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            _build(files, compiler, target)
+        return ctypes.CDLL(str(target))
+    except subprocess.CalledProcessError as e:
+        log.warning("cpu_kernels.unavailable", reason=e.stderr.decode(errors="replace")[-500:])
+    except OSError as e:
+        log.warning("cpu_kernels.unavailable", reason=str(e))
+    return None
