@@ -28,10 +28,11 @@ from flowmoe.core.plan import RoutingRequest, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.scheduling import NodeFactory, Residency, SchedulerContext
 from flowmoe.devices.factory import make_workers
+from flowmoe.model.arena import ALIGN
 from flowmoe.model.loading import load_model
 from flowmoe.runtime.actions import PendingRouting, StepState
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
-from flowmoe.runtime.pinned import ALIGN, pin_layers
+from flowmoe.runtime.pinned import pin_layers
 from flowmoe.runtime.runner import Runtime, cap_allocator
 from flowmoe.schedulers.registry import available, create
 from flowmoe.traces.trace import Trace

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.presets import PRESETS, preset
+from flowmoe.model.arena import layer_arena, top_arena
 from flowmoe.model.checkpoint import Checkpoint
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.random_weights import RandomSource
@@ -52,6 +53,7 @@ def keep_fp8_experts(model: MoEModel, folder: str | Path) -> None:
         for layer, lw in enumerate(model.weights.layers):
             if lw.experts:
                 lw.fp8_experts = ckpt.fp8_experts(layer)
+                layer_arena(lw)  # packed again with its FP8 copies
     finally:
         ckpt.close()
 
@@ -60,7 +62,11 @@ def _assemble(source: TensorSource, spec, progress: Progress | None) -> MoEModel
     tensor_map = TensorMap.for_spec(spec)
     layers = []
     for layer in range(spec.layers):
-        layers.append(tensor_map.load_layer(layer, source))
+        lw = tensor_map.load_layer(layer, source)
+        layer_arena(lw)  # the loaded tensors are freed as their copies take their place
+        layers.append(lw)
         if progress is not None:
             progress(layer + 1, spec.layers)
-    return MoEModel.build(spec, tensor_map.load_top(source, layers))
+    weights = tensor_map.load_top(source, layers)
+    top_arena(weights)
+    return MoEModel.build(spec, weights)

@@ -1,0 +1,88 @@
+"""Host weights in one arena per layer, and host buffers on transparent huge pages."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from attrs import fields
+
+from flowmoe.kernels.host_memory import HUGE_PAGE, huge_empty, huge_zeros
+from flowmoe.model.arena import ALIGN, arena_of
+from flowmoe.model.loading import load_model
+from flowmoe.model.weights import AttentionWeights
+from tests.hf_models import hf_model, save_hf
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_mode() -> str | None:
+    try:
+        return re.search(r"\[(\w+)\]", THP.read_text()).group(1)
+    except (OSError, AttributeError):
+        return None
+
+
+def _huge_kib(tensor: torch.Tensor) -> int:
+    """AnonHugePages (KiB) of the mapping that holds `tensor` (/proc/self/smaps)."""
+    address, lines = tensor.data_ptr(), Path("/proc/self/smaps").read_text().splitlines()
+    inside = False
+    for line in lines:
+        span = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if span:
+            inside = int(span.group(1), 16) <= address < int(span.group(2), 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_a_large_buffer_starts_on_a_huge_page_and_gets_huge_pages() -> None:
+    buffer = huge_empty(3 * HUGE_PAGE)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 3 * HUGE_PAGE
+    assert buffer.data_ptr() % HUGE_PAGE == 0
+    buffer.fill_(7)  # first touch allocates the pages
+    assert int(buffer[-1]) == 7
+    if _thp_mode() not in ("madvise", "always"):
+        pytest.skip(f"transparent huge pages are {_thp_mode()!r} here")
+    assert _huge_kib(buffer) >= HUGE_PAGE // 1024  # at least one huge page (the OS may split some)
+
+
+def test_small_buffers_and_the_switch_give_ordinary_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert huge_empty(1000).numel() == 1000
+    monkeypatch.setenv("FLOWMOE_HUGE_PAGES", "0")
+    buffer = huge_empty(3 * HUGE_PAGE)
+    assert buffer.numel() == 3 * HUGE_PAGE and buffer.untyped_storage().nbytes() == 3 * HUGE_PAGE
+
+
+def test_huge_zeros_is_zeros() -> None:
+    z = huge_zeros((3, 1024, 700), torch.bfloat16)
+    assert z.shape == (3, 1024, 700) and z.dtype == torch.bfloat16 and not z.any()
+
+
+def test_loaded_weights_live_in_one_arena_per_layer(mixtral_folder: Path) -> None:
+    model = load_model(mixtral_folder)
+    storages = set()
+    for lw in model.weights.layers:
+        arena = arena_of(lw)
+        assert arena is not None
+        tensors = [getattr(lw.attn, f.name) for f in fields(AttentionWeights)]
+        tensors += [t for ffn in lw.experts for t in ffn.tensors()] + [lw.router]
+        for t in (t for t in tensors if t is not None):
+            assert t.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+            assert (t.data_ptr() - arena.data_ptr()) % ALIGN == 0
+        storages.add(arena.untyped_storage().data_ptr())
+    assert len(storages) == model.spec.layers
+    top = model.weights
+    assert top.embed.arena is top.final_norm.arena is top.lm_head.arena
+
+
+def test_a_tied_lm_head_stays_the_embedding(tmp_path: Path) -> None:
+    hf = hf_model("mixtral")
+    hf.config.tie_word_embeddings = True
+    hf.tie_weights()
+    model = load_model(save_hf(hf, tmp_path / "tied"))
+    assert model.spec.tie_embeddings
+    assert model.weights.lm_head is model.weights.embed
+    assert torch.equal(model.weights.embed, hf.model.embed_tokens.weight.detach())
