@@ -8,7 +8,10 @@ per (layer, micro-batch) (a real run's gates, a recorded trace), a pair seen in
 one micro-batch adds the tokens the two would share if independent within it,
 c_a * c_b / tokens. A profile (`popularity`) seeds every row of a layer with
 the next layer's popularity; the table keeps learning from every routing it
-sees, the first ones being the warm-up.
+sees, the first ones being the warm-up. The hot experts are picked as Klotski's
+code does (mindspore-lab/models research/SYSU/Klotski/mixtral/mixtral.py,
+`get_prefetch_expert_index`): each expert of the previous layer contributes its
+tokens to its top-k followers in the table, and the K most counted are hot.
 """
 
 from __future__ import annotations
@@ -25,14 +28,15 @@ from flowmoe.core.plan import ExpertCounts
 class CorrelationTable:
     layers: list[int]  # the MoE layers, in order
     experts: int
+    follow: int = 2  # a token's tendency: its expert's top-`follow` followers (the model's top-k)
     _table: dict[int, list[list[float]]] = field(factory=dict)  # layer -> [a][b] toward the next MoE layer
     _seen: dict[int, list[float]] = field(factory=dict)  # layer -> tokens per expert so far
 
     @classmethod
     def seeded(
-        cls, layers: list[int], experts: int, popularity: Sequence[Sequence[float]] | None
+        cls, layers: list[int], experts: int, popularity: Sequence[Sequence[float]] | None, follow: int = 2
     ) -> CorrelationTable:
-        table = cls(layers, experts)
+        table = cls(layers, experts, follow)
         for layer in layers:
             row = list(popularity[layer]) if popularity is not None else [0.0] * experts
             table._seen[layer] = row
@@ -58,16 +62,22 @@ class CorrelationTable:
 
     def hot(self, layer: int, before: Sequence[ExpertCounts], k: int, among: Sequence[int]) -> list[int]:
         """The k experts of `layer` (from `among`) most likely to follow the routing `before` of the
-        previous MoE layer (by popularity if there is none); ties to the lower id."""
+        previous MoE layer (by popularity if there is none); ties to the lower id. As Klotski's code
+        aggregates the tendencies (`get_prefetch_expert_index`): each previous expert's tokens count
+        once for each of its top-`follow` followers in the table (those seen at all), and the k most
+        counted are hot."""
         score = dict.fromkeys(among, 0.0)
         if before:
             rows = self._table[before[0].layer]
             for answer in before:
                 for a, na in answer.counts:
-                    total = sum(rows[a]) or 1.0
-                    for b in among:
-                        score[b] += na * rows[a][b] / total
+                    for b in self._followers(rows[a], among):
+                        score[b] += na
         else:
             for b in among:
                 score[b] = self._seen[layer][b]
         return sorted(sorted(among, key=lambda b: (-score[b], b))[:k])
+
+    def _followers(self, row: Sequence[float], among: Sequence[int]) -> list[int]:
+        ranked = sorted((b for b in among if row[b] > 0), key=lambda b: (-row[b], b))
+        return ranked[: self.follow]

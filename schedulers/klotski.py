@@ -7,26 +7,56 @@ layer's weights serves all n (§5). Per layer l, as Algorithm 1 orders it:
   (KV_LOAD, h2d) while batch k computes (line 14), attention runs on the GPU
   and this step's k, v go back to the CPU (KV_STORE, d2h, line 17). The K hot
   experts of an MoE layer are prefetched here, during the attention (§5, §6.2),
-  issued right after the second batch's cache load;
-- gate: after each batch's gate the cold experts it needs and nobody fetched
-  yet are copied, in arrival order ("real-time transfer", line 3);
+  issued right after the second-to-last batch's cache load;
+- gate layer, batch by batch: after each batch's gate the cold experts it needs
+  and nobody fetched yet are copied, in arrival order ("real-time transfer",
+  line 3);
 - expert layer: first the next layer's attention weights and its first
   batch's cache are issued (lines 4, 6); the GPU computes the hot experts
   first for every batch of the group, then the cold ones in arrival order,
   and evicts each expert after its last batch (a hot expert nobody routed to
   is evicted after the gates).
 
-Weights and cache (§6.1): the KV cache lives on the CPU (`kv_on_gpu` False);
-each layer's dense part (attention, router, shared experts: flowmoe copies
-them as one) is copied in during the previous layer's experts and evicted
-after the layer's last batch, into a buffer of two layers; `weights_gpu_share`
-of the experts (the most popular) stay resident.
+Barriers (Algorithm 1 line 18, and the host's reads of the routing): each
+layer ends in sync(load_weight_stream), and the host issues a layer's loads
+only when it gets there. So no gate starts before the layer's hot experts are
+in, and what the attention layer issues (the hot experts, the caches of batches
+1..n-1) waits for the layer before to end; the next layer's attention weights
+go out once the last gate's routing is read. The link idles while the GPU ends
+a layer, which is what computing the hot experts first shortens (§5). With
+every expert prefetched (`hot_experts` = E) this is the ablation's "+ Multi
+batches" (§3.2, Fig. 4(b): the whole MoE layer loads during the attention, the
+gates wait for all of it), with n = 1 its "simple pipeline" (§9.5).
+
+Weights and cache (§6.1): the KV cache lives on the CPU (`kv_on_gpu` False),
+in pageable memory (KV copies `pageable`): Klotski's cache is FlexGen's,
+allocated unpinned (Klotski's public code, mindspore-lab/models
+research/SYSU/Klotski/pytorch_backend.py, `init_cache_one_gpu_batch`: "disable
+pin_memory due to high memory overhead"). Its CPU weights are pinned "when
+sufficient CPU memory is available" (§6.1), else their copies are pageable
+(the context's `weights_pinned`). Each layer's dense part (attention, router,
+shared experts: flowmoe copies them as one) is copied in during the previous
+layer's experts and evicted after the layer's last batch, into a buffer of two
+layers; `weights_gpu_share` of the experts (the most popular) stay resident.
+
+Disk tier (§6.1), where host memory cannot hold the offloaded weights: the last
+layers are homed on disk and each is read into host memory a layer ahead
+(DISK_LOAD on disk.read) into a buffer of two such layers, on every pass.
+Klotski's code reads its disk tensors through the OS page cache (FlexGen's
+TorchDisk: `np.lib.format.open_memmap`), and Linux keeps nothing of a cyclic
+scan larger than the cache: a refaulting page is activated only if its refault
+distance fits the active list, "we don't act on pages that couldn't stay
+resident even if all the memory was available to the page cache"
+(mm/workingset.c, workingset_refault), so each disk-homed byte is evicted before
+its next use and read from disk every step.
 
 Prefetcher (§6.2): the hot experts of MoE layer l are the K (`hot_experts`,
-default top-k) best scored by a correlation table from the previous MoE
-layer's routing of the same batches (path length 1), seeded from the routing
-profile (`popularity`) and updated from every routing seen (the first steps
-are the warm-up); the first MoE layer's are the most popular so far.
+default top-k) most counted by a correlation table from the previous MoE
+layer's routing of the same batches (path length 1): each previous expert's
+tokens count for its top-k followers, as Klotski's code aggregates them. The
+table is seeded from the routing profile (`popularity`) and updated from every
+routing seen (the first steps are the warm-up); the first MoE layer's are the
+most popular so far.
 
 Planner (§7): the smallest n in 1..(micro-batches) meeting Eqs. (5)-(7) with
 the cost model's times, one batch's attention t_A and gate t_G, one expert's
@@ -47,10 +77,14 @@ them (synthetic routing), else from per-(layer, micro-batch) expert counts
 with tokens assumed independent within a micro-batch (a real run's gates and
 recorded traces hand the scheduler counts only); the hidden states stay on
 the GPU between layers (the paper moves them too; they are small next to the
-cache); there is no disk tier; the paper loads caches and weights on separate
-streams that share the link, flowmoe's one h2d lane runs them in that order
-instead. `--attention-on cpu` and `--ffn-on cpu` are refused: Klotski
-computes everything on the GPU.
+cache); the paper loads caches and weights on separate streams that share the
+link, flowmoe's one h2d lane runs them in that order instead (so the hot
+experts go behind the attention layer's cache loads, not beside them); the
+whole cache stays on the CPU (`kv_gpu_share` is not used; Klotski's code keeps
+the caches of as many layers on the GPU as its memory left allows); a disk
+layer is read whole (Klotski's code reads each tensor when it is copied).
+`--attention-on cpu` and `--ffn-on cpu` are refused: Klotski computes
+everything on the GPU.
 """
 
 from __future__ import annotations
@@ -58,7 +92,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import ClassVar
 
-from attrs import define, field
+from attrs import define, evolve, field
 
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import (
@@ -102,7 +136,7 @@ class KlotskiScheduler:
         offloaded = spec.moe.experts - round(policy.weights_gpu_share * spec.moe.experts)
         self.k = min(policy.hot_experts or spec.moe.top_k, offloaded)
         self.offloaded = offloaded
-        self.table = CorrelationTable.seeded(self.moe, spec.moe.experts, context.popularity)
+        self.table = CorrelationTable.seeded(self.moe, spec.moe.experts, context.popularity, spec.moe.top_k)
         self._cost = latency_model(context, self.name)
         self.on_disk = self._disk_layers(context.host_weight_bytes)
 
@@ -200,19 +234,22 @@ class _Group:
         self.dense: dict[int, int] = {}  # layer -> PAGE_COPY of its dense part
         self.kv: dict[tuple[int, int], int] = {}  # (layer, mb) -> KV_LOAD
         self.read: dict[int, int] = {}  # layer -> DISK_LOAD of its weights (disk-homed layers)
+        self.start: int | None = None  # the end of the layer before (the host's barrier)
+        self.pageable = not s.context.weights_pinned
 
     def run(self) -> PlanStream:
         routing: list[ExpertCounts] = []
         yield from self._disk_load(0)
-        yield from self._next_layer(0)
+        yield from self._next_layer(0, self.freed[-1] if self.freed else None)
         for layer in range(self.spec.layers):
+            self.start = self.freed[-1] if self.freed else None
             yield from self._disk_load(layer + 1)
             posts, gates = yield from self._attention(layer, routing)
             outputs: dict[int, list[int]] = {mb.index: [] for mb in self.group}
             if self.spec.is_moe_layer(layer):
                 routing = yield from self._moe(layer, gates, outputs, routing)
             elif layer + 1 < self.spec.layers:
-                yield from self._next_layer(layer + 1)
+                yield from self._next_layer(layer + 1, self.start)
             combines = []
             for mb in self.group:
                 tail = layer_tail(self.f, self.spec, layer, mb, posts[mb.index], outputs[mb.index])
@@ -237,40 +274,50 @@ class _Group:
         self.read[layer] = node.id
         yield node
 
-    def _next_layer(self, layer: int) -> Iterator[TaskNode]:
-        """Lines 4 and 6: the layer's dense weights and its first batch's cache. The dense buffer holds
-        two layers: the copy waits for the eviction before the layer in use (during layer l, that of
-        l - 1; at a group's start, before the previous group's last layer, that of the one before it)."""
+    def _next_layer(self, layer: int, issued: int | None) -> Iterator[TaskNode]:
+        """Lines 4 and 6: the layer's dense weights and its first batch's cache, issued when the host
+        gets there (`issued`: the end of the layer before, where no routing request holds the host
+        back). The dense buffer holds two layers:
+        the copy waits for the eviction before the layer in use (during layer l, that of l - 1; at a
+        group's start, before the previous group's last layer, that of the one before it)."""
         back = 2 if layer == 0 else 1
         room = self.freed[-back] if len(self.freed) >= back else None
-        copy = self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, deps=[room, self.read.get(layer)])
+        deps = [room, self.read.get(layer), issued]
+        copy = self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, deps=deps, pageable=self.pageable)
         self.dense[layer] = copy.id
         yield copy
-        yield self._kv_load(layer, self.group[0])
+        yield self._kv_load(layer, self.group[0], issued)
 
-    def _kv_load(self, layer: int, mb: MicroBatchShape) -> TaskNode:
-        node = self.f.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb)
+    def _kv_load(self, layer: int, mb: MicroBatchShape, issued: int | None) -> TaskNode:
+        """The cache is pageable: Klotski's CPU cache is FlexGen's, allocated unpinned."""
+        node = self.f.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb, deps=[issued], pageable=True)
         self.kv[(layer, mb.index)] = node.id
         return node
 
     def _attention(self, layer: int, before: list[ExpertCounts]) -> PlanStream:
-        """Batch by batch: the next batch's cache in, attention with the cache store, the gate; the hot
-        experts prefetched after the second batch's cache load. -> (POST_ATTN ids, GATE ids)."""
+        """Algorithm 1's attention layer, batch by batch: the next batch's cache in, attention with
+        the cache store; the hot experts prefetched behind the layer's last cache load. Then its gate
+        layer, batch by batch, once the hot experts are in (line 18's sync(load_weight_stream) ends
+        the attention layer). What the host issues here waits for the layer before to end (`start`).
+        -> (POST_ATTN ids, GATE ids)."""
         posts, gates = {}, {}
-        moe = self.spec.is_moe_layer(layer)
-        hot = self._predict(layer, before) if moe else []
+        hot = self._predict(layer, before) if self.spec.is_moe_layer(layer) else []
         for k, mb in enumerate(self.group):
             if k + 1 < len(self.group):
-                yield self._kv_load(layer, self.group[k + 1])
+                yield self._kv_load(layer, self.group[k + 1], self.start)
             if k == max(0, len(self.group) - 2):  # behind the layer's last cache load
-                yield from (self._copy(layer, e, None) for e in hot)
+                yield from (self._copy(layer, e, self.start) for e in hot)
             kv = self.kv.pop((layer, mb.index))
             nodes = offloaded_kv_attention(self.f, layer, mb, self.last[mb.index], kv, self.dense[layer])
+            nodes[2] = evolve(nodes[2], pageable=True)  # KV_STORE into the unpinned cache
             posts[mb.index] = nodes[-1].id
-            if moe:
-                nodes.append(self.f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[nodes[-1].id]))
-                gates[mb.index] = nodes[-1].id
             yield from nodes
+        if self.spec.is_moe_layer(layer):
+            synced = [self.copies[e] for e in hot]
+            for mb in self.group:
+                gate = self.f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[posts[mb.index], *synced])
+                gates[mb.index] = gate.id
+                yield gate
         return posts, gates
 
     def _moe(
@@ -293,7 +340,7 @@ class _Group:
                 yield self.f.node(Op.EVICT, Lane.GPU_COMPUTE, layer, expert=e, deps=[self.copies[e]])
         self.s.table.learn(before, routing)
         if layer + 1 < self.spec.layers:
-            yield from self._next_layer(layer + 1)
+            yield from self._next_layer(layer + 1, None)  # issued once the last gate's routing is read
         first = sorted(e for e in used if e in resident or e in hot)
         for e in first + cold:
             yield from self._ffns(layer, e, routing, gates, outputs, self.copies.get(e))
@@ -329,8 +376,9 @@ class _Group:
         return self.hot
 
     def _copy(self, layer: int, expert: int, after: int | None) -> TaskNode:
+        deps = [after, self.read.get(layer)]
         node = self.f.node(
-            Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=expert, deps=[after, self.read.get(layer)]
+            Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=expert, deps=deps, pageable=self.pageable
         )
         self.copies[expert] = node.id
         return node
