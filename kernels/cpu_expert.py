@@ -111,20 +111,22 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def swiglu_group(xs: list[torch.Tensor], ffns: list[FFN], moe: MoESpec) -> list[torch.Tensor]:
     """Expert FFNs in one call: xs[e] [n_e, hidden] through ffns[e] -> [n_e, hidden] each, in the
-    experts' dtype. Every (x, ffn) must `fits_ffn`, and all experts share one shape and dtype."""
+    experts' dtype (views of one output buffer). Every (x, ffn) must `fits_ffn`, and all experts
+    share one shape and dtype."""
     lib = library()
     assert lib is not None
     hidden, inter = ffns[0][1].shape
     rows = [x.float().contiguous() for x in xs]
-    acts = [torch.empty(r.shape[0], inter) for r in rows]  # [n_e, I] each
-    outs = [torch.empty(r.shape[0], hidden) for r in rows]  # [n_e, hidden] each
+    counts = [r.shape[0] for r in rows]
+    acts = torch.empty(sum(counts), inter)  # [sum n_e, I]
+    outs = torch.empty(sum(counts), hidden)  # [sum n_e, hidden]
+    starts = [sum(counts[:e]) for e in range(len(counts))]
     gate_up_biases = [b.float().contiguous() if b is not None else None for _, _, b, _ in ffns]
     down_biases = [b.float().contiguous() if b is not None else None for _, _, _, b in ffns]
-    counts = (ctypes.c_int * len(rows))(*(r.shape[0] for r in rows))
     lib.flowmoe_ffn_group(
         len(rows),
         _array([r.data_ptr() for r in rows]),
-        counts,
+        (ctypes.c_int * len(rows))(*counts),
         hidden,
         inter,
         _array([f[0].data_ptr() for f in ffns]),
@@ -135,8 +137,8 @@ def swiglu_group(xs: list[torch.Tensor], ffns: list[FFN], moe: MoESpec) -> list[
         int(moe.activation == "clamped_swiglu"),
         moe.swiglu_alpha,
         moe.swiglu_limit,
-        _array([a.data_ptr() for a in acts]),
-        _array([o.data_ptr() for o in outs]),
+        _array([acts.data_ptr() + start * inter * 4 for start in starts]),
+        _array([outs.data_ptr() + start * hidden * 4 for start in starts]),
         torch.get_num_threads(),
     )
-    return [o.to(x.dtype) for o, x in zip(outs, xs, strict=True)]
+    return list(outs.to(xs[0].dtype).split(counts))

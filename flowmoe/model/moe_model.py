@@ -171,19 +171,19 @@ class MoEModel:
         """The scaled outputs of routed experts for their tokens, in one kernel call where the CPU
         kernels take them (one dispatch per layer at decode, not one per expert): expert -> [n_e,
         hidden] on x's device (the routing may live on another device when experts run on the CPU)."""
-        xs, scales = [], []
-        for expert in ffns:
-            rows = routing.tokens[expert].to(x.device)
-            scale = routing.scales[expert].to(x.device)[:, None]  # [n_e, 1]
-            # Llama 4 scales the expert's input, the others its output
-            xs.append(x[rows] * scale.to(x.dtype) if self.spec.moe.scale_input else x[rows])
-            scales.append(scale)
+        if not ffns:
+            return {}
+        counts = [routing.tokens[e].numel() for e in ffns]
+        rows = torch.cat([routing.tokens[e] for e in ffns]).to(x.device)  # [sum n_e]
+        scales = torch.cat([routing.scales[e] for e in ffns]).to(x.device)[:, None]  # [sum n_e, 1]
+        gathered = x[rows]  # [sum n_e, hidden]: every expert's rows in one gather
+        if self.spec.moe.scale_input:  # Llama 4 scales the expert's input, the others its output
+            gathered = gathered * scales.to(x.dtype)
         weights = [(f.gate_up, f.down, f.gate_up_bias, f.down_bias) for f in ffns.values()]
-        outs = swiglu_ffn_group(xs, weights, self.spec.moe)
-        if self.spec.moe.scale_input:
-            return dict(zip(ffns, outs, strict=True))
-        # float32 scales give a float32 product
-        return {expert: out * scale for expert, out, scale in zip(ffns, outs, scales, strict=True)}
+        outs = swiglu_ffn_group(list(gathered.split(counts)), weights, self.spec.moe)
+        if not self.spec.moe.scale_input:  # float32 scales give a float32 product
+            outs = list((torch.cat(outs) * scales).split(counts))
+        return dict(zip(ffns, outs, strict=True))
 
     def shared(self, layer: int, x: torch.Tensor, lw: LayerWeights | None = None) -> torch.Tensor:
         """Shared expert (gated by a sigmoid when the family has one) or dense MLP: [T, hidden]."""
