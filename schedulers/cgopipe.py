@@ -47,8 +47,16 @@ Staging (Algorithm 1's W_CTOPIN; Appendix A, Fig. 11): MoE-Lightning copies
 each page from pageable memory into a pinned buffer on the CPU before the
 pinned -> GPU transfer, issued after the CPU attention of the same slot. Where
 the weights are not pinned (`weights_pinned` False in the context: a
-simulation of the paper's system) that copy is a W_STAGE node on cpu.compute,
-competing with the CPU attention; flowmoe's own runtime pins the experts' CPU
+simulation of the paper's system) that copy is a W_STAGE node on cpu.stage:
+the artifact (caoshiyi/artifacts, fastmoe/backend/execution_engine.py) runs
+it on its own `copy_executor` thread beside the `cpu_executor` thread that
+attends, so it overlaps the CPU attention and shares the host's DRAM with it
+(the simulator's `HostMemoryShare`). Its pinned buffer holds one layer's
+offloaded pages in n slots, and the copy into slot j first waits for that
+slot's previous transfer to the GPU (`prefetch_events[slot].synchronize()`),
+so a W_STAGE waits for the last PAGE_COPY of its chunk issued before it:
+one paged layer back (with one micro-batch the lookahead issues the copy a
+slot earlier, so two layers back: a buffer of two). flowmoe's own runtime pins the experts' CPU
 copies once at start-up, so real runs go pinned -> GPU directly.
 
 Deviations: `--ffn-on cpu` is refused (every expert FFN runs on the GPU, as in
@@ -129,6 +137,7 @@ class _Plan:
         self.arrived: dict[tuple[int, int], int] = {}  # (layer, expert) -> its last page
         self.evicted: dict[int, list[int]] = {}  # layer -> EVICT of each paged expert
         self.staged: dict[tuple[int, tuple[int, ...], int], int] = {}  # (layer, experts, part) -> W_STAGE
+        self.sent: dict[int, int] = {}  # chunk (pinned slot) -> its last PAGE_COPY so far
 
     def run(self) -> PlanStream:
         nodes, self.last = embeddings(self.f, self.step)
@@ -214,11 +223,13 @@ class _Plan:
         the CPU first."""
         if self.s.context.weights_pinned or not self._paged_at(layer):
             return
+        slot = self.sent.get(chunk)  # the slot's previous pages must have left for the GPU
         for group, part in self._chunk(layer, chunk, chunks):
             parts = self.s.parts if part >= 0 else 1
             node = self.f.node(
-                Op.W_STAGE, Lane.CPU_COMPUTE, layer, expert=group[0], more=group[1:], part=part, parts=parts
-            )
+                Op.W_STAGE, Lane.CPU_STAGE, layer, expert=group[0], deps=[slot], more=group[1:], part=part,
+                parts=parts,
+            )  # fmt: skip
             self.staged[(layer, group, part)] = node.id
             yield node
 
@@ -237,6 +248,7 @@ class _Plan:
             )  # fmt: skip
             if part in (-1, parts - 1):
                 self.arrived.update(dict.fromkeys(((layer, e) for e in group), node.id))
+            self.sent[chunk] = node.id
             yield node
 
     def _ffn(self, layer: int, mb: MicroBatchShape, post: int) -> PlanStream:

@@ -170,7 +170,7 @@ def test_cgopipe_pages_of_several_experts_make_one_copy_per_chunk() -> None:
 
 
 def test_cgopipe_stages_pageable_weights_on_the_cpu_after_each_slots_attention() -> None:
-    """Algorithm 1 with weights not pinned: W_CTOPIN(i + 1, j) on the CPU after CPUATTN(i, j), and each
+    """Algorithm 1 with weights not pinned: W_CTOPIN(i + 1, j) on cpu.stage after CPUATTN(i, j), and each
     page's W_PINTOG after its staging copy; with pinned weights there is no staging at all."""
     policy = Policy(
         micro_batch_size=64, micro_batches=4, attention_on="cpu", weights_gpu_share=0.5, page_bytes=2**30
@@ -183,10 +183,10 @@ def test_cgopipe_stages_pageable_weights_on_the_cpu_after_each_slots_attention()
     ids = {s.node.id: s for s in spans}
     for copy in spans_of(spans, Op.PAGE_COPY):
         (stage,) = [ids[d] for d in copy.node.deps if ids[d].node.op is Op.W_STAGE]
-        assert stage.node.lane is Lane.CPU_COMPUTE and stage.node.experts == copy.node.experts
+        assert stage.node.lane is Lane.CPU_STAGE and stage.node.experts == copy.node.experts
         assert stage.node.bytes == 2 * copy.node.bytes and stage.end <= copy.start + 1e-12
     for layer in range(MIXTRAL.layers - 1):
-        cpu = [s.node for s in sorted(spans, key=lambda s: s.node.id) if s.node.lane is Lane.CPU_COMPUTE]
+        cpu = [s.node for s in sorted(spans, key=lambda s: s.node.id) if s.node.lane.device == "cpu"]
         for j in range(4):
             at = cpu.index(next(n for n in cpu if n.op is Op.CPU_ATTN and (n.layer, n.mb) == (layer, j)))
             assert cpu[at + 1].op is Op.W_STAGE and cpu[at + 1].layer == layer + 1

@@ -10,6 +10,10 @@ several kernels (`KERNELS`): the host issues each, so a GPU node takes at least 
 host's dispatch time (the GPU runs ahead of the host only while kernels outlast their issue), and a
 CPU node adds its ops' dispatch. CPU streaming work is capped by what the cores it runs on stream
 (`HardwareSpec.cpu_stream_bandwidth`), so a run with fewer CPU threads attends and computes slower.
+A staging copy (cpu.stage: pageable -> pinned memcpy threads beside the compute threads) moves its
+bytes at what all the host's cores stream together (`cpu_memory_efficiency`, STREAM Copy); the
+nodes of the two host lanes draw on one DRAM (`host_draw`, `host_memory_bandwidth`), which the
+simulator shares between those that run at once (devices/sim.py).
 With several GPUs run tensor parallel each GPU computes and copies its share (weights, heads and
 KV split across them, each GPU over its own link) and the O projection and the MoE combine end in
 a ring all-reduce of the layer's hidden states over the interconnect, as the papers run TP.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from typing import Protocol, runtime_checkable
 
 from attrs import field, frozen
 
@@ -35,6 +40,7 @@ from flowmoe.core.spec import ModelSpec
 
 BOOKKEEPING = (Op.EVICT,)
 ATTENTION = (Op.CPU_ATTN, Op.GPU_ATTN)
+HOST_LANES = (Lane.CPU_COMPUTE, Lane.CPU_STAGE)  # what runs on the host's cores, from its DRAM
 ALL_REDUCED = (Op.POST_ATTN, Op.COMBINE)  # tensor parallel: row-parallel outputs summed across GPUs
 # Kernels (GPU) or ops (CPU) a node stands for: one per distinct computation, as a PyTorch layer with
 # fused norm, RoPE and attention kernels and HF's separate projections issues them (HF transformers'
@@ -95,6 +101,8 @@ class RooflineCost:
                 if node.op in ALL_REDUCED:
                     seconds += self.all_reduce_seconds(node.rows)
             return fixed + seconds
+        if node.lane is Lane.CPU_STAGE:
+            return fixed + node.bytes / self.stage_bandwidth
         copy = self.transfer_seconds(node.lane, node.bytes, node.pageable)
         return fixed + copy + self.dequant_seconds(node)
 
@@ -114,9 +122,30 @@ class RooflineCost:
         hw = self.hardware
         if lane is Lane.GPU_COMPUTE:
             return hw.gpu_launch
-        if lane is Lane.CPU_COMPUTE:
+        if lane in HOST_LANES:
             return hw.cpu_launch + KERNELS.get(op, 1) * hw.cpu_op_dispatch
         return hw.copy_latency
+
+    @property
+    def stage_bandwidth(self) -> float:
+        """A host memcpy's bytes/s (read + written): MoE-Lightning's staging copy is one PyTorch
+        `copy_` per page, which runs parallel over the intra-op pool (every core: the artifact sets
+        no thread count), so it streams at what all the cores reach together, STREAM Copy's share
+        of the DRAM peak, capped by cores x what one core streams."""
+        return self.hardware.cpu_stream_bandwidth(self.hardware.cpu_memory_efficiency)
+
+    @property
+    def host_memory_bandwidth(self) -> float:
+        """What the host's DRAM sustains for everything its cores stream at once: the nodes of
+        the host lanes that run together share it (`host_draw`)."""
+        return self.hardware.cpu_bandwidth * self.hardware.cpu_memory_efficiency
+
+    def host_draw(self, node: TaskNode) -> float:
+        """Bytes/s of host DRAM `node` streams while it runs alone (0: a node off the host's cores)."""
+        if node.lane not in HOST_LANES or node.bytes <= 0:
+            return 0.0
+        seconds = self(node)
+        return node.bytes / seconds if seconds > 0 else 0.0
 
     def dispatch_seconds(self, op: Op) -> float:
         """The host's time to issue a GPU node's kernels: the node takes at least this (a measured
@@ -191,3 +220,14 @@ class Curve:
         k = bisect.bisect_right(xs, x)
         w = (x - xs[k - 1]) / (xs[k] - xs[k - 1])
         return math.exp(ys[k - 1] + w * (ys[k] - ys[k - 1]))
+
+
+@runtime_checkable
+class HostMemoryShare(Protocol):
+    """A cost model whose host-lane nodes draw on one DRAM (RooflineCost): the simulator runs the
+    nodes that overlap at their shares of `host_memory_bandwidth`."""
+
+    @property
+    def host_memory_bandwidth(self) -> float: ...
+
+    def host_draw(self, node: TaskNode) -> float: ...

@@ -38,7 +38,7 @@ SUSTAINED = (
     "gemm_efficiency", "gpu_memory_efficiency", "h2d_bandwidth", "d2h_bandwidth", "h2d_pageable_bandwidth",
     "d2h_pageable_bandwidth", "cpu_gemm_efficiency", "cpu_attention_efficiency", "cpu_compute_efficiency",
     "gpu_launch", "cpu_launch", "copy_latency", "sync_latency", "disk_bandwidth", "host_dispatch",
-    "cpu_op_dispatch", "cpu_core_bandwidth",
+    "cpu_op_dispatch", "cpu_core_bandwidth", "cpu_memory_efficiency",
 )  # fmt: skip
 MULTI_GPU = ("interconnect_bandwidth", "interconnect_latency")
 
@@ -90,6 +90,7 @@ class HardwareSpec:
     cpu_gemm_efficiency: float = 1.0  # share of cpu_bandwidth a CPU GEMM streaming weights reaches
     cpu_attention_efficiency: float = 1.0  # share of cpu_bandwidth CPU attention reaches
     cpu_compute_efficiency: float = 1.0  # share of cpu_flops compute-bound CPU work reaches
+    cpu_memory_efficiency: float = 1.0  # share of cpu_bandwidth all cores together stream (STREAM)
     sync_latency: float = 0.0  # a host-device synchronisation point (stream/event wait)
     host_dispatch: float = 0.0  # host time to issue one GPU kernel; a node's kernels x this bounds it
     cpu_op_dispatch: float = 0.0  # host time per op of a CPU node (eager dispatch, OpenMP fork/join)

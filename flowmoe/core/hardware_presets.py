@@ -79,6 +79,11 @@ CPU_ATTENTION = Figure(0.63, (
     "same KV cache over pinned PCIe 4.0 (25.2 GB/s sustained): 3.5 x 25.2 = 88 GB/s of the host's 140.8"
 ))  # fmt: skip
 CPU_COMPUTE = Figure(0.7, "estimate: MKL/oneDNN SGEMM on large matrices reaches 70-90% of AVX peak")
+HOST_STREAM = Figure(73.9 / 102.4, (
+    "Microway, 'DDR4 Memory on Xeon E5-2600v3 with 3 DIMMs per channel': STREAM Copy 73.9 GB/s on all cores "
+    "of 2 x Xeon E5-2637 v3 (Haswell-EP) over 8 channels of DDR4-1600 (102.4 GB/s): 0.72 of the DRAM peak; "
+    "estimate for the other hosts (STREAM typically reaches 0.7-0.8 of peak on servers)"
+))  # fmt: skip
 LAUNCHES = (
     "NVIDIA Technical Blog, 'Getting Started with CUDA Graphs' (A. Gray, 2019): kernels of 2.9 us take "
     "3.8 us each launched back to back from one stream and 9.6 us each with a cudaStreamSynchronize after "
@@ -507,8 +512,9 @@ def machine(name: str, gpu: Gpu, host: Host, link: Link, gpus: int = 1,
         "h2d_pageable_bandwidth": Figure(pageable, PAGEABLE.source),
         "d2h_pageable_bandwidth": Figure(pageable, PAGEABLE.source),
         "cpu_gemm_efficiency": CPU_GEMM, "cpu_attention_efficiency": CPU_ATTENTION,
-        "cpu_compute_efficiency": CPU_COMPUTE, "gpu_launch": GPU_LAUNCH, "cpu_launch": CPU_LAUNCH,
-        "copy_latency": COPY_LATENCY, "sync_latency": SYNC, "disk_bandwidth": host.disk,
+        "cpu_compute_efficiency": CPU_COMPUTE, "cpu_memory_efficiency": HOST_STREAM, "gpu_launch": GPU_LAUNCH,
+        "cpu_launch": CPU_LAUNCH, "copy_latency": COPY_LATENCY, "sync_latency": SYNC,
+        "disk_bandwidth": host.disk,
         "host_dispatch": HOST_DISPATCH, "cpu_op_dispatch": CPU_OP, "cpu_core_bandwidth": host.core_bandwidth,
     }  # fmt: skip
     if interconnect is not None:

@@ -20,6 +20,7 @@ class Lane(StrEnum):
     GPU_H2D = "gpu.h2d"
     GPU_D2H = "gpu.d2h"
     CPU_COMPUTE = "cpu.compute"
+    CPU_STAGE = "cpu.stage"  # host memcpy threads beside cpu.compute (pageable -> pinned staging)
     DISK_READ = "disk.read"
 
     @property

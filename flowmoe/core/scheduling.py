@@ -160,8 +160,9 @@ class NodeFactory:
             flops = flops * (part + 1) // parts - flops * part // parts
         n_bytes, flops = n_bytes * (1 + len(more)), flops * (1 + len(more))
         index = mb.index if mb else -1
-        rows = 0 if flops == 0 else (mb.sequences if op is Op.LM_HEAD and mb else tokens if tokens is not None
-                                     else mb.tokens if mb else 0)  # fmt: skip
+        rowless = flops == 0 and op is not Op.COMBINE  # COMBINE: no GEMM, but its rows are all-reduced (TP)
+        rows = 0 if rowless else (mb.sequences if op is Op.LM_HEAD and mb else tokens if tokens is not None
+                                  else mb.tokens if mb else 0)  # fmt: skip
         return TaskNode(next(self._ids), op, lane, layer, index, expert, clean, n_bytes, flops, part, parts,
                         rows, pageable, sync, tuple(more))  # fmt: skip
 
