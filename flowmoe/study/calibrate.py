@@ -29,6 +29,7 @@ from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.plan import Lane
 from flowmoe.core.policy import Policy
 from flowmoe.core.spec import ModelSpec
+from flowmoe.kernels.host_memory import huge_empty
 from flowmoe.model.moe_model import MoEModel
 
 Report = Callable[[str], None]
@@ -67,7 +68,7 @@ def matmul_curve(
     k, n = shape
     size = torch.empty((), dtype=dtype).element_size()
     copies = max(1, -(-(COLD_BYTES // (4 if quick else 1)) // (k * n * size)))
-    weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(copies)]
+    weights = [_host_like_model(torch.randn(n, k, device=device, dtype=dtype)) for _ in range(copies)]
     points = []
     for rows in ROWS:
         x = torch.randn(rows, k, device=device, dtype=dtype)
@@ -76,6 +77,14 @@ def matmul_curve(
         flops, n_bytes = 2 * rows * k * n, (k * n + rows * k + rows * n) * size
         points.append((flops / n_bytes, flops / seconds))
     return tuple(points)
+
+
+def _host_like_model(t: torch.Tensor) -> torch.Tensor:
+    """`t` where the model keeps such a tensor: on the CPU, on the huge pages of the weights' arenas
+    and the KV caches (kernels/host_memory.py; up to a third faster to stream than 4 KiB pages)."""
+    if t.device.type != "cpu":
+        return t
+    return huge_empty(t.numel() * t.element_size()).view(t.dtype).view(t.shape).copy_(t)
 
 
 COLD_BYTES = 256 * 2**20
@@ -109,8 +118,8 @@ def attention_curve(
     for seqs, new, context in cases:
         layout = TokenLayout(tuple(range(seqs)), (new,) * seqs, (context - new,) * seqs)
         q = torch.randn(seqs * new, heads, dim, device=device, dtype=dtype)
-        keys = torch.randn(seqs, kv_heads, context, dim, device=device, dtype=dtype)
-        values = torch.randn_like(keys)
+        keys = _host_like_model(torch.randn(seqs, kv_heads, context, dim, device=device, dtype=dtype))
+        values = _host_like_model(torch.randn_like(keys))
         seconds = timed(lambda q=q, k=keys, v=values, lay=layout: attend(q, k, v, lay), repeats, sync)
         attended = seqs * (new * (context - new) + new * (new + 1) // 2)
         flops = 4 * attended * heads * dim
