@@ -2,12 +2,17 @@
 
 Roofs: memory read (a sum over a 1 GiB fp32 tensor, far beyond the LLC), copy (read + write
 counted, as STREAM does) and compute (a square fp32 / bf16 GEMM), with the thread count
-the kernels get (`--threads`, default torch's). Ops at the shapes schedules give them:
+the kernels get (`--threads`, default torch's). The read and copy buffers lie on transparent huge
+pages (kernels/host_memory.py), the fastest memory the machine reads; the same read on ordinary
+4 KiB pages is kept as "read 4k" for information. Ops at the shapes schedules give them, their
+operands allocated as flowmoe allocates them (KV caches by KVCache.allocate, on huge pages; expert
+weights by host_memory.huge_empty, as the model's host weights):
 
 * decode attention over a KV cache (Mixtral 8x7B's GQA: 32 query heads, 8 KV heads, head
   dim 128; config.json of mistralai/Mixtral-8x7B-v0.1), batch 1-16, lengths 128-8k;
-  bytes = the K and V read. Variants: flowmoe's `attend`, the same file at `--baseline`
-  (the matmul / masked softmax / matmul kernel before issue 15), and torch's
+  bytes = the K and V read. Variants: flowmoe's `attend` (kernels/cpu_attention.c), the same file
+  at `--baseline` (the matmul / masked softmax / matmul kernel before issue 15) and at TORCH_PATH
+  (torch's flash kernel / matmuls, before cpu_attention.c), and torch's
   F.scaled_dot_product_attention (CPU flash kernel) with enable_gqa (q [B, 32, 1, D]) and with
   each KV group's query heads as query rows (q [B, 8, 4, D]);
 * prefill attention (one sequence, causal), FLOP-bound: 4 H D n(n+1)/2 FLOPs;
@@ -51,10 +56,13 @@ from rich.table import Table
 from flowmoe.core.spec import MoESpec
 from flowmoe.kernels.attention import attend
 from flowmoe.kernels.experts import swiglu_ffn, swiglu_ffn_group, swiglu_ffn_torch
+from flowmoe.kernels.host_memory import huge_empty
+from flowmoe.kernels.kv_cache import KVCache
 from flowmoe.kernels.layout import TokenLayout
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE = "455bf73"  # the last commit of kernels/attention.py before issue 15
+TORCH_PATH = "87fd6ff"  # the last kernels/attention.py before cpu_attention.c (torch's kernels)
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Mixtral 8x7B
 EXPERTS = {"OLMoE-1B-7B": (2048, 1024), "Mixtral-8x7B": (4096, 14336)}  # hidden, intermediate
 CYCLE = 2 << 30  # bytes cycled per row, > 4x the 480 MiB LLC lscpu reports here
@@ -102,20 +110,29 @@ def timed(fn: Callable[[], object]) -> float:
     return CLOCK() - started
 
 
+def huge(src: torch.Tensor) -> torch.Tensor:
+    """A copy of src on huge pages (host_memory.huge_empty)."""
+    return huge_empty(src.nbytes).view(src.dtype).view(src.shape).copy_(src)
+
+
 class Roofs:
-    """Read / copy / GEMM roofs, sampled between the ops' repetitions; the best sample counts."""
+    """Read / copy / GEMM roofs, sampled between the ops' repetitions; the best sample counts. Read
+    and copy on huge pages ("read 4k": the same read on ordinary pages, for information)."""
 
     def __init__(self, gemm_n: int) -> None:
-        self.read_buf = torch.ones(ROOF_BYTES // 4)
-        self.copy_src, self.copy_dst = torch.ones(ROOF_BYTES // 16), torch.zeros(ROOF_BYTES // 16)
+        self.read_4k = torch.ones(ROOF_BYTES // 4)
+        self.read_buf = huge(self.read_4k)
+        self.copy_src, self.copy_dst = huge(torch.ones(ROOF_BYTES // 16)), huge(torch.zeros(ROOF_BYTES // 16))
         self.gemm = {
             name: (torch.randn(gemm_n, gemm_n).to(dt), torch.randn(gemm_n, gemm_n).to(dt))
             for name, dt in DTYPES.items()
         }
-        self.samples: dict[str, list[float]] = {"read": [], "copy": [], "gemm fp32": [], "gemm bf16": []}
+        names = ("read", "read 4k", "copy", "gemm fp32", "gemm bf16")
+        self.samples: dict[str, list[float]] = {name: [] for name in names}
 
     def sample_read(self) -> None:
         self.samples["read"].append(ROOF_BYTES / timed(self.read_buf.sum))
+        self.samples["read 4k"].append(ROOF_BYTES / timed(self.read_4k.sum))
         self.samples["copy"].append(
             2 * self.copy_src.nbytes / timed(lambda: self.copy_dst.copy_(self.copy_src))
         )
@@ -172,7 +189,15 @@ def rates(row: dict, work: Callable[[str], float], roof: float) -> dict:
     return row
 
 
-def decode_rows(shapes, roofs: Roofs, repeats: int, before: Callable | None) -> list[dict]:
+def kv_cache(src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A one-layer KVCache (as flowmoe allocates it) holding src [B, kvh, L, D] as keys and values."""
+    batch, kv_heads, length, dim = src.shape
+    cache = KVCache.allocate(1, batch, kv_heads, length, dim, src.dtype)
+    keys, values = cache.layer(0)
+    return keys.copy_(src), values.copy_(src)
+
+
+def decode_rows(shapes, roofs: Roofs, repeats: int, before: dict[str, Callable]) -> list[dict]:
     rows = []
     for dtype_name, dtype in DTYPES.items():
         for batch, length, ragged, shuffled in shapes:
@@ -183,7 +208,7 @@ def decode_rows(shapes, roofs: Roofs, repeats: int, before: Callable | None) -> 
             src = torch.randn(shape).to(dtype)
             q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
             nbytes = 2 * src.nbytes
-            operands = cycled(lambda src=src: (src.clone(), src.clone()), nbytes)
+            operands = cycled(lambda src=src: kv_cache(src), nbytes)
             read = 2 * sum(p + 1 for p in past) * KV_HEADS * HEAD_DIM * src.element_size()
             variants = {READ: lambda k, v: (k.sum(), v.sum())}
             if ragged:  # only the keys and values the row counts
@@ -192,8 +217,8 @@ def decode_rows(shapes, roofs: Roofs, repeats: int, before: Callable | None) -> 
                     (k[i, :, :end].sum(), v[i, :, :end].sum()) for i, end in enumerate(ends)
                 ]
             variants["flowmoe"] = lambda k, v, lay=layout, q=q: attend(q, k, v, lay)
-            if before is not None:
-                variants["before"] = lambda k, v, lay=layout, q=q: before(q, k, v, lay)
+            for name, old in before.items():
+                variants[name] = lambda k, v, lay=layout, q=q, old=old: old(q, k, v, lay)
             if not ragged and not shuffled:  # torch's public calls, K/V read per query head or per KV head
                 qh = q.reshape(batch, HEADS, 1, HEAD_DIM)
                 qg = q.reshape(batch, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
@@ -221,7 +246,7 @@ def decode_rows(shapes, roofs: Roofs, repeats: int, before: Callable | None) -> 
     return rows
 
 
-def prefill_rows(lengths, roofs: Roofs, repeats: int, before: Callable | None) -> list[dict]:
+def prefill_rows(lengths, roofs: Roofs, repeats: int, before: dict[str, Callable]) -> list[dict]:
     rows = []
     for dtype_name, dtype in DTYPES.items():
         for n in lengths:
@@ -229,8 +254,9 @@ def prefill_rows(lengths, roofs: Roofs, repeats: int, before: Callable | None) -
             q = torch.randn(n, HEADS, HEAD_DIM).to(dtype)
             layout = TokenLayout((0,), (n,), (0,))
             variants = {"flowmoe": lambda lay=layout, q=q, k=keys, v=values: attend(q, k, v, lay)}
-            if before is not None:
-                variants["before"] = lambda lay=layout, q=q, k=keys, v=values: before(q, k, v, lay)
+            if "before" in before:
+                old = before["before"]
+                variants["before"] = lambda lay=layout, q=q, k=keys, v=values, old=old: old(q, k, v, lay)
             flops = 4 * HEADS * HEAD_DIM * n * (n + 1) / 2
             row = {
                 "op": "prefill attention",
@@ -254,7 +280,7 @@ def expert_rows(experts: dict, row_counts, roofs: Roofs, repeats: int) -> list[d
             gate_up = torch.randn(2 * inter, hidden).to(dtype) * hidden**-0.5
             down = torch.randn(hidden, inter).to(dtype) * inter**-0.5
             weight_bytes = gate_up.nbytes + down.nbytes
-            sets = cycled(lambda g=gate_up, d=down: (g.clone(), d.clone()), weight_bytes)  # one expert each
+            sets = cycled(lambda g=gate_up, d=down: (huge(g), huge(d)), weight_bytes)  # one expert each
             for n in row_counts:
                 x = torch.randn(n, hidden).to(dtype)
                 single = {
@@ -340,7 +366,11 @@ def main() -> None:
         roofs.sample_read()
         for dtype in DTYPES:
             roofs.sample_gemm(dtype)
-    before = baseline_attend(args.baseline)
+    before = {
+        name: module
+        for name, rev in (("before", args.baseline), ("torch path", TORCH_PATH))
+        if (module := baseline_attend(rev)) is not None
+    }
     if args.quick:
         decode = [(1, 2048, False, False), (16, 512, False, False), (4, 8192, False, False)]
         prefill, counts, experts = (512,), (1, 4, 16, 64), {"OLMoE-1B-7B": EXPERTS["OLMoE-1B-7B"]}
@@ -354,7 +384,8 @@ def main() -> None:
     load_after = os.getloadavg()
     roof_summary = roofs.summary()
     CONSOLE.print(
-        f"roofs (best of run): read {roofs.best('read') / 1e9:.1f} GB/s, "
+        f"roofs (best of run): read {roofs.best('read') / 1e9:.1f} GB/s "
+        f"(4 KiB pages: {roofs.best('read 4k') / 1e9:.1f}), "
         f"copy {roofs.best('copy') / 1e9:.1f} GB/s, GEMM fp32 {roofs.best('gemm fp32') / 1e9:.0f} GFLOP/s, "
         f"bf16 {roofs.best('gemm bf16') / 1e9:.0f} GFLOP/s"
     )
@@ -373,7 +404,8 @@ def main() -> None:
         "clock": args.clock,
         "torch": torch.__version__,
         "quick": args.quick,
-        "baseline": args.baseline if before else None,
+        "baseline": args.baseline if "before" in before else None,
+        "torch_path": TORCH_PATH if "torch path" in before else None,
         "cycle_bytes": CYCLE,
         "load_before": load_before,
         "load_after": load_after,

@@ -1,5 +1,9 @@
 """Causal grouped-query attention over a KV cache, with sliding windows, attention sinks and chunks.
 
+Decode on the CPU (every sequence of the step with one new token, fp32 or bf16, head dim a
+multiple of 16) runs in one call of kernels/cpu_attention.c: each query sees one contiguous range
+of keys (no mask), read once per KV head for its g query heads, long caches split across the
+threads. The rest (prefills, other dtypes and devices, hosts without the C kernel) as follows.
 A KV group's g query heads are stacked as g query rows against their KV head, so K and V are
 read once, in place in the cache (a run of consecutive cache slots is one call; no gathered
 K/V). A mask is built only where some key must be hidden (shorter sequences of a batch,
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from flowmoe.kernels import cpu_attention
 from flowmoe.kernels.layout import TokenLayout
 
 
@@ -35,6 +40,14 @@ def attend(
     consecutive cache slots; the others (a prefill, alone or sharing the step with decodes) one by one."""
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, H * D]
     decoding = [i for i, count in enumerate(layout.counts) if count == 1]
+    if decoding and cpu_attention.fits(q, keys, values):  # each query sees one range of keys: no mask
+        sequences = []  # (q / out row, cache slot, first and past-the-last key)
+        for i in decoding:
+            past = layout.past[i]
+            lowest = _first_visible(past, window, chunk)
+            sequences.append((layout.starts[i], layout.slots[i], lowest, past + 1))
+        cpu_attention.decode(q, keys, values, sequences, out, sinks, q.shape[2] ** -0.5)
+        decoding = []
     for run in _slot_runs([layout.slots[i] for i in decoding]):
         members = [decoding[j] for j in run]
         rows = [layout.starts[i] for i in members]

@@ -1,10 +1,15 @@
-"""Per-micro-batch KV cache: one [slots, kv_heads, capacity, head_dim] tensor per layer for K and V."""
+"""Per-micro-batch KV cache: one [slots, kv_heads, capacity, head_dim] tensor per layer for K and V.
+
+On the host each tensor lies on transparent huge pages (kernels/host_memory.py): a decode attention
+streams the whole cache every step, and reads it faster there than on 4 KiB pages.
+"""
 
 from __future__ import annotations
 
 import torch
 from attrs import define
 
+from flowmoe.kernels.host_memory import huge_zeros
 from flowmoe.kernels.layout import TokenLayout
 
 
@@ -28,6 +33,11 @@ class KVCache:
         """`value_dim`: the values' last dimension when not head_dim (MLA caches a latent and a RoPE key)."""
         shape = (slots, kv_heads, capacity, head_dim)
         value_shape = (slots, kv_heads, capacity, value_dim or head_dim)
+        if torch.device(device).type == "cpu":
+            return cls(
+                keys=[huge_zeros(shape, dtype) for _ in range(layers)],
+                values=[huge_zeros(value_shape, dtype) for _ in range(layers)],
+            )
         return cls(
             keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
             values=[torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(layers)],

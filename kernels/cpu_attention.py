@@ -1,0 +1,101 @@
+"""Decode attention on the CPU at memory speed: cpu_attention.c, built on first use.
+
+A decode step gives each sequence one query, so its attention is a read of the sequence's cached
+keys and values with a little arithmetic per byte. cpu_attention.c reads each KV head's keys and
+values once for the g query heads that share it, splits long caches into chunks that the threads
+share (flash-decoding), and merges them in a fixed order: a sequence gets the same result in any
+batch and with any thread count. Windows and chunked attention need no mask here (a single query
+sees one contiguous range of keys); sinks enter the softmax's denominator in the kernel.
+Numbers: bench/RESULTS.md (issue 15).
+
+Without the library (no compiler, a non-x86 host, FLOWMOE_CPU_KERNELS=0), on a host without
+AVX-512, or for other dtypes and head sizes, kernels/attention.py takes torch's path instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from flowmoe.kernels import native
+
+CHUNK = 256  # keys per work item: 64-128 KiB of K (or V) per item at head dim 128
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels with this module's functions declared, or None where the library or its
+    decode attention (AVX-512 hosts only) is missing (see native.library)."""
+    lib = native.library()
+    if lib is None or not hasattr(lib, "flowmoe_decode_attention"):
+        return None
+    lib.flowmoe_decode_attention.argtypes = [_I, _P, _I, _I, _I, _I, _P, _L, _L, *[_P, _L, _L, _L] * 2]
+    lib.flowmoe_decode_attention.argtypes += [_P, _F, _I, _P, _L, _I]
+    lib.flowmoe_decode_attention.restype = _I
+    return lib
+
+
+def fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether `decode` takes q [T, H, D] against keys / values [slots, kv_heads, C, D]: host
+    tensors of one dtype, fp32 or bf16, D a multiple of 16, contiguous last dimensions, no
+    autograd."""
+    lib = library()
+    dim = q.shape[-1]
+    return (
+        lib is not None
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and keys.dtype == values.dtype == q.dtype
+        and dim % 16 == 0
+        and keys.shape[-1] == values.shape[-1] == dim
+        and keys.device.type == values.device.type == "cpu"
+        and keys.stride(-1) == values.stride(-1) == 1
+        and q.shape[1] % keys.shape[1] == 0
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, values)))
+    )
+
+
+def decode(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    sequences: list[tuple[int, int, int, int]],
+    out: torch.Tensor,
+    sinks: torch.Tensor | None,
+    scale: float,
+    chunk: int = CHUNK,
+) -> None:
+    """Where `fits`: sequences[i] = (row, slot, lo, hi): q[row] [H, D] attends to keys / values
+    [slot, :, lo:hi] -> out[row] [H * D] (out: [T, H * D], contiguous, q's dtype); sinks [H] or None."""
+    lib = library()
+    assert lib is not None
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    flat = [x for seq in sequences for x in seq]
+    sink = sinks.float().contiguous() if sinks is not None else None
+    status = lib.flowmoe_decode_attention(
+        len(sequences),
+        (ctypes.c_int * len(flat))(*flat),
+        q.shape[1],
+        keys.shape[1],
+        q.shape[2],
+        int(q.dtype == torch.bfloat16),
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        keys.data_ptr(),
+        *keys.stride()[:3],
+        values.data_ptr(),
+        *values.stride()[:3],
+        sink.data_ptr() if sink is not None else None,
+        scale,
+        chunk,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("decode attention: no memory for the per-chunk partial results")
