@@ -1,5 +1,6 @@
 """MoE-Lightning's staging copies on their own host lane, sharing the host's DRAM with the CPU attention
-(cpu.stage, devices/sim.py), and the tensor-parallel all-reduce after the MoE combine."""
+(cpu.stage, devices/sim.py); tensor parallelism as MoE-Lightning's S6-S9 run it: the all-reduce after
+the MoE combine, hidden states and activations on every GPU."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from attrs import evolve
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.executor import Executor, Span
 from flowmoe.core.hardware import HardwareSpec, hardware
+from flowmoe.core.memory import activation_bytes
 from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.policy import Policy
+from flowmoe.core.policy_search import memory_use, search
 from flowmoe.core.presets import preset
 from flowmoe.core.scheduling import MicroBatchShape, NodeFactory
+from flowmoe.core.workloads import workload
 from flowmoe.devices.sim import SimWorker, run_virtual
 from flowmoe.study.simulate import simulate
 from tests.test_sched_pipelines import MIXTRAL, decode_step, scheduler, spans_of, uniform_trace
@@ -108,3 +112,14 @@ def test_tensor_parallel_combine_ends_in_an_all_reduce() -> None:
     four, one = RooflineCost(S7, spec), RooflineCost(hardware("t4"), spec)
     assert four.all_reduce_seconds(64) > 0 and one.all_reduce_seconds(64) == 0
     assert four(combine) >= four.all_reduce_seconds(64) + four.dispatch_seconds(Op.COMBINE)
+
+
+def test_tensor_parallel_planner_holds_the_hidden_states_on_every_gpu() -> None:
+    """TP splits weights and KV across the GPUs but replicates the hidden states and activations: the
+    planner counts those once per GPU (as the MoE-Lightning artifact's planner, tp_size times)."""
+    spec, policy = preset("mixtral-8x22b"), Policy(64, 8, "cpu", "gpu", weights_gpu_share=0.0)
+    one, four = memory_use(spec, policy, 418, 128), memory_use(spec, policy, 418, 128, gpus=4)
+    replicated = 512 * 418 * spec.hidden * spec.dtype_bytes + activation_bytes(spec, 64 * 418, 64)
+    assert four[0] - one[0] == 3 * replicated and four[1] == one[1]
+    best = search(spec, S7, workload("fixed:418:128").with_gen_len(128), max_batch=1024).best
+    assert best.gpu_bytes == memory_use(spec, best.policy, best.prompt, best.gen, gpus=4)[0]

@@ -67,8 +67,11 @@ class PlanResult:
     ffn_link_intensity: float  # where the chosen policy's streamed FFN sits on the link roof
 
 
-def memory_use(spec: ModelSpec, policy: Policy, prompt: int, gen: int) -> tuple[int, int]:
-    """(GPU bytes, CPU bytes) a policy holds at its peak (the prefill of the last micro-batch)."""
+def memory_use(spec: ModelSpec, policy: Policy, prompt: int, gen: int, gpus: int = 1) -> tuple[int, int]:
+    """(GPU bytes, CPU bytes) a policy holds at its peak (the prefill of the last micro-batch). With
+    `gpus` run tensor parallel the weights and KV split across them, but each holds the hidden states
+    and activations whole (TP replicates them; the MoE-Lightning artifact's planner counts them
+    tp_size times: fastmoe/backend/optimizer.py, gpu_home_p)."""
     n, mu, b = policy.batch_size, policy.micro_batch_size, spec.dtype_bytes
     experts = sum(spec.layer_expert_bytes(layer) for layer in range(spec.layers))
     fp8 = policy.expert_format == "fp8"  # experts homed as FP8 values and block scales
@@ -80,8 +83,8 @@ def memory_use(spec: ModelSpec, policy: Policy, prompt: int, gen: int) -> tuple[
     streamed = 2 * (1 - policy.weights_gpu_share) * layer_experts if policy.ffn_on == "gpu" else 0.0
     kv_buffer = 2 * mu * (prompt + gen) * spec.kv_bytes_per_token // spec.layers if kv_gpu < kv else 0
     hidden = n * prompt * spec.hidden * b
-    gpu = dense + policy.weights_gpu_share * experts + streamed + kv_gpu + kv_buffer + hidden
-    gpu += activation_bytes(spec, mu * prompt, mu)
+    gpu = dense + policy.weights_gpu_share * experts + streamed + kv_gpu + kv_buffer
+    gpu += (hidden + activation_bytes(spec, mu * prompt, mu)) * gpus
     cpu = (1 - policy.weights_gpu_share) * host_experts + streamed + (kv - kv_gpu) + hidden
     return int(gpu), int(cpu)
 
@@ -90,14 +93,14 @@ def evaluate(spec: ModelSpec, hw: HardwareSpec, policy: Policy, prompt: int, gen
     mu, n = policy.micro_batch_size, policy.batch_size
     prefill = step_times(spec, hw, Phase(n, mu, prompt, prompt), policy)
     decode = step_times(spec, hw, Phase(n, mu, 1, prompt + max(1, gen // 2)), policy)
-    gpu, cpu = memory_use(spec, policy, prompt, gen)
+    gpu, cpu = memory_use(spec, policy, prompt, gen, hw.gpus)
     return Candidate(policy, prompt, gen, prefill, decode, gpu, cpu)
 
 
 def _fit_share(spec: ModelSpec, hw: HardwareSpec, policy: Policy, prompt: int, gen: int) -> float | None:
     """The largest resident weight share (2 decimals) the GPU takes while the rest fits the CPU."""
-    g0, c0 = memory_use(spec, _with(policy, weights_gpu_share=0.0), prompt, gen)
-    g1, c1 = memory_use(spec, _with(policy, weights_gpu_share=1.0), prompt, gen)
+    g0, c0 = memory_use(spec, _with(policy, weights_gpu_share=0.0), prompt, gen, hw.gpus)
+    g1, c1 = memory_use(spec, _with(policy, weights_gpu_share=1.0), prompt, gen, hw.gpus)
     gpu_budget, cpu_budget = GPU_USABLE * hw.gpu_memory, CPU_USABLE * hw.cpu_memory
     high = 1.0 if g1 <= gpu_budget else (gpu_budget - g0) / (g1 - g0) if g1 != g0 else -1.0
     low = 0.0 if c0 <= cpu_budget else (c0 - cpu_budget) / (c0 - c1) if c0 != c1 else 2.0
