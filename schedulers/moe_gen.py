@@ -1,57 +1,93 @@
-"""`moe-gen`: MoE-Gen's module-based batching (Xu et al., arXiv 2503.09716; code EfficientMoE/MoE-Gen).
+"""`moe-gen`: MoE-Gen's module-based batching (Xu et al., arXiv 2503.09716, §4; code EfficientMoE/MoE-Gen).
 
 MoE-Gen's observation: model-based batching (FlexGen, MoE-Lightning, DeepSpeed)
 runs every module at the same small batch, so each expert's weights cross
-PCIe for a handful of tokens. Module-based batching accumulates the tokens of
-many micro-batches in host memory and runs each module at its own batch size:
-attention over the (small) micro-batches, each expert once over the tokens of
-all of them, so its weights cross the link once per layer and step for the
-whole batch (the paper's module-based batching and its DAG of modules).
+PCIe for a handful of tokens. Module-based batching keeps the whole KV cache
+and the accumulated tokens in host memory and runs each module at its own
+batch size: attention over small micro-batches, each expert once over the
+tokens of all of them, so its weights cross the link once per layer for the
+whole batch (§4: module-based batching, its DAG of modules, full KV-cache
+offloading; MoE-Gen(G) attends on the GPU, MoE-Gen(H) on the CPU).
 
-Per layer, in flowmoe's nodes:
+Per layer, in flowmoe's nodes, for each expert group (below):
 
-1. the copies of the layer's first `ahead` experts (most popular first, by the
-   routing profile, else by id) are issued when the layer starts, so they cross
-   the link while the layer's attention runs for every micro-batch (with CPU
-   attention, in shares behind each micro-batch's attention output coming back);
-2. attention and gate of each micro-batch, in order: on the GPU next to a GPU
-   KV cache, or with `--attention-on cpu` (MoE-Gen's full KV-cache offload and
-   CPU attention) every micro-batch's q, k, v go to the CPU, the CPU attends
-   next to the cache, and the outputs come back for the gate;
-3. once every gate has answered: the other routed experts are copied, and each
-   routed expert runs once per micro-batch that routed to it, expert after
-   expert (one expert's weights, every micro-batch's tokens), then is evicted;
-   a prefetched expert nobody routed to is evicted after the gates;
-4. the tail (shared expert, combine) of each micro-batch.
+1. attention of each micro-batch (MoE-Gen's attention micro-batch), the KV
+   cache's home always host memory (`kv_on_gpu` False):
+   - on the GPU (MoE-Gen(G), the released code's attention mode 1): the
+     micro-batch's slice of the cache layer crosses h2d (KV_LOAD) into one of
+     `KV_BUFFERS` GPU KV buffers (the released config's num_k_buffer =
+     num_v_buffer = 3: the i-th load waits for the (i - 3)-th KV_STORE), the
+     GPU attends, this step's k, v go back (KV_STORE, d2h);
+   - with `--attention-on cpu` (MoE-Gen(H), attention mode 0): q, k, v go to
+     the CPU, the CPU attends next to the cache, the outputs come back;
+   then each micro-batch's gate. The copies of the layer's first `ahead`
+   experts (most popular first, by the routing profile, else by id) are issued
+   in shares behind each micro-batch's KV slice or attention output, so they
+   cross the link while attention runs;
+2. once every gate of the group has answered: the other routed experts are
+   copied, and each routed expert runs once over the group's tokens (one GEMM
+   per expert, chunked at `EXPERT_ROWS` rows as the released code bounds it),
+   expert after expert, then is evicted; a prefetched expert nobody routed to
+   is evicted after the gates;
+3. the tail (shared expert, combine) of each micro-batch.
 
-Batch sizes (the paper chooses them so that GPU computation and copies overlap):
-micro-batches come as the engine forms them; what this schedule picks from the
-context's cost function is `ahead`, the number of expert copies that fit in the
-layer's attention time over every micro-batch (at least one), so the link
-works while the GPU (or the CPU) attends. The expert batch is always the whole step's
-tokens (MoE-Gen's maximal expert batch).
+Expert groups: the expert batch is every micro-batch of the step (a decode
+step's whole batch) unless its activations do not fit the GPU next to the
+weights and buffers (a prefill of thousands of prompts): then consecutive
+micro-batches form groups that fit, as MoE-Gen runs its prefill in MoE
+micro-batches, and between layers each group's residual stream waits in host
+memory (ACT_STORE, d2h; ACT_LOAD, h2d, before the next layer's attention).
 
-Weights: `weights_gpu_share` of each layer's experts stay resident (the most
-popular); the others go through a GPU buffer of one layer's experts: the i-th
-copy of a layer waits for the i-th eviction of the layer before it.
+Batch sizes (§4: chosen so GPU computation and the copies overlap;
+`moe_gen_policy`): the batch N is the most sequences whose KV cache fits host
+memory next to the host-homed weights (the released code's global batch: host
+KV slots, capped by the queries at hand), no expert resident ("MoE-Gen
+deliberately offloads more data to host memory", §A.1); the attention
+micro-batch μ the largest whose GPU working set fits (the released code sizes
+it from the GPU's memory: 400 x 544 / context sequences for Mixtral-8x7B on
+24 GB). With the expert batch the whole batch, each layer's expert copies are
+paid once for N tokens, and `ahead` (the copies that fit in the layer's
+attention time, at least one) keeps the link busy while the GPU (or the CPU)
+attends.
 
-Deviations: MoE-Gen splits attention between the GPU and the CPU by a ratio
-its planner picks; here all of a step's attention runs on one of them
-(`--attention-on`), since where the KV cache lives is one choice per run in
-flowmoe. An EXPERT_FFN node serves one micro-batch (the runtime has no node
-spanning micro-batches), so an expert's micro-batches run back to back from
-one copy of its weights, but as one GEMM each, at the GEMM efficiency of a
-micro-batch's rows rather than of the whole batch's. The paper sizes the
-attention micro-batch too; flowmoe's engine forms micro-batches before any
-scheduler runs. The copies issued before the gates are flowmoe's choice: a
-popularity guess that a large batch almost always confirms.
+Memory (`gpu_working_bytes`): one layer's offloaded experts (the expert
+buffer: the released config's 8 routed-expert module buffers), the KV buffers
+of the largest micro-batch at its longest context, the post-attention
+activations of one layer for every micro-batch of the step (flowmoe's runtime
+keeps them until the next layer's combine), the expert group's residual
+stream and top-k expert outputs, and one micro-batch's working set; host
+memory holds the whole KV cache (the simulator's host check).
+
+Deviations, each with its reason: MoE-Gen can split one step's attention
+between the GPU and the CPU by a ratio (its attention mode 2, `SPLIT_RATIO_W`);
+here a run attends on one of them (`--attention-on`), since where attention
+runs is one placement per run in flowmoe. An expert's GEMM over the group is
+one EXPERT_FFN node per micro-batch (the runtime's nodes each serve one
+micro-batch): the plan prices those nodes as the single GEMM MoE-Gen launches
+(each at the GEMM efficiency of the group's rows for that expert, the weights
+read once), while flowmoe's runtime runs them as consecutive GEMMs of each
+micro-batch's rows from the one copy of the weights, so a real run's expert
+time is that of the smaller GEMMs. A decode step's residual stream stays on
+the GPU (N x hidden, tens of MB) rather than in host memory. The copies issued
+before the gates are flowmoe's choice: a popularity guess that a large batch
+almost always confirms. The paper's planner is described, not released; the
+sizes here follow the released code's rule (largest batch host memory holds,
+largest micro-batch GPU memory holds).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import ClassVar
 
+from attrs import evolve
+
+from flowmoe.core.cost import RooflineCost
+from flowmoe.core.hardware import HardwareSpec
+from flowmoe.core.memory import activation_bytes, host_need, resident_bytes
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
+from flowmoe.core.policy import Place, Policy
 from flowmoe.core.scheduling import (
     MicroBatchShape,
     NodeFactory,
@@ -60,22 +96,51 @@ from flowmoe.core.scheduling import (
     SchedulerContext,
     StepShape,
 )
+from flowmoe.core.spec import ModelSpec
 from flowmoe.schedulers._layer_nodes import (
     check_placement,
-    embeddings,
-    gpu_attention,
     kept_per_layer,
     latency_model,
     layer_tail,
-    lm_heads,
+    offloaded_kv_attention,
 )
+
+KV_BUFFERS = 3  # the released config: num_k_buffer = num_v_buffer = 3
+EXPERT_ROWS = 2048  # the released config: expert_{prefill,decoding}_batch_size_upper_bound = 2048
+GPU_USABLE, CPU_USABLE = 0.86, 0.8  # the headroom `flowmoe plan` leaves (policy_search)
+
+
+def group_token_bytes(spec: ModelSpec) -> int:
+    """GPU bytes a token of the expert group holds: its residual stream and its top-k expert outputs."""
+    return (1 + spec.moe.top_k) * spec.hidden * spec.dtype_bytes
+
+
+def kv_buffer_bytes(spec: ModelSpec, kv_tokens: int) -> int:
+    """The GPU KV buffers for attention micro-batches of `kv_tokens` cached tokens: one layer each."""
+    return KV_BUFFERS * kv_tokens * spec.kv_bytes_per_token // spec.layers
+
+
+def expert_groups(spec: ModelSpec, step: StepShape, room: int | None) -> list[tuple[MicroBatchShape, ...]]:
+    """Consecutive micro-batches whose group tokens fit `room` bytes (None: every micro-batch in one
+    group); each group at least one micro-batch."""
+    mbs = step.micro_batches
+    if room is None:
+        return [mbs]
+    per_token, groups, current, tokens = group_token_bytes(spec), [], [], 0
+    for mb in mbs:
+        if current and (tokens + mb.tokens) * per_token > room:
+            groups.append(tuple(current))
+            current, tokens = [], 0
+        current.append(mb)
+        tokens += mb.tokens
+    return [*groups, tuple(current)]
 
 
 class MoEGenScheduler:
     name: ClassVar[str] = "moe-gen"
     summary: ClassVar[str] = (
-        "MoE-Gen module-based batching: attention per micro-batch, then each expert once over every "
-        "micro-batch's tokens (one copy per layer and step); copies start during the layer's attention"
+        "MoE-Gen module-based batching: KV cache and tokens in host memory, attention per micro-batch "
+        "(KV slices copied in, or on the CPU), then each expert once over the whole batch's tokens"
     )
 
     def __init__(self, context: SchedulerContext) -> None:
@@ -97,29 +162,69 @@ class MoEGenScheduler:
         return widest * self.context.spec.expert_bytes
 
     def kv_on_gpu(self) -> bool:
-        return not self.cpu_attention
+        return False
 
-    def ahead(self, layer: int, step: StepShape) -> int:
-        """Copies that fit in the layer's attention over every micro-batch (at least one): the GPU's
-        attention and gates, or with CPU attention the CPU's attention."""
+    # ---- memory
+
+    def _extra_bytes(self, step: StepShape) -> int:
+        """The KV buffers at the step's largest micro-batch context (GPU attention), and one layer's
+        post-attention activations of every micro-batch of the step."""
+        spec = self.context.spec
+        kv = (
+            0 if self.cpu_attention else kv_buffer_bytes(spec, max(mb.kv_tokens for mb in step.micro_batches))
+        )
+        return kv + step.tokens * spec.hidden * spec.dtype_bytes
+
+    def groups(self, step: StepShape) -> list[tuple[MicroBatchShape, ...]]:
+        """The step's expert groups: as many micro-batches as the GPU's budget leaves room for next to
+        the weights, the buffers and one micro-batch's working set (no budget: all of them)."""
+        spec, budget = self.context.spec, self.context.policy.gpu_memory
+        if budget is None:
+            return expert_groups(spec, step, None)
+        largest = max(step.micro_batches, key=lambda mb: mb.tokens)
+        fixed = (resident_bytes(spec, self.residency()) + self.weight_buffer_bytes() + self._extra_bytes(step)
+                 + activation_bytes(spec, largest.tokens, largest.sequences))  # fmt: skip
+        return expert_groups(spec, step, budget - fixed)
+
+    def gpu_working_bytes(self, steps: Sequence[StepShape]) -> int:
+        """GPU bytes beyond the resident weights, the expert buffer and one micro-batch's activations
+        (which the memory check counts itself) at the largest of `steps`: the KV buffers, one layer's
+        post-attention activations of the step, the largest expert group's tokens."""
+        per_token = group_token_bytes(self.context.spec)
+        return max(
+            (self._extra_bytes(step) + max(sum(mb.tokens for mb in g) for g in self.groups(step)) * per_token
+             for step in steps),
+            default=0,
+        )  # fmt: skip
+
+    # ---- the plan
+
+    def ahead(self, layer: int, attention: Sequence[TaskNode]) -> int:
+        """Copies that fit in the group's attention (at least one): the attending lane's time, less
+        what the KV slices take of the link."""
         offloaded = len(self.order.get(layer, ()))
         if not offloaded:
             return 0
-        probe, cost = NodeFactory(self.context.spec), self._cost
-        attend = sum(
-            cost(n)
-            for mb in step.micro_batches
-            for n in self._attention(probe, layer, mb, 0)
-            if n.lane is (Lane.CPU_COMPUTE if self.cpu_attention else Lane.GPU_COMPUTE)
+        cost, lane = self._cost, Lane.CPU_COMPUTE if self.cpu_attention else Lane.GPU_COMPUTE
+        attend = sum(cost(n) for n in attention if n.lane is lane)
+        kv = sum(cost(n) for n in attention if n.op is Op.KV_LOAD)
+        probe = NodeFactory(self.context.spec, expert_format=self.context.factory.expert_format).node(
+            Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=0
         )
-        copy = cost(probe.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=0))
-        return max(1, min(offloaded, int(attend // copy) if copy > 0 else offloaded))
+        copy = cost(probe)
+        return max(1, min(offloaded, int(max(0.0, attend - kv) // copy) if copy > 0 else offloaded))
 
-    def _attention(self, f: NodeFactory, layer: int, mb: MicroBatchShape, after: int) -> list[TaskNode]:
-        """GPU attention with the cache on the GPU; or PRE_ATTN, q/k/v to the CPU, CPU_ATTN next to the
-        cache, the output back (HIDDEN_LOAD), POST_ATTN. The last node is POST_ATTN."""
+    def _attention(self, layer: int, mb: MicroBatchShape, after: int, kv_free: list[int]) -> list[TaskNode]:
+        """GPU attention after this micro-batch's KV slice came in (KV_LOAD, in a free KV buffer), or
+        PRE_ATTN, q/k/v to the CPU, CPU_ATTN next to the cache, the output back (HIDDEN_LOAD),
+        POST_ATTN. The last node is POST_ATTN."""
+        f = self.context.factory
         if not self.cpu_attention:
-            return gpu_attention(f, layer, mb, after)
+            slot = kv_free[-KV_BUFFERS] if len(kv_free) >= KV_BUFFERS else None
+            load = f.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb, deps=[slot])
+            nodes = offloaded_kv_attention(f, layer, mb, after, load.id)
+            kv_free.append(nodes[2].id)  # the KV_STORE frees the buffer
+            return [load, *nodes]
         pre = f.node(Op.PRE_ATTN, Lane.GPU_COMPUTE, layer, mb, deps=[after])
         qkv = f.node(Op.QKV_OFFLOAD, Lane.GPU_D2H, layer, mb, deps=[pre.id])
         attn = f.node(Op.CPU_ATTN, Lane.CPU_COMPUTE, layer, mb, deps=[qkv.id])
@@ -127,52 +232,88 @@ class MoEGenScheduler:
         return [pre, qkv, attn, load, f.node(Op.POST_ATTN, Lane.GPU_COMPUTE, layer, mb, deps=[load.id])]
 
     def plan(self, step: StepShape) -> PlanStream:
-        f, spec, mbs = self.context.factory, self.context.spec, step.micro_batches
-        nodes, last = embeddings(f, step)
-        yield from nodes
-        freed: list[int] = []  # the previous MoE layer's EVICTs, in order: the buffer's slots
+        f, spec = self.context.factory, self.context.spec
+        groups = self.groups(step)
+        stored = len(groups) > 1  # residual streams wait in host memory between layers
+        last: dict[int, int] = {}
+        freed: list[TaskNode] = []  # the previous expert phase's EVICTs, in order: the expert buffer's slots
+        kv_free: list[int] = []  # KV_STOREs, in order: the KV buffers' slots
         for layer in range(spec.layers):
             moe = spec.is_moe_layer(layer)
-            copies: dict[int, int] = {}
-            ahead = self.order[layer][: self.ahead(layer, step)] if moe else []
-            n = len(mbs)  # CPU attention: a share of the copies behind each hidden load, larger ones first
-            chunks = [ahead[-(-len(ahead) * k // n) : -(-len(ahead) * (k + 1) // n)] for k in range(n)]
-            if not self.cpu_attention:  # the copies go first, under the GPU's attention
-                chunks = [ahead, *([] for _ in mbs[1:])]
-            attention = {mb.index: self._attention(f, layer, mb, last[mb.index]) for mb in mbs}
-            if self.cpu_attention:  # every micro-batch's q, k, v out first, so the CPU attends back to back
-                yield from (n for mb in mbs for n in attention[mb.index][:3])
-            posts, gates = {}, {}
-            for mb, chunk in zip(mbs, chunks, strict=True):
-                nodes = attention[mb.index][3:] if self.cpu_attention else attention[mb.index]
-                if self.cpu_attention:  # the hidden load, then this share of the copies behind it
-                    yield nodes.pop(0)
-                for e in chunk:
-                    yield self._copy(layer, e, copies, freed)
-                yield from nodes
-                posts[mb.index] = nodes[-1].id
+            final = layer == spec.layers - 1
+            for group in groups:
+                if layer == 0:
+                    embeds = [f.node(Op.EMBED, Lane.GPU_COMPUTE, mb=mb) for mb in group]
+                    yield from embeds
+                    last.update({mb.index: n.id for mb, n in zip(group, embeds, strict=True)})
+                elif stored:
+                    loads = [
+                        f.node(Op.ACT_LOAD, Lane.GPU_H2D, layer, mb, deps=[last[mb.index]]) for mb in group
+                    ]
+                    yield from loads
+                    last.update({mb.index: n.id for mb, n in zip(group, loads, strict=True)})
+                posts, gates, copies = yield from self._attend(layer, group, last, freed, kv_free, moe)
+                outputs: dict[int, list[int]] = {mb.index: [] for mb in group}
                 if moe:
-                    gate = f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[posts[mb.index]])
-                    gates[mb.index] = gate.id
-                    yield gate
-            outputs: dict[int, list[int]] = {mb.index: [] for mb in mbs}
-            if moe:
-                freed = yield from self._experts(layer, step, gates, copies, freed, outputs)
-            for mb in mbs:
-                tail = layer_tail(f, spec, layer, mb, posts[mb.index], outputs[mb.index])
-                yield from tail
-                last[mb.index] = tail[-1].id
-        yield from lm_heads(f, step, last)
+                    freed = yield from self._experts(layer, group, gates, copies, freed, outputs)
+                for mb in group:
+                    tail = layer_tail(f, spec, layer, mb, posts[mb.index], outputs[mb.index])
+                    yield from tail
+                    last[mb.index] = tail[-1].id
+                    if final:
+                        yield f.node(Op.LM_HEAD, Lane.GPU_COMPUTE, mb=mb, deps=[last[mb.index]])
+                    elif stored:
+                        store = f.node(Op.ACT_STORE, Lane.GPU_D2H, layer, mb, deps=[last[mb.index]])
+                        yield store
+                        last[mb.index] = store.id
 
-    def _copy(self, layer: int, expert: int, copies: dict[int, int], freed: list[int]) -> TaskNode:
-        """PAGE_COPY into the buffer slot the previous layer's matching EVICT frees."""
+    def _attend(
+        self,
+        layer: int,
+        group: tuple[MicroBatchShape, ...],
+        last: dict[int, int],
+        freed: list[TaskNode],
+        kv_free: list[int],
+        moe: bool,
+    ) -> PlanStream:
+        """Attention and gate of each micro-batch of the group, a share of the layer's early copies
+        behind each one's KV slice (GPU) or attention output (CPU). -> (POST_ATTN ids, GATE ids,
+        the copies issued: expert -> PAGE_COPY id)."""
+        f = self.context.factory
+        attention = {mb.index: self._attention(layer, mb, last[mb.index], kv_free) for mb in group}
+        copies: dict[int, int] = {}
+        ahead = (
+            self.order[layer][: self.ahead(layer, [n for a in attention.values() for n in a])] if moe else []
+        )
+        n = len(group)  # larger shares first
+        chunks = [ahead[-(-len(ahead) * k // n) : -(-len(ahead) * (k + 1) // n)] for k in range(n)]
+        if self.cpu_attention:  # every micro-batch's q, k, v out first, so the CPU attends back to back
+            yield from (node for mb in group for node in attention[mb.index][:3])
+        posts, gates = {}, {}
+        for mb, chunk in zip(group, chunks, strict=True):
+            nodes = attention[mb.index][3:] if self.cpu_attention else attention[mb.index]
+            yield nodes.pop(0)  # the hidden load (CPU) or the KV slice (GPU), then the copies behind it
+            for e in chunk:
+                yield self._copy(layer, e, copies, freed)
+            yield from nodes
+            posts[mb.index] = nodes[-1].id
+            if moe:
+                gate = f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[posts[mb.index]])
+                gates[mb.index] = gate.id
+                yield gate
+        return posts, gates, copies
+
+    def _copy(self, layer: int, expert: int, copies: dict[int, int], freed: list[TaskNode]) -> TaskNode:
+        """PAGE_COPY into the buffer slot the previous expert phase's matching EVICT frees, and after
+        that phase's eviction of this expert where it was the same layer's (an earlier expert group)."""
         slot = len(copies)
+        again = [n.id for n in freed if n.layer == layer and n.expert == expert]
         node = self.context.factory.node(
             Op.PAGE_COPY,
             Lane.GPU_H2D,
             layer,
             expert=expert,
-            deps=[freed[slot] if slot < len(freed) else None],
+            deps=[freed[slot].id if slot < len(freed) else None, *again],
         )
         copies[expert] = node.id
         return node
@@ -180,40 +321,112 @@ class MoEGenScheduler:
     def _experts(
         self,
         layer: int,
-        step: StepShape,
+        group: tuple[MicroBatchShape, ...],
         gates: dict[int, int],
         copies: dict[int, int],
-        freed: list[int],
+        freed: list[TaskNode],
         outputs: dict[int, list[int]],
     ) -> PlanStream:
-        """Every micro-batch's routing, the missing copies, then expert by expert over every micro-batch.
-        -> this layer's EVICTs, in order."""
+        """The group's routing, the missing copies, then each routed expert once over the group's
+        tokens. -> this phase's EVICTs, in order."""
         f = self.context.factory
         routing: list[ExpertCounts] = []
-        for mb in step.micro_batches:
+        for mb in group:
             routing.append((yield RoutingRequest(layer, mb.index, gates[mb.index])))
         used = {e for counts in routing for e in counts.experts}
         evicts = []
         for e in [e for e in copies if e not in used]:  # prefetched, routed by nobody
             evict = f.node(Op.EVICT, Lane.GPU_COMPUTE, layer, expert=e, deps=[copies[e], *gates.values()])
-            evicts.append(evict.id)
+            evicts.append(evict)
             yield evict
         for e in [e for e in self.order[layer] if e in used and e not in copies]:
             yield self._copy(layer, e, copies, freed)
         ranked = [e for e in self.order[layer] if e in used]
         for e in sorted(used - set(ranked)) + ranked:  # resident first, then in copy order
-            ffns = []
-            for mb, counts in zip(step.micro_batches, routing, strict=True):
-                if counts.tokens(e):
-                    deps = [gates[mb.index], copies.get(e)]
-                    ffn = f.node(
-                        Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, e, deps=deps, tokens=counts.tokens(e)
-                    )
-                    outputs[mb.index].append(ffn.id)
-                    ffns.append(ffn)
-                    yield ffn
+            ffns = self._gemm(layer, e, group, routing, [copies.get(e), *gates.values()])
+            for ffn in ffns:
+                outputs[ffn.mb].append(ffn.id)
+            yield from ffns
             if e in copies:
                 evict = f.node(Op.EVICT, Lane.GPU_COMPUTE, layer, expert=e, deps=[ffns[-1].id])
-                evicts.append(evict.id)
+                evicts.append(evict)
                 yield evict
         return evicts
+
+    def _gemm(
+        self,
+        layer: int,
+        expert: int,
+        group: tuple[MicroBatchShape, ...],
+        routing: Sequence[ExpertCounts],
+        deps: Sequence[int | None],
+    ) -> list[TaskNode]:
+        """One GEMM of `expert` over the group's tokens, as one EXPERT_FFN per micro-batch that routed
+        to it: each at the GEMM rows of the whole group (up to EXPERT_ROWS), the weights read by the
+        first only."""
+        spec, f = self.context.spec, self.context.factory
+        rows = min(EXPERT_ROWS, sum(counts.tokens(expert) for counts in routing))
+        weights = 3 * spec.hidden * spec.moe.intermediate * spec.dtype_bytes
+        nodes: list[TaskNode] = []
+        for mb, counts in zip(group, routing, strict=True):
+            tokens = counts.tokens(expert)
+            if tokens:
+                node = f.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, expert, deps=deps, tokens=tokens)
+                nodes.append(evolve(node, rows=rows, bytes=node.bytes - (weights if nodes else 0)))
+        return nodes
+
+
+def moe_gen_policy(
+    spec: ModelSpec,
+    hw: HardwareSpec,
+    prompt: int,
+    gen: int,
+    attention_on: Place = "gpu",
+    max_batch: int | None = None,
+    gpu_memory: int | None = None,
+) -> Policy:
+    """MoE-Gen's batch sizes for sequences of `prompt` + `gen` tokens (the released code's rule): N,
+    the most sequences whose KV cache fits CPU_USABLE of host memory next to the host-homed weights
+    (no expert resident), capped at `max_batch` (the queries at hand); μ = ceil(N / count) for the
+    fewest micro-batches whose prefill and last decode step fit GPU_USABLE of the GPU (`gpu_memory`,
+    else the device's) by the scheduler's own accounting; N shrinks by a tenth while none fits."""
+    homed = host_need(spec, Residency.dense_only(spec), 0).total
+    n = max(1, int((CPU_USABLE * hw.cpu_memory - homed) // ((prompt + gen) * spec.kv_bytes_per_token)))
+    n = min(n, max_batch) if max_batch else n
+    budget = int(GPU_USABLE * (gpu_memory if gpu_memory is not None else hw.gpu_memory))
+
+    def policy(count: int) -> Policy:
+        return Policy(-(-n // count), count, attention_on, "gpu", weights_gpu_share=0.0, kv_gpu_share=0.0,
+                      gpu_memory=gpu_memory)  # fmt: skip
+
+    def fits(count: int) -> bool:
+        return _fits(spec, hw, policy(count), budget, prompt, gen)
+
+    while n > 1 and not fits(n):
+        n = math.floor(n * 0.9)
+    low, high = 1, n  # the fewest micro-batches that fit: more of them never need more memory
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid + 1, high)
+    return policy(low)
+
+
+def _fits(spec: ModelSpec, hw: HardwareSpec, policy: Policy, budget: int, prompt: int, gen: int) -> bool:
+    """The prefill and the last decode step of the policy's batch fit `budget` bytes of GPU memory."""
+    context = SchedulerContext(
+        spec, evolve(policy, gpu_memory=budget), NodeFactory(spec), RooflineCost(hw, spec)
+    )
+    sched = MoEGenScheduler(context)
+    mu, n = policy.micro_batch_size, policy.batch_size
+    sizes = [min(mu, n - start) for start in range(0, n, mu)]
+    prefill = tuple(MicroBatchShape.from_lengths(i, [prompt] * s, [0] * s) for i, s in enumerate(sizes))
+    last = tuple(
+        MicroBatchShape.from_lengths(i, [1] * s, [prompt + gen - 2] * s) for i, s in enumerate(sizes)
+    )
+    weights = resident_bytes(spec, sched.residency()) + sched.weight_buffer_bytes()
+    for step in (StepShape(0, True, prefill), StepShape(gen - 1, False, last)):
+        largest = max(step.micro_batches, key=lambda mb: mb.tokens)
+        working = activation_bytes(spec, largest.tokens, largest.sequences) + sched.gpu_working_bytes([step])
+        if weights + working > budget:
+            return False
+    return True

@@ -250,3 +250,103 @@ def test_placement_flags() -> None:
             ConfigError, match=f"scheduler {name} does not support --{flag.replace('_', '-')} cpu"
         ):
             scheduler(name, **{flag: "cpu"})
+
+
+# ---- moe-gen: MoE-Gen's full KV offload and the expert batch over the whole batch (issue 16)
+
+
+@pytest.mark.parametrize("where", ["gpu", "cpu"])
+def test_moe_gen_in_expert_groups_gives_eager_tokens(model, where: str) -> None:
+    """A GPU budget too small for two micro-batches' tokens: every micro-batch is its own expert group
+    and its residual stream waits in host memory between layers (ACT_STORE / ACT_LOAD), with the KV
+    cache's home the CPU either way."""
+    policy = Policy(
+        micro_batch_size=3, micro_batches=2, weights_gpu_share=0.0, attention_on=where, gpu_memory=1
+    )
+    (results, _), runtime = run_scheduler(model, "moe-gen", policy)
+    assert not runtime.scheduler.kv_on_gpu()
+    assert {s.node.op for s in runtime.trace.spans} >= {Op.ACT_STORE, Op.ACT_LOAD}
+    assert [r.output_ids for r in results] == [r.output_ids for r in run_eager(model)[0]]
+
+
+def test_moe_gen_paper_signature_kv_slices_in_and_one_copy_per_expert_for_the_whole_batch() -> None:
+    """MoE-Gen(G) at decode: 6 attention micro-batches each bring their KV slice in over h2d (at most
+    KV_BUFFERS in flight: the 4th waits for the 1st's KV_STORE) and attend on the GPU; each routed expert
+    of a layer crosses the link once for all 6 and runs as one GEMM over their tokens (every part at the
+    whole batch's rows for it, the weights read once), after every gate of the layer."""
+    from flowmoe.schedulers.moe_gen import KV_BUFFERS
+
+    mbs = 6
+    steps = [decode(16, mbs, step=1)]
+    routes = {
+        (layer, mb): {(mb + layer) % 8: 10, (mb + layer + 3) % 8: 22}
+        for layer in range(3)
+        for mb in range(mbs)
+    }
+    sched = scheduler("moe-gen", weights_gpu_share=0.0, attention_on="gpu")
+    assert not sched.kv_on_gpu()
+    spans = simulate(sched, steps, trace_of(steps, routes), COST)
+    for layer in range(3):
+        loads = sorted(of(spans, Op.KV_LOAD, layer=layer), key=lambda s: s.start)
+        stores = sorted(of(spans, Op.KV_STORE, layer=layer), key=lambda s: s.start)
+        assert [s.node.mb for s in loads] == list(range(mbs)) and all(s.node.bytes > 0 for s in loads)
+        assert all(s.node.lane is Lane.GPU_H2D for s in loads)
+        assert loads[KV_BUFFERS].start >= stores[0].end  # a KV buffer is reused only once written back
+        attention = of(spans, Op.GPU_ATTN, layer=layer)
+        assert len(attention) == mbs
+        assert max(s.end for s in loads) > min(s.start for s in attention)  # slices stream in under attention
+        copies = Counter(s.node.expert for s in of(spans, Op.PAGE_COPY, layer=layer))
+        routed = {e for mb in range(mbs) for e in routes[(layer, mb)]}
+        assert set(copies) >= routed and max(copies.values()) == 1
+        gates_done = max(s.end for s in of(spans, Op.GATE, layer=layer))
+        for e in routed:
+            ffns = of(spans, Op.EXPERT_FFN, layer=layer, expert=e)
+            total = sum(routes[(layer, mb)].get(e, 0) for mb in range(mbs))
+            assert {s.node.rows for s in ffns} == {total}  # one GEMM's rows: the whole batch's tokens
+            weights = 3 * SPEC.hidden * SPEC.moe.intermediate * SPEC.dtype_bytes
+            assert sum(s.node.bytes >= weights for s in ffns) == 1  # the weights read once
+            assert min(s.start for s in ffns) >= gates_done
+
+
+def test_moe_gen_memory_counts_host_kv_and_gpu_kv_buffers() -> None:
+    """The simulator's accounting of moe-gen: the whole KV cache in host memory (none on the GPU), and
+    on the GPU the expert buffer plus KV buffers that grow with the attention micro-batch, not the batch."""
+    from flowmoe.core.workloads import workload
+    from flowmoe.study.simulate import Setup, Simulation
+
+    spec = preset("mixtral-8x7b")
+    work = workload("fixed:512:64")
+    need = {}
+    for mu, count in ((32, 8), (64, 4), (32, 16)):
+        policy = Policy(mu, count, "gpu", weights_gpu_share=0.0, kv_gpu_share=0.0)
+        need[(mu, count)] = Simulation(
+            Setup(spec, hardware("moe-gen-c2"), work, policy, decode_samples=2)
+        ).need("moe-gen")
+    assert all(n.kv_cache == 0 for n in need.values())
+    assert need[(64, 4)].buffers > need[(32, 8)].buffers  # larger micro-batches: larger KV slices
+    # twice the batch in micro-batches of the same size: the KV buffers stay, what grows is the prefill's
+    # post-attention activations and the expert group (residual and top-k outputs) of the added tokens
+    grown = need[(32, 16)].buffers - need[(32, 8)].buffers
+    assert 0 < grown <= 256 * 512 * (2 + spec.moe.top_k) * spec.hidden * spec.dtype_bytes
+
+
+def test_moe_gen_planner_sizes_the_batch_by_host_memory_and_the_micro_batch_by_the_gpu() -> None:
+    """moe_gen_policy (the released code's rule): N is the most sequences whose KV cache the host holds
+    next to the offloaded weights, so MoE-Gen's 512 GB C2 takes more than twice the 256 GB C1's batch;
+    the planned policy passes the simulator's own GPU and host checks, twice its batch does not fit the
+    host; a given batch (Table 9's 32) is kept."""
+    from attrs import evolve
+
+    from flowmoe.core.workloads import workload
+    from flowmoe.schedulers.moe_gen import moe_gen_policy
+    from flowmoe.study.simulate import Setup, Simulation
+
+    spec = preset("mixtral-8x7b")
+    c1, c2 = (moe_gen_policy(spec, hardware(h), 512, 256, "gpu") for h in ("moe-gen-c1", "moe-gen-c2"))
+    assert c2.batch_size > 2 * c1.batch_size > 1000
+    assert c2.weights_gpu_share == 0.0 and c2.micro_batches > 1
+    setup = Setup(spec, hardware("moe-gen-c2"), workload("fixed:512:256"), c2, decode_samples=2)
+    assert Simulation(setup).refusal("moe-gen") is None
+    double = evolve(c2, micro_batches=2 * c2.micro_batches, gpu_memory=2**40)  # a GPU that takes it
+    assert "host memory" in (Simulation(evolve(setup, policy=double)).refusal("moe-gen").error or "")
+    assert moe_gen_policy(spec, hardware("moe-gen-c1"), 512, 32, "gpu", max_batch=32).batch_size == 32

@@ -13,6 +13,7 @@ fits gets its smallest candidate's memory error, so the reason is one line.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 
 from attrs import asdict, evolve, frozen
@@ -21,6 +22,7 @@ from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.memory import fitting_expert_format, gib
 from flowmoe.core.policy import ExpertFormat, Place, Policy
 from flowmoe.core.policy_search import search
+from flowmoe.schedulers.moe_gen import moe_gen_policy
 from flowmoe.study.sim_report import SimulationResult
 from flowmoe.study.simulate import Setup, Simulation
 
@@ -101,7 +103,7 @@ def _fitting(setup: Setup, name: str, given: Given) -> tuple[list[Policy], Simul
     chosen: list[Policy] = []
     groups: dict[tuple[str, str, int], int] = {}
     smallest: SimulationResult | None = None
-    for policy in _candidates(setup, given):
+    for policy in itertools.chain(_own(setup, name, given), _candidates(setup, given)):
         key = (policy.attention_on, policy.ffn_on, policy.micro_batches)
         if groups.get(key, 0) >= PER_GROUP or policy in chosen:
             continue
@@ -134,6 +136,17 @@ def _unused_share(setup: Setup, name: str, policy: Policy, given: Given) -> Poli
     bare = evolve(policy, weights_gpu_share=0.0)
     need = (Simulation(evolve(setup, policy=p, decode_samples=1)).need(name) for p in (policy, bare))
     return bare if next(need) == next(need) else policy
+
+
+def _own(setup: Setup, name: str, given: Given) -> Iterator[Policy]:
+    """A scheduler's own planner's policy per placement, where it has one: moe-gen's MoE-Gen batch
+    sizes (the batch host memory holds the KV cache of, the attention micro-batch the GPU holds)."""
+    if name != "moe-gen" or given.complete:
+        return
+    spec, hw, work, cap = setup.spec, setup.hardware, setup.workload, given.batch_size or given.max_batch
+    for where in (given.attention_on,) if given.attention_on else ("gpu", "cpu"):
+        prompt, gen, budget = round(work.prompt.mean), work.gen_len, setup.policy.gpu_memory
+        yield given.apply(moe_gen_policy(spec, hw, prompt, gen, where, cap, budget))
 
 
 def _candidates(setup: Setup, given: Given) -> Iterator[Policy]:

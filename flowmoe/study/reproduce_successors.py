@@ -3,12 +3,15 @@ next to the simulator's, in `reproduce`'s Setting / System structure, on the har
 papers' machines (`moe-gen-c1/c2`, `hybrimoe-a6000`, `ktransformers-a100`, `fate-1080ti`). Every compared
 number is in `successor_numbers` with its table or section.
 
-Stand-ins: MoE-Gen(G) -> `moe-gen` (attention on the GPU), MoE-Gen(H) -> `moe-gen --attention-on cpu`,
+Stand-ins: MoE-Gen(G) -> `moe-gen` (attention on the GPU, each micro-batch's KV slice copied in),
+MoE-Gen(H) -> `moe-gen --attention-on cpu`, both at MoE-Gen's planner's batch sizes (`moe_gen_policy`),
 DeepSpeed-Inference -> `prefetch-all` (one micro-batch), FlexGen* -> `flexgen`, MoE-Lightning* ->
 `cgopipe`; kTransformers -> `ktransformers` at the cache ratio (that share of the MoE layers' experts
 on the GPU), HybriMoE -> `hybrimoe` at the cache ratio; Fiddler -> `fiddler`; KTransformers' Expert
 Deferral -> `ktransformers --defer-experts 2`; Fate -> `fate`, Load on Demand -> `on-demand`. Where a
-paper gives no policy, each system runs the best policy that fits its scheduler (`best_policy`).
+paper gives no policy, each system runs the best policy that fits its scheduler (`best_policy`). MoE-Gen's
+Table 7 prefill rows read the same runs as its Table 6 decode rows at decode 256 (`reproduce.run_system`
+keeps the last runs).
 Metrics: MoE-Gen's decoding throughput = the tokens of the decode steps / their time; prefill
 throughput = prompt tokens / prefill time (Table 7); HybriMoE's time between tokens as its inverse
 (decode tokens/s at batch 1), TTFT as prefill tokens/s.
@@ -22,13 +25,15 @@ from attrs import evolve
 
 from flowmoe.core.hardware import hardware
 from flowmoe.core.memory import fitting_expert_format
-from flowmoe.core.policy import Policy
+from flowmoe.core.policy import Place, Policy
+from flowmoe.core.policy_search import search
 from flowmoe.core.presets import preset
 from flowmoe.core.spec import ModelSpec
+from flowmoe.schedulers.moe_gen import moe_gen_policy
 from flowmoe.study import successor_numbers as N
 from flowmoe.study.best_policy import Given
 from flowmoe.study.reproduce import Setting, Speedup, System, _ratios_from, _setup
-from flowmoe.study.simulate import Setup
+from flowmoe.study.simulate import Setup, Simulation
 
 DECODE, PREFILL = "decode tok/s", "prefill tok/s"
 
@@ -40,32 +45,56 @@ MOE_GEN_PAIRS = (
     ("MoE-Gen(H)", "MoE-Gen(G)"),
 )  # fmt: skip
 MOE_GEN_NOTE = (
-    "prompts padded to 512 as §5.1 runs every system; each system at the best policy that fits its "
-    "scheduler (for cgopipe the HRM plans are among the candidates); Llama.cpp and vLLM rows have no stand-in"
+    "prompts padded to 512 as §5.1 runs every system; MoE-Gen at its planner's batch sizes (the KV cache "
+    "in host memory); FlexGen* and MoE-Lightning* at the HRM plan their scheduler's memory takes (at "
+    "Table 9's batch: their best policy that fits), DeepSpeed at its best single micro-batch; Llama.cpp "
+    "and vLLM rows have no stand-in"
 )
 
 
 def _moe_gen_systems(
     setup: Setup, paper: dict[str, float], metric: str, batch: int | None = None
 ) -> tuple[System, ...]:
-    """The systems of a MoE-Gen table that flowmoe expresses, with their published figures."""
+    """The systems of a MoE-Gen table that flowmoe expresses, with their published figures. MoE-Gen
+    runs at its own planner's sizes (`moe_gen_policy`: the batch host memory holds the KV cache of,
+    or the table's batch; the attention micro-batch GPU memory holds), no expert resident ("MoE-Gen
+    deliberately offloads more data to host memory", §A.1); the baselines at their best that fits."""
     at = Given(batch_size=batch)
-    # §A.1 at small batches: "MoE-Gen deliberately offloads more data to host memory" (and fetches the
-    # routed experts on demand), where the baselines keep what fits on the GPU
-    kept = None if batch is None else 0.0
+    work = setup.workload
     lightning = next(name for name in paper if name.startswith("MoE-Lightning"))
+
+    def planned(where: Place) -> Policy:
+        return moe_gen_policy(setup.spec, setup.hardware, round(work.prompt.mean), work.gen_len, where, batch)
+
+    # Tables 6-7: FlexGen* and MoE-Lightning* at their planner's policy; Table 9's batch: the best that fits
+    flexgen, cgopipe = (
+        (None, None) if batch else (_hrm_planned(setup, "flexgen"), _hrm_planned(setup, "cgopipe"))
+    )
     runs: dict[str, tuple[str, Policy | None, Given]] = {
         "DeepSpeed": ("prefetch-all", None, Given(batch_size=batch, micro_batches=1)),
-        "FlexGen*": ("flexgen", None, at),
-        lightning: ("cgopipe", None, at),
-        "MoE-Gen(G)": ("moe-gen", None, Given(batch_size=batch, attention_on="gpu", weights_gpu_share=kept)),
-        "MoE-Gen(H)": ("moe-gen", None, Given(batch_size=batch, attention_on="cpu")),
-        "MoE-Gen": ("moe-gen", None, Given(batch_size=batch, attention_on="gpu")),
+        "FlexGen*": ("flexgen", flexgen, at),
+        lightning: ("cgopipe", cgopipe, at),
+        "MoE-Gen(G)": ("moe-gen", planned("gpu"), at),
+        "MoE-Gen(H)": ("moe-gen", planned("cpu"), at),
+        "MoE-Gen": ("moe-gen", planned("gpu"), at),
     }
     return tuple(
         System(name, runs[name][0], setup, figure, runs[name][1], runs[name][2], metric=metric)
         for name, figure in paper.items()
     )
+
+
+def _hrm_planned(setup: Setup, scheduler: str) -> Policy:
+    """The policy FlexGen's and MoE-Lightning's own planners pick, as `reproduce` runs MoE-Lightning in its
+    paper's settings: the HRM plan (`policy_search.search`, a cost model over MoE-Lightning's knobs) over
+    the placements the scheduler has (experts on the GPU), its batch halved until the scheduler's own
+    GPU and host accounting takes it."""
+    spec, hw, work, cap = setup.spec, setup.hardware, setup.workload, 8192
+    while True:
+        policy = search(spec, hw, work, ffn=("gpu",), max_batch=cap).best.policy
+        if cap == 1 or Simulation(evolve(setup, policy=policy, decode_samples=1)).refusal(scheduler) is None:
+            return policy
+        cap = max(1, policy.batch_size // 2)
 
 
 def moe_gen(quick: bool) -> Iterator[Setting]:

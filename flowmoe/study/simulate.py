@@ -230,8 +230,9 @@ class Simulation:
         spec = self.setup.spec
         kv = self._kv_slots() * spec.kv_bytes_per_token if scheduler.kv_on_gpu() else 0
         tokens = max(mb.tokens for mb in self.steps[0].micro_batches)
-        return gpu_need(spec, scheduler.residency(), scheduler.weight_buffer_bytes(), kv, tokens,
-                        self.policy.micro_batch_size)  # fmt: skip
+        working = getattr(scheduler, "gpu_working_bytes", None)  # a schedule's own GPU buffers for them
+        buffers = scheduler.weight_buffer_bytes() + (working(self.steps) if working else 0)
+        return gpu_need(spec, scheduler.residency(), buffers, kv, tokens, self.policy.micro_batch_size)
 
 
 def _covers(trace: RoutingTrace, spec: ModelSpec, steps: Sequence[StepShape]) -> bool:
