@@ -28,11 +28,15 @@ every expert prefetched (`hot_experts` = E) this is the ablation's "+ Multi
 batches" (§3.2, Fig. 4(b): the whole MoE layer loads during the attention, the
 gates wait for all of it), with n = 1 its "simple pipeline" (§9.5).
 
-Weights and cache (§6.1): the KV cache lives on the CPU (`kv_on_gpu` False),
-in pageable memory (KV copies `pageable`): Klotski's cache is FlexGen's,
-allocated unpinned (Klotski's public code, mindspore-lab/models
-research/SYSU/Klotski/pytorch_backend.py, `init_cache_one_gpu_batch`: "disable
-pin_memory due to high memory overhead"). Its CPU weights are pinned "when
+Weights and cache (§6.1): the caches of the first `kv_gpu_share` of the
+layers stay on the GPU, as Klotski's code places them layer by layer
+(mindspore-lab/models research/SYSU/Klotski/mixtral/configuration_mixtral.py,
+`memory_cost_mixtral`: the first m layers' caches on the GPU, the rest on the
+CPU); their copies move no bytes and the simulated GPU memory holds them
+(`gpu_working_bytes`). The rest lives on the CPU, in pageable memory (KV copies
+`pageable`): Klotski's cache is FlexGen's, allocated unpinned (the same code,
+pytorch_backend.py, `init_cache_one_gpu_batch`: "disable pin_memory due to high
+memory overhead"). Its CPU weights are pinned "when
 sufficient CPU memory is available" (§6.1), else their copies are pageable
 (the context's `weights_pinned`). Each layer's dense part (attention, router,
 shared experts: flowmoe copies them as one) is copied in during the previous
@@ -79,17 +83,16 @@ recorded traces hand the scheduler counts only); the hidden states stay on
 the GPU between layers (the paper moves them too; they are small next to the
 cache); the paper loads caches and weights on separate streams that share the
 link, flowmoe's one h2d lane runs them in that order instead (so the hot
-experts go behind the attention layer's cache loads, not beside them); the
-whole cache stays on the CPU (`kv_gpu_share` is not used; Klotski's code keeps
-the caches of as many layers on the GPU as its memory left allows); a disk
-layer is read whole (Klotski's code reads each tensor when it is copied).
-`--attention-on cpu` and `--ffn-on cpu` are refused: Klotski computes
-everything on the GPU.
+experts go behind the attention layer's cache loads, not beside them); a real
+run keeps the whole cache on the CPU (`kv_on_gpu` False), the GPU-kept layers
+are priced in simulation only; a disk layer is read whole (Klotski's code
+reads each tensor when it is copied). `--attention-on cpu` and `--ffn-on cpu`
+are refused: Klotski computes everything on the GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
 from attrs import define, evolve, field
@@ -136,6 +139,7 @@ class KlotskiScheduler:
         offloaded = spec.moe.experts - round(policy.weights_gpu_share * spec.moe.experts)
         self.k = min(policy.hot_experts or spec.moe.top_k, offloaded)
         self.offloaded = offloaded
+        self.kv_kept = round(policy.kv_gpu_share * spec.layers)  # layers whose cache stays on the GPU
         self.table = CorrelationTable.seeded(self.moe, spec.moe.experts, context.popularity, spec.moe.top_k)
         self._cost = latency_model(context, self.name)
         self.on_disk = self._disk_layers(context.host_weight_bytes)
@@ -166,13 +170,21 @@ class KlotskiScheduler:
         return Residency(frozenset(), experts)
 
     def weight_buffer_bytes(self) -> int:
-        """Two layers' dense parts; a layer's offloaded experts plus the next layer's hot ones."""
+        """Two layers' dense parts; one layer's offloaded experts: the next layer's hot experts load
+        only once this layer has ended and evicted its own (the barriers), as Klotski's code reserves
+        GPU memory for one layer's experts (`memory_cost_mixtral`: `expert * 8`)."""
         spec = self.context.spec
         dense = two_layers_bytes([spec.layer_dense_bytes(layer) for layer in range(spec.layers)])
-        return dense + ((self.offloaded + self.k) * spec.expert_bytes if self.moe else 0)
+        return dense + (self.offloaded * spec.expert_bytes if self.moe else 0)
 
     def kv_on_gpu(self) -> bool:
         return False
+
+    def gpu_working_bytes(self, steps: Sequence[StepShape]) -> int:
+        """The caches of the GPU-kept layers at the largest of `steps`."""
+        spec = self.context.spec
+        tokens = max((sum(mb.kv_tokens for mb in step.micro_batches) for step in steps), default=0)
+        return self.kv_kept * tokens * spec.kv_bytes_per_token // spec.layers
 
     def group_size(self, step: StepShape) -> int:
         """Policy's n, else the smallest n meeting Eqs. (5)-(7) (all micro-batches if none does)."""
@@ -290,9 +302,13 @@ class _Group:
 
     def _kv_load(self, layer: int, mb: MicroBatchShape, issued: int | None) -> TaskNode:
         """The cache is pageable: Klotski's CPU cache is FlexGen's, allocated unpinned."""
-        node = self.f.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb, deps=[issued], pageable=True)
+        node = self._kept(self.f.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb, deps=[issued], pageable=True))
         self.kv[(layer, mb.index)] = node.id
         return node
+
+    def _kept(self, node: TaskNode) -> TaskNode:
+        """A cache copy of a layer whose cache the GPU keeps moves nothing."""
+        return evolve(node, bytes=0) if node.layer < self.s.kv_kept else node
 
     def _attention(self, layer: int, before: list[ExpertCounts]) -> PlanStream:
         """Algorithm 1's attention layer, batch by batch: the next batch's cache in, attention with
@@ -309,7 +325,7 @@ class _Group:
                 yield from (self._copy(layer, e, self.start) for e in hot)
             kv = self.kv.pop((layer, mb.index))
             nodes = offloaded_kv_attention(self.f, layer, mb, self.last[mb.index], kv, self.dense[layer])
-            nodes[2] = evolve(nodes[2], pageable=True)  # KV_STORE into the unpinned cache
+            nodes[2] = self._kept(evolve(nodes[2], pageable=True))  # KV_STORE into the unpinned cache
             posts[mb.index] = nodes[-1].id
             yield from nodes
         if self.spec.is_moe_layer(layer):

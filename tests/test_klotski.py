@@ -46,7 +46,9 @@ def test_klotski_gates_wait_for_the_hot_experts_and_the_next_layer_for_this_one(
     weights of layer l + 1 (and its first batch's cache) for layer l's last gate, even over a link
     that would run ahead and with every batch routed to the same experts (no cold copy after the
     first gate holds the link back)."""
-    policy = Policy(micro_batch_size=16, micro_batches=4, weights_gpu_share=0.0, group_size=4)
+    policy = Policy(
+        micro_batch_size=16, micro_batches=4, weights_gpu_share=0.0, kv_gpu_share=0.0, group_size=4
+    )
     spans = run(policy, cost=FAST, same=True)
     dense_evict = {s.node.layer: s for s in spans_of(spans, Op.EVICT) if s.node.expert < 0}
     for layer in range(MIXTRAL.layers):
@@ -72,8 +74,10 @@ def test_klotski_prefetching_every_expert_is_the_strawman_layer_by_layer_pipelin
     """K = E (the ablation's '+ Multi batches', Fig. 4(b)): the whole MoE layer loads during the
     attention and every gate waits for all of it, so nothing is copied after a gate; with hot
     experts only the GPU computes the group's hot experts while the cold ones cross the link, and
-    the run ends sooner."""
-    policy = Policy(micro_batch_size=16, micro_batches=4, weights_gpu_share=0.0, group_size=4)
+    the run ends sooner. Either way the next layer's experts come in only after this layer's left."""
+    policy = Policy(
+        micro_batch_size=16, micro_batches=4, weights_gpu_share=0.0, kv_gpu_share=0.0, group_size=4
+    )
     strawman = run(evolve(policy, hot_experts=8))
     for layer in range(MIXTRAL.layers):
         first_gate = min(g.start for g in spans_of(strawman, Op.GATE, layer))
@@ -81,18 +85,44 @@ def test_klotski_prefetching_every_expert_is_the_strawman_layer_by_layer_pipelin
         assert len(copies) == 8 and all(s.end <= first_gate + EPS for s in copies)
     klotski = run(policy)
     assert max(s.end for s in klotski) < max(s.end for s in strawman)
+    for spans in (strawman, klotski):  # the expert buffer: one layer's offloaded experts
+        events = [(s.start, 1) for s in spans_of(spans, Op.PAGE_COPY) if s.node.expert >= 0]
+        events += [(s.end, -1) for s in spans_of(spans, Op.EVICT) if s.node.expert >= 0]
+        held = peak = 0
+        for _, change in sorted(events):  # an eviction and a copy at the same instant: the eviction first
+            held += change
+            peak = max(peak, held)
+        assert held == 0 and peak <= MIXTRAL.moe.experts
 
 
 def test_klotski_cache_copies_are_pageable_and_weight_copies_unless_pinned() -> None:
     """Klotski's CPU cache is FlexGen's, allocated unpinned; its CPU weights are pinned only where host
     memory suffices (§6.1), else their copies are pageable too."""
-    policy = Policy(micro_batch_size=16, micro_batches=2, weights_gpu_share=0.0, group_size=2)
+    policy = Policy(
+        micro_batch_size=16, micro_batches=2, weights_gpu_share=0.0, kv_gpu_share=0.0, group_size=2
+    )
     for pinned in (True, False):
         spans = run(policy, pinned)
         kv = spans_of(spans, Op.KV_LOAD) + spans_of(spans, Op.KV_STORE)
         assert kv and all(s.node.pageable for s in kv)
         copies = spans_of(spans, Op.PAGE_COPY)
         assert copies and all(s.node.pageable is not pinned for s in copies)
+
+
+def test_klotski_keeps_the_caches_of_the_first_layers_on_the_gpu() -> None:
+    """`kv_gpu_share` 0.5 of 4 layers: layers 0 and 1 keep their caches on the GPU (their copies move
+    nothing), as Klotski's code places caches layer by layer, and the GPU memory holds them."""
+    policy = Policy(
+        micro_batch_size=16, micro_batches=2, weights_gpu_share=0.0, kv_gpu_share=0.5, group_size=2
+    )
+    spans = run(policy)
+    for s in spans_of(spans, Op.KV_LOAD) + spans_of(spans, Op.KV_STORE):
+        assert (s.node.bytes == 0) == (s.node.layer < 2), s.node.label
+    step = decode_step(2, 16, 512)
+    klotski = scheduler("klotski", MIXTRAL, policy)
+    tokens = sum(mb.kv_tokens for mb in step.micro_batches)
+    assert klotski.gpu_working_bytes([step]) == 2 * tokens * MIXTRAL.kv_bytes_per_token // 4
+    assert scheduler("klotski", MIXTRAL, evolve(policy, kv_gpu_share=0.0)).gpu_working_bytes([step]) == 0
 
 
 def test_klotski_hot_experts_are_the_most_counted_top_k_followers() -> None:

@@ -317,7 +317,9 @@ def test_klotski_loads_the_next_batch_cache_while_this_one_computes_and_pages_at
     """Algorithm 1 lines 13-17: the KV cache of micro-batch j + 1 crosses h2d while j computes, the
     cache's home is the CPU (this step's k, v stored back), and each layer's attention weights come
     in during the layer before and leave after it."""
-    policy = Policy(micro_batch_size=64, micro_batches=4, weights_gpu_share=0.0, group_size=4)
+    policy = Policy(
+        micro_batch_size=64, micro_batches=4, weights_gpu_share=0.0, kv_gpu_share=0.0, group_size=4
+    )
     step = decode_step(4, 64, 2048)
     klotski = scheduler("klotski", MIXTRAL, policy, cost=T4)
     spans = simulate(klotski, [step], shifting_trace(MIXTRAL, step), T4)
