@@ -118,35 +118,22 @@ static inline __attribute__((always_inline)) void weigh(int ht, int nv, int bf16
 
 typedef struct {
     int group, D;
-    float scale2; /* scale * log2(e) */
-    const char *q;
-    long q_row, q_head; /* bytes */
     const char *k, *v;
     long k_slot, k_head, k_pos, v_slot, v_head, v_pos; /* bytes */
 } problem;
 
-/* A pass of `ht` (1, 2 or 4) query heads, the first `real` of them heads h0.. of row `row` (the
-   others zero), over n keys and values at key / val: res[h] = (acc [D], m, l) for h < real, in
-   base 2 (rows D + 2 apart). */
-static inline __attribute__((always_inline)) void pass(int ht, int bf16, const problem *P, long row, int h0,
+/* A pass of `ht` (1, 2 or 4) query heads q [ht][D] (fp32, pre-scaled to base 2), over n keys and
+   values at key / val: res[h] = (acc [D], m, l) for the first `real` heads, in base 2 (rows D + 2
+   apart; the other heads' are dropped). */
+static inline __attribute__((always_inline)) void pass(int ht, int bf16, const problem *P, const float *q,
                                                        int real, const char *key, const char *val, int n,
                                                        float *res) {
     int D = P->D, kt = 16 / ht, esize = bf16 ? 2 : 4;
     int nb = (n + kt - 1) / kt * kt, full = n / kt * kt;
-    float q[HT * D], acc[HT * D], s[nb * ht], top[16], sums[16], m[HT], l[HT];
-    for (int h = 0; h < ht; h++) {
-        const char *src = P->q + row * P->q_row + (h0 + h) * P->q_head;
-        for (int d = 0; d < D; d++) {
-            float x = 0.0f;
-            if (h < real && bf16) {
-                uint32_t u = (uint32_t)((const uint16_t *)src)[d] << 16;
-                memcpy(&x, &u, sizeof x);
-            } else if (h < real)
-                x = ((const float *)src)[d];
-            q[h * D + d] = x * P->scale2;
-        }
+    float acc[HT * D], s[nb * ht], top[16], sums[16], m[HT], l[HT];
+    for (int j0 = 0; j0 < full; j0 += kt) {
+        _mm512_storeu_ps(s + j0 * ht, scores(ht, bf16, q, key + j0 * P->k_pos, P->k_pos, D));
     }
-    for (int j0 = 0; j0 < full; j0 += kt) _mm512_storeu_ps(s + j0 * ht, scores(ht, bf16, q, key + j0 * P->k_pos, P->k_pos, D));
     if (full < n) { /* the last keys, zero-padded */
         char tail[16 * D * esize] __attribute__((aligned(64)));
         memset(tail, 0, sizeof tail);
@@ -194,20 +181,21 @@ static inline __attribute__((always_inline)) void pass(int ht, int bf16, const p
 
 #define PASS(HT_, ...) (bf16 ? pass(HT_, 1, __VA_ARGS__) : pass(HT_, 0, __VA_ARGS__))
 
-/* One work item: the `group` query heads of KV head kh of the sequence whose query is row `row`,
-   against keys [a, a + n) of cache slot `slot`: res [group][D + 2] = (acc, m, l) in base 2. */
-static void item(const problem *P, int bf16, long row, long slot, int kh, long a, int n, float *res) {
+/* One work item: the `group` query heads q [group][D] of KV head kh against keys [a, a + n) of
+   cache slot `slot`: res [group][D + 2] = (acc, m, l) in base 2. */
+static void item(const problem *P, int bf16, const float *q, long slot, int kh, long a, int n, float *res) {
     const char *key = P->k + slot * P->k_slot + kh * P->k_head + a * P->k_pos;
     const char *val = P->v + slot * P->v_slot + kh * P->v_head + a * P->v_pos;
-    for (int h0 = 0; h0 < P->group; h0 += HT) { /* 4 heads a pass; 3 as 4 (one zero), 2 and 1 as such */
-        int real = P->group - h0 < HT ? P->group - h0 : HT, first = kh * P->group + h0;
+    for (int h0 = 0; h0 < P->group; h0 += HT) { /* 4 heads a pass; 3 as 4 (one dropped), 2 and 1 as such */
+        int real = P->group - h0 < HT ? P->group - h0 : HT;
+        const float *qh = q + h0 * P->D;
         float *r = res + h0 * (P->D + 2);
         if (real >= 3)
-            PASS(4, P, row, first, real, key, val, n, r);
+            PASS(4, P, qh, real, key, val, n, r);
         else if (real == 2)
-            PASS(2, P, row, first, real, key, val, n, r);
+            PASS(2, P, qh, real, key, val, n, r);
         else
-            PASS(1, P, row, first, real, key, val, n, r);
+            PASS(1, P, qh, real, key, val, n, r);
     }
 }
 
@@ -221,17 +209,16 @@ static void merge(const problem *P, int bf16, const float *res, int items, int k
             float mc = res[(c * g + h) * (D + 2) + D];
             m = mc > m ? mc : m;
         }
-        float l = sinks ? exp2f(sinks[kh * g + h] * LOG2E - m) : 0.0f;
+        float l = sinks ? exp2f(sinks[kh * g + h] * LOG2E - m) : 0.0f, factor[items];
         for (int c = 0; c < items; c++) {
             const float *r = res + (c * g + h) * (D + 2);
-            l += r[D + 1] * exp2f(r[D] - m);
+            factor[c] = exp2f(r[D] - m);
+            l += r[D + 1] * factor[c];
         }
         for (int d = 0; d < D; d += 16) {
             __m512 acc = _mm512_setzero_ps();
-            for (int c = 0; c < items; c++) {
-                const float *r = res + (c * g + h) * (D + 2);
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(exp2f(r[D] - m)), _mm512_loadu_ps(r + d), acc);
-            }
+            for (int c = 0; c < items; c++)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(factor[c]), _mm512_loadu_ps(res + (c * g + h) * (D + 2) + d), acc);
             acc = _mm512_div_ps(acc, _mm512_set1_ps(l));
             long at = (long)(kh * g + h) * D + d;
             if (bf16)
@@ -251,10 +238,18 @@ int flowmoe_decode_attention(int batch, const int *seqs, int heads, int kv_heads
                              long k_pos, const void *v, long v_slot, long v_head, long v_pos, const float *sinks,
                              float scale, int chunk, void *out, long out_row, int threads) {
     long esize = bf16 ? 2 : 4;
-    problem P = {heads / kv_heads, D, scale * LOG2E, q, q_row * esize, q_head * esize, k, v,
-                 k_slot * esize, k_head * esize, k_pos * esize, v_slot * esize, v_head * esize, v_pos * esize};
+    problem P = {heads / kv_heads, D, k, v, k_slot * esize, k_head * esize, k_pos * esize, v_slot * esize,
+                 v_head * esize, v_pos * esize};
     long *first = malloc((batch + 1) * sizeof *first); /* sequence i's items: first[i] .. first[i + 1] */
-    if (!first) return -1;
+    /* sequence i's queries in fp32 times scale log2(e), heads D apart (then HT - 1 zero heads, read
+       by the last KV head's pass when the group is 3) */
+    float *qs = malloc(((long)batch * heads + HT) * D * sizeof *qs);
+    if (!first || !qs) {
+        free(first);
+        free(qs);
+        return -1;
+    }
+    memset(qs + (long)batch * heads * D, 0, HT * D * sizeof *qs);
     first[0] = 0;
     for (int i = 0; i < batch; i++) {
         long n = seqs[4 * i + 3] - seqs[4 * i + 2];
@@ -264,10 +259,18 @@ int flowmoe_decode_attention(int batch, const int *seqs, int heads, int kv_heads
     float *res = malloc(items * P.group * (D + 2) * sizeof *res);
     if (!res) {
         free(first);
+        free(qs);
         return -1;
     }
+    __m512 scale2 = _mm512_set1_ps(scale * LOG2E);
 #pragma omp parallel num_threads(threads)
     {
+#pragma omp for schedule(static)
+        for (long t = 0; t < (long)batch * heads; t++) {
+            const char *src = (const char *)q + (seqs[4 * (t / heads)] * q_row + t % heads * q_head) * esize;
+            for (int d = 0; d < D; d += 16)
+                _mm512_storeu_ps(qs + t * D + d, _mm512_mul_ps(load_row(src, d, bf16), scale2));
+        }
         int i = 0;
 #pragma omp for schedule(static)
         for (long t = 0; t < items; t++) {
@@ -277,7 +280,8 @@ int flowmoe_decode_attention(int batch, const int *seqs, int heads, int kv_heads
             int kh = (int)(u / per_head);
             long a = seqs[4 * i + 2] + u % per_head * chunk, hi = seqs[4 * i + 3];
             int n = (int)(hi - a < chunk ? hi - a : chunk);
-            item(&P, bf16, seqs[4 * i], seqs[4 * i + 1], kh, a, n, res + t * P.group * (D + 2));
+            const float *qi = qs + ((long)i * heads + kh * P.group) * D;
+            item(&P, bf16, qi, seqs[4 * i + 1], kh, a, n, res + t * P.group * (D + 2));
         }
 #pragma omp for schedule(static)
         for (long t = 0; t < (long)batch * kv_heads; t++) {
@@ -289,6 +293,7 @@ int flowmoe_decode_attention(int batch, const int *seqs, int heads, int kv_heads
     }
     free(res);
     free(first);
+    free(qs);
     return 0;
 }
 

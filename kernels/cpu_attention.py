@@ -21,7 +21,7 @@ import torch
 
 from flowmoe.kernels import native
 
-CHUNK = 256  # keys per work item: 64-128 KiB of K (or V) per item at head dim 128
+CHUNK = 512  # keys per work item: 128-256 KiB of K (and as much V) at head dim 128
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
 
