@@ -1,7 +1,7 @@
 """Causal grouped-query attention over a KV cache, with sliding windows, attention sinks and chunks.
 
 Decode on the CPU (every sequence of the step with one new token, fp32 or bf16, head dim a
-multiple of 16) runs in one call of kernels/cpu_attention.c: each query sees one contiguous range
+multiple of 16 or 32) runs in one call of kernels/cpu_attention.c: each query sees one contiguous range
 of keys (no mask), read once per KV head for its g query heads, long caches split across the
 threads. The rest (prefills, other dtypes and devices, hosts without the C kernel) as follows.
 A KV group's g query heads are stacked as g query rows against their KV head, so K and V are

@@ -61,13 +61,26 @@ static inline __m512 sum16(const __m512 *p) {
     return _mm512_permutexvar_ps(order, w);
 }
 
-static inline __m512 load_bf16(const uint16_t *p) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+/* Elements [i, i + 16 w) of a row as w fp32 vectors: fp32 (w = 1), or bf16 (w = 2) widened by one
+   unpack each, in "paired" order: of each 32, elements 8c + t at lane 4c + t of the first vector
+   and 8c + 4 + t at lane 4c + t of the second (c, t < 4). A dot product is the same in any order
+   both sides share; sums over keys are put back in order by `unpair`. */
+static inline __attribute__((always_inline)) void load_row(const void *p, long i, int bf16, __m512 *v) {
+    if (bf16) {
+        __m512i x = _mm512_loadu_si512((const uint16_t *)p + i), zero = _mm512_setzero_si512();
+        v[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x));
+        v[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x));
+    } else
+        v[0] = _mm512_loadu_ps((const float *)p + i);
 }
 
-static inline __attribute__((always_inline)) __m512 load_row(const void *p, long i, int bf16) {
-    return bf16 ? load_bf16((const uint16_t *)p + i) : _mm512_loadu_ps((const float *)p + i);
+/* 32 floats in paired order (see load_row) back in order. */
+static inline void unpair(float *p) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+    _mm512_storeu_ps(p, _mm512_permutex2var_ps(a, first, b));
+    _mm512_storeu_ps(p + 16, _mm512_permutex2var_ps(a, second, b));
 }
 
 /* fp32 -> bf16, rounded to nearest even (NaN stays NaN), as torch's .to(torch.bfloat16). */
@@ -80,25 +93,30 @@ static inline __m256i to_bf16(__m512 x) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-/* Scores of `ht` query heads (fp32, pre-scaled, rows D apart) against 16 / ht keys, key j at key +
-   j * ldk bytes: lane j * ht + h. Each key's vector is loaded (and widened) once for all heads. */
+/* Scores of `ht` query heads (fp32, pre-scaled, rows D apart, bf16's in paired order) against
+   16 / ht keys, key j at key + j * ldk bytes: lane j * ht + h. Each key's vectors are loaded (and
+   widened) once for all heads. */
 static inline __attribute__((always_inline)) __m512 scores(int ht, int bf16, const float *q, const char *key,
                                                            long ldk, int D) {
+    int w = bf16 ? 2 : 1;
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    for (int d = 0; d < D; d += 16) {
-        __m512 qv[HT];
-        for (int h = 0; h < ht; h++) qv[h] = _mm512_loadu_ps(q + h * D + d);
+    for (int d = 0; d < D; d += 16 * w) {
+        __m512 qv[HT][2];
+        for (int h = 0; h < ht; h++)
+            for (int u = 0; u < w; u++) qv[h][u] = _mm512_loadu_ps(q + h * D + d + 16 * u);
         for (int j = 0; j < 16 / ht; j++) {
-            __m512 kv = load_row(key + j * ldk, d, bf16);
-            for (int h = 0; h < ht; h++) acc[j * ht + h] = _mm512_fmadd_ps(qv[h], kv, acc[j * ht + h]);
+            __m512 kv[2];
+            load_row(key + j * ldk, d, bf16, kv);
+            for (int h = 0; h < ht; h++)
+                for (int u = 0; u < w; u++) acc[j * ht + h] = _mm512_fmadd_ps(qv[h][u], kv[u], acc[j * ht + h]);
         }
     }
     return sum16(acc);
 }
 
 /* acc[h][d0 : d0 + 16 nv] += sum_j w[j * ht + h] v[j][same] for nk keys v[j] = val + j * ldv bytes
-   (acc's rows D apart). */
+   (acc's rows D apart; bf16: nv even, in paired order). */
 static inline __attribute__((always_inline)) void weigh(int ht, int nv, int bf16, const char *val, long ldv,
                                                         int nk, const float *w, float *acc, int D, int d0) {
     __m512 a[HT][4];
@@ -106,7 +124,7 @@ static inline __attribute__((always_inline)) void weigh(int ht, int nv, int bf16
         for (int t = 0; t < nv; t++) a[h][t] = _mm512_loadu_ps(acc + h * D + d0 + 16 * t);
     for (int j = 0; j < nk; j++) {
         __m512 v[4];
-        for (int t = 0; t < nv; t++) v[t] = load_row(val + j * ldv, d0 + 16 * t, bf16);
+        for (int t = 0; t < nv; t += bf16 ? 2 : 1) load_row(val + j * ldv, d0 + 16 * t, bf16, v + t);
         for (int h = 0; h < ht; h++) {
             __m512 p = _mm512_set1_ps(w[j * ht + h]);
             for (int t = 0; t < nv; t++) a[h][t] = _mm512_fmadd_ps(p, v[t], a[h][t]);
@@ -173,6 +191,7 @@ static inline __attribute__((always_inline)) void pass(int ht, int bf16, const p
         }
     }
     for (int h = 0; h < real; h++) {
+        for (int d = 0; bf16 && d < D; d += 32) unpair(acc + h * D + d);
         memcpy(res + h * (D + 2), acc + h * D, D * sizeof *acc);
         res[h * (D + 2) + D] = m[h];
         res[h * (D + 2) + D + 1] = l[h];
@@ -231,7 +250,8 @@ static void merge(const problem *P, int bf16, const float *res, int items, int k
 
 /* Decode attention of `batch` sequences, seqs[i] = (row, slot, lo, hi): the query q[row] [heads,
    D] attends to keys [lo, hi) of cache slot `slot` -> out[row] [heads * D], in the cache's dtype
-   (bf16 or fp32, q's too). Strides in elements; every last dimension contiguous; D % 16 == 0;
+   (bf16 or fp32, q's too). Strides in elements; every last dimension contiguous; D % 16 == 0 (fp32)
+   or D % 32 == 0 (bf16);
    `sinks` fp32 [heads] or null; scale: the scores' factor. Returns 0, or -1 without memory. */
 int flowmoe_decode_attention(int batch, const int *seqs, int heads, int kv_heads, int D, int bf16,
                              const void *q, long q_row, long q_head, const void *k, long k_slot, long k_head,
@@ -268,8 +288,11 @@ int flowmoe_decode_attention(int batch, const int *seqs, int heads, int kv_heads
 #pragma omp for schedule(static)
         for (long t = 0; t < (long)batch * heads; t++) {
             const char *src = (const char *)q + (seqs[4 * (t / heads)] * q_row + t % heads * q_head) * esize;
-            for (int d = 0; d < D; d += 16)
-                _mm512_storeu_ps(qs + t * D + d, _mm512_mul_ps(load_row(src, d, bf16), scale2));
+            for (int d = 0; d < D; d += bf16 ? 32 : 16) { /* bf16: in paired order */
+                __m512 x[2];
+                load_row(src, d, bf16, x);
+                for (int u = 0; u < (bf16 ? 2 : 1); u++) _mm512_storeu_ps(qs + t * D + d + 16 * u, _mm512_mul_ps(x[u], scale2));
+            }
         }
         int i = 0;
 #pragma omp for schedule(static)

@@ -40,7 +40,7 @@ def library() -> ctypes.CDLL | None:
 
 def fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether `decode` takes q [T, H, D] against keys / values [slots, kv_heads, C, D]: host
-    tensors of one dtype, fp32 or bf16, D a multiple of 16, contiguous last dimensions, no
+    tensors of one dtype, fp32 (D a multiple of 16) or bf16 (of 32), contiguous last dimensions, no
     autograd."""
     lib = library()
     dim = q.shape[-1]
@@ -49,7 +49,7 @@ def fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
         and q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.bfloat16)
         and keys.dtype == values.dtype == q.dtype
-        and dim % 16 == 0
+        and dim % (32 if q.dtype == torch.bfloat16 else 16) == 0
         and keys.shape[-1] == values.shape[-1] == dim
         and keys.device.type == values.device.type == "cpu"
         and keys.stride(-1) == values.stride(-1) == 1
