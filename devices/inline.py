@@ -3,14 +3,20 @@
 Without CUDA every lane computes on the same cores, so overlapping lanes on threads of their own
 buys nothing but OpenMP teams competing for those cores and a thread hop per node (two per routing
 answer, each waiting for the OS to schedule the woken thread on a busy machine). The runtime then
-runs every node here: one loop callback per node, the step's ops on the thread that runs the
-engine, in inference mode and with the thread plan's intra-op threads (flowmoe/core/threads.py),
-as a plain eager step runs them. The executor-overhead benchmark measures the executor alone
-with it.
+runs every node here: the step's ops on the thread that runs the engine, in inference mode and
+with the thread plan's intra-op threads (flowmoe/core/threads.py), as a plain eager step runs
+them. The executor-overhead benchmark measures the executor alone with it.
 
-A node's action runs in a loop callback of its own, never inside the executor's hand-off: an
-interrupt (Ctrl-C) raised in the middle of an action first reports the node failed, so no lane is
-left busy, then goes on out of the loop as any Ctrl-C does.
+Started nodes wait in a queue that one loop callback runs in order (entering inference mode once
+for all of them): a node that a finished one releases joins the queue and runs in the same
+callback, so a chain of nodes costs one loop iteration, not one each. The loop gets the thread
+back as soon as the queue is empty, which is when the driver waits for a node that already ran
+(a gate whose routing it needs) or for nodes it has yet to submit.
+
+A node's action never runs inside the executor's hand-off (`start` only queues it): an interrupt
+(Ctrl-C) raised in the middle of an action first reports that node failed, so no lane is left
+busy, then goes on out of the loop as any Ctrl-C does; the nodes still queued behind it run in a
+callback of their own, as they would have.
 """
 
 from __future__ import annotations
@@ -18,12 +24,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import deque
 
 import torch
 
 from flowmoe.core.executor import Action, Finish
 from flowmoe.core.plan import TaskNode
-from flowmoe.devices.threadpool import run_action, set_intra_op
+from flowmoe.devices.threadpool import Job, run_action, set_intra_op
 
 
 class InlineWorker:
@@ -34,20 +41,42 @@ class InlineWorker:
         self._threads = threads
         self._thread = 0  # the thread `threads` was set on
         self._ranges = profile_ranges
-        self._inference = torch.inference_mode()  # entered around each action (reusable, not reentrant)
+        self._inference = torch.inference_mode()  # entered around each run of the queue (not reentrant)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the queue belongs to
+        self._queue: deque[Job] = deque()  # started nodes, in start order
+        self._running = False  # `_run_queue` is running the queue
 
     def start(self, node: TaskNode, action: Action, finish: Finish) -> None:
-        asyncio.get_running_loop().call_soon(self._run, node, action, finish)
+        if self._running:  # released by a node of the queue now running: it runs next in turn
+            self._queue.append((node, action, finish))
+            return
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # a new run: what a closed loop left queued is no node of it
+            self._loop, self._queue, self._running = loop, deque(), False
+        self._queue.append((node, action, finish))
+        if len(self._queue) == 1:  # no callback is on its way to run it
+            loop.call_soon(self._run_queue)
+
+    def _run_queue(self) -> None:
+        queue = self._queue
+        self._running = True
+        try:
+            if self._threads is not None and self._thread != threading.get_ident():
+                self._thread = threading.get_ident()
+                set_intra_op(self._threads)
+            with self._inference:
+                while queue:
+                    self._run(*queue.popleft())
+        finally:
+            self._running = False
+            if queue:  # an interrupt left started nodes queued: they run in a callback of their own
+                asyncio.get_running_loop().call_soon(self._run_queue)
 
     def _run(self, node: TaskNode, action: Action, finish: Finish) -> None:
-        if self._threads is not None and self._thread != threading.get_ident():
-            set_intra_op(self._threads)
-            self._thread = threading.get_ident()
         start = time.perf_counter()
         try:
             if action is not None:
-                with self._inference:
-                    run_action(node, action, self._ranges)
+                run_action(node, action, self._ranges)
         except Exception as exc:  # reported through the executor, which names the node
             finish(start, time.perf_counter(), exc)
         except BaseException as exc:  # an interrupt: the node failed, and the interrupt goes on

@@ -96,6 +96,70 @@ def test_inline_worker_keeps_order(nodes: list[TaskNode]) -> None:
     check_order(nodes, asyncio.run(run_all(nodes, InlineWorker())))
 
 
+def test_inline_worker_runs_a_released_chain_in_one_loop_callback() -> None:
+    """Nodes a finished node releases run in the same loop callback (one loop iteration for a chain,
+    not one each): a ticker callback that re-arms itself never runs between them."""
+    ticks, seen = [0], []
+
+    def tick() -> None:
+        ticks[0] += 1
+        if ticks[0] < 1000:
+            asyncio.get_running_loop().call_soon(tick)
+
+    async def go() -> None:
+        executor = Executor(dict.fromkeys(Lane, InlineWorker()))
+        asyncio.get_running_loop().call_soon(tick)
+        chain = [_node(i, LANES[i % len(LANES)], (i - 1,) if i else ()) for i in range(20)]
+        for node in chain:
+            executor.submit(node, lambda: seen.append(ticks[0]))
+        await executor.drain()
+
+    asyncio.run(go())
+    assert len(seen) == 20 and len(set(seen)) == 1
+
+
+def test_inline_worker_leaves_a_closed_loops_queue_behind() -> None:
+    """An interrupt that ends a loop with nodes still queued in the worker (their callback never
+    runs once the loop is closed) does not stall the worker's next run on another loop."""
+    worker, ran = InlineWorker(), []
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    async def interrupted_run() -> None:
+        executor = Executor(dict.fromkeys(Lane, worker))
+        executor.submit(_node(0, Lane.GPU_COMPUTE), interrupted)
+        executor.submit(_node(1, Lane.CPU_COMPUTE), lambda: ran.append(1))  # queued behind node 0
+        await executor.drain()
+
+    loop = asyncio.new_event_loop()
+    with pytest.raises(KeyboardInterrupt):
+        loop.run_until_complete(interrupted_run())
+    loop.close()
+    assert ran == []
+
+    async def next_run() -> list[Span]:
+        return await asyncio.wait_for(run_all([_node(0, Lane.GPU_COMPUTE)], worker), timeout=30)  # hang guard
+
+    assert [s.node.id for s in asyncio.run(next_run())] == [0]
+
+
+def test_without_kept_spans_only_the_span_callback_sees_them() -> None:
+    nodes = [_node(i, Lane.GPU_COMPUTE, (i - 1,) if i else ()) for i in range(5)]
+    seen: list[Span] = []
+
+    async def go(on_span) -> Executor:
+        executor = Executor(dict.fromkeys(Lane, InlineWorker()), on_span=on_span, keep_spans=False)
+        for node in nodes:
+            executor.submit(node)
+        await executor.drain()
+        return executor
+
+    assert asyncio.run(go(seen.append)).spans == []
+    assert [s.node.id for s in seen] == [0, 1, 2, 3, 4] and all(s.end >= s.start >= s.queued for s in seen)
+    assert asyncio.run(go(None)).spans == []
+
+
 def test_sim_overlap_is_real_time_saving() -> None:
     """Two independent lanes overlap on the virtual clock: makespan is the longer lane."""
     nodes = [TaskNode(0, Op.PAGE_COPY, Lane.GPU_H2D), TaskNode(1, Op.GPU_ATTN, Lane.GPU_COMPUTE)]

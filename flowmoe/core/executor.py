@@ -64,19 +64,23 @@ class Executor:
         workers: Mapping[Lane, Worker],
         on_span: Callable[[Span], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        keep_spans: bool = True,
     ) -> None:
-        """`clock` must be the clock the workers time spans with (the loop's for a simulation)."""
+        """`clock` must be the clock the workers time spans with (the loop's for a simulation);
+        `keep_spans`: keep every node's span in `spans` (False: a span is made only for `on_span`,
+        and none at all without one)."""
         self._workers = dict(workers)
         self._clock = clock
         self._on_span = on_span
+        self._keep = keep_spans
+        self._timed = keep_spans or on_span is not None  # spans are made
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._queued: dict[int, float] = {}
-        self._queues: dict[Lane, deque[int]] = {lane: deque() for lane in self._workers}
+        self._queues: dict[Lane, deque[Start]] = {lane: deque() for lane in self._workers}
         self._busy: set[Lane] = set()
         self._nodes: dict[int, TaskNode] = {}
-        self._actions: dict[int, Action] = {}
         self._unmet: dict[int, int] = {}
         self._dependents: dict[int, list[int]] = {}
         self._done: set[int] = set()
@@ -96,11 +100,12 @@ class Executor:
         with self._lock:
             if self._stopped:
                 raise self._error or asyncio.CancelledError()
-            if node_id in self._nodes or lane not in self._queues or node_id in deps:
+            queue = self._queues.get(lane)
+            if queue is None or node_id in self._nodes or node_id in deps:
                 self._validate(node)
             self._nodes[node_id] = node
-            self._actions[node_id] = action
-            self._queued[node_id] = self._clock()
+            if self._timed:
+                self._queued[node_id] = self._clock()
             unmet = 0
             done, dependents = self._done, self._dependents
             for dep in deps:
@@ -112,8 +117,8 @@ class Executor:
                     else:
                         waiting.append(node_id)
             self._unmet[node_id] = unmet
-            self._queues[lane].append(node_id)
-            start = self._take(lane)
+            queue.append((node, action))
+            start = self._take(lane) if len(queue) == 1 else None  # behind a head, it cannot start yet
         if start is not None:
             self._start(start)
 
@@ -193,11 +198,10 @@ class Executor:
         if lane in self._busy or self._stopped:
             return None
         queue = self._queues[lane]
-        if not queue or self._unmet[queue[0]]:
+        if not queue or self._unmet[queue[0][0].id]:
             return None
-        node_id = queue.popleft()
         self._busy.add(lane)
-        return self._nodes[node_id], self._actions.pop(node_id)
+        return queue.popleft()
 
     def _start(self, start: Start) -> None:
         node, action = start
@@ -210,7 +214,7 @@ class Executor:
         """Called once per started node, from any thread; never raises (a failure here fails the
         run). The span callback runs first, so a node is done only once it is recorded."""
         span = None
-        if error is None:
+        if error is None and self._timed:
             span = Span(node, start, end, self._queued.pop(node.id))  # only this node's thread pops it
             if self._on_span is not None:
                 try:
@@ -223,8 +227,8 @@ class Executor:
             with self._lock:
                 busy = self._busy
                 busy.discard(node.lane)
-                if span is None:
-                    self._fail(node, error)  # type: ignore[arg-type]
+                if error is not None:
+                    self._fail(node, error)
                 else:
                     self._complete(node, span, starts)
                 if not busy or self._error is not None:
@@ -236,12 +240,13 @@ class Executor:
         for start_next in starts:
             self._start(start_next)
 
-    def _complete(self, node: TaskNode, span: Span, starts: list[Start]) -> None:
+    def _complete(self, node: TaskNode, span: Span | None, starts: list[Start]) -> None:
         """Under the lock: mark `node` done, release its dependents, claim the lanes that may start
         (appending to `starts` as it goes, so a failure midway knows what it claimed)."""
         node_id = node.id
         self._done.add(node_id)
-        self.spans.append(span)
+        if self._keep:
+            self.spans.append(span)  # type: ignore[arg-type]
         if self._futures:
             future = self._futures.pop(node_id, None)
             if future is not None:
@@ -312,7 +317,7 @@ class Executor:
         waiting = bool(self._futures) or self._idle is not None
         if self._busy or self._stopped or not waiting:
             return
-        heads = [q[0] for q in self._queues.values() if q]
+        heads = [q[0][0].id for q in self._queues.values() if q]
         if any(self._unmet[h] == 0 for h in heads):
             return
         if not heads:
@@ -349,7 +354,7 @@ class Executor:
     def _blocker(self, node_id: int) -> int:
         """What a pending node waits for: its first unmet dependency if it heads its lane,
         otherwise the node ahead of it on its lane."""
-        queue = self._queues[self._nodes[node_id].lane]
-        if queue and queue[0] == node_id:
+        queued = [node.id for node, _ in self._queues[self._nodes[node_id].lane]]
+        if queued and queued[0] == node_id:
             return next(d for d in self._nodes[node_id].deps if d not in self._done)
-        return queue[queue.index(node_id) - 1]
+        return queued[queued.index(node_id) - 1]

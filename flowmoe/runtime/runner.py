@@ -76,6 +76,7 @@ class Runtime:
     routing: RoutingTrace | None = None  # when set, every gate's (and pre-gate's) answer is recorded
     record: bool = True  # keep every span and memory counter in `trace` (False: keep nothing per node)
     _kv_bytes: int = 0
+    _budgets: dict[int, NodeBudget] = field(factory=dict)  # micro-batches -> the step's node budget
 
     @classmethod
     def create(
@@ -143,22 +144,30 @@ class Runtime:
     ) -> None:
         """One step's plan on this runtime's workers, its spans into the trace (the real-clock
         simulation calls it with bookkeeping-only actions and a routing trace's answers)."""
-        executor = Executor(self.workers, on_span=self._sample if self.record else None)
-        context = getattr(self.scheduler, "context", None)  # a third-party plugin may keep none
-        name = getattr(self.scheduler, "name", type(self.scheduler).__name__)
-        policy = context.policy if context is not None else Policy()
-        budget = node_budget(self.model.spec, policy, name, len(shape.micro_batches))
-        cpu = time.process_time()
+        record = self.record
+        executor = Executor(self.workers, on_span=self._sample if record else None, keep_spans=record)
+        budget = self._budget(len(shape.micro_batches))
+        cpu = time.process_time() if record else 0.0
         try:
             await drive(checked_plan(self.scheduler, shape), executor, action_for, answer, budget)
         finally:
             # The host already waited for what it reads (logits, routing counts, copies to the
             # host); the device is waited for here only to date a recorded step's GPU spans.
-            spans = executor.spans if self.record else None
+            spans = executor.spans if record else None
             if self.events is not None:
                 spans = self.events.end_step(spans)
-            if spans is not None:  # with the process's CPU time in the step (host time per step)
-                self.trace.extend(spans, host_seconds=time.process_time() - cpu)
+            if record:  # with the process's CPU time in the step (host time per step)
+                self.trace.extend(spans, host_seconds=time.process_time() - cpu)  # type: ignore[arg-type]
+
+    def _budget(self, micro_batches: int) -> NodeBudget:
+        """`node_budget` for this runtime's model and scheduler (made once per micro-batch count)."""
+        budget = self._budgets.get(micro_batches)
+        if budget is None:
+            context = getattr(self.scheduler, "context", None)  # a third-party plugin may keep none
+            name = getattr(self.scheduler, "name", type(self.scheduler).__name__)
+            policy = context.policy if context is not None else Policy()
+            budget = self._budgets[micro_batches] = node_budget(self.model.spec, policy, name, micro_batches)
+        return budget
 
     def _answer(self, step: int, state: StepState) -> Callable[[RoutingRequest], ExpertCounts]:
         """Routing answers from the gates' output, recorded into `routing` when one is attached."""
