@@ -21,8 +21,8 @@ weights by host_memory.huge_empty, as the model's host weights):
   8x7B's (4096 x 14336); bytes = the expert's weights. Variants: `swiglu_ffn`,
   `swiglu_ffn_group` over 8 experts (bytes x 8) and `swiglu_ffn_torch` (torch ops).
 
-Caches and weights are cycled through distinct buffers totalling >= 2 GiB so no repetition
-finds its operands in the last-level cache. Each row interleaves roof samples with the
+Caches and weights are cycled through distinct buffers totalling >= 2 GiB (1 GiB with --quick)
+so no repetition finds its operands in the last-level cache. Each row interleaves roof samples with the
 variants; rates are best-of-N (median also kept). A memory-bound row's roof is the best of
 the run's read roof and of its own "read (sum)" variant (a sum over the same operands, so the
 roof is sampled in calls as short as the op's: on a loaded machine a short call is likelier
@@ -65,7 +65,7 @@ BASELINE = "455bf73"  # the last commit of kernels/attention.py before issue 15
 TORCH_PATH = "87fd6ff"  # the last kernels/attention.py before cpu_attention.c (torch's kernels)
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Mixtral 8x7B
 EXPERTS = {"OLMoE-1B-7B": (2048, 1024), "Mixtral-8x7B": (4096, 14336)}  # hidden, intermediate
-CYCLE = 2 << 30  # bytes cycled per row, > 4x the 480 MiB LLC lscpu reports here
+CYCLE = 2 << 30  # bytes cycled per row, > 4x the 480 MiB LLC lscpu reports here (--quick: 1 GiB, > 2x)
 ROOF_BYTES = 1 << 30
 CONSOLE = Console()
 READ = "read (sum)"  # each row's own roof sample: a sum over the same operands
@@ -175,15 +175,26 @@ def progress(row: dict) -> dict:
     return row
 
 
-def rates(row: dict, work: Callable[[str], float], roof: float) -> dict:
-    """Rates from best / median times; fractions of `roof`, or of the row's own read of the same
-    operands (READ) where that ran faster (a roof sample as short as the op's calls)."""
+def work(row: dict, variant: str) -> float:
+    """Bytes or FLOPs of one call of `variant` in `row` (a grouped expert call does GROUP experts)."""
+    if "flops" in row:
+        return row["flops"]
+    return row["bytes"] * (GROUP if variant.startswith("swiglu_ffn_group") else 1)
+
+
+def rates(row: dict, roofs: Roofs) -> dict:
+    """Rates from best / median times; fractions of the run's best roof of the row's bound (all
+    samples, taken after every row ran), or of the row's own read of the same operands (READ)
+    where that ran faster (a roof sample as short as the op's calls)."""
     for name, stats in row["variants"].items():
-        stats["rate"] = work(name) / stats["best_s"]
-        stats["rate_median"] = work(name) / stats["median_s"]
+        stats["rate"] = work(row, name) / stats["best_s"]
+        stats["rate_median"] = work(row, name) / stats["median_s"]
+    roof = roofs.best(row["bound"])
     if READ in row["variants"]:
         roof = max(roof, row["variants"][READ]["rate"])
     row["roof"] = roof
+    if row["bound"] == "read":  # for information: the best read of the run on 4 KiB pages
+        row["roof_4k"] = roofs.best("read 4k")
     for stats in row["variants"].values():
         stats["fraction"] = stats["rate"] / roof
     return row
@@ -241,8 +252,6 @@ def decode_rows(shapes, roofs: Roofs, repeats: int, before: dict[str, Callable])
             }
             rows.append(progress(row))
             del operands
-    for row in rows:
-        rates(row, lambda _name, row=row: row["bytes"], roofs.best("read"))
     return rows
 
 
@@ -267,8 +276,6 @@ def prefill_rows(lengths, roofs: Roofs, repeats: int, before: dict[str, Callable
                 "variants": measure(variants, [()], repeats, lambda d=dtype_name: roofs.sample_gemm(d)),
             }
             rows.append(progress(row))
-    for row in rows:
-        rates(row, lambda _name, row=row: row["flops"], roofs.best(row["bound"]))
     return rows
 
 
@@ -311,27 +318,23 @@ def expert_rows(experts: dict, row_counts, roofs: Roofs, repeats: int) -> list[d
                 }
                 rows.append(progress(row))
             del sets
-    for row in rows:
-        work = row["bytes"]
-        rates(
-            row,
-            lambda name, w=work: w * (GROUP if name.startswith("swiglu_ffn_group") else 1),
-            roofs.best("read"),
-        )
     return rows
 
 
 def table(title: str, rows: list[dict], unit: str, scale: float) -> Table:
     names = list(dict.fromkeys(v for row in rows for v in row["variants"]))
     out = Table(title=title)
-    for column in ("shape", "dtype", f"roof {unit}", *[f"{n} {unit} (frac)" for n in names]):
+    four_k = any("roof_4k" in row for row in rows)
+    columns = ("shape", "dtype", f"roof {unit}", *([f"roof 4k {unit}"] if four_k else []))
+    for column in (*columns, *[f"{n} {unit} (frac)" for n in names]):
         out.add_column(column, justify="right")
     for row in rows:
         cells = []
         for name in names:
             stats = row["variants"].get(name)
             cells.append(f"{stats['rate'] / scale:.1f} ({stats['fraction']:.0%})" if stats else "-")
-        out.add_row(row["shape"], row["dtype"], f"{row['roof'] / scale:.1f}", *cells)
+        roof = [f"{row['roof'] / scale:.1f}", *([f"{row['roof_4k'] / scale:.1f}"] if four_k else [])]
+        out.add_row(row["shape"], row["dtype"], *roof, *cells)
     return out
 
 
@@ -350,8 +353,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.clock == "cpu" and args.threads != 1:
         parser.error("--clock cpu: needs --threads 1 (a thread's CPU time misses the other threads' work)")
-    global CLOCK
+    global CLOCK, CYCLE
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
+    CYCLE = 1 << 30 if args.quick else CYCLE
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     load_before = os.getloadavg()
@@ -381,6 +385,8 @@ def main() -> None:
     rows = decode_rows(decode, roofs, repeats, before)
     rows += prefill_rows(prefill, roofs, repeats, before)
     rows += expert_rows(experts, counts, roofs, repeats)
+    for row in rows:
+        rates(row, roofs)
     load_after = os.getloadavg()
     roof_summary = roofs.summary()
     CONSOLE.print(
