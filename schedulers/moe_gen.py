@@ -45,10 +45,14 @@ KV slots, capped by the queries at hand), no expert resident ("MoE-Gen
 deliberately offloads more data to host memory", §A.1); the attention
 micro-batch μ the largest whose GPU working set fits (the released code sizes
 it from the GPU's memory: 400 x 544 / context sequences for Mixtral-8x7B on
-24 GB). With the expert batch the whole batch, each layer's expert copies are
-paid once for N tokens, and `ahead` (the copies that fit in the layer's
-attention time, at least one) keeps the link busy while the GPU (or the CPU)
-attends.
+24 GB). Where host memory bounds N, smaller shares of it are candidates too,
+and the one whose decode step the cost model prices fastest per sequence wins:
+flowmoe's engine has one micro-batch size for the prefill and the decode, so a
+large N can leave the prefill's memory room for tiny micro-batches only, whose
+per-node costs then bind the GPU. With the expert batch the whole batch, each
+layer's expert copies are paid once for N tokens, and `ahead` (the copies that
+fit in the layer's attention time, at least one) keeps the link busy while the
+GPU (or the CPU) attends.
 
 Memory (`gpu_working_bytes`): one layer's offloaded experts (the expert
 buffer: the released config's 8 routed-expert module buffers), the KV buffers
@@ -72,7 +76,10 @@ the GPU (N x hidden, tens of MB) rather than in host memory. The copies issued
 before the gates are flowmoe's choice: a popularity guess that a large batch
 almost always confirms. The paper's planner is described, not released; the
 sizes here follow the released code's rule (largest batch host memory holds,
-largest micro-batch GPU memory holds).
+largest micro-batch GPU memory holds), with the smaller batches above as the
+one addition, for flowmoe's single micro-batch size; MoE-Gen sizes its
+prefill and decode attention micro-batches apart (200, and 400 x 544 / context
+for Mixtral-8x7B on 24 GB).
 """
 
 from __future__ import annotations
@@ -108,6 +115,7 @@ from flowmoe.schedulers._layer_nodes import (
 KV_BUFFERS = 3  # the released config: num_k_buffer = num_v_buffer = 3
 EXPERT_ROWS = 2048  # the released config: expert_{prefill,decoding}_batch_size_upper_bound = 2048
 GPU_USABLE, CPU_USABLE = 0.86, 0.8  # the headroom `flowmoe plan` leaves (policy_search)
+BATCH_SHARES = (1.0, 0.8, 0.6, 0.4)  # of the host-bound batch, tried where host memory bounds it
 
 
 def group_token_bytes(spec: ModelSpec) -> int:
@@ -385,15 +393,35 @@ def moe_gen_policy(
     max_batch: int | None = None,
     gpu_memory: int | None = None,
 ) -> Policy:
-    """MoE-Gen's batch sizes for sequences of `prompt` + `gen` tokens (the released code's rule): N,
-    the most sequences whose KV cache fits CPU_USABLE of host memory next to the host-homed weights
-    (no expert resident), capped at `max_batch` (the queries at hand); μ = ceil(N / count) for the
+    """MoE-Gen's batch sizes for sequences of `prompt` + `gen` tokens. The released code's global batch:
+    the most sequences whose KV cache fits CPU_USABLE of host memory next to the host-homed weights (no
+    expert resident), or `max_batch` (the queries at hand) where fewer; where host memory bounds it,
+    BATCH_SHARES of that bound are candidates too. Each candidate N takes μ = ceil(N / count) for the
     fewest micro-batches whose prefill and last decode step fit GPU_USABLE of the GPU (`gpu_memory`,
-    else the device's) by the scheduler's own accounting; N shrinks by a tenth while none fits."""
+    else the device's) by the scheduler's own accounting (N shrinks by a tenth while none fits); the
+    candidate whose decode step the cost model prices fastest per sequence wins (§4: the sizes chosen
+    so GPU computation and the copies overlap)."""
     homed = host_need(spec, Residency.dense_only(spec), 0).total
-    n = max(1, int((CPU_USABLE * hw.cpu_memory - homed) // ((prompt + gen) * spec.kv_bytes_per_token)))
-    n = min(n, max_batch) if max_batch else n
+    most = max(1, int((CPU_USABLE * hw.cpu_memory - homed) // ((prompt + gen) * spec.kv_bytes_per_token)))
     budget = int(GPU_USABLE * (gpu_memory if gpu_memory is not None else hw.gpu_memory))
+    if max_batch and max_batch <= most:
+        return _sized(spec, hw, max_batch, attention_on, budget, prompt, gen, gpu_memory)
+    sized = {_sized(spec, hw, max(1, round(most * share)), attention_on, budget, prompt, gen, gpu_memory)
+             for share in BATCH_SHARES}  # fmt: skip
+    return max(sized, key=lambda p: p.batch_size / _decode_seconds(spec, hw, p, prompt + gen // 2))
+
+
+def _sized(
+    spec: ModelSpec,
+    hw: HardwareSpec,
+    n: int,
+    attention_on: Place,
+    budget: int,
+    prompt: int,
+    gen: int,
+    gpu_memory: int | None,
+) -> Policy:
+    """N (shrunk by a tenth while nothing fits) in the fewest micro-batches that fit `budget`."""
 
     def policy(count: int) -> Policy:
         return Policy(-(-n // count), count, attention_on, "gpu", weights_gpu_share=0.0, kv_gpu_share=0.0,
@@ -409,6 +437,35 @@ def moe_gen_policy(
         mid = (low + high) // 2
         low, high = (low, mid) if fits(mid) else (mid + 1, high)
     return policy(low)
+
+
+def _decode_seconds(spec: ModelSpec, hw: HardwareSpec, policy: Policy, context: int) -> float:
+    """A decode step at `context` tokens by the cost model: the busiest lane's total over the nodes of
+    one MoE layer (the model cut after its first, routing spread evenly), times the layers."""
+    layer = next(m for m in range(spec.layers) if spec.is_moe_layer(m))
+    cut, cost = spec.with_layers(layer + 1), RooflineCost(hw, spec)
+    sched = MoEGenScheduler(SchedulerContext(cut, policy, NodeFactory(cut), cost))
+    n, mu, experts, k = policy.batch_size, policy.micro_batch_size, spec.moe.experts, spec.moe.top_k
+    sizes = [min(mu, n - start) for start in range(0, n, mu)]
+    step = StepShape(1, False, tuple(MicroBatchShape.from_lengths(i, [1] * s, [context] * s)
+                                     for i, s in enumerate(sizes)))  # fmt: skip
+    busy: dict[Lane, float] = {}
+    plan, sent = sched.plan(step), None
+    try:
+        while True:
+            item = plan.send(sent)
+            sent = None
+            if isinstance(item, RoutingRequest):  # tokens x top_k spread over the experts, from mb's offset
+                t = sizes[item.mb] * k
+                counts = [
+                    t // experts + (1 if (e - item.mb) % experts < t % experts else 0) for e in range(experts)
+                ]
+                sent = ExpertCounts(item.layer, item.mb, tuple((e, c) for e, c in enumerate(counts) if c))
+            elif item.layer == layer:
+                busy[item.lane] = busy.get(item.lane, 0.0) + cost(item)
+    except StopIteration:
+        pass
+    return max(busy.values()) * spec.layers
 
 
 def _fits(spec: ModelSpec, hw: HardwareSpec, policy: Policy, budget: int, prompt: int, gen: int) -> bool:
