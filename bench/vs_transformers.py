@@ -7,7 +7,8 @@ A Mixtral-shaped checkpoint with random weights (hidden 768, 6 layers, 8 experts
   * through `flowmoe run`'s path: the dataflow runtime with the `eager` scheduler and default
     settings (Runtime.create with a default Policy, driven by the Engine, as `flowmoe run` builds
     it; prompts packed without padding), and
-  * through flowmoe's plain `eager_step` (the same model code, no runtime),
+  * through flowmoe's plain `eager_step` (the same model code, no runtime; the Engine on uvloop's
+    event loop for both flowmoe runners, as `flowmoe run` runs it),
 with default threads (the thread plan's; OMP_NUM_THREADS narrows it), the checkpoint's weights
 converted to each --dtypes the same way on both sides.
 
@@ -17,9 +18,10 @@ alike across the repeats. A step of transformers is the time between two tokens 
 receives; a step of flowmoe the time between two calls of its step runner (the engine's sampling
 included on both sides). Decode = incremental steps 2..N (prefill excluded); end-to-end = every
 step of the run, prefill included.
-Each measured run is repeated (--repeats); best and median of the repeats are reported, with the
-run-to-run spread (max / min - 1). Prints a rich table, writes bench/vs_transformers.json and the
-`## vs transformers (CPU)` section of bench/RESULTS.md.
+Each measured run is repeated (--repeats), after one warm-up run of each that is not counted; best
+and median of the repeats are reported, with the run-to-run spread (max / min - 1). Prints a rich
+table, writes bench/vs_transformers.json and the `## vs transformers (CPU)` section of
+bench/RESULTS.md (its `###` subsections, written by hand, are kept).
 
     python bench/vs_transformers.py            # fp32 and bf16, 3 repeats (several minutes on 2 cores)
     python bench/vs_transformers.py --quick    # a small model, one dtype, to check the script (< 2 min)
@@ -28,7 +30,6 @@ run-to-run spread (max / min - 1). Prints a rich table, writes bench/vs_transfor
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -41,6 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+import uvloop
 from rich.console import Console
 from rich.table import Table
 
@@ -114,7 +116,7 @@ def arguments() -> argparse.Namespace:
     args = parser.parse_args()
     if args.quick:
         args.hidden, args.intermediate, args.layers, args.vocab = 512, 1024, 2, 512
-        args.new_tokens, args.prompt_lengths, args.repeats, args.dtypes = 8, "4:24", 2, "float32"
+        args.new_tokens, args.prompt_lengths, args.repeats, args.dtypes = 8, "4:24", 3, "float32"
     return args
 
 
@@ -202,7 +204,7 @@ def flowmoe_generate(
                         cache_device=getattr(runner, "cache_device", torch.device("cpu")))  # fmt: skip
         return {r.id: r.output_ids async for r in engine.generate(requests, limits)}
 
-    out = asyncio.run(go())
+    out = uvloop.run(go())  # `flowmoe run`'s loop
     return [list(out[str(i)]) for i in range(len(batch))]
 
 
@@ -247,16 +249,17 @@ def bench_dtype(args: argparse.Namespace, folder: Path, dtype: str, threads: int
     repeats: list[dict[str, list[float]]] = []
     failures: list[str] = []
     try:
-        for repeat in range(args.repeats):
+        for repeat in range(args.repeats + 1):  # run 0 warms up (first touch, lazy setup): not counted
             try:
                 steps, tokens = one_repeat(runs)
             except Exception as exc:  # a run that fails is reported and left out; the others count
                 failures.append(f"{type(exc).__name__}: {exc}")
-                console.print(f"  repeat {repeat + 1} failed (left out): {failures[-1]}")
+                console.print(f"  repeat {repeat} failed (left out): {failures[-1]}")
                 continue
-            repeats.append(steps)
-            line = ", ".join(f"{n} decode {sum(decode_steps(steps[n], new)):.2f} s" for n in RUNNERS)
-            console.print(f"  repeat {repeat + 1}: {line}")
+            line = ", ".join(f"{n} decode {sum(decode_steps(steps[n], new)):.3f} s" for n in RUNNERS)
+            console.print(f"  {f'repeat {repeat}' if repeat else 'warm-up (not counted)'}: {line}")
+            if repeat:
+                repeats.append(steps)
     finally:
         runtime.close()
     if not repeats:
@@ -297,6 +300,7 @@ def rows_for(args: argparse.Namespace, dtype: str, threads: int, repeats: list[d
             "decode_vs_transformers": hf_decode / median_decode,
             "decode_vs_transformers_per_step": statistics.median(paired),
             "decode_vs_eager_step": median_decode / eager_decode,
+            "decode_vs_eager_step_best": min(decode[name]) / min(decode[RUNNERS[2]]),
             "decode_spread": max(decode[name]) / min(decode[name]) - 1,
             "e2e_best_s": min(total[name]), "e2e_median_s": statistics.median(total[name]),
             "e2e_vs_transformers": hf_total / statistics.median(total[name]),
@@ -315,7 +319,7 @@ COLUMNS = (
     ("ms/step", "decode_step_median_ms", "{:.1f}"),
     ("× transformers decode", "decode_vs_transformers", "{:.2f}"),
     ("per-step × (median)", "decode_vs_transformers_per_step", "{:.2f}"),
-    ("÷ eager_step", "decode_vs_eager_step", "{:.3f}"),
+    ("÷ eager_step (median / best)", None, None),
     ("spread", "decode_spread", "{:.1%}"),
     ("end-to-end s (best / median)", None, None),
     ("× transformers e2e", "e2e_vs_transformers", "{:.2f}"),
@@ -332,6 +336,9 @@ def cells(row: dict, batch: int) -> list[str]:
             out.append(f"{row['decode_best_s']:.2f} / {row['decode_median_s']:.2f}")
         elif title.startswith("end-to-end"):
             out.append(f"{row['e2e_best_s']:.2f} / {row['e2e_median_s']:.2f}")
+        elif title.startswith("÷ eager_step"):
+            best = row.get("decode_vs_eager_step_best", float("nan"))  # JSON from before it was kept: nan
+            out.append(f"{row['decode_vs_eager_step']:.3f} / {best:.3f}")
         elif title == "same sequences":
             out.append(f"{row['identical_sequences']}/{batch}")
         else:
@@ -360,10 +367,11 @@ def write_results(path: Path, rows: list[dict], meta: dict) -> None:
         f"{meta['batch']} prompts of {meta['prompt_lengths']} tokens ({meta['prompt_tokens']} in all; "
         f"{meta['padded_tokens']} once left-padded), greedy, {meta['new_tokens']} new tokens each, EOS off. "
         "The three runners in one process on its main thread, interleaved run by run, "
-        f"{meta['repeats']} runs each; "
+        f"{meta['repeats']} runs each after a warm-up run; "
         "decode = steps 2..N (prefill excluded), tok/s = decoded tokens / median decode time, "
         "per-step × = median over steps of transformers' step time / the runner's (same step, same "
-        "repeat), ÷ eager_step = decode time / flowmoe eager_step's, spread = max / min − 1 over the "
+        "repeat), ÷ eager_step = decode time / flowmoe eager_step's (median over the runs / best of "
+        "the runs), spread = max / min − 1 over the "
         "runs. Agreement is against transformers' tokens.",
         "",
         "| " + " | ".join(title for title, _, _ in COLUMNS) + " |",
@@ -377,7 +385,11 @@ def write_results(path: Path, rows: list[dict], meta: dict) -> None:
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     block = "\n".join(lines).rstrip("\n") + "\n"
     pattern = re.compile(re.escape(SECTION) + r"\n.*?(?=\n## |\Z)", re.S)
-    text = pattern.sub(lambda _: block, text) if SECTION in text else text.rstrip("\n") + "\n\n" + block
+    old = pattern.search(text)
+    if old is not None:  # its ### subsections (findings written by hand) stay, after the new table
+        kept = re.findall(r"\n(### .*?)(?=\n### |\Z)", old.group(0), re.S)
+        block += "".join(f"\n{sub.rstrip()}\n" for sub in kept)
+    text = pattern.sub(lambda _: block, text) if old is not None else text.rstrip("\n") + "\n\n" + block
     _write_atomic(path, text.rstrip("\n") + "\n")
 
 
