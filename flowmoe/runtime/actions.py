@@ -194,7 +194,10 @@ class StepState:
         key = (mb, lane)
         layout = self.layouts.get(key)
         if layout is None:
-            layout = self.layouts[key] = self.inputs[mb].layout.to(self._place(lane))
+            layout, place = self.inputs[mb].layout, self._place(lane)
+            if layout.positions.device != place:
+                layout = layout.to(place)
+            self.layouts[key] = layout
         return layout
 
     def _rope(self, mb: int, lane: Lane) -> Rope:
@@ -346,7 +349,9 @@ def _combine(s: StepState, n: TaskNode) -> None:
     key = (n.layer, n.mb)
     routing = s.routing_of(s.routing, key) if key in s.routing else None
     later = s.deferred.get(key, frozenset())  # Expert Deferral: the next layer's combine adds these
-    outputs = {e: t.to(s.devices.gpu) for e, t in s.outputs.get(key, {}).items()}
+    outputs = s.outputs.get(key, {})
+    if s.devices.cuda:  # a CPU expert's output may still be on the host
+        outputs = {e: t.to(s.devices.gpu) for e, t in outputs.items()}
     if routing is not None and set(outputs) != set(routing.experts) - later:
         missing = sorted(set(routing.experts) - later - set(outputs))
         raise FlowmoeError(f"combine of layer {n.layer} mb {n.mb}: experts {missing} never ran")
