@@ -20,6 +20,7 @@ from flowmoe.core.presets import preset
 from flowmoe.core.scheduling import MicroBatchShape, NodeFactory
 from flowmoe.core.workloads import workload
 from flowmoe.devices.sim import SimWorker, run_virtual
+from flowmoe.study import paper_numbers as P
 from flowmoe.study.simulate import simulate
 from tests.test_sched_pipelines import MIXTRAL, decode_step, scheduler, spans_of, uniform_trace
 
@@ -123,3 +124,10 @@ def test_tensor_parallel_planner_holds_the_hidden_states_on_every_gpu() -> None:
     assert four[0] - one[0] == 3 * replicated and four[1] == one[1]
     best = search(spec, S7, workload("fixed:418:128").with_gen_len(128), max_batch=1024).best
     assert best.gpu_bytes == memory_use(spec, best.policy, best.prompt, best.gen, gpus=4)[0]
+
+
+def test_scaling_figures_at_gen_128_fall_in_the_ranges_the_paper_quotes() -> None:
+    """§5.3's 2.77-3.38x (S7 / S6) and 2.1-2.8x (S9 / S8) hold the ratios of the gen-128 figures."""
+    at = P.ML_SCALING_GEN128
+    for (small, large), (low, high) in P.ML_SCALING.items():
+        assert low <= at[large] / at[small] <= high + 0.005

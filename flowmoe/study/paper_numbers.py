@@ -63,6 +63,10 @@ ML_TABLE5: dict[str, tuple[float, int, int]] = {
 # §5.3: MoE-Lightning(p) 4xT4 over 2xT4 (S7 / S6, Mixtral-8x22B, MTBench), and MoE-Lightning on DBRX
 # 4xT4 over 2xT4 (S9 / S8, Fig. 8): published as ranges over the generation lengths.
 ML_SCALING = {("S6", "S7"): (2.77, 3.38), ("S8", "S9"): (2.1, 2.8)}
+# The absolute figures behind them at gen 128 (tokens/s): Fig. 7's S6/S7 bars for MoE-Lightning(p)
+# (ML_FIG7's source) and the Fig. 8 runs on S8/S9 (artifact benchmarks/mtbench/mtbench_moel_S8.jsonl,
+# mtbench_moel_S9.jsonl, max_new_tokens 128).
+ML_SCALING_GEN128 = {"S6": 7.75, "S7": 26.2, "S8": 29.67, "S9": 82.98}
 
 KLOTSKI = "Klotski (Fang et al., ASPLOS 2025)"
 # Table 3 (ablation, tokens/s): environment / model -> row -> throughput. Prompt 512, gen 32 (§9.1);
