@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
 import torch
-from attrs import define, field, frozen
+from attrs import Factory, define, field, frozen
 
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
@@ -76,6 +76,7 @@ class StepState:
     logits: dict[int, torch.Tensor] = field(factory=dict)
     layouts: dict[tuple[int, Lane], TokenLayout] = field(factory=dict)  # on the lane's device
     events: EventBook | None = None  # CUDA: where routing events come from
+    cuda: bool = field(init=False, default=Factory(lambda s: s.devices.cuda, takes_self=True))  # read once
     _lock: threading.Lock = field(factory=threading.Lock)
     _x_readers: dict[Key, int] = field(factory=dict)  # pre-gates submitted, not yet run, per x they read
     _x_done: set[Key] = field(factory=set)  # x whose next layer has combined
@@ -153,7 +154,7 @@ class StepState:
     def retire(self, tensors: Iterable[torch.Tensor]) -> None:
         """Drop tensors whose last reader was just launched on this lane: on CUDA their memory is
         reused only once this lane's stream is past that read (they may come from another stream)."""
-        if self.devices.cuda:
+        if self.cuda:
             stream = torch.cuda.current_stream(self.devices.gpu)
             for tensor in tensors:
                 if tensor.is_cuda:
@@ -320,7 +321,7 @@ def _ffn_at_hand(s: StepState, n: TaskNode, expert: int) -> FFNWeights | None:
         return s.model.weights.layers[n.layer].experts[expert]
     if expert == n.expert:
         return s.weights.expert(n.layer, expert)
-    if s.devices.cuda:  # its copy may still be in flight on another stream
+    if s.cuda:  # its copy may still be in flight on another stream
         return None
     try:
         return s.weights.expert(n.layer, expert)
@@ -350,7 +351,7 @@ def _combine(s: StepState, n: TaskNode) -> None:
     routing = s.routing_of(s.routing, key) if key in s.routing else None
     later = s.deferred.get(key, frozenset())  # Expert Deferral: the next layer's combine adds these
     outputs = s.outputs.get(key, {})
-    if s.devices.cuda:  # a CPU expert's output may still be on the host
+    if s.cuda:  # a CPU expert's output may still be on the host
         outputs = {e: t.to(s.devices.gpu) for e, t in outputs.items()}
     if routing is not None and set(outputs) != set(routing.experts) - later:
         missing = sorted(set(routing.experts) - later - set(outputs))
