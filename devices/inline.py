@@ -9,9 +9,10 @@ them. The executor-overhead benchmark measures the executor alone with it.
 
 Started nodes wait in a queue that one loop callback runs in order (entering inference mode once
 for all of them): a node that a finished one releases joins the queue and runs in the same
-callback, so a chain of nodes costs one loop iteration, not one each. The loop gets the thread
-back as soon as the queue is empty, which is when the driver waits for a node that already ran
-(a gate whose routing it needs) or for nodes it has yet to submit.
+callback, so a chain of nodes costs one loop iteration, not one each. Before the executor waits
+for a node (the driver, for a gate whose routing it needs) it runs the queue itself
+(`run_started`), so the chain up to that node runs on the spot and the wait returns without a
+trip through the loop.
 
 A node's action never runs inside the executor's hand-off (`start` only queues it): an interrupt
 (Ctrl-C) raised in the middle of an action first reports that node failed, so no lane is left
@@ -57,8 +58,16 @@ class InlineWorker:
         if len(self._queue) == 1:  # no callback is on its way to run it
             loop.call_soon(self._run_queue)
 
+    def run_started(self) -> None:
+        """Run the queue now, on this (the loop's) thread: the executor calls it before it waits
+        for a node, so the driver's next routing answer costs no trip through the loop."""
+        if self._queue and not self._running and self._loop is asyncio.get_running_loop():
+            self._run_queue()
+
     def _run_queue(self) -> None:
         queue = self._queue
+        if not queue:  # run_started ran it first
+            return
         self._running = True
         try:
             if self._threads is not None and self._thread != threading.get_ident():

@@ -118,6 +118,32 @@ def test_inline_worker_runs_a_released_chain_in_one_loop_callback() -> None:
     assert len(seen) == 20 and len(set(seen)) == 1
 
 
+def test_waiting_for_an_inline_node_runs_its_chain_on_the_spot() -> None:
+    """The driver's wait runs the started inline nodes itself: no other loop callback runs before
+    the node it waits for is done."""
+    ticks = [0]
+
+    def tick() -> None:
+        ticks[0] += 1
+        if ticks[0] < 1000:
+            asyncio.get_running_loop().call_soon(tick)
+
+    async def go() -> tuple[int, int]:
+        executor = Executor(dict.fromkeys(Lane, InlineWorker()))
+        asyncio.get_running_loop().call_soon(tick)
+        await asyncio.sleep(0)
+        before = ticks[0]
+        for i in range(10):
+            executor.submit(_node(i, LANES[i % len(LANES)], (i - 1,) if i else ()))
+        await executor.wait(9)
+        after = ticks[0]
+        await executor.drain()
+        return before, after
+
+    before, after = asyncio.run(go())
+    assert before == after
+
+
 def test_inline_worker_leaves_a_closed_loops_queue_behind() -> None:
     """An interrupt that ends a loop with nodes still queued in the worker (their callback never
     runs once the loop is closed) does not stall the worker's next run on another loop."""
