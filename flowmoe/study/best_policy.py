@@ -145,7 +145,8 @@ def _own(setup: Setup, name: str, given: Given) -> Iterator[Policy]:
         return
     spec, hw, work, cap = setup.spec, setup.hardware, setup.workload, given.batch_size or given.max_batch
     for where in (given.attention_on,) if given.attention_on else ("gpu", "cpu"):
-        prompt, gen, budget = round(work.prompt.mean), work.gen_len, setup.policy.gpu_memory
+        # prompts padded to the longest, as MoE-Gen runs them (§5.1): the engine sizes each cache so
+        prompt, gen, budget = work.prompt.maximum, work.gen_len, setup.policy.gpu_memory
         yield given.apply(moe_gen_policy(spec, hw, prompt, gen, where, cap, budget))
 
 
