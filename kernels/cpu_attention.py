@@ -50,7 +50,8 @@ def fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
         and q.dtype in (torch.float32, torch.bfloat16)
         and keys.dtype == values.dtype == q.dtype
         and dim % (32 if q.dtype == torch.bfloat16 else 16) == 0
-        and keys.shape[-1] == values.shape[-1] == dim
+        and keys.shape[-1] == dim
+        and values.shape == keys.shape
         and keys.device.type == values.device.type == "cpu"
         and keys.stride(-1) == values.stride(-1) == 1
         and q.shape[1] % keys.shape[1] == 0
@@ -72,6 +73,9 @@ def decode(
     [slot, :, lo:hi] -> out[row] [H * D] (out: [T, H * D], contiguous, q's dtype); sinks [H] or None."""
     lib = library()
     assert lib is not None
+    rows, slots, capacity = q.shape[0], keys.shape[0], keys.shape[2]
+    if not all(0 <= r < rows and 0 <= s < slots and 0 <= lo < hi <= capacity for r, s, lo, hi in sequences):
+        raise IndexError(f"decode attention: sequences {sequences} outside q {q.shape} / cache {keys.shape}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     flat = [x for seq in sequences for x in seq]

@@ -222,3 +222,12 @@ def test_c_decode_declines_what_it_does_not_compute() -> None:
     assert not cpu_attention.fits(torch.zeros(1, 4, 16), keys.bfloat16(), keys.bfloat16())
     assert not cpu_attention.fits(torch.zeros(1, 4, 16, requires_grad=True), keys, keys)
     assert cpu_attention.fits(torch.zeros(1, 4, 16), keys, keys) == (cpu_attention.library() is not None)
+
+
+@needs_kernel
+def test_c_decode_refuses_sequences_outside_its_tensors() -> None:
+    """A slot, row or key range the tensors do not hold raises instead of reading out of bounds."""
+    q, keys, out = torch.zeros(2, 4, 16), torch.zeros(3, 2, 8, 16), torch.zeros(2, 64)
+    for bad in ((2, 0, 0, 1), (0, 3, 0, 1), (0, 0, 0, 9), (0, 0, 4, 4)):
+        with pytest.raises(IndexError, match="outside"):
+            cpu_attention.decode(q, keys, keys, [(0, 0, 0, 8), bad], out, None, 0.25)
