@@ -74,12 +74,14 @@ micro-batch's rows from the one copy of the weights, so a real run's expert
 time is that of the smaller GEMMs. A decode step's residual stream stays on
 the GPU (N x hidden, tens of MB) rather than in host memory. The copies issued
 before the gates are flowmoe's choice: a popularity guess that a large batch
-almost always confirms. The paper's planner is described, not released; the
-sizes here follow the released code's rule (largest batch host memory holds,
-largest micro-batch GPU memory holds), with the smaller batches above as the
-one addition, for flowmoe's single micro-batch size; MoE-Gen sizes its
-prefill and decode attention micro-batches apart (200, and 400 x 544 / context
-for Mixtral-8x7B on 24 GB).
+almost always confirms. The sizes follow the released code's rule (largest
+batch host memory holds, largest micro-batch GPU memory holds), with the
+smaller batches above as the one addition, for flowmoe's single micro-batch
+size (MoE-Gen sizes its prefill and decode attention micro-batches apart: 200,
+and 400 x 544 / context for Mixtral-8x7B on 24 GB); the paper's own
+formulation of its batch-size optimisation was not at hand in full for this
+rewrite (its abstract: sizes chosen so computation and copies overlap), so its
+exact objective is not reproduced.
 """
 
 from __future__ import annotations
