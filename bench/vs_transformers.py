@@ -64,12 +64,10 @@ NOTES = """
   had a thread of its own at every core's worth of OpenMP threads (oversubscribed) and every node
   and routing answer crossed threads. A layer's experts run in one kernel call on both paths
   (actions.py groups the expert nodes bound to one lane).
-* **What the runtime still adds over eager_step** (CPU time of the step's thread, one torch
-  thread, the two interleaved, load ~15): the model's own methods take the same time on both
-  paths; the eager plan's 80 nodes a step cost ~0.4 ms to plan and ~0.6 ms to pass through the
-  executor with no-op actions (uvloop; asyncio's loop ~0.75 ms), the actions' bookkeeping ~1.5 ms
-  more. On a loaded machine the thread's CPU time outside the model ran 5-11 ms a step (~3-6 %
-  of a ~150 ms CPU step), the scatter being the load's.
+* **What the runtime still adds over eager_step**: the model's own methods take the same time on
+  both paths; the rest is the eager plan's 80 nodes a step (48 of them expert nodes, which one
+  grouped kernel call serves) passing through the scheduler, the executor and the actions' tensor
+  bookkeeping in Python. Measured and cut in "### The runtime's host time per step" below.
 * **Why one thread** (measured 2026-11-24 ~01:07 UTC, load 0.8-1.6, fp32, eager_step alone, 20
   steps): libgomp gives every thread that enters a parallel region an OpenMP team of its own, and
   once the process holds more OpenMP threads than cores it lets a finished team's workers spin only
