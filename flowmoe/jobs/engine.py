@@ -30,7 +30,7 @@ from flowmoe.jobs.batching import (
 from flowmoe.jobs.sampling import SamplingParams, sample_rows
 from flowmoe.kernels.kv_cache import KVCache
 from flowmoe.kernels.layout import TokenLayout
-from flowmoe.model.moe_model import MoEModel
+from flowmoe.model.moe_model import MoEModel, all_finite
 from flowmoe.model.tokenizer import StopStrings
 
 __all__ = ["Engine", "MicroBatch", "Request", "Result", "Slot", "StepInput", "StepRunner", "eager_step"]
@@ -176,7 +176,7 @@ class Engine:
                 self.stats.decode_seconds += elapsed
             self.on_step(sum(len(mb.active) for mb in live))
             for mb, rows in zip(live, logits, strict=True):
-                if not bool(torch.isfinite(rows).all()):  # the only check the normal path pays
+                if not all_finite(rows):  # the only check the normal path pays
                     raise self._non_finite(mb, rows)
             finished = [r for mb, step, rows in zip(live, inputs, logits, strict=True)
                         for r in self._advance(mb, step, rows)]  # fmt: skip
