@@ -124,17 +124,16 @@ static const float zeros[KC] __attribute__((aligned(64)));  /* the rows of a sho
    overlap the arithmetic (huge-page weights, 2 threads: +8-9% at 4-8 rows, +4% at 16; a chunk
    further ahead or a larger KC gained less). With more than two tiles of rows (n > 2 RT) the
    tiles take turns over the whole block instead (the block, OB rows of w, then comes from L1/L2
-   for every tile after the first), and while they compute the next block of rows (`next_rows`
-   of them, the rows after this block in w) is prefetched into L2, so the memory keeps streaming
+   for every tile after the first), and while they compute the block this thread reads next
+   (`next_rows` rows of K columns at `next`) is prefetched into L2, so the memory keeps streaming
    during the compute-bound tiles: the 32000 x 768 LM head at 16 rows +15%; at 4-8 rows the
    chunk-by-chunk order is faster (-5%). Either order sums each output over k in the same order. */
 static void block(const float *x, long ldx, int n, long K, const void *w, int bf16, long o0, int ob,
-                  long next_rows, float *res) {
+                  const void *next, long next_rows, float *res) {
     v16 acc[n][OB];
     memset(acc, 0, sizeof acc);
     int esize = bf16 ? 2 : 4, ntiles = (n + RT - 1) / RT, tile_outer = ntiles > 2;
     long kv = K / VL * VL, chunks = (kv + KC - 1) / KC;
-    const char *next = (const char *)w + (o0 + OB) * K * esize;
     long next_bytes = tile_outer ? next_rows * K * esize : 0, slices = ntiles * chunks;
     for (int pass = 0; pass < (tile_outer ? ntiles : 1); pass++) {
         for (long c = 0; c < chunks; c++) {
@@ -152,7 +151,7 @@ static void block(const float *x, long ldx, int n, long K, const void *w, int bf
             if (tile_outer) { /* this chunk's share of the next block, into L2 */
                 long i = pass * chunks + c;
                 for (long b = next_bytes * i / slices / 64 * 64; b < next_bytes * (i + 1) / slices; b += 64)
-                    __builtin_prefetch(next + b, 0, 2);
+                    __builtin_prefetch((const char *)next + b, 0, 2);
             }
             int t0 = tile_outer ? pass : 0, t1 = tile_outer ? pass + 1 : ntiles;
             if (bf16)
@@ -173,9 +172,9 @@ static void block(const float *x, long ldx, int n, long K, const void *w, int bf
         }
 }
 
-/* The rows of w after the block at o0 (at most OB) that are the next block's, of O in all. */
-static inline long after(long O, long o0) {
-    return O - o0 - OB < 0 ? 0 : (O - o0 - OB < OB ? O - o0 - OB : OB);
+/* How many of the rows [o0, o0 + OB) exist in a matrix of O rows (0 past its end). */
+static inline long rows_at(long O, long o0) {
+    return o0 >= O ? 0 : (O - o0 < OB ? O - o0 : OB);
 }
 
 /* y [n, O] (row stride ldy) = x [n, K] (row stride ldx) @ w [O, K]^T (+ bias [O], fp32). */
@@ -187,7 +186,7 @@ void flowmoe_linear(const float *x, long ldx, int n, long K, const void *w, int 
         float res[n * OB];
         long o0 = b * OB;
         int ob = (int)(O - o0 < OB ? O - o0 : OB);
-        block(x, ldx, n, K, w, bf16, o0, ob, after(O, o0), res);
+        block(x, ldx, n, K, w, bf16, o0, ob, (const char *)w + (o0 + OB) * K * (bf16 ? 2 : 4), rows_at(O, o0 + OB), res);
         for (int r = 0; r < n; r++)
             for (int j = 0; j < ob; j++) y[r * ldy + o0 + j] = res[r * OB + j] + (bias ? bias[o0 + j] : 0.0f);
     }
@@ -220,8 +219,11 @@ void flowmoe_ffn_group(int experts, const float *const *xs, const int *ns, long 
             int ob = (int)(I - o0 < OB ? I - o0 : OB);
             const float *bias = gate_up_biases[e];
             float g[n * OB], u[n * OB];
-            block(xs[e], H, n, H, gate_ups[e], bf16, o0, ob, after(I, o0), g);
-            block(xs[e], H, n, H, gate_ups[e], bf16, I + o0, ob, after(2 * I, I + o0), u);
+            const char *gu = gate_ups[e];
+            long row = H * (bf16 ? 2 : 4);
+            /* read next: this block's up rows, then the next block's gate rows */
+            block(xs[e], H, n, H, gu, bf16, o0, ob, gu + (I + o0) * row, ob, g);
+            block(xs[e], H, n, H, gu, bf16, I + o0, ob, gu + (o0 + OB) * row, rows_at(I, o0 + OB), u);
             for (int r = 0; r < n; r++)
                 for (int j = 0; j < ob; j++) {
                     float gv = g[r * OB + j] + (bias ? bias[o0 + j] : 0.0f);
@@ -236,7 +238,7 @@ void flowmoe_ffn_group(int experts, const float *const *xs, const int *ns, long 
             int ob = (int)(H - o0 < OB ? H - o0 : OB);
             const float *bias = down_biases[e];
             float res[n * OB];
-            block(acts[e], I, n, I, downs[e], bf16, o0, ob, after(H, o0), res);
+            block(acts[e], I, n, I, downs[e], bf16, o0, ob, (const char *)downs[e] + (o0 + OB) * I * (bf16 ? 2 : 4), rows_at(H, o0 + OB), res);
             for (int r = 0; r < n; r++)
                 for (int j = 0; j < ob; j++) outs[e][r * H + o0 + j] = res[r * OB + j] + (bias ? bias[o0 + j] : 0.0f);
         }
