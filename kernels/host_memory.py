@@ -15,6 +15,7 @@ the speed differs.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 
@@ -39,8 +40,12 @@ def huge_empty(nbytes: int) -> torch.Tensor:
     if not _wanted(nbytes):
         return torch.empty(nbytes, dtype=torch.uint8)
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # private: shared anonymous memory is shmem's THP policy
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=flags)
-    region.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=flags)
+    except OSError:  # a mapping refused (strict overcommit, a limit): torch's allocator says so its way
+        return torch.empty(nbytes, dtype=torch.uint8)
+    with contextlib.suppress(OSError):  # a kernel built without THP: ordinary pages, only slower
+        region.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start : start + nbytes]

@@ -86,3 +86,26 @@ def test_a_tied_lm_head_stays_the_embedding(tmp_path: Path) -> None:
     assert model.spec.tie_embeddings
     assert model.weights.lm_head is model.weights.embed
     assert torch.equal(model.weights.embed, hf.model.embed_tokens.weight.detach())
+
+
+def test_a_refused_mapping_or_advice_falls_back_to_ordinary_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No huge pages is only slower: a mapping the OS refuses, or a kernel without THP."""
+    import mmap
+
+    from flowmoe.kernels import host_memory
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(host_memory.mmap, "mmap", refuse)
+    assert huge_empty(3 * HUGE_PAGE).numel() == 3 * HUGE_PAGE
+    monkeypatch.undo()
+
+    class NoAdvice(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(host_memory.mmap, "mmap", NoAdvice)
+    buffer = huge_empty(3 * HUGE_PAGE)
+    buffer.fill_(3)
+    assert buffer.numel() == 3 * HUGE_PAGE and int(buffer.sum()) == 9 * HUGE_PAGE
