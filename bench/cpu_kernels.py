@@ -6,7 +6,7 @@ the kernels get (`--threads`, default torch's). The read and copy buffers lie on
 pages (kernels/host_memory.py), the fastest memory the machine reads; the same read on ordinary
 4 KiB pages is kept as "read 4k" for information. Ops at the shapes schedules give them, their
 operands allocated as flowmoe allocates them (KV caches by KVCache.allocate, on huge pages; expert
-weights by host_memory.huge_empty, as the model's host weights):
+weights by host_memory.huge_copy, as the model's host weights):
 
 * decode attention over a KV cache (Mixtral 8x7B's GQA: 32 query heads, 8 KV heads, head
   dim 128; config.json of mistralai/Mixtral-8x7B-v0.1), batch 1-16, lengths 128-8k;
@@ -56,7 +56,7 @@ from rich.table import Table
 from flowmoe.core.spec import MoESpec
 from flowmoe.kernels.attention import attend
 from flowmoe.kernels.experts import swiglu_ffn, swiglu_ffn_group, swiglu_ffn_torch
-from flowmoe.kernels.host_memory import huge_empty
+from flowmoe.kernels.host_memory import huge_copy, huge_zeros
 from flowmoe.kernels.kv_cache import KVCache
 from flowmoe.kernels.layout import TokenLayout
 
@@ -110,19 +110,15 @@ def timed(fn: Callable[[], object]) -> float:
     return CLOCK() - started
 
 
-def huge(src: torch.Tensor) -> torch.Tensor:
-    """A copy of src on huge pages (host_memory.huge_empty)."""
-    return huge_empty(src.nbytes).view(src.dtype).view(src.shape).copy_(src)
-
-
 class Roofs:
     """Read / copy / GEMM roofs, sampled between the ops' repetitions; the best sample counts. Read
     and copy on huge pages ("read 4k": the same read on ordinary pages, for information)."""
 
     def __init__(self, gemm_n: int) -> None:
         self.read_4k = torch.ones(ROOF_BYTES // 4)
-        self.read_buf = huge(self.read_4k)
-        self.copy_src, self.copy_dst = huge(torch.ones(ROOF_BYTES // 16)), huge(torch.zeros(ROOF_BYTES // 16))
+        self.read_buf = huge_copy(self.read_4k)
+        self.copy_src = huge_copy(torch.ones(ROOF_BYTES // 16))
+        self.copy_dst = huge_zeros((ROOF_BYTES // 16,), torch.float32)
         self.gemm = {
             name: (torch.randn(gemm_n, gemm_n).to(dt), torch.randn(gemm_n, gemm_n).to(dt))
             for name, dt in DTYPES.items()
@@ -287,7 +283,8 @@ def expert_rows(experts: dict, row_counts, roofs: Roofs, repeats: int) -> list[d
             gate_up = torch.randn(2 * inter, hidden).to(dtype) * hidden**-0.5
             down = torch.randn(hidden, inter).to(dtype) * inter**-0.5
             weight_bytes = gate_up.nbytes + down.nbytes
-            sets = cycled(lambda g=gate_up, d=down: (huge(g), huge(d)), weight_bytes)  # one expert each
+            # one expert each
+            sets = cycled(lambda g=gate_up, d=down: (huge_copy(g), huge_copy(d)), weight_bytes)
             for n in row_counts:
                 x = torch.randn(n, hidden).to(dtype)
                 single = {

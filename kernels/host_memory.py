@@ -16,6 +16,7 @@ the speed differs.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 
@@ -51,11 +52,16 @@ def huge_empty(nbytes: int) -> torch.Tensor:
     return whole[start : start + nbytes]
 
 
+def _huge_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor of `shape` and `dtype` on huge pages (see huge_empty)."""
+    return huge_empty(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
+
+
 def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype=dtype) on huge pages (see huge_empty)."""
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    out = huge_empty(nbytes).view(dtype).view(shape)
-    return out.zero_()
+    return _huge_tensor(shape, dtype).zero_()
+
+
+def huge_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of host tensor `tensor` on huge pages (see huge_empty)."""
+    return _huge_tensor(tuple(tensor.shape), tensor.dtype).copy_(tensor)

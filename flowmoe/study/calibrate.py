@@ -29,7 +29,7 @@ from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.plan import Lane
 from flowmoe.core.policy import Policy
 from flowmoe.core.spec import ModelSpec
-from flowmoe.kernels.host_memory import huge_empty
+from flowmoe.kernels.host_memory import huge_copy
 from flowmoe.model.moe_model import MoEModel
 
 Report = Callable[[str], None]
@@ -84,7 +84,7 @@ def _host_like_model(t: torch.Tensor) -> torch.Tensor:
     and the KV caches (kernels/host_memory.py; up to a third faster to stream than 4 KiB pages)."""
     if t.device.type != "cpu":
         return t
-    return huge_empty(t.numel() * t.element_size()).view(t.dtype).view(t.shape).copy_(t)
+    return huge_copy(t)
 
 
 COLD_BYTES = 256 * 2**20
