@@ -123,6 +123,16 @@ static inline __attribute__((always_inline)) void tiles(
     }
 }
 
+/* How many of the rows [o0, o0 + OB) exist in a matrix of O rows (0 past its end). */
+static inline long rows_at(long O, long o0) {
+    return o0 >= O ? 0 : (O - o0 < OB ? O - o0 : OB);
+}
+
+/* Where row `row` of a row-major weight of K columns starts. */
+static inline const char *row_at(const void *w, long row, long K, int bf16) {
+    return (const char *)w + row * K * (bf16 ? 2 : 4);
+}
+
 static const float zeros[KC] __attribute__((aligned(64)));  /* the rows of a short last block */
 
 /* The rows [o0, o0 + ob) of w (ob <= OB) against the n rows of x: res[r * OB + j]. The weight is
@@ -145,7 +155,7 @@ static void block(const float *x, long ldx, int n, long K, const void *w, int bf
     if (ntiles == 1 || tile_outer) { /* tile by tile, each over the whole row, in registers */
         const void *wp[OB];
         for (int j = 0; j < OB; j++) /* a short last block repeats its last row (results not kept) */
-            wp[j] = (const char *)w + (o0 + (j < ob ? j : ob - 1)) * K * esize;
+            wp[j] = row_at(w, o0 + (j < ob ? j : ob - 1), K, bf16);
         long slice = next_rows * K * esize / ntiles, step = slice / (kv / VL > 0 ? kv / VL : 1) + 1;
         for (int t = 0; t < ntiles; t++) {
             int rt = n - t * RT < RT ? n - t * RT : RT, pf = t == 0 ? KC * esize : 0;
@@ -185,11 +195,6 @@ static void block(const float *x, long ldx, int n, long K, const void *w, int bf
         }
 }
 
-/* How many of the rows [o0, o0 + OB) exist in a matrix of O rows (0 past its end). */
-static inline long rows_at(long O, long o0) {
-    return o0 >= O ? 0 : (O - o0 < OB ? O - o0 : OB);
-}
-
 /* y [n, O] (row stride ldy) = x [n, K] (row stride ldx) @ w [O, K]^T (+ bias [O], fp32). */
 void flowmoe_linear(const float *x, long ldx, int n, long K, const void *w, int bf16, long O,
                     const float *bias, float *y, long ldy, int threads) {
@@ -198,8 +203,8 @@ void flowmoe_linear(const float *x, long ldx, int n, long K, const void *w, int 
     for (long b = 0; b < blocks; b++) {
         float res[n * OB];
         long o0 = b * OB;
-        int ob = (int)(O - o0 < OB ? O - o0 : OB);
-        block(x, ldx, n, K, w, bf16, o0, ob, (const char *)w + (o0 + OB) * K * (bf16 ? 2 : 4), rows_at(O, o0 + OB), res);
+        int ob = (int)rows_at(O, o0);
+        block(x, ldx, n, K, w, bf16, o0, ob, row_at(w, o0 + OB, K, bf16), rows_at(O, o0 + OB), res);
         for (int r = 0; r < n; r++)
             for (int j = 0; j < ob; j++) y[r * ldy + o0 + j] = res[r * OB + j] + (bias ? bias[o0 + j] : 0.0f);
     }
@@ -229,14 +234,13 @@ void flowmoe_ffn_group(int experts, const float *const *xs, const int *ns, long 
         for (long t = 0; t < experts * up_blocks; t++) {
             int e = (int)(t / up_blocks), n = ns[e];
             long o0 = t % up_blocks * OB;
-            int ob = (int)(I - o0 < OB ? I - o0 : OB);
+            int ob = (int)rows_at(I, o0);
             const float *bias = gate_up_biases[e];
+            const void *gu = gate_ups[e];
             float g[n * OB], u[n * OB];
-            const char *gu = gate_ups[e];
-            long row = H * (bf16 ? 2 : 4);
             /* read next: this block's up rows, then the next block's gate rows */
-            block(xs[e], H, n, H, gu, bf16, o0, ob, gu + (I + o0) * row, ob, g);
-            block(xs[e], H, n, H, gu, bf16, I + o0, ob, gu + (o0 + OB) * row, rows_at(I, o0 + OB), u);
+            block(xs[e], H, n, H, gu, bf16, o0, ob, row_at(gu, I + o0, H, bf16), ob, g);
+            block(xs[e], H, n, H, gu, bf16, I + o0, ob, row_at(gu, o0 + OB, H, bf16), rows_at(I, o0 + OB), u);
             for (int r = 0; r < n; r++)
                 for (int j = 0; j < ob; j++) {
                     float gv = g[r * OB + j] + (bias ? bias[o0 + j] : 0.0f);
@@ -248,10 +252,10 @@ void flowmoe_ffn_group(int experts, const float *const *xs, const int *ns, long 
         for (long t = 0; t < experts * down_blocks; t++) {
             int e = (int)(t / down_blocks), n = ns[e];
             long o0 = t % down_blocks * OB;
-            int ob = (int)(H - o0 < OB ? H - o0 : OB);
+            int ob = (int)rows_at(H, o0);
             const float *bias = down_biases[e];
             float res[n * OB];
-            block(acts[e], I, n, I, downs[e], bf16, o0, ob, (const char *)downs[e] + (o0 + OB) * I * (bf16 ? 2 : 4), rows_at(H, o0 + OB), res);
+            block(acts[e], I, n, I, downs[e], bf16, o0, ob, row_at(downs[e], o0 + OB, I, bf16), rows_at(H, o0 + OB), res);
             for (int r = 0; r < n; r++)
                 for (int j = 0; j < ob; j++) outs[e][r * H + o0 + j] = res[r * OB + j] + (bias ? bias[o0 + j] : 0.0f);
         }
