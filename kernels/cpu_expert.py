@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 
 import torch
 
@@ -120,7 +121,7 @@ def swiglu_group(xs: list[torch.Tensor], ffns: list[FFN], moe: MoESpec) -> list[
     counts = [r.shape[0] for r in rows]
     acts = torch.empty(sum(counts), inter)  # [sum n_e, I]
     outs = torch.empty(sum(counts), hidden)  # [sum n_e, hidden]
-    starts = [sum(counts[:e]) for e in range(len(counts))]
+    starts = [0, *itertools.accumulate(counts)][:-1]  # each expert's first row in the buffers
     gate_up_biases = [b.float().contiguous() if b is not None else None for _, _, b, _ in ffns]
     down_biases = [b.float().contiguous() if b is not None else None for _, _, _, b in ffns]
     lib.flowmoe_ffn_group(
