@@ -6,11 +6,15 @@ streams the whole cache every step, and reads it faster there than on 4 KiB page
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from attrs import define
 
 from flowmoe.kernels.host_memory import huge_zeros
 from flowmoe.kernels.layout import TokenLayout
+
+Homes = torch.device | str | Sequence[torch.device]  # one device for every layer's cache, or each layer's
 
 
 @define
@@ -27,20 +31,18 @@ class KVCache:
         capacity: int,
         head_dim: int,
         dtype: torch.dtype,
-        device: torch.device | str = "cpu",
+        device: Homes = "cpu",
         value_dim: int | None = None,
     ) -> KVCache:
-        """`value_dim`: the values' last dimension when not head_dim (MLA caches a latent and a RoPE key)."""
+        """`device`: where every layer's cache lives, or each layer's (a cache split by layer between
+        the GPU and the host); `value_dim`: the values' last dimension when not head_dim (MLA caches a
+        latent and a RoPE key)."""
         shape = (slots, kv_heads, capacity, head_dim)
         value_shape = (slots, kv_heads, capacity, value_dim or head_dim)
-        if torch.device(device).type == "cpu":
-            return cls(
-                keys=[huge_zeros(shape, dtype) for _ in range(layers)],
-                values=[huge_zeros(value_shape, dtype) for _ in range(layers)],
-            )
+        homes = [device] * layers if isinstance(device, torch.device | str) else list(device)  # [layers]
         return cls(
-            keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
-            values=[torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(layers)],
+            keys=[_zeros(shape, dtype, home) for home in homes],
+            values=[_zeros(value_shape, dtype, home) for home in homes],
         )
 
     @property
@@ -53,6 +55,13 @@ class KVCache:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer], self.values[layer]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """One cache tensor: on the host on huge pages, elsewhere by torch's allocator."""
+    if torch.device(device).type == "cpu":
+        return huge_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def write_kv(

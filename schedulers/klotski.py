@@ -32,12 +32,14 @@ Weights and cache (§6.1): the caches of the first `kv_gpu_share` of the
 layers stay on the GPU, as Klotski's code places them layer by layer
 (mindspore-lab/models research/SYSU/Klotski/mixtral/configuration_mixtral.py,
 `memory_cost_mixtral`: the first m layers' caches on the GPU, the rest on the
-CPU); their copies move no bytes and the simulated GPU memory holds them
-(`gpu_working_bytes`). The rest lives on the CPU, in pageable memory (KV copies
-`pageable`): Klotski's cache is FlexGen's, allocated unpinned (the same code,
-pytorch_backend.py, `init_cache_one_gpu_batch`: "disable pin_memory due to high
-memory overhead"). Its CPU weights are pinned "when
-sufficient CPU memory is available" (§6.1), else their copies are pageable
+CPU); their copies move no bytes, the simulated GPU memory holds them
+(`gpu_working_bytes`), and a real run allocates them on the GPU and attends
+them there (`kv_gpu_layers`: their KV_LOAD and KV_STORE do nothing). The rest
+lives on the CPU, in pageable memory (KV copies `pageable`): Klotski's cache
+is FlexGen's, allocated unpinned (the same code, pytorch_backend.py,
+`init_cache_one_gpu_batch`: "disable pin_memory due to high memory
+overhead"). Its CPU weights are pinned "when sufficient CPU memory is
+available" (§6.1), else their copies are pageable
 (the context's `weights_pinned`). Each layer's dense part (attention, router,
 shared experts: flowmoe copies them as one) is copied in during the previous
 layer's experts and evicted after the layer's last batch, into a buffer of two
@@ -83,11 +85,10 @@ recorded traces hand the scheduler counts only); the hidden states stay on
 the GPU between layers (the paper moves them too; they are small next to the
 cache); the paper loads caches and weights on separate streams that share the
 link, flowmoe's one h2d lane runs them in that order instead (so the hot
-experts go behind the attention layer's cache loads, not beside them); a real
-run keeps the whole cache on the CPU (`kv_on_gpu` False), the GPU-kept layers
-are priced in simulation only; a disk layer is read whole (Klotski's code
-reads each tensor when it is copied). `--attention-on cpu` and `--ffn-on cpu`
-are refused: Klotski computes everything on the GPU.
+experts go behind the attention layer's cache loads, not beside them); a disk
+layer is read whole (Klotski's code reads each tensor when it is copied).
+`--attention-on cpu` and `--ffn-on cpu` are refused: Klotski computes
+everything on the GPU.
 """
 
 from __future__ import annotations
@@ -179,6 +180,10 @@ class KlotskiScheduler:
 
     def kv_on_gpu(self) -> bool:
         return False
+
+    def kv_gpu_layers(self) -> frozenset[int]:
+        """The layers whose cache the GPU keeps: the first `kv_gpu_share` of them (§6.1)."""
+        return frozenset(range(self.kv_kept))
 
     def gpu_working_bytes(self, steps: Sequence[StepShape]) -> int:
         """The caches of the GPU-kept layers at the largest of `steps`."""

@@ -28,7 +28,13 @@ Per layer, in flowmoe's nodes, for each expert group (below):
    copied, and each routed expert runs once over the group's tokens (one GEMM
    per expert, chunked at `EXPERT_ROWS` rows as the released code bounds it),
    expert after expert, then is evicted; a prefetched expert nobody routed to
-   is evicted after the gates;
+   is evicted after the gates. The GEMM is one EXPERT_FFN node per micro-batch
+   routed to the expert (so each micro-batch's combine waits for its own),
+   each waiting for every gate of the group and priced at the GEMM's rows,
+   the weights read by the first: a real run launches the GEMM at the first
+   of them, over the group's tokens in micro-batch order and in chunks of
+   those rows, and the others find their outputs done (the runtime's
+   `_expert_batch`);
 3. the tail (shared expert, combine) of each micro-batch.
 
 Expert groups: the expert batch is every micro-batch of the step (a decode
@@ -60,21 +66,17 @@ of the largest micro-batch at its longest context, the post-attention
 activations of one layer for every micro-batch of the step (flowmoe's runtime
 keeps them until the next layer's combine), the expert group's residual
 stream and top-k expert outputs, and one micro-batch's working set; host
-memory holds the whole KV cache (the simulator's host check).
+memory holds the whole KV cache (the simulator's host check). A real run's
+memory check counts the KV buffers alike (`kv_working_bytes`), not two layers
+of the whole batch's cache.
 
 Deviations, each with its reason: MoE-Gen can split one step's attention
 between the GPU and the CPU by a ratio (its attention mode 2, `SPLIT_RATIO_W`);
 here a run attends on one of them (`--attention-on`), since where attention
-runs is one placement per run in flowmoe. An expert's GEMM over the group is
-one EXPERT_FFN node per micro-batch (the runtime's nodes each serve one
-micro-batch): the plan prices those nodes as the single GEMM MoE-Gen launches
-(each at the GEMM efficiency of the group's rows for that expert, the weights
-read once), while flowmoe's runtime runs them as consecutive GEMMs of each
-micro-batch's rows from the one copy of the weights, so a real run's expert
-time is that of the smaller GEMMs. A decode step's residual stream stays on
-the GPU (N x hidden, tens of MB) rather than in host memory. The copies issued
-before the gates are flowmoe's choice: a popularity guess that a large batch
-almost always confirms. The sizes follow the released code's rule (largest
+runs is one placement per run in flowmoe. A decode step's residual stream
+stays on the GPU (N x hidden, tens of MB) rather than in host memory. The
+copies issued before the gates are flowmoe's choice: a popularity guess that a
+large batch almost always confirms. The sizes follow the released code's rule (largest
 batch host memory holds, largest micro-batch GPU memory holds), with the
 smaller batches above as the one addition, for flowmoe's single micro-batch
 size (MoE-Gen sizes its prefill and decode attention micro-batches apart: 200,
@@ -173,6 +175,12 @@ class MoEGenScheduler:
 
     def kv_on_gpu(self) -> bool:
         return False
+
+    def kv_working_bytes(self, sequences: int, max_len: int) -> int:
+        """The GPU KV buffers a run of `sequences` sequences of up to `max_len` tokens fills at most:
+        KV_BUFFERS micro-batches' slices of one layer (none with the attention on the CPU)."""
+        mu = min(sequences, self.context.policy.micro_batch_size)
+        return 0 if self.cpu_attention else kv_buffer_bytes(self.context.spec, mu * max_len)
 
     # ---- memory
 

@@ -106,6 +106,26 @@ class Scheduler(Protocol):
         ...
 
 
+def kv_gpu_layers(scheduler: Scheduler, layers: int) -> frozenset[int]:
+    """The layers whose KV cache lives on the GPU: the scheduler's own `kv_gpu_layers()` where it
+    splits the cache by layer (Klotski keeps its first layers' caches on the GPU), else all of them
+    or none, as `kv_on_gpu()` says."""
+    split = getattr(scheduler, "kv_gpu_layers", None)
+    if split is not None:
+        return frozenset(split())
+    return frozenset(range(layers)) if scheduler.kv_on_gpu() else frozenset()
+
+
+def kv_working_bytes(scheduler: Scheduler, spec: ModelSpec, sequences: int, max_len: int) -> int:
+    """The most GPU bytes the working copies of CPU-homed cache layers (KV_LOAD) take at once, for
+    `sequences` sequences of up to `max_len` tokens: the scheduler's own `kv_working_bytes` where its
+    plan bounds them (MoE-Gen's KV buffers), else two layers' caches of the whole batch."""
+    own = getattr(scheduler, "kv_working_bytes", None)
+    if own is not None:
+        return own(sequences, max_len)
+    return 2 * sequences * max_len * spec.kv_bytes_per_token // spec.layers
+
+
 @frozen
 class SchedulerContext:
     """What a scheduler is built with. `cost(node)` estimates seconds (the cost model, or a

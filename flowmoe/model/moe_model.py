@@ -17,7 +17,7 @@ from flowmoe.core.plan import deferred_by_rank
 from flowmoe.core.spec import ModelSpec
 from flowmoe.kernels.attention import attend
 from flowmoe.kernels.experts import swiglu_ffn, swiglu_ffn_group
-from flowmoe.kernels.kv_cache import KVCache, write_kv
+from flowmoe.kernels.kv_cache import Homes, KVCache, write_kv
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.kernels.linear import linear
 from flowmoe.kernels.mla import mla_attend, mla_project
@@ -66,7 +66,7 @@ class MoEModel:
     def dtype(self) -> torch.dtype:
         return self.weights.embed.dtype
 
-    def new_cache(self, slots: int, capacity: int, device: torch.device | str = "cpu") -> KVCache:
+    def new_cache(self, slots: int, capacity: int, device: Homes = "cpu") -> KVCache:
         a = self.spec.attention
         if a.mla is not None:  # the latents as keys, the RoPE keys as values
             m = a.mla
@@ -176,14 +176,22 @@ class MoEModel:
         counts = [routing.tokens[e].numel() for e in ffns]
         rows = torch.cat([routing.tokens[e] for e in ffns]).to(x.device)  # [sum n_e]
         scales = torch.cat([routing.scales[e] for e in ffns]).to(x.device)[:, None]  # [sum n_e, 1]
-        gathered = x[rows]  # [sum n_e, hidden]: every expert's rows in one gather
+        outs = self.scaled_experts(x[rows], scales, counts, list(ffns.values()))  # every row in one gather
+        return dict(zip(ffns, outs, strict=True))
+
+    def scaled_experts(
+        self, gathered: torch.Tensor, scales: torch.Tensor, counts: list[int], ffns: list[FFNWeights]
+    ) -> list[torch.Tensor]:
+        """gathered [sum n_e, hidden]: the rows of each expert of `ffns` in turn (counts[e] of them),
+        scales [sum n_e, 1] their combine weights -> each expert's scaled outputs [n_e, hidden], in one
+        kernel call where the CPU kernels take them."""
         if self.spec.moe.scale_input:  # Llama 4 scales the expert's input, the others its output
-            gathered = gathered * scales.to(x.dtype)
-        weights = [(f.gate_up, f.down, f.gate_up_bias, f.down_bias) for f in ffns.values()]
+            gathered = gathered * scales.to(gathered.dtype)
+        weights = [(f.gate_up, f.down, f.gate_up_bias, f.down_bias) for f in ffns]
         outs = swiglu_ffn_group(list(gathered.split(counts)), weights, self.spec.moe)
         if not self.spec.moe.scale_input:  # float32 scales give a float32 product
             outs = list((torch.cat(outs) * scales).split(counts))
-        return dict(zip(ffns, outs, strict=True))
+        return outs
 
     def shared(self, layer: int, x: torch.Tensor, lw: LayerWeights | None = None) -> torch.Tensor:
         """Shared expert (gated by a sigmoid when the family has one) or dense MLP: [T, hidden]."""

@@ -76,11 +76,14 @@ class StepState:
     logits: dict[int, torch.Tensor] = field(factory=dict)
     layouts: dict[tuple[int, Lane], TokenLayout] = field(factory=dict)  # on the lane's device
     events: EventBook | None = None  # CUDA: where routing events come from
+    kv_gpu: frozenset[int] = frozenset()  # layers whose KV cache lives on the GPU (the rest: on the CPU)
     cuda: bool = field(init=False, default=Factory(lambda s: s.devices.cuda, takes_self=True))  # read once
     _lock: threading.Lock = field(factory=threading.Lock)
     _x_readers: dict[Key, int] = field(factory=dict)  # pre-gates submitted, not yet run, per x they read
     _x_done: set[Key] = field(factory=set)  # x whose next layer has combined
     _ffn_bound: dict[tuple[Key, Lane], list[int]] = field(factory=dict)  # EXPERT_FFN nodes bound, not yet run
+    _gates: dict[int, Key] = field(factory=dict)  # GATE node id -> its layer and micro-batch
+    _batched: set[tuple[int, int, int]] = field(factory=set)  # (layer, mb, expert) a batch's GEMM has run
 
     @classmethod
     def create(
@@ -90,8 +93,9 @@ class StepState:
         devices: Devices,
         weights: DeviceWeights,
         events: EventBook | None = None,
+        kv_gpu: frozenset[int] = frozenset(),
     ) -> StepState:
-        return cls(model, {i.micro_batch: i for i in inputs}, devices, weights, events=events)
+        return cls(model, {i.micro_batch: i for i in inputs}, devices, weights, events=events, kv_gpu=kv_gpu)
 
     # ---- routing answers for the driver
 
@@ -171,10 +175,20 @@ class StepState:
             with self._lock:
                 source = (self.model.spec.pregate_source(node.layer), node.mb)
                 self._x_readers[source] = self._x_readers.get(source, 0) + 1
-        if node.op is Op.EXPERT_FFN:
+        if node.op is Op.GATE:
+            self._gates[node.id] = (node.layer, node.mb)
+        if node.op is Op.EXPERT_FFN and len(self.batch_of(node)) == 1:
             with self._lock:
                 self._ffn_bound.setdefault(((node.layer, node.mb), node.lane), []).append(node.expert)
         return partial(handler, self, node)
+
+    def batch_of(self, node: TaskNode) -> tuple[int, ...]:
+        """The micro-batches whose tokens an EXPERT_FFN node's GEMM takes, in order: its own, and
+        every other one whose gate of its layer it waits for (MoE-Gen's expert over the batch)."""
+        gated = {
+            key[1] for d in node.deps if (key := self._gates.get(d)) is not None and key[0] == node.layer
+        }
+        return tuple(sorted(gated | {node.mb}))
 
     def release_x(self, key: Key, reader: bool) -> None:
         """x[key] (a post-attention norm) is dead once the next layer has combined and every
@@ -238,7 +252,10 @@ def _attention(s: StepState, n: TaskNode) -> None:
 
 def _kv_load(s: StepState, n: TaskNode) -> None:
     """A micro-batch's cache layer (home: CPU) into a GPU working copy for GPU attention: only the
-    positions this step's attention reads, up to the longest sequence after the step."""
+    positions this step's attention reads, up to the longest sequence after the step. A layer homed
+    on the GPU is attended where it lives: nothing to copy."""
+    if n.layer in s.kv_gpu:
+        return
     step = s.inputs[n.mb]
     length = max(step.layout.advanced())
     keys, values = (t[:, :, :length] for t in step.cache.layer(n.layer))
@@ -246,7 +263,10 @@ def _kv_load(s: StepState, n: TaskNode) -> None:
 
 
 def _kv_store(s: StepState, n: TaskNode) -> None:
-    """This step's new k, v from the GPU working copy back into the home cache."""
+    """This step's new k, v from the GPU working copy back into the home cache (a GPU-homed layer:
+    attention wrote them there)."""
+    if n.layer in s.kv_gpu:
+        return
     step, key = s.inputs[n.mb], (n.layer, n.mb)
     home = step.cache.layer(n.layer)
     work = s.kv_work.pop(key)  # the copy back waits for the device, so the working copy is dead after it
@@ -299,7 +319,12 @@ def _expert(s: StepState, n: TaskNode) -> None:
     """The node's expert, and with it in one kernel call (MoEModel.routed_experts) the other experts of
     its layer and micro-batch bound to the same lane whose weights are at hand: the host's own (the
     CPU lane, or a host without CUDA, where a resident expert is the host tensor and no copy is in
-    flight). Their own nodes then find their outputs there; the rest run at their nodes."""
+    flight). Their own nodes then find their outputs there; the rest run at their nodes. A node that
+    waits for the gates of several micro-batches runs its expert over all of them (`_expert_batch`)."""
+    batch = s.batch_of(n)
+    if len(batch) > 1:
+        _expert_batch(s, n, batch)
+        return
     key = (n.layer, n.mb)
     with s._lock:
         bound = s._ffn_bound.get((key, n.lane), [])
@@ -307,11 +332,46 @@ def _expert(s: StepState, n: TaskNode) -> None:
             return  # ran in the group of an earlier node
         ffns = {e: ffn for e in bound if (ffn := _ffn_at_hand(s, n, e)) is not None}
         s._ffn_bound[(key, n.lane)] = [e for e in bound if e not in ffns]
-    x = s.x_cpu[key] if n.lane is Lane.CPU_COMPUTE else s.x[key]
-    outputs = s.model.routed_experts(x, s.routing_of(s.routing, key), ffns)
+    outputs = s.model.routed_experts(_expert_input(s, n.lane, key), s.routing_of(s.routing, key), ffns)
     for expert, out in outputs.items():
-        table = s.later if expert in s.deferred.get(key, ()) else s.outputs  # Expert Deferral's apart
-        table.setdefault(key, {})[expert] = out
+        _keep(s, key, expert, out)
+
+
+def _expert_batch(s: StepState, n: TaskNode, batch: tuple[int, ...]) -> None:
+    """One GEMM of the node's expert over its tokens in every micro-batch of `batch` (MoE-Gen's
+    module-based batching), run by the first of their nodes: the rows gathered in micro-batch order,
+    in kernel calls of the node's rows each (the GEMM the plan prices, chunked as it is), the outputs
+    split back per micro-batch; the other nodes find theirs there. A fixed order: the same floats
+    every run."""
+    with s._lock:
+        if (n.layer, n.mb, n.expert) in s._batched:
+            return  # ran in the GEMM of an earlier node
+        s._batched.update((n.layer, mb, n.expert) for mb in batch)
+    ffn = _ffn_at_hand(s, n, n.expert)
+    routings = {key: s.routing_of(s.routing, key) for key in [(n.layer, mb) for mb in batch]}
+    routed = {key: r for key, r in routings.items() if n.expert in r.tokens}  # those routed to it, in order
+    inputs = [_expert_input(s, n.lane, key) for key in routed]  # [T_mb, hidden] each
+    gathered = torch.cat(
+        [x[r.tokens[n.expert].to(x.device)] for x, r in zip(inputs, routed.values(), strict=True)]
+    )
+    scales = torch.cat([r.scales[n.expert] for r in routed.values()]).to(gathered.device)[:, None]  # [N, 1]
+    rows = n.rows or len(gathered)  # [N, hidden] in chunks of `rows`
+    outs = [s.model.scaled_experts(chunk, weight, [len(chunk)], [ffn])[0]  # type: ignore[list-item]
+            for chunk, weight in zip(gathered.split(rows), scales.split(rows), strict=True)]  # fmt: skip
+    counts = [r.tokens[n.expert].numel() for r in routed.values()]
+    for key, out in zip(routed, torch.cat(outs).split(counts), strict=True):
+        _keep(s, key, n.expert, out)
+
+
+def _expert_input(s: StepState, lane: Lane, key: Key) -> torch.Tensor:
+    """The post-attention norm [T, hidden] an expert of `lane` reads: the host's copy on the CPU lane."""
+    return s.x_cpu[key] if lane is Lane.CPU_COMPUTE else s.x[key]
+
+
+def _keep(s: StepState, key: Key, expert: int, out: torch.Tensor) -> None:
+    """An expert's output for its layer's combine (Expert Deferral's deferred ones apart, for the next)."""
+    table = s.later if expert in s.deferred.get(key, ()) else s.outputs
+    table.setdefault(key, {})[expert] = out
 
 
 def _ffn_at_hand(s: StepState, n: TaskNode, expert: int) -> FFNWeights | None:

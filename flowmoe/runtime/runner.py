@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from attrs import define, field
+from attrs import Factory, define, field
 
 from flowmoe.core.driver import NodeBudget, drive
 from flowmoe.core.executor import Action, Executor, Span, Worker
@@ -24,7 +24,15 @@ from flowmoe.core.memory import MemoryNeed, gpu_need
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.routing_trace import RoutingTrace
-from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, Scheduler, SchedulerContext, StepShape
+from flowmoe.core.scheduling import (
+    MicroBatchShape,
+    NodeFactory,
+    Scheduler,
+    SchedulerContext,
+    StepShape,
+    kv_gpu_layers,
+    kv_working_bytes,
+)
 from flowmoe.core.spec import ModelSpec
 from flowmoe.devices.cuda import EventBook
 from flowmoe.devices.factory import make_workers
@@ -75,7 +83,10 @@ class Runtime:
     steps: int = 0
     routing: RoutingTrace | None = None  # when set, every gate's (and pre-gate's) answer is recorded
     record: bool = True  # keep every span and memory counter in `trace` (False: keep nothing per node)
-    _kv_bytes: int = 0
+    kv_gpu: frozenset[int] = field(  # layers whose KV cache lives on the GPU (the scheduler's word)
+        default=Factory(lambda s: kv_gpu_layers(s.scheduler, s.model.spec.layers), takes_self=True)
+    )
+    _kv_bytes: dict[str, int] = field(factory=dict)  # "gpu" / "cpu" -> the step's KV cache bytes there
     _budgets: dict[int, NodeBudget] = field(factory=dict)  # micro-batches -> the step's node budget
 
     @classmethod
@@ -107,18 +118,25 @@ class Runtime:
 
     @property
     def kv_on_gpu(self) -> bool:
-        return self.scheduler.kv_on_gpu()
+        """Every layer's KV cache lives on the GPU."""
+        return len(self.kv_gpu) == self.model.spec.layers
 
     @property
-    def cache_device(self) -> torch.device:
-        return self.devices.gpu if self.kv_on_gpu else self.devices.cpu
+    def cache_device(self) -> torch.device | tuple[torch.device, ...]:
+        """Where the engine allocates the KV cache: one device for every layer, or each layer's where
+        the scheduler splits it."""
+        gpu, cpu = self.devices.gpu, self.devices.cpu
+        if self.kv_on_gpu or not self.kv_gpu:
+            return gpu if self.kv_gpu else cpu
+        return tuple(gpu if layer in self.kv_gpu else cpu for layer in range(self.model.spec.layers))
 
     def check_memory(self, sequences: int, max_len: int, step_tokens: int) -> MemoryNeed:
-        """Fail before the run if this scheduler's policy cannot fit the GPU budget."""
+        """Fail before the run if this scheduler's policy cannot fit the GPU budget: the GPU-homed
+        cache layers, and the working copies of the CPU-homed ones (KV_LOAD) the plan keeps at once."""
         spec, policy = self.model.spec, self.scheduler.context.policy  # type: ignore[attr-defined]
-        kv = sequences * max_len * spec.kv_bytes_per_token
-        if not self.kv_on_gpu:  # cache on the CPU: at most two layers' working copies (KV_LOAD) on the GPU
-            kv = 2 * kv // spec.layers
+        kv = sequences * max_len * spec.kv_bytes_per_token * len(self.kv_gpu) // spec.layers
+        if not self.kv_on_gpu:
+            kv += kv_working_bytes(self.scheduler, spec, sequences, max_len)
         need = gpu_need(
             spec, self.scheduler.residency(), self.scheduler.weight_buffer_bytes(), kv, step_tokens, sequences
         )
@@ -131,8 +149,8 @@ class Runtime:
     async def __call__(self, model: MoEModel, inputs: Sequence[StepInput]) -> list[torch.Tensor]:
         shape = step_shape(self.steps, inputs)
         self.steps += 1
-        self._kv_bytes = sum(i.cache.nbytes for i in inputs)
-        state = StepState.create(model, inputs, self.devices, self.weights, self.events)
+        self._kv_bytes = self._cache_bytes(inputs)
+        state = StepState.create(model, inputs, self.devices, self.weights, self.events, self.kv_gpu)
         await self.run_plan(shape, state.action, self._answer(shape.step, state))
         return [state.logits[i.micro_batch] for i in inputs]
 
@@ -169,6 +187,14 @@ class Runtime:
             budget = self._budgets[micro_batches] = node_budget(self.model.spec, policy, name, micro_batches)
         return budget
 
+    def _cache_bytes(self, inputs: Sequence[StepInput]) -> dict[str, int]:
+        """The step's KV cache bytes on each side that homes cache layers: "gpu", "cpu"."""
+        split: dict[str, int] = {}
+        for layer in range(self.model.spec.layers):
+            side = "gpu" if layer in self.kv_gpu else "cpu"
+            split[side] = split.get(side, 0) + sum(t.nbytes for i in inputs for t in i.cache.layer(layer))
+        return split
+
     def _answer(self, step: int, state: StepState) -> Callable[[RoutingRequest], ExpertCounts]:
         """Routing answers from the gates' output, recorded into `routing` when one is attached."""
         routing = self.routing
@@ -186,16 +212,15 @@ class Runtime:
         """Memory counters after every node that changes them (and at each step's first node)."""
         if span.node.op not in (Op.PAGE_COPY, Op.EVICT, Op.EMBED):
             return
-        kv_device = "gpu" if self.kv_on_gpu else "cpu"
         if self.devices.cuda:
             gpu_bytes = torch.cuda.memory_allocated(self.devices.gpu)
         else:
-            gpu_bytes = self.weights.nbytes + (self._kv_bytes if self.kv_on_gpu else 0)
+            gpu_bytes = self.weights.nbytes + self._kv_bytes.get("gpu", 0)
         self.trace.counters.extend([
             CounterSample("gpu memory bytes", "gpu", span.end, gpu_bytes),
             CounterSample("gpu weight bytes", "gpu", span.end, self.weights.nbytes),
             CounterSample("gpu experts resident", "gpu", span.end, self.weights.resident_experts),
-            CounterSample("kv cache bytes", kv_device, span.end, self._kv_bytes),
+            *(CounterSample("kv cache bytes", side, span.end, n) for side, n in self._kv_bytes.items()),
         ])  # fmt: skip
 
     def close(self) -> None:
