@@ -155,3 +155,17 @@ def test_moe_gen_runs_each_expert_once_over_the_expert_group(
     assert [r.output_ids for r in results] == [r.output_ids for r in eager[0]]
     assert all(torch.equal(a, b) for step, other in zip(logits, again, strict=True)
                for a, b in zip(step, other, strict=True))  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["gpu", "cpu"])
+def test_moe_gen_memory_check_counts_its_kv_buffers(model: MoEModel, where: str) -> None:
+    """MoE-Gen's cache lives on the CPU and at most KV_BUFFERS micro-batches' slices of one layer are on
+    the GPU at once (the plan's loads wait for the stores three back): 8 sequences in micro-batches of
+    3 count three slices of 3 sequences, not two layers of all 8; with CPU attention, none."""
+    policy = Policy(micro_batch_size=3, micro_batches=3, weights_gpu_share=0.0, attention_on=where)
+    runtime = Runtime.create(model, "moe-gen", policy, device="cpu")
+    runtime.close()
+    slices = moe_gen.KV_BUFFERS * 3 * 16 * model.spec.kv_bytes_per_token // model.spec.layers
+    expected = slices if where == "gpu" else 0  # three slices of one layer of 3 sequences of 16 tokens
+    assert runtime.check_memory(8, 16, 8).kv_cache == expected
+    assert expected < 2 * 8 * 16 * model.spec.kv_bytes_per_token // model.spec.layers
