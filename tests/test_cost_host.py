@@ -70,13 +70,13 @@ def test_a_host_with_more_cores_attends_faster() -> None:
     """CPU attention reads the KV cache: with few cores, what they stream bounds it, not DRAM."""
     mb = MicroBatchShape(0, 64, 64, 64 * 1024, 64 * 1024)
     attention = NodeFactory(MIXTRAL).node(Op.CPU_ATTN, Lane.CPU_COMPUTE, 0, mb)
-    times = [RooflineCost(evolve(T4, cpu_cores=cores), MIXTRAL)(attention) for cores in (1, 2, 3, 12)]
-    assert times[0] > times[1] > times[2] == times[3]  # 3 Haswell cores stream what S1's DRAM gives it
+    times = [RooflineCost(evolve(T4, cpu_cores=cores), MIXTRAL)(attention) for cores in (1, 2, 12)]
+    assert times[0] > times[1] == times[2]  # 2 Haswell cores stream what S1's DRAM gives attention
     one = T4.cpu_core_bandwidth
     assert times[0] == pytest.approx(
         T4.cpu_launch + KERNELS[Op.CPU_ATTN] * T4.cpu_op_dispatch + attention.bytes / one
     )
-    assert times[3] == pytest.approx(
+    assert times[2] == pytest.approx(
         times[0] - attention.bytes / one + attention.bytes / (T4.cpu_bandwidth * T4.cpu_attention_efficiency)
     )
 

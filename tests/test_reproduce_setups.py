@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from attrs import evolve
 
-from flowmoe.core.cost import RooflineCost
 from flowmoe.core.executor import Span
 from flowmoe.core.plan import Op
 from flowmoe.core.policy import Policy
@@ -21,8 +20,7 @@ def _spans(setup: Setup, name: str, step: int = 1) -> list[Span]:
     `name`, on the setup's synthetic routing and the cost model of its hardware."""
     simulation = Simulation(setup)
     scheduler = simulation._scheduler(name, None)
-    cost = RooflineCost(setup.hardware, setup.spec)
-    return simulate(scheduler, [simulation.steps[step]], simulation.trace, cost)
+    return simulate(scheduler, [simulation.steps[step]], simulation.trace, simulation.cost)
 
 
 def test_moe_lightning_and_flexgen_weights_are_pageable_deepspeeds_pinned() -> None:
@@ -116,3 +114,52 @@ def test_klotski_places_weights_by_the_search_without_quantization() -> None:
     for system in multi:
         assert system.policy is None and system.given.expert_format == "native"
         assert system.given.weights_gpu_share is None and system.given.group_size == 15
+
+
+def test_moe_lightning_runs_the_batch_its_artifact_ran() -> None:
+    """MoE-Lightning's MTBench rows take N from the artifact's logs (time x tok/s / gen): Table 5's
+    504 on S1 for MoE-Lightning(p), at Table 5's μ = 36 at gen 128."""
+    for setting in R.settings("moe-lightning", quick=True):
+        if not setting.name.startswith("MTBench gen 128 @ S") or "," in setting.name:
+            continue
+        machine = setting.name.rsplit("@ ", 1)[1]
+        for system in (s for s in setting.systems if s.name in R.P.ML_SYSTEMS):
+            n = R.P.ML_ARTIFACT_N[(machine, system.name)][R.P.GENS.index(128)]
+            assert system.policy is not None
+            assert n <= system.policy.batch_size < n + system.policy.micro_batches, (machine, system.name)
+            if (machine, system.name) == ("S1", "MoE-Lightning(p)"):
+                assert (system.policy.micro_batch_size, system.policy.micro_batches) == (36, 14)
+
+
+def test_moe_lightning_on_turing_runs_its_triton_kernels_slower() -> None:
+    """On the T4 machines MoE-Lightning's Triton kernels (experts, prefill attention) reach
+    TRITON_ON_TURING of the GEMM rate; its FlexGen (cuBLAS) and S2's L4 keep the preset's rate."""
+    kernels = {}
+    for setting in R.settings("moe-lightning", quick=True):
+        machine = setting.name.rsplit("@ ", 1)[1].split(",")[0]
+        for system in setting.systems:
+            kernels[(machine, system.name)] = system.setup.kernel_share
+            assert system.setup.kv_pool is (system.name in R.P.ML_SYSTEMS), system.name
+    assert kernels[("S1", "MoE-Lightning(p)")] == R.TRITON_ON_TURING
+    assert kernels[("S2", "MoE-Lightning(p)")] == () and kernels[("S1", "FlexGen")] == ()
+    setup = R._setup(preset("mixtral-8x7b", layers=2), "moe-lightning-s1", "fixed:256:2", 2)
+    setup = evolve(setup, policy=Policy(64, 1, "cpu", weights_gpu_share=0.0, kv_gpu_share=0.0))
+    prefill = {}
+    for share in ((), R.TRITON_ON_TURING):
+        spans = _spans(evolve(setup, kernel_share=share), "cgopipe", step=0)
+        prefill[share] = {
+            op: sum(s.end - s.start for s in spans if s.node.op is op) for op in (Op.EXPERT_FFN, Op.PRE_ATTN)
+        }
+    slow = prefill[R.TRITON_ON_TURING]
+    assert slow[Op.EXPERT_FFN] > 1.5 * prefill[()][Op.EXPERT_FFN]
+    assert slow[Op.PRE_ATTN] == prefill[()][Op.PRE_ATTN]
+
+
+def test_a_token_pool_holds_each_sequences_own_tokens() -> None:
+    """flowmoe's engine sizes a micro-batch's cache for its longest prompt; MoE-Lightning's SGLang
+    pool (`kv_pool`) holds each request's own tokens, so the host holds a larger batch."""
+    setup = R._setup(preset("mixtral-8x7b", layers=2), "moe-lightning-s1", "mtbench", 8)
+    setup = evolve(setup, policy=Policy(16, 2, "cpu", weights_gpu_share=0.0, kv_gpu_share=0.0))
+    rectangular, pool = Simulation(setup), Simulation(evolve(setup, kv_pool=True))
+    assert pool._kv_slots() == sum(pool.prompts) + 8 * len(pool.prompts)
+    assert pool._kv_slots() < rectangular._kv_slots()

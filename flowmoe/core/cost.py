@@ -64,12 +64,17 @@ KERNELS: dict[Op, int] = {
 class RooflineCost:
     """`spec` gives the element size (fp32 GEMMs run at the fp32 peak) and the hidden size the
     all-reduces of a multi-GPU spec move; without it, 16-bit elements and one GPU are assumed.
-    `threads`: the run's CPU threads (a policy's `cpu_threads`); None: every core of the host."""
+    `threads`: the run's CPU threads (a policy's `cpu_threads`); None: every core of the host.
+    `kernel_share`: (op, share) for ops whose kernels in the simulated system reach only that share
+    of the GPU's GEMM rate (none: cuBLAS-class kernels, what the preset's GEMM efficiency measures;
+    a system with slower kernels on that GPU says so, with its source, where it is simulated)."""
 
     hardware: HardwareSpec
     spec: ModelSpec | None = None
     threads: int | None = None
+    kernel_share: tuple[tuple[Op, float], ...] = ()
     _overhead: dict[str, float] = field(init=False, eq=False, repr=False)
+    _kernels: dict[Op, float] = field(init=False, eq=False, repr=False)
     _curves: dict[str, Curve | None] = field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -79,6 +84,7 @@ class RooflineCost:
                 f"hardware {hw.name} runs {hw.gpus} GPUs tensor parallel: its cost needs the model"
             )
         object.__setattr__(self, "_overhead", dict(hw.op_overhead))
+        object.__setattr__(self, "_kernels", dict(self.kernel_share))
         curves = {"gpu": Curve.of(hw.gpu_roofline), "cpu": Curve.of(hw.cpu_roofline),
                   "gpu/attention": Curve.of(hw.gpu_attention_roofline),
                   "cpu/attention": Curve.of(hw.cpu_attention_roofline)}  # fmt: skip
@@ -94,8 +100,9 @@ class RooflineCost:
         fixed = self.fixed(node.lane, node.op) + (self.hardware.sync_latency if node.sync else 0.0)
         if node.lane in (Lane.GPU_COMPUTE, Lane.CPU_COMPUTE):
             seconds = self.compute_seconds(
-                node.lane.device, node.flops, node.bytes, node.op in ATTENTION, node.rows
-            )
+                node.lane.device, node.flops, node.bytes, node.op in ATTENTION, node.rows,
+                self._kernels.get(node.op, 1.0),
+            )  # fmt: skip
             if node.lane is Lane.GPU_COMPUTE:
                 seconds = max(seconds, self.dispatch_seconds(node.op))
                 if node.op in ALL_REDUCED:
@@ -155,11 +162,17 @@ class RooflineCost:
         return KERNELS.get(op, 1) * self.hardware.host_dispatch
 
     def compute_seconds(
-        self, device: str, flops: float, n_bytes: float, attention: bool = False, rows: float = 0
+        self,
+        device: str,
+        flops: float,
+        n_bytes: float,
+        attention: bool = False,
+        rows: float = 0,
+        kernel: float = 1.0,
     ) -> float:
         """Time of work on `device` ("gpu" or "cpu"), without the fixed cost. `rows`: the GEMM's
-        rows (tokens per expert), 0 when not known (priced as a large GEMM). GPU work is split
-        across the spec's GPUs."""
+        rows (tokens per expert), 0 when not known (priced as a large GEMM); `kernel`: the share of
+        the GPU's GEMM rate the kernel reaches. GPU work is split across the spec's GPUs."""
         hw = self.hardware
         if device == "gpu":
             flops, n_bytes = flops / hw.gpus, n_bytes / hw.gpus
@@ -168,7 +181,7 @@ class RooflineCost:
             return flops / curve.attained(flops / n_bytes)
         if device == "gpu":
             share = hw.gemm_share(rows if rows > 0 and not attention else math.inf)
-            peak = hw.peak_flops(self.dtype_bytes) * share
+            peak = hw.peak_flops(self.dtype_bytes) * share * kernel
             return max(flops / peak, n_bytes / (hw.gpu_bandwidth * hw.gpu_memory_efficiency))
         efficiency = hw.cpu_attention_efficiency if attention else hw.cpu_gemm_efficiency
         bandwidth = hw.cpu_stream_bandwidth(efficiency, self.threads)

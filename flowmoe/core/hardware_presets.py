@@ -74,9 +74,12 @@ CPU_GEMM = Figure(0.58, (
     "collaborative-inference paper, Table I: two Mixtral experts (704.6 MB bf16) on 24 threads of a "
     "Threadripper 7960X in 7.3 ms = 96.5 GB/s of its 166.4 GB/s DDR5 peak"
 ))  # fmt: skip
-CPU_ATTENTION = Figure(0.63, (
-    "MoE-Lightning §6.2 (Fig. 9): its CPU attention kernel on the S2 host is 3-4x faster than moving the "
-    "same KV cache over pinned PCIe 4.0 (25.2 GB/s sustained): 3.5 x 25.2 = 88 GB/s of the host's 140.8"
+S2_KV_BYTES = 256 * 2048 * 4096  # one Mixtral layer's fp16 K and V (8 KV heads x 128) for 256 x 2048 tokens
+ML_FIG9 = "MoE-Lightning §6.2, Fig. 9 (its data: caoshiyi/artifacts plots/ablation/ablation_2.py)"
+CPU_ATTENTION = Figure(S2_KV_BYTES / 44.58e-3 / (140.8 * GB), (
+    f"{ML_FIG9}: its CPU GQA kernel attends 256 sequences x 2048 keys of one Mixtral layer (2.15 GB of "
+    "K and V) in 44.58 ms on the S2 host (24-vCPU Xeon @ 2.20 GHz) = 48.2 GB/s, 0.34 of its 140.8 GB/s "
+    "DDR4 peak"
 ))  # fmt: skip
 CPU_COMPUTE = Figure(0.7, "estimate: MKL/oneDNN SGEMM on large matrices reaches 70-90% of AVX peak")
 HOST_STREAM = Figure(73.9 / 102.4, (
@@ -336,6 +339,10 @@ RTX6000_ADA = Gpu(
 GEN3 = Link(15.75 * GB, Figure(0.8 * 15.75 * GB, PINNED), "PCIe 3.0 x16 (15.75 GB/s per direction)")
 GEN4 = Link(31.5 * GB, Figure(0.8 * 31.5 * GB, PINNED), "PCIe 4.0 x16 (31.5 GB/s per direction)")
 GEN5 = Link(63 * GB, Figure(0.8 * 63 * GB, PINNED), "PCIe 5.0 x16 (63 GB/s per direction)")
+S2_LINK = Link(31.5 * GB, Figure(S2_KV_BYTES / 0.17388, (
+    f"{ML_FIG9}: one layer's KV cache of 256 x 2048 tokens (2.15 GB) from pinned memory to the L4 in "
+    "173.9 ms on MoE-Lightning's S2 host (GCP G2) = 12.35 GB/s; 11.9 GB/s at its smallest (16.8 MB)"
+)), "PCIe 4.0 x16 on a GCP G2 host, as measured there")  # fmt: skip
 COLLAB_LINK = Link(31.5 * GB, Figure(704.6e6 / 28.0e-3, (
     "collaborative-inference paper, Table I: two Mixtral experts (704.6 MB) over its PCIe 4.0 x16 in 28.0 ms"
 )), "PCIe 4.0 x16")  # fmt: skip
@@ -543,7 +550,7 @@ A100_NVLINK = Figure(0.8 * 300 * GB, (
 PRESETS: dict[str, HardwareSpec] = {
     # MoE-Lightning (Table 2). `t4` and `l4` are its S1 and S2 machines.
     "t4": machine("t4", T4, S1_HOST, GEN3),
-    "l4": machine("l4", L4, S2_HOST, GEN4),
+    "l4": machine("l4", L4, S2_HOST, S2_LINK),
     "2xt4": machine("2xt4", T4, S6_HOST, GEN3, 2, T4_P2P),
     "4xt4": machine("4xt4", T4, S6_HOST, GEN3, 4, T4_P2P),
     # Klotski (Table 2), Fiddler (Table 1), collaborative inference (§IV), Pre-gated MoE (§V).

@@ -24,6 +24,14 @@ ML_MTBENCH: dict[str, dict[str, tuple[float, ...]]] = {
            "DeepSpeed": (12.7, 13.3, 12.1, 11.8), "MoE-Lightning(p)": (53.7, 67.4, 79.0, 78.6),
            "MoE-Lightning": (203.0, 294.5, 217.5, 167.9)},
 }  # fmt: skip
+# The batch N each MoE-Lightning run held, per generation length 32/64/128/256: the artifact's logs
+# (benchmarks/mtbench/mtbench_moel{,_p}_{t4,L4}.jsonl) give each run's time and tokens/s, and N =
+# time x tokens/s / max_new_tokens (S1 MoE-Lightning(p): 504, Table 5's N).
+ML_SYSTEMS = ("MoE-Lightning", "MoE-Lightning(p)")
+ML_ARTIFACT_N: dict[tuple[str, str], tuple[int, ...]] = {
+    ("S1", "MoE-Lightning(p)"): (504, 504, 504, 504), ("S1", "MoE-Lightning"): (3097, 3097, 2296, 1485),
+    ("S2", "MoE-Lightning(p)"): (1088, 1020, 884, 748), ("S2", "MoE-Lightning"): (4494, 3616, 2608, 1560),
+}  # fmt: skip
 # FlexGen's policies in the artifact (benchmarks/flexgen/{T4,L4}/*.sh): (gbs = μ, num-gb, weight % on GPU).
 ML_FLEXGEN_POLICY = {
     ("S1", 32): (32, 40, 7), ("S1", 64): (16, 78, 8), ("S1", 128): (8, 139, 8), ("S1", 256): (8, 113, 8),
@@ -67,6 +75,9 @@ ML_SCALING = {("S6", "S7"): (2.77, 3.38), ("S8", "S9"): (2.1, 2.8)}
 # (ML_FIG7's source) and the Fig. 8 runs on S8/S9 (artifact benchmarks/mtbench/mtbench_moel_S8.jsonl,
 # mtbench_moel_S9.jsonl, max_new_tokens 128).
 ML_SCALING_GEN128 = {"S6": 7.75, "S7": 26.2, "S8": 29.67, "S9": 82.98}
+# The batch N of those gen-128 runs, as ML_ARTIFACT_N derives it (mtbench_moel_p_S6.jsonl,
+# mtbench_moel_p_S7.jsonl, mtbench_moel_S8.jsonl, mtbench_moel_S9.jsonl).
+ML_SCALING_N = {"S6": 252, "S7": 540, "S8": 2244, "S9": 2440}
 
 KLOTSKI = "Klotski (Fang et al., ASPLOS 2025)"
 # Table 3 (ablation, tokens/s): environment / model -> row -> throughput. Prompt 512, gen 32 (§9.1);

@@ -22,6 +22,7 @@ from attrs import Factory, evolve, frozen
 
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.hardware import HardwareSpec, hardware
+from flowmoe.core.plan import Op
 from flowmoe.core.policy import Policy
 from flowmoe.core.policy_search import search
 from flowmoe.core.presets import preset
@@ -108,6 +109,15 @@ ML_MACHINE = {
     "S8": "moe-lightning-s6",
     "S9": "moe-lightning-s7",
 }
+ML_TURING = ("S1", "S6", "S7", "S8", "S9")  # Table 2: T4s (compute capability 7.5); S2's L4 is 8.9
+# MoE-Lightning's experts run vLLM's fused_moe (fastmoe/layers/stacked_fused_moe.py) and its prefill
+# attention lightllm's context_flashattention_nopad: Triton kernels, under the torch 2.1.2 its
+# pyproject.toml pins (Triton 2.1). Triton 2.x lowers tl.dot below compute capability 8.0 to Volta's
+# MMA (computeCapabilityToMMAVersion: < 80 -> version 1; lib/Dialect/TritonGPU/Transforms/
+# AccelerateMatmul.cpp), and on an RTX 2080 (sm_75, Turing like the T4) Triton's fp16 matmul reached
+# 24 of cuBLAS's 45-46 TFLOPS from 3072^3 to 6016^3 (triton-lang/triton#189): 0.53 of what the
+# preset's GEMM efficiency (a cuBLAS figure) gives. Its projections are cuBLAS (torch) and stay at 1.
+TRITON_ON_TURING = ((Op.EXPERT_FFN, 0.53), (Op.GPU_ATTN, 0.53))
 ML_PAIRS = (
     ("MoE-Lightning", "FlexGen"),
     ("MoE-Lightning(p)", "FlexGen"),
@@ -130,10 +140,30 @@ def _flexgen(mu: int, count: int, percent: int, attention: str = "gpu") -> Polic
     return Policy(mu, count, attention, "gpu", weights_gpu_share=percent / 100, kv_gpu_share=0.0)  # type: ignore[arg-type]
 
 
-def _planned(setup: Setup) -> Policy:
+def _moe_lightning(setup: Setup, machine: str) -> Setup:
+    """The setup of MoE-Lightning's own runs on `machine`: pageable weights staged through pinned
+    buffers, its KV cache in SGLang's token pool (the artifact's `token_to_kv_pool`: each request's
+    own tokens, not its micro-batch's longest), and its Triton kernels' rate on a Turing GPU
+    (TRITON_ON_TURING)."""
+    setup = evolve(_unpinned(setup), kv_pool=True)
+    return evolve(setup, kernel_share=TRITON_ON_TURING) if machine in ML_TURING else setup
+
+
+def _as_run(setup: Setup, n: int, mu: int | None = None) -> Policy:
+    """MoE-Lightning's policy at the batch N its artifact ran (P.ML_ARTIFACT_N): μ as the paper
+    states it or else the HRM plan's, N/μ micro-batches; the plan at that cap (`_planned`) where
+    cgopipe's own accounting does not take N."""
+    plan = search(setup.spec, setup.hardware, setup.workload, max_batch=n).best.policy
+    count = -(-n // (mu or plan.micro_batch_size))
+    policy = evolve(plan, micro_batch_size=-(-n // count), micro_batches=count)
+    if Simulation(evolve(setup, policy=policy, decode_samples=1)).refusal("cgopipe") is None:
+        return policy
+    return _planned(setup, n)
+
+
+def _planned(setup: Setup, cap: int = MTBENCH_REQUESTS) -> Policy:
     """MoE-Lightning's policy: its HRM planner's best, N capped at the requests the artifact ran and
     halved until cgopipe's own accounting (GPU and host memory of the sampled batch) takes it."""
-    cap = MTBENCH_REQUESTS
     while True:
         policy = search(setup.spec, setup.hardware, setup.workload, max_batch=cap).best.policy
         if cap == 1 or Simulation(evolve(setup, policy=policy, decode_samples=1)).refusal("cgopipe") is None:
@@ -150,12 +180,19 @@ def moe_lightning(quick: bool) -> Iterator[Setting]:
                 continue
             paper = {name: figures[i] for name, figures in P.ML_MTBENCH[machine].items()}
             real, padded = _setup(spec, hw, "mtbench", gen), _setup(spec, hw, f"fixed:418:{gen}", gen)
-            real, unpinned = _unpinned(real), _unpinned(padded)
+            ml, ml_padded = _moe_lightning(real, machine), _moe_lightning(padded, machine)
+            unpinned = _unpinned(padded)
             mu, count, percent = P.ML_FLEXGEN_POLICY[(machine, gen)]
+            n, n_padded = (P.ML_ARTIFACT_N[(machine, ml_name)][i] for ml_name in P.ML_SYSTEMS)
+            ml_mu = P.ML_TABLE5["MoE-Lightning(p)"][1] if (machine, gen) == ("S1", 128) else None
             systems = (
-                System("MoE-Lightning", "cgopipe", real, paper["MoE-Lightning"], _planned(real)),
+                System("MoE-Lightning", "cgopipe", ml, paper["MoE-Lightning"], _as_run(ml, n)),
                 System(
-                    "MoE-Lightning(p)", "cgopipe", unpinned, paper["MoE-Lightning(p)"], _planned(unpinned)
+                    "MoE-Lightning(p)",
+                    "cgopipe",
+                    ml_padded,
+                    paper["MoE-Lightning(p)"],
+                    _as_run(ml_padded, n_padded, ml_mu),
                 ),
                 System("FlexGen", "flexgen", unpinned, paper["FlexGen"], _flexgen(mu, count, percent)),
                 System(
@@ -173,7 +210,8 @@ def moe_lightning(quick: bool) -> Iterator[Setting]:
                 f"{P.ML}, {P.ML_FIG7}",
                 systems,
                 _ratios_from(systems, ML_PAIRS),
-                f"MoE-Lightning's policy: the HRM plan; DeepSpeed (Zero-Inference): {DEEPSPEED} at "
+                "MoE-Lightning's policy: N as its artifact ran it, μ the HRM plan's (Table 5's 36 on S1 "
+                f"at gen 128); DeepSpeed (Zero-Inference): {DEEPSPEED} at "
                 "its best single-batch policy; padded systems run every prompt at 418 tokens",
             )
         for task, gen, prompt in (("reasoning", 50, 256), ("summarization", 64, 1984)):
@@ -181,7 +219,7 @@ def moe_lightning(quick: bool) -> Iterator[Setting]:
                 continue
             table = P.ML_TABLE4[(machine, task)]
             padded = _setup(spec, hw, f"fixed:{prompt}:{gen}", gen)
-            unpinned = _unpinned(padded)
+            unpinned, ml_padded = _unpinned(padded), _moe_lightning(padded, machine)
             percent = P.ML_FLEXGEN_POLICY[(machine, task)][2]
 
             mlp, flexgen, flexgen_c, deepspeed = (
@@ -191,7 +229,7 @@ def moe_lightning(quick: bool) -> Iterator[Setting]:
                 System(
                     "MoE-Lightning(p)",
                     "cgopipe",
-                    unpinned,
+                    ml_padded,
                     mlp.throughput,
                     given=Given(mlp.micro_batch * mlp.micro_batches, mlp.micro_batches),
                 ),
@@ -225,13 +263,13 @@ def moe_lightning(quick: bool) -> Iterator[Setting]:
                 _ratios_from(systems, ML_PAIRS),
                 "μ and N/μ as Table 4 states; the fields it does not state from each scheduler's search",
             )
-    s1 = _unpinned(_setup(spec, ML_MACHINE["S1"], "fixed:418:128", 128))
+    s1 = _setup(spec, ML_MACHINE["S1"], "fixed:418:128", 128)
     rows = [(name, *figures) for name, figures in P.ML_TABLE5.items()]
     systems = tuple(
         System(
             name,
             "cgopipe" if name.startswith("MoE") else "flexgen",
-            s1,
+            _moe_lightning(s1, "S1") if name.startswith("MoE") else _unpinned(s1),
             tps,
             given=Given(mu * -(-n // mu), -(-n // mu)) if name.startswith("MoE") else None,
             policy=None if name.startswith("MoE") else _flexgen(mu, -(-n // mu), 8),
@@ -253,11 +291,11 @@ def moe_lightning(quick: bool) -> Iterator[Setting]:
         model = preset("mixtral-8x22b" if small == "S6" else "dbrx")
         work = "fixed:418:128" if small == "S6" else "mtbench"
         name = "MoE-Lightning(p)" if small == "S6" else "MoE-Lightning"
-        two, four = (_unpinned(_setup(model, ML_MACHINE[m], work, 128)) for m in (small, large))
-        at_128 = P.ML_SCALING_GEN128
+        two, four = (_moe_lightning(_setup(model, ML_MACHINE[m], work, 128), m) for m in (small, large))
+        at_128, n = P.ML_SCALING_GEN128, P.ML_SCALING_N
         systems = (
-            System(f"{name} {large}", "cgopipe", four, at_128[large], _planned(four)),
-            System(f"{name} {small}", "cgopipe", two, at_128[small], _planned(two)),
+            System(f"{name} {large}", "cgopipe", four, at_128[large], _as_run(four, n[large])),
+            System(f"{name} {small}", "cgopipe", two, at_128[small], _as_run(two, n[small])),
         )
         ratio = Speedup(systems[0].name, systems[1].name, at_128[large] / at_128[small], low, high)
         yield Setting(

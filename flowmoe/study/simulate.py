@@ -22,7 +22,7 @@ from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.executor import Executor, Span
 from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.memory import MemoryNeed, gpu_need, host_need
-from flowmoe.core.plan import Lane, TaskNode
+from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.scheduling import (
@@ -82,6 +82,8 @@ class Setup:
     decode_samples: int = 4
     seed: int = 0
     weights_pinned: bool = True  # False: simulate a system whose CPU weight copies are pageable
+    kernel_share: tuple[tuple[Op, float], ...] = ()  # ops whose kernels reach a share of the GEMM rate
+    kv_pool: bool = False  # True: a system whose KV cache is a token pool (its batch's tokens, no padding)
 
     @property
     def budget(self) -> int:
@@ -126,6 +128,7 @@ class Simulation:
         self.steps = batch_steps(self.prompts, setup.workload.gen_len, policy.micro_batch_size, at)
         self.policy = policy if policy.gpu_memory is not None else evolve(policy, gpu_memory=setup.budget)
         self._routed: tuple[RoutingTrace, tuple[tuple[float, ...], ...] | None] | None = None
+        self.cost = RooflineCost(setup.hardware, setup.spec, kernel_share=setup.kernel_share)
 
     @property
     def trace(self) -> RoutingTrace:
@@ -157,7 +160,7 @@ class Simulation:
 
     def _scheduler(self, name: str, popularity: tuple[tuple[float, ...], ...] | None) -> Scheduler:
         setup = self.setup
-        cost = RooflineCost(setup.hardware, setup.spec)
+        cost = self.cost
         host = setup.hardware.cpu_memory - self._kv_slots() * setup.spec.kv_bytes_per_token  # weights' share
         factory = NodeFactory(setup.spec, expert_format=self.policy.expert_format)
         context = SchedulerContext(setup.spec, self.policy, factory, cost, popularity,
@@ -192,14 +195,13 @@ class Simulation:
         return evolve(self._base(name, MemoryNeed(0, 0, 0, 0)), error=why)
 
     def run(self, name: str) -> SimulationResult:
-        setup = self.setup
         scheduler = self._scheduler(name, self.popularity)
         base = self._base(name, self._memory(scheduler))
         over = self._over(base) or self._host_over(base, scheduler)
         if over is not None:
             return over
         try:
-            runs = run_steps(scheduler, self.steps, self.trace, RooflineCost(setup.hardware, setup.spec))
+            runs = run_steps(scheduler, self.steps, self.trace, self.cost)
         except FlowmoeError as exc:
             return evolve(base, error=str(exc))
         prefill, decode = runs[0], runs[1:]
@@ -211,8 +213,11 @@ class Simulation:
                       simulated_seconds=sum(r.seconds for r in runs))  # fmt: skip
 
     def _kv_slots(self) -> int:
-        """KV cache tokens: the engine sizes each micro-batch's cache for its longest prompt."""
+        """KV cache tokens: the engine sizes each micro-batch's cache for its longest prompt (a
+        token pool, `Setup.kv_pool`: each sequence's own tokens)."""
         mu, gen = self.policy.micro_batch_size, self.setup.workload.gen_len
+        if self.setup.kv_pool:
+            return sum(self.prompts) + len(self.prompts) * gen
         groups = [self.prompts[i : i + mu] for i in range(0, len(self.prompts), mu)]
         return sum(len(g) * (max(g) + gen) for g in groups)
 
