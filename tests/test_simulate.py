@@ -15,6 +15,7 @@ from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import hardware
 from flowmoe.core.policy import Policy
+from flowmoe.core.presets import preset
 from flowmoe.core.routing_trace import RoutingTrace, replay
 from flowmoe.core.scheduling import NodeFactory, SchedulerContext
 from flowmoe.core.spec import ModelSpec
@@ -286,3 +287,19 @@ def test_job_workload_and_no_runnable_scheduler() -> None:
     refused = Simulation(setup(policy=evolve(POLICY, gpu_memory=1000))).run("eager")
     with pytest.raises(ConfigError, match="no scheduler can run"):
         choice([refused])
+
+
+def test_a_cache_split_by_layer_is_counted_where_each_layer_lives() -> None:
+    """Klotski homes its first kv_gpu_share of the layers' caches on the GPU: the GPU check counts
+    those layers and the host check the rest (a real run allocates them so)."""
+    spec = preset("mixtral-8x7b", layers=4)
+    base = Setup(spec, hardware("klotski-env1"), workload("fixed:512:4"), Policy(8, 2), decode_samples=1)
+    simulation = {}
+    for share in (0.0, 0.5):
+        policy = Policy(8, 2, weights_gpu_share=0.0, kv_gpu_share=share, group_size=2, hot_experts=2)
+        simulation[share] = Simulation(evolve(base, policy=policy))
+    whole = simulation[0.0]._kv_slots() * spec.kv_bytes_per_token
+    split = simulation[0.5]._scheduler("klotski", None)
+    assert simulation[0.5]._kv_bytes(split, on_gpu=True) == whole // 2
+    assert simulation[0.5]._kv_bytes(split, on_gpu=False) == whole // 2
+    assert simulation[0.0]._kv_bytes(simulation[0.0]._scheduler("klotski", None), on_gpu=True) == 0

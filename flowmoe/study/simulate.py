@@ -32,6 +32,7 @@ from flowmoe.core.scheduling import (
     SchedulerContext,
     StepShape,
     fp8_expert_bytes,
+    kv_gpu_layers,
 )
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.synthetic_routing import RoutingModel, SyntheticRouting, observed_popularity
@@ -221,10 +222,18 @@ class Simulation:
         groups = [self.prompts[i : i + mu] for i in range(0, len(self.prompts), mu)]
         return sum(len(g) * (max(g) + gen) for g in groups)
 
+    def _kv_bytes(self, scheduler: Scheduler, on_gpu: bool) -> int:
+        """The KV cache bytes whose home is the GPU (`on_gpu`) or the host: a scheduler that splits
+        the cache by layer (`kv_gpu_layers`) homes its GPU layers' share there."""
+        spec = self.setup.spec
+        gpu_layers = len(kv_gpu_layers(scheduler, spec.layers))
+        layers = gpu_layers if on_gpu else spec.layers - gpu_layers
+        return self._kv_slots() * spec.kv_bytes_per_token * layers // spec.layers
+
     def _host_over(self, base: SimulationResult, scheduler: Scheduler) -> SimulationResult | None:
         """The host-memory refusal (weights off the GPU + the CPU-side KV cache), or None: it fits."""
         spec = self.setup.spec
-        kv = 0 if scheduler.kv_on_gpu() else self._kv_slots() * spec.kv_bytes_per_token
+        kv = self._kv_bytes(scheduler, on_gpu=False)
         disk = getattr(scheduler, "disk_tier", lambda: False)()  # a schedule that reads weights from disk
         fp8 = fp8_expert_bytes(spec) if self.policy.expert_format == "fp8" else None
         need = host_need(spec, scheduler.residency(), kv, expert_bytes=fp8)
@@ -233,7 +242,7 @@ class Simulation:
 
     def _memory(self, scheduler: Scheduler) -> MemoryNeed:
         spec = self.setup.spec
-        kv = self._kv_slots() * spec.kv_bytes_per_token if scheduler.kv_on_gpu() else 0
+        kv = self._kv_bytes(scheduler, on_gpu=True)
         tokens = max(mb.tokens for mb in self.steps[0].micro_batches)
         working = getattr(scheduler, "gpu_working_bytes", None)  # a schedule's own GPU buffers for them
         buffers = scheduler.weight_buffer_bytes() + (working(self.steps) if working else 0)
