@@ -127,7 +127,7 @@ def test_moe_lightning_runs_the_batch_its_artifact_ran() -> None:
             n = R.P.ML_ARTIFACT_N[(machine, system.name)][R.P.GENS.index(128)]
             assert system.policy is not None
             assert n <= system.policy.batch_size < n + system.policy.micro_batches, (machine, system.name)
-            if (machine, system.name) == ("S1", "MoE-Lightning(p)"):
+            if (machine, system.name) == ("S1", "MoE-Lightning(p)"):  # every gen: one server, one plan
                 assert (system.policy.micro_batch_size, system.policy.micro_batches) == (36, 14)
 
 
