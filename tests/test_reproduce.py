@@ -48,7 +48,8 @@ def test_every_setting_cites_its_source_and_has_published_figures() -> None:
     for setting in every:
         cited = ("Table", "Fig.", "§", "Appendix", "abstract")  # KTransformers: only its abstract at hand
         assert any(word in setting.where for word in cited), setting.where
-        assert any(s.published is not None for s in setting.systems) or setting.speedups
+        figures = any(s.published is not None or s.implied is not None for s in setting.systems)
+        assert figures or setting.speedups or setting.means
 
 
 @pytest.mark.parametrize("paper", PAPERS)
@@ -109,3 +110,27 @@ def test_a_bad_plot_name_is_one_line(capsys: pytest.CaptureFixture[str]) -> None
 def test_an_unknown_paper_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["reproduce", "nope"]) == 2
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_a_papers_averages_are_compared_with_the_mean_over_its_configurations() -> None:
+    """Pre-gated's Switch-Base figures are averages (and maxima) over its configurations: one setting
+    compares them with the mean (max) of the simulated configurations, each configuration only ranks."""
+    from flowmoe.study.reproduce import Mean, Speedup, _mean_row, _speedup
+
+    value = {"a (x)": 4.0, "b (x)": 2.0, "a (y)": 9.0, "b (y)": 1.0}
+    pairs = (("a (x)", "b (x)"), ("a (y)", "b (y)"))
+    assert _speedup(Speedup("a", "b", 5.0, over=pairs), value) == pytest.approx(5.5)  # mean of 2 and 9
+    assert _speedup(Speedup("a", "b", 9.0, over=pairs, statistic="max"), value) == 9.0
+    assert _speedup(Speedup("a (x)", "b (x)", 2.0), value) == 2.0
+    bound = {"a (x)": "gpu.h2d", "a (y)": "gpu.compute"}
+    row = _mean_row(Mean("a (mean)", ("a (x)", "a (y)"), 5.0), value, bound)
+    assert row["simulated"] == 6.5 and row["ratio"] == pytest.approx(1.3)
+    assert row["bound"] == "gpu.compute/gpu.h2d"
+    assert _mean_row(Mean("a (mean)", ("a (x)", "missing"), 5.0), value, bound)["simulated"] is None
+    every = settings("pre-gated", quick=False)
+    ranking_only = [s for s in every if s.name.endswith("(ranking)")]
+    assert len(ranking_only) == 3
+    assert all(system.published is None for s in ranking_only for system in s.systems)
+    (averaged,) = [s for s in every if s.means]
+    assert averaged.means[0].published == P.PREGATED_BASE["Pre-gated"] and len(averaged.means[0].of) == 3
+    assert {x.published for x in averaged.speedups} >= {1.5, 1.6, 27.0, 55.0, 0.81}

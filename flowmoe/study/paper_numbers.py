@@ -148,6 +148,7 @@ PREGATED_SWITCH = {  # Table I: experts, layers (d_model, d_ff, heads from the S
     "switch-large-128": (128, 24, 1024, 4096, 16),
 }
 PREGATED_BASE = {"Pre-gated": 111.0, "over MoE-OnDemand": 1.5, "over MoE-Prefetch": 27.0, "of GPU-only": 0.81}
+PREGATED_BASE_MAX = {"over MoE-OnDemand": 1.6, "over MoE-Prefetch": 55.0}  # the maxima §VI-A gives with them
 PREGATED_LARGE = {"Pre-gated": 42.0, "over MoE-OnDemand": 1.6, "over MoE-Prefetch": 52.0}
 
 FIDDLER = "Fiddler (Kamahori et al., ICLR 2025)"
