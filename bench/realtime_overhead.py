@@ -49,7 +49,7 @@ from flowmoe.study.simulate import Setup, Simulation
 console = Console()
 OUT = Path(__file__).with_suffix(".json")
 SCHEDULERS = ("cgopipe", "klotski", "fiddler", "flexgen", "lru-cache")
-MTBENCH_REQUESTS = 3072  # bench/paper_setups.py: the artifact's MTBench runs processed ~3,100 requests
+MTBENCH_REQUESTS = 3072  # MoE-Lightning's artifact ran ~3,100 MTBench requests (time x tok/s / gen, its logs)
 # MoE-Lightning artifact, benchmarks/flexgen/{T4,L4}/*.sh at gen 32: (gbs, num-gb, weight % on GPU).
 FLEXGEN = {"t4": (32, 40, 7), "l4": (64, 21, 12)}
 SETTINGS = (("S1 (T4)", "t4", None), ("S2 (L4)", "l4", None), ("RTX 4090, batch 1", "rtx4090", 1))

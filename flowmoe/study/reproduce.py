@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from attrs import Factory, evolve, frozen
 
@@ -37,7 +37,6 @@ from flowmoe.study.simulate import Setup, Simulation
 SUCCESSORS = ("moe-gen", "hybrimoe", "ktransformers", "fate")  # their settings: reproduce_successors
 PAPERS = ("moe-lightning", "klotski", "lru-cache", "pre-gated", "fiddler", *SUCCESSORS)
 ROUTING = RoutingModel(skew=0.5, correlation=0.3)  # flowmoe's defaults (`flowmoe simulate`)
-MTBENCH_REQUESTS = 3072  # the artifact's MTBench runs processed ~3,100 requests (time x tok/s / gen)
 
 
 @frozen
@@ -69,7 +68,7 @@ class Speedup:
     low: float | None = None  # where the paper gives a range
     high: float | None = None
     over: tuple[tuple[str, str], ...] = ()
-    statistic: str = "mean"
+    statistic: Literal["mean", "max"] = "mean"
 
 
 @frozen
@@ -176,9 +175,9 @@ def _as_run(setup: Setup, n: int, mu: int | None = None) -> Policy:
     return _planned(setup, n)
 
 
-def _planned(setup: Setup, cap: int = MTBENCH_REQUESTS) -> Policy:
-    """MoE-Lightning's policy: its HRM planner's best, N capped at the requests the artifact ran and
-    halved until cgopipe's own accounting (GPU and host memory of the sampled batch) takes it."""
+def _planned(setup: Setup, cap: int) -> Policy:
+    """MoE-Lightning's policy: its HRM planner's best, N capped at `cap` and halved until cgopipe's
+    own accounting (GPU and host memory of the sampled batch) takes it."""
     while True:
         policy = search(setup.spec, setup.hardware, setup.workload, max_batch=cap).best.policy
         if cap == 1 or Simulation(evolve(setup, policy=policy, decode_samples=1)).refusal("cgopipe") is None:
