@@ -11,6 +11,7 @@ ranking of experts.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from fractions import Fraction
 
 import structlog
 from attrs import evolve
@@ -99,12 +100,12 @@ def kv_transfer(
     layer: int,
     mb: MicroBatchShape,
     deps: Sequence[int | None],
-    gpu_share: float,
+    gpu_share: float | Fraction,
     pageable: bool = False,
 ) -> TaskNode:
     """KV_LOAD (h2d) or KV_STORE (d2h) of a micro-batch's cache layer whose `gpu_share` stays on the GPU
-    (the policy's kv_gpu_share): only the rest crosses the link. A real run keeps the whole cache
-    on the CPU then (its copies move all of it); the share prices the simulated copy."""
+    (the policy's kv_gpu_share, or a Fraction: the share of its sequences a schedule keeps there, as
+    flexgen's `kv_gpu_sequences`): only the rest crosses the link, round(bytes x (1 - gpu_share))."""
     lane = Lane.GPU_H2D if op is Op.KV_LOAD else Lane.GPU_D2H
     node = f.node(op, lane, layer, mb, deps=deps, pageable=pageable)
     return evolve(node, bytes=round(node.bytes * (1.0 - gpu_share))) if gpu_share else node

@@ -16,10 +16,15 @@ overlapping"), iteration (layer j, micro-batch k):
 Here the activations between layers live on the CPU (FlexGen's `--percent
 ... 0 100`): each micro-batch's residual stream goes to the CPU after its layer
 (ACT_STORE, d2h) and comes back before the next (ACT_LOAD, h2d). So does the KV
-cache, but for `kv_gpu_share` of it (FlexGen's cache GPU percent): only the
-rest of a cache layer crosses the link (all of it on the GPU: no cache
-transfers at all, `kv_on_gpu`; a real run keeps a partly shared cache wholly
-on the CPU, the share prices the simulated copies).
+cache, but for `kv_gpu_share` of it (FlexGen's cache GPU percent): every cache
+layer of a micro-batch of n sequences keeps its first ⌊kv_gpu_share × n⌋
+sequences on the GPU, as FlexGen's mixed-device cache splits its batch
+(`kv_gpu_sequences`), and only the rest crosses the link. The plan prices
+that split: a copy moves (n - kept) / n of the micro-batch's cache layer, and a
+real run allocates the kept sequences on the GPU and copies only the others
+(so the real copy is that share of a whole-cache copy; the bytes agree exactly
+where the sequences are equally long, as FlexGen pads them). All of it on the
+GPU: no cache transfers at all (`kv_on_gpu`).
 
 The I/O of iteration (j, k) is the next layer's weights (at k = 0), the
 stores of (j, k - 1) and the loads of the next iteration's cache layer and
@@ -66,6 +71,7 @@ benchmarks/flexgen/mtbench_run_8x7b_moe.py); flowmoe's runtime pins them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from fractions import Fraction
 from typing import ClassVar
 
 from attrs import evolve
@@ -128,6 +134,13 @@ class FlexGenScheduler:
     def kv_on_gpu(self) -> bool:
         """FlexGen with all of the cache on the GPU (--percent x y 100 0 ...); else its home is the CPU."""
         return self.kv_share == 1.0
+
+    def kv_gpu_sequences(self, sequences: int) -> int:
+        """Of a micro-batch's `sequences` cache slots, the whole sequences every cache layer keeps on
+        the GPU: ⌊kv_gpu_share × sequences⌋, as FlexGen rounds its cache's GPU segment down to whole
+        sequences (flexgen/pytorch_backend.py, `init_cache_one_gpu_batch`: `int(shape[SEG_DIM] *
+        cache_gpu_percent / 100) // num_head * num_head` of batch × heads); none with CPU attention."""
+        return int(self.kv_share * sequences + 1e-9)
 
     def plan(self, step: StepShape) -> PlanStream:
         return _Block(self, step).run()
@@ -202,8 +215,12 @@ class _Block:
         """GPU attention over a cache whose home (or part of it) is the CPU."""
         return not self.s.cpu_attention and not self.s.kv_on_gpu()
 
+    def _kept(self, mb: MicroBatchShape) -> Fraction:
+        """The share of mb's cache layers the GPU keeps: its kept sequences' (`kv_gpu_sequences`)."""
+        return Fraction(self.s.kv_gpu_sequences(mb.sequences), mb.sequences)
+
     def _kv_load(self, layer: int, mb: MicroBatchShape) -> TaskNode:
-        node = kv_transfer(self.f, Op.KV_LOAD, layer, mb, self.barrier, self.s.kv_share, pageable=True)
+        node = kv_transfer(self.f, Op.KV_LOAD, layer, mb, self.barrier, self._kept(mb), pageable=True)
         self.kv[(layer, mb.index)] = node.id
         return node
 
@@ -223,9 +240,7 @@ class _Block:
         key = (layer, mb.index)
         if key in self.attn:
             deps = [self.attn.pop(key), *self.barrier]
-            yield self._emit(
-                kv_transfer(self.f, Op.KV_STORE, layer, mb, deps, self.s.kv_share, pageable=True)
-            )
+            yield self._emit(kv_transfer(self.f, Op.KV_STORE, layer, mb, deps, self._kept(mb), pageable=True))
         if layer + 1 < self.spec.layers:  # the last layer's output stays for the LM head
             deps = [self.last[mb.index], *self.barrier]
             node = self._emit(self.f.node(Op.ACT_STORE, Lane.GPU_D2H, layer, mb, deps=deps))

@@ -268,22 +268,28 @@ def test_flexgen_synchronises_once_per_layer_and_micro_batch(attention: str) -> 
         assert all(s.node.pageable for s in [*of(spans, Op.KV_LOAD), *of(spans, Op.KV_STORE)])
 
 
-@pytest.mark.parametrize("share", [0.5, 1.0])
-def test_flexgen_keeps_the_kv_gpu_share_of_the_cache_on_the_gpu(share: float) -> None:
-    """FlexGen's cache GPU percent: only the CPU's share of a cache layer crosses the link (pageable);
-    with all of it on the GPU there are no cache transfers at all."""
-    steps = [decode(4, 512, micro_batches=2)]
+@pytest.mark.parametrize(("share", "sequences", "kept"), [(0.5, 4, 2), (0.5, 3, 1), (0.7, 3, 2), (1.0, 4, 4)])
+def test_flexgen_keeps_the_kv_gpu_share_of_the_cache_on_the_gpu(
+    share: float, sequences: int, kept: int
+) -> None:
+    """FlexGen's cache GPU percent: each cache layer keeps ⌊share × sequences⌋ whole sequences on the
+    GPU (as FlexGen rounds its split of the batch) and only the rest's share crosses the link
+    (pageable); with all of it on the GPU there are no cache transfers at all."""
+    steps = [decode(sequences, 512, micro_batches=2)]
     routes = {(layer, mb): (mb, 7) for layer in range(3) for mb in range(2)}
-    policy = {"weights_gpu_share": 0.5, "micro_batch_size": 4, "micro_batches": 2}
+    policy = {"weights_gpu_share": 0.5, "micro_batch_size": sequences, "micro_batches": 2}
     sched, spans = run("flexgen", steps, routes, kv_gpu_share=share, **policy)
     moved = [*of(spans, Op.KV_LOAD), *of(spans, Op.KV_STORE)]
     assert sched.kv_on_gpu() == (share == 1.0) and len(of(spans, Op.GPU_ATTN)) == 6
+    assert sched.kv_gpu_sequences(sequences) == kept
     if share == 1.0:
         assert not moved
     else:
-        full = NodeFactory(SPEC).node(Op.KV_LOAD, Lane.GPU_H2D, 0, steps[0].micro_batches[0]).bytes
-        assert len(moved) == 12 and all(s.node.pageable for s in moved)
-        assert all(s.node.bytes == round(full * share) for s in of(spans, Op.KV_LOAD))
+        factory, mb = NodeFactory(SPEC), steps[0].micro_batches[0]
+        for s in moved:
+            full = factory.node(s.node.op, Lane.GPU_H2D, 0, mb).bytes
+            assert s.node.pageable and s.node.bytes == full * (sequences - kept) // sequences
+        assert len(moved) == 12
 
 
 @pytest.mark.parametrize(

@@ -116,6 +116,22 @@ def kv_gpu_layers(scheduler: Scheduler, layers: int) -> frozenset[int]:
     return frozenset(range(layers)) if scheduler.kv_on_gpu() else frozenset()
 
 
+def kv_gpu_sequences(scheduler: Scheduler) -> Callable[[int], int] | None:
+    """Where a scheduler splits every CPU-homed cache layer by sequence (FlexGen's cache GPU percent),
+    its own `kv_gpu_sequences`: of a micro-batch's `sequences` cache slots, how many whole sequences
+    the GPU keeps in every such layer (the rest crosses the link); else None."""
+    return getattr(scheduler, "kv_gpu_sequences", None)
+
+
+def kv_gpu_parts(scheduler: Scheduler, layers: int, sequences: int) -> int:
+    """How many of the `layers` x `sequences` (layer, sequence) caches of a micro-batch of `sequences`
+    sequences live on the GPU: every sequence of its GPU-homed layers (`kv_gpu_layers`), and in each
+    other layer the sequences the scheduler keeps there (`kv_gpu_sequences`)."""
+    gpu_layers = len(kv_gpu_layers(scheduler, layers))
+    kept = kv_gpu_sequences(scheduler)
+    return gpu_layers * sequences + (layers - gpu_layers) * (kept(sequences) if kept else 0)
+
+
 def kv_working_bytes(scheduler: Scheduler, spec: ModelSpec, sequences: int, max_len: int) -> int:
     """The most GPU bytes the working copies of CPU-homed cache layers (KV_LOAD) take at once, for
     `sequences` sequences of up to `max_len` tokens: the scheduler's own `kv_working_bytes` where its

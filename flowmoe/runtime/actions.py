@@ -26,7 +26,7 @@ from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.devices.cuda import EventBook
 from flowmoe.jobs.engine import StepInput
-from flowmoe.kernels.kv_cache import read_kv, write_kv
+from flowmoe.kernels.kv_cache import read_kv, store_kv
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.kernels.router import Routing, choose, sort_by_expert, split_by_expert
 from flowmoe.model.moe_model import MoEModel, Rope, expert_ranks
@@ -252,26 +252,32 @@ def _attention(s: StepState, n: TaskNode) -> None:
 
 def _kv_load(s: StepState, n: TaskNode) -> None:
     """A micro-batch's cache layer (home: CPU) into a GPU working copy for GPU attention: only the
-    positions this step's attention reads, up to the longest sequence after the step. A layer homed
-    on the GPU is attended where it lives: nothing to copy."""
+    positions this step's attention reads, up to the longest sequence after the step. Where the cache
+    is split by slot (flexgen's `kv_gpu_sequences`), only the host's slots cross the link, and the
+    GPU's are copied on the device in front of them (as FlexGen's mixed-device cache loads). A layer
+    homed on the GPU is attended where it lives: nothing to copy."""
     if n.layer in s.kv_gpu:
         return
     step = s.inputs[n.mb]
     length = max(step.layout.advanced())
-    keys, values = (t[:, :, :length] for t in step.cache.layer(n.layer))
-    s.kv_work[(n.layer, n.mb)] = (s.devices.to_gpu(keys), s.devices.to_gpu(values))
+    kept, rest = step.cache.parts(n.layer)
+    work = [s.devices.to_gpu(t[:, :, :length]) for t in rest]  # [slots - kept, heads, length, dim]
+    if kept is not None:  # [slots, heads, length, dim]
+        work = [torch.cat([ours[:, :, :length], theirs]) for ours, theirs in zip(kept, work, strict=True)]
+    s.kv_work[(n.layer, n.mb)] = (work[0], work[1])
 
 
 def _kv_store(s: StepState, n: TaskNode) -> None:
-    """This step's new k, v from the GPU working copy back into the home cache (a GPU-homed layer:
-    attention wrote them there)."""
+    """This step's new k, v from the GPU working copy back into the home cache: only the tokens of the
+    host's slots cross the link where the cache is split by slot (a GPU-homed layer: attention wrote
+    them there)."""
     if n.layer in s.kv_gpu:
         return
     step, key = s.inputs[n.mb], (n.layer, n.mb)
-    home = step.cache.layer(n.layer)
     work = s.kv_work.pop(key)  # the copy back waits for the device, so the working copy is dead after it
-    if work[0] is not home[0]:
-        write_kv(*home, step.layout, *read_kv(*work, s._layout(n.mb, n.lane)))
+    store_kv(step.cache, n.layer, step.layout, *read_kv(*work, s._layout(n.mb, n.lane)))
+    if s.cuda and step.cache.kept:  # the next step's KV_LOAD reads the GPU's slots on another stream
+        torch.cuda.current_stream(s.devices.gpu).synchronize()
     s.retire(work)
 
 

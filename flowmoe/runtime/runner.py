@@ -31,12 +31,15 @@ from flowmoe.core.scheduling import (
     SchedulerContext,
     StepShape,
     kv_gpu_layers,
+    kv_gpu_parts,
+    kv_gpu_sequences,
     kv_working_bytes,
 )
 from flowmoe.core.spec import ModelSpec
 from flowmoe.devices.cuda import EventBook
 from flowmoe.devices.factory import make_workers
 from flowmoe.jobs.engine import StepInput
+from flowmoe.kernels.kv_cache import Homes, SlotSplit
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.actions import StepState
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
@@ -122,19 +125,26 @@ class Runtime:
         return len(self.kv_gpu) == self.model.spec.layers
 
     @property
-    def cache_device(self) -> torch.device | tuple[torch.device, ...]:
-        """Where the engine allocates the KV cache: one device for every layer, or each layer's where
-        the scheduler splits it."""
+    def cache_device(self) -> Homes:
+        """Where the engine allocates the KV cache: one device for every layer, each layer's where the
+        scheduler splits it by layer, or every layer split by sequence (`SlotSplit`) where it keeps
+        some sequences of each CPU-homed layer on the GPU (`kv_gpu_sequences`)."""
         gpu, cpu = self.devices.gpu, self.devices.cpu
-        if self.kv_on_gpu or not self.kv_gpu:
-            return gpu if self.kv_gpu else cpu
-        return tuple(gpu if layer in self.kv_gpu else cpu for layer in range(self.model.spec.layers))
+        if self.kv_on_gpu:
+            return gpu
+        if self.kv_gpu:
+            return tuple(gpu if layer in self.kv_gpu else cpu for layer in range(self.model.spec.layers))
+        kept = kv_gpu_sequences(self.scheduler)
+        return cpu if kept is None else SlotSplit(gpu, kept, cpu)
 
     def check_memory(self, sequences: int, max_len: int, step_tokens: int) -> MemoryNeed:
         """Fail before the run if this scheduler's policy cannot fit the GPU budget: the GPU-homed
-        cache layers, and the working copies of the CPU-homed ones (KV_LOAD) the plan keeps at once."""
+        cache layers and the sequences kept on the GPU of the others (counted as if all `sequences`
+        were one micro-batch: at least what the micro-batches keep), and the working copies of the
+        CPU-homed ones (KV_LOAD) the plan keeps at once."""
         spec, policy = self.model.spec, self.scheduler.context.policy  # type: ignore[attr-defined]
-        kv = sequences * max_len * spec.kv_bytes_per_token * len(self.kv_gpu) // spec.layers
+        parts = kv_gpu_parts(self.scheduler, spec.layers, sequences)  # (layer, sequence) caches on the GPU
+        kv = max_len * spec.kv_bytes_per_token * parts // spec.layers
         if not self.kv_on_gpu:
             kv += kv_working_bytes(self.scheduler, spec, sequences, max_len)
         need = gpu_need(
@@ -188,11 +198,15 @@ class Runtime:
         return budget
 
     def _cache_bytes(self, inputs: Sequence[StepInput]) -> dict[str, int]:
-        """The step's KV cache bytes on each side that homes cache layers: "gpu", "cpu"."""
+        """The step's KV cache bytes on each side that homes cache layers or parts of them: "gpu", "cpu"."""
         split: dict[str, int] = {}
         for layer in range(self.model.spec.layers):
             side = "gpu" if layer in self.kv_gpu else "cpu"
-            split[side] = split.get(side, 0) + sum(t.nbytes for i in inputs for t in i.cache.layer(layer))
+            for i in inputs:
+                kept, rest = i.cache.parts(layer)
+                split[side] = split.get(side, 0) + sum(t.nbytes for t in rest)
+                if kept is not None:
+                    split["gpu"] = split.get("gpu", 0) + sum(t.nbytes for t in kept)
         return split
 
     def _answer(self, step: int, state: StepState) -> Callable[[RoutingRequest], ExpertCounts]:

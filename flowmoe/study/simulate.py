@@ -32,7 +32,7 @@ from flowmoe.core.scheduling import (
     SchedulerContext,
     StepShape,
     fp8_expert_bytes,
-    kv_gpu_layers,
+    kv_gpu_parts,
 )
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.synthetic_routing import RoutingModel, SyntheticRouting, observed_popularity
@@ -224,11 +224,12 @@ class Simulation:
 
     def _kv_bytes(self, scheduler: Scheduler, on_gpu: bool) -> int:
         """The KV cache bytes whose home is the GPU (`on_gpu`) or the host: a scheduler that splits
-        the cache by layer (`kv_gpu_layers`) homes its GPU layers' share there."""
-        spec = self.setup.spec
-        gpu_layers = len(kv_gpu_layers(scheduler, spec.layers))
-        layers = gpu_layers if on_gpu else spec.layers - gpu_layers
-        return self._kv_slots() * spec.kv_bytes_per_token * layers // spec.layers
+        the cache by layer (`kv_gpu_layers`) or by sequence (`kv_gpu_sequences`, at the policy's
+        micro-batch size) homes its GPU parts' share there."""
+        spec, mu = self.setup.spec, self.policy.micro_batch_size
+        gpu = kv_gpu_parts(scheduler, spec.layers, mu)  # of a micro-batch's layers x sequences
+        parts = gpu if on_gpu else spec.layers * mu - gpu
+        return self._kv_slots() * spec.kv_bytes_per_token * parts // (spec.layers * mu)
 
     def _host_over(self, base: SimulationResult, scheduler: Scheduler) -> SimulationResult | None:
         """The host-memory refusal (weights off the GPU + the CPU-side KV cache), or None: it fits."""
