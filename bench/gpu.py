@@ -39,7 +39,7 @@ from flowmoe.core.hardware import hardware
 from flowmoe.core.memory import gpu_need
 from flowmoe.core.plan import Lane, Op
 from flowmoe.core.policy import Policy, parse_bytes
-from flowmoe.core.scheduling import NodeFactory, SchedulerContext, kv_gpu_layers
+from flowmoe.core.scheduling import NodeFactory, SchedulerContext, kv_gpu_parts
 from flowmoe.jobs.batching import BatchLimits
 from flowmoe.jobs.engine import Engine, Request, eager_step
 from flowmoe.model.loading import load_model
@@ -73,8 +73,8 @@ def fit_policy(
         slots = max(ways, int(share * spec.moe.experts * spec.layers) // ways * ways)
         policy = attrs.evolve(base, weights_gpu_share=share, expert_cache_slots=slots, gpu_memory=budget)
         plugin = create(scheduler, SchedulerContext(spec, policy, NodeFactory(spec), cost))
-        gpu_layers = len(kv_gpu_layers(plugin, spec.layers))  # Klotski homes only its first layers there
-        kv = sequences * max_len * spec.kv_bytes_per_token * gpu_layers // spec.layers
+        parts = kv_gpu_parts(plugin, spec.layers, sequences)  # (layer, sequence) caches homed on the GPU
+        kv = parts * max_len * spec.kv_bytes_per_token // spec.layers
         need = gpu_need(spec, plugin.residency(), plugin.weight_buffer_bytes(), kv, tokens, sequences)
         if need.total <= budget:
             return policy, need

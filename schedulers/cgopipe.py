@@ -60,15 +60,18 @@ slot earlier, so two layers back: a buffer of two). flowmoe's own runtime pins t
 copies once at start-up, so real runs go pinned -> GPU directly.
 
 Deviations: `--ffn-on cpu` is refused (every expert FFN runs on the GPU, as in
-Algorithm 1). A partly shared cache (0 < `kv_gpu_share` < 1) is priced in
-simulation by the share that crosses the link; a real run keeps such a cache
-wholly on the CPU. Micro-batches come as the engine forms them
+Algorithm 1). A partly shared cache (0 < `kv_gpu_share` < 1, GPU attention)
+is split by sequence as FlexGen splits it (`kv_gpu_sequences`): each cache
+layer keeps a micro-batch's first ⌊share x sequences⌋ sequences on the GPU, the
+plan prices the copies of the others, and a real run allocates and copies just
+so. Micro-batches come as the engine forms them
 (MoE-Lightning's balanced request batching lives there).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from fractions import Fraction
 from typing import ClassVar
 
 from flowmoe.core.plan import Lane, Op, RoutingRequest, TaskNode
@@ -121,6 +124,11 @@ class CGOPipeScheduler:
     def kv_on_gpu(self) -> bool:
         """GPU attention with all of the cache on the GPU; else the cache's home is the CPU."""
         return self.gpu_attention and self.kv_share == 1.0
+
+    def kv_gpu_sequences(self, sequences: int) -> int:
+        """Of a micro-batch's `sequences` cache slots, the whole sequences every cache layer keeps on
+        the GPU: ⌊kv_gpu_share x sequences⌋ (none with CPU attention)."""
+        return int(self.kv_share * sequences + 1e-9)
 
     def plan(self, step: StepShape) -> PlanStream:
         return _Plan(self, step).run()
@@ -175,9 +183,10 @@ class _Plan:
         """Attention on the GPU, layer by layer (zig-zag): each micro-batch's cache layer in (but the
         GPU's share), attention, this step's k, v back; a chunk of the next layer's weights after
         each cache load, so on h2d the next micro-batch's cache goes ahead of the weights."""
-        mbs, share, kv_gpu = self.step.micro_batches, self.s.kv_share, self.s.kv_on_gpu()
+        mbs, kv_gpu = self.step.micro_batches, self.s.kv_on_gpu()
         for layer in range(self.spec.layers):
             for mb in mbs:
+                share = Fraction(self.s.kv_gpu_sequences(mb.sequences), mb.sequences)  # of mb's cache, kept
                 kv = None if kv_gpu else kv_transfer(self.f, Op.KV_LOAD, layer, mb, (), share)
                 if kv is not None:
                     yield kv

@@ -15,12 +15,14 @@ from attrs import evolve
 import flowmoe.kernels.kv_cache as kv_cache
 import flowmoe.runtime.actions as actions
 import flowmoe.schedulers.moe_gen as moe_gen
+from flowmoe.core.cost import RooflineCost
 from flowmoe.core.hardware import hardware
 from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.presets import preset
 from flowmoe.core.routing_trace import RoutingTrace
-from flowmoe.core.scheduling import MicroBatchShape, NodeFactory
+from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, StepShape
+from flowmoe.core.synthetic_routing import RoutingModel, SyntheticRouting
 from flowmoe.core.workloads import workload
 from flowmoe.jobs.engine import StepInput
 from flowmoe.kernels.kv_cache import KVCache, SlotSplit
@@ -28,7 +30,7 @@ from flowmoe.model.loading import load_model
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.device_weights import Devices
 from flowmoe.runtime.runner import Runtime
-from flowmoe.study.simulate import Setup, Simulation
+from flowmoe.study.simulate import Setup, Simulation, simulate
 from tests.hf_models import hf_model, save_hf
 from tests.schedule_fixtures import generate, run_eager
 
@@ -318,3 +320,30 @@ def test_simulate_counts_the_sequences_flexgen_keeps_on_the_gpu() -> None:
     whole = simulation._kv_slots() * spec.kv_bytes_per_token
     assert simulation._kv_bytes(flexgen, on_gpu=True) == whole // 3
     assert simulation._kv_bytes(flexgen, on_gpu=False) == 2 * whole // 3
+
+
+def test_cgopipe_with_gpu_attention_splits_its_cache_as_flexgen_does(
+    model: MoEModel, eager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cgopipe with GPU attention and kv_gpu_share 0.5: each cache layer keeps a micro-batch's first
+    ⌊0.5 × n⌋ sequences on the GPU (the rest on the CPU), its KV_LOAD is priced at the CPU part's
+    share of the layer, and it gives eager's tokens; with CPU attention nothing is kept."""
+    caches = recording_caches(monkeypatch)
+    policy = evolve(FLEXGEN, attention_on="gpu")
+    results, runtime = generated(model, "cgopipe", policy)
+    assert [r.output_ids for r in results] == [r.output_ids for r in eager[0]]
+    gpu, cpu = runtime.devices.gpu, runtime.devices.cpu
+    assert runtime.cache_device == SlotSplit(gpu, runtime.scheduler.kv_gpu_sequences, cpu)  # type: ignore[attr-defined]
+    for _, cache in caches:
+        assert (cache.kept + cache.keys[0].shape[0], cache.kept) in {(3, 1), (2, 1)}
+        assert {t.device for t in (*cache.kept_keys, *cache.kept_values)} == {gpu}
+    shapes = tuple(MicroBatchShape.from_lengths(i, [1] * 3, [8] * 3) for i in range(2))  # a decode step
+    step = StepShape(1, False, shapes)
+    trace = SyntheticRouting(model.spec, RoutingModel()).trace([step])
+    spans = simulate(runtime.scheduler, [step], trace, RooflineCost(hardware("t4"), model.spec))
+    loads = [s.node.bytes for s in spans if s.node.op is Op.KV_LOAD]
+    whole = NodeFactory(model.spec).node(Op.KV_LOAD, Lane.GPU_H2D, 0, shapes[0]).bytes
+    assert loads and set(loads) == {round(whole * 2 / 3)}  # the 2 CPU-part sequences of 3
+    cpu_attention = Runtime.create(model, "cgopipe", evolve(policy, attention_on="cpu"), device="cpu")
+    cpu_attention.close()
+    assert cpu_attention.scheduler.kv_gpu_sequences(3) == 0  # type: ignore[attr-defined]
