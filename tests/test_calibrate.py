@@ -14,6 +14,7 @@ from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import PRESETS, hardware, load_profile, save_profile, to_json
 from flowmoe.core.plan import Lane, Op, TaskNode
+from flowmoe.study import calibrate as calibration
 
 
 def test_profile_round_trip(tmp_path: Path) -> None:
@@ -80,13 +81,23 @@ def test_cost_uses_measured_rooflines_and_overheads() -> None:
     assert plain == pytest.approx(base.gpu_launch + 1.0 / base.gemm_share(512))  # presets: sustained GEMMs
 
 
-def test_calibrate_writes_a_profile_commands_take(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+STREAM = 7.5e9  # the stream copy calibrate measures, fixed so the profile's DRAM share can be checked
+
+
+def test_calibrate_writes_a_profile_commands_take(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The profile commands take; its host DRAM bandwidth (what the host lanes share) is the
+    measured stream copy."""
+    monkeypatch.setattr(calibration, "copy_bandwidth", lambda *_args: STREAM)
     path = tmp_path / "machine.json"
     assert main(["calibrate", "--quick", "--device", "cpu", "--output", str(path)]) == 0
     spec = hardware(str(path))
     assert spec.cpu_flops > 0 and spec.cpu_bandwidth > 0
     assert len(spec.cpu_roofline) == 10 and len(spec.cpu_attention_roofline) == 3
     assert spec.gpu_flops == spec.cpu_flops  # no CUDA asked for: the gpu.* lanes run on the CPU
+    host = RooflineCost(spec).host_memory_bandwidth  # what the host lanes share: the measured copy
+    assert host == pytest.approx(STREAM)
     overheads = dict(spec.op_overhead)
     assert {"gpu.compute/expert_ffn", "gpu.compute/gpu_attn", "gpu.h2d/page_copy"} <= set(overheads)
     assert all(v >= 0 for v in overheads.values())

@@ -243,6 +243,7 @@ def calibrate(
         _peak(cpu_curve), _memory_roof(cpu_curve), _memory_bytes(), gpu_attention_roofline=gpu_attention,
         cpu_attention_roofline=cpu_attention, gpu_roofline=gpu_curve, cpu_roofline=cpu_curve,
         gpu_launch=dispatch, cpu_launch=dispatch, copy_latency=dispatch, **links,
+        cpu_memory_efficiency=stream / _memory_roof(cpu_curve),  # all cores' copy, of the matmul's read
         source=f"flowmoe calibrate ({dtype}, matmul {matmul}, {torch.get_num_threads()} threads, {where})",
     )  # fmt: skip
     report("op dispatch costs (tiny model through the runtime)")
