@@ -94,21 +94,29 @@ def offloaded_kv_attention(
     return [pre, attn, store, f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id])]
 
 
+def kept_sequences(share: float, sequences: int) -> int:
+    """Of a micro-batch's `sequences` cache slots, the whole sequences every CPU-homed cache layer
+    keeps on the GPU at a policy's kv_gpu_share: ⌊share × sequences⌋, as FlexGen rounds its cache's
+    GPU segment down to whole sequences (flexgen/pytorch_backend.py, `init_cache_one_gpu_batch`:
+    `int(shape[SEG_DIM] * cache_gpu_percent / 100) // num_head * num_head` of batch × heads)."""
+    return int(share * sequences + 1e-9)
+
+
 def kv_transfer(
     f: NodeFactory,
     op: Op,
     layer: int,
     mb: MicroBatchShape,
     deps: Sequence[int | None],
-    gpu_share: float | Fraction,
+    kept: int = 0,
     pageable: bool = False,
 ) -> TaskNode:
-    """KV_LOAD (h2d) or KV_STORE (d2h) of a micro-batch's cache layer whose `gpu_share` stays on the GPU
-    (the policy's kv_gpu_share, or a Fraction: the share of its sequences a schedule keeps there, as
-    flexgen's `kv_gpu_sequences`): only the rest crosses the link, round(bytes x (1 - gpu_share))."""
+    """KV_LOAD (h2d) or KV_STORE (d2h) of a micro-batch's cache layer whose first `kept` sequences
+    stay on the GPU (the schedule's `kv_gpu_sequences`): only the others cross the link,
+    round(bytes x (n - kept) / n)."""
     lane = Lane.GPU_H2D if op is Op.KV_LOAD else Lane.GPU_D2H
     node = f.node(op, lane, layer, mb, deps=deps, pageable=pageable)
-    return evolve(node, bytes=round(node.bytes * (1.0 - gpu_share))) if gpu_share else node
+    return evolve(node, bytes=round(node.bytes * (1 - Fraction(kept, mb.sequences)))) if kept else node
 
 
 def layer_tail(

@@ -71,7 +71,6 @@ so. Micro-batches come as the engine forms them
 from __future__ import annotations
 
 from collections.abc import Iterator
-from fractions import Fraction
 from typing import ClassVar
 
 from flowmoe.core.plan import Lane, Op, RoutingRequest, TaskNode
@@ -81,6 +80,7 @@ from flowmoe.schedulers._layer_nodes import (
     embeddings,
     gpu_attention,
     kept_per_layer,
+    kept_sequences,
     kv_transfer,
     layer_tail,
     lm_heads,
@@ -127,8 +127,8 @@ class CGOPipeScheduler:
 
     def kv_gpu_sequences(self, sequences: int) -> int:
         """Of a micro-batch's `sequences` cache slots, the whole sequences every cache layer keeps on
-        the GPU: ⌊kv_gpu_share x sequences⌋ (none with CPU attention)."""
-        return int(self.kv_share * sequences + 1e-9)
+        the GPU (`kept_sequences`, FlexGen's rounding); none with CPU attention."""
+        return kept_sequences(self.kv_share, sequences)
 
     def plan(self, step: StepShape) -> PlanStream:
         return _Plan(self, step).run()
@@ -186,8 +186,8 @@ class _Plan:
         mbs, kv_gpu = self.step.micro_batches, self.s.kv_on_gpu()
         for layer in range(self.spec.layers):
             for mb in mbs:
-                share = Fraction(self.s.kv_gpu_sequences(mb.sequences), mb.sequences)  # of mb's cache, kept
-                kv = None if kv_gpu else kv_transfer(self.f, Op.KV_LOAD, layer, mb, (), share)
+                kept = self.s.kv_gpu_sequences(mb.sequences)  # of mb's cache sequences, on the GPU
+                kv = None if kv_gpu else kv_transfer(self.f, Op.KV_LOAD, layer, mb, (), kept)
                 if kv is not None:
                     yield kv
                 if self._paged_at(layer + 1):
@@ -197,7 +197,7 @@ class _Plan:
                     attention = gpu_attention(self.f, layer, mb, self.last[mb.index])
                 else:
                     attention = offloaded_kv_attention(self.f, layer, mb, self.last[mb.index], kv.id)
-                    store = kv_transfer(self.f, Op.KV_STORE, layer, mb, attention[2].deps, share)
+                    store = kv_transfer(self.f, Op.KV_STORE, layer, mb, attention[2].deps, kept)
                     attention[2] = store
                 yield from attention
                 yield from self._ffn(layer, mb, attention[-1].id)

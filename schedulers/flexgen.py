@@ -71,7 +71,6 @@ benchmarks/flexgen/mtbench_run_8x7b_moe.py); flowmoe's runtime pins them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from fractions import Fraction
 from typing import ClassVar
 
 from attrs import evolve
@@ -83,6 +82,7 @@ from flowmoe.schedulers._layer_nodes import (
     copied_experts,
     embeddings,
     evict_experts,
+    kept_sequences,
     kv_transfer,
     layer_tail,
     lm_heads,
@@ -137,10 +137,8 @@ class FlexGenScheduler:
 
     def kv_gpu_sequences(self, sequences: int) -> int:
         """Of a micro-batch's `sequences` cache slots, the whole sequences every cache layer keeps on
-        the GPU: ⌊kv_gpu_share × sequences⌋, as FlexGen rounds its cache's GPU segment down to whole
-        sequences (flexgen/pytorch_backend.py, `init_cache_one_gpu_batch`: `int(shape[SEG_DIM] *
-        cache_gpu_percent / 100) // num_head * num_head` of batch × heads); none with CPU attention."""
-        return int(self.kv_share * sequences + 1e-9)
+        the GPU (`kept_sequences`, FlexGen's rounding); none with CPU attention."""
+        return kept_sequences(self.kv_share, sequences)
 
     def plan(self, step: StepShape) -> PlanStream:
         return _Block(self, step).run()
@@ -215,9 +213,9 @@ class _Block:
         """GPU attention over a cache whose home (or part of it) is the CPU."""
         return not self.s.cpu_attention and not self.s.kv_on_gpu()
 
-    def _kept(self, mb: MicroBatchShape) -> Fraction:
-        """The share of mb's cache layers the GPU keeps: its kept sequences' (`kv_gpu_sequences`)."""
-        return Fraction(self.s.kv_gpu_sequences(mb.sequences), mb.sequences)
+    def _kept(self, mb: MicroBatchShape) -> int:
+        """The sequences of mb's cache layers the GPU keeps (`kv_gpu_sequences`)."""
+        return self.s.kv_gpu_sequences(mb.sequences)
 
     def _kv_load(self, layer: int, mb: MicroBatchShape) -> TaskNode:
         node = kv_transfer(self.f, Op.KV_LOAD, layer, mb, self.barrier, self._kept(mb), pageable=True)
