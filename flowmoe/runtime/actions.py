@@ -177,7 +177,10 @@ class StepState:
                 self._x_readers[source] = self._x_readers.get(source, 0) + 1
         if node.op is Op.GATE:
             self._gates[node.id] = (node.layer, node.mb)
-        if node.op is Op.EXPERT_FFN and len(self.batch_of(node)) == 1:
+        if node.op is Op.EXPERT_FFN:
+            batch = self.batch_of(node)
+            if len(batch) > 1:  # MoE-Gen's expert over several micro-batches: one GEMM of them all
+                return partial(_expert_batch, self, node, batch)
             with self._lock:
                 self._ffn_bound.setdefault(((node.layer, node.mb), node.lane), []).append(node.expert)
         return partial(handler, self, node)
@@ -325,12 +328,8 @@ def _expert(s: StepState, n: TaskNode) -> None:
     """The node's expert, and with it in one kernel call (MoEModel.routed_experts) the other experts of
     its layer and micro-batch bound to the same lane whose weights are at hand: the host's own (the
     CPU lane, or a host without CUDA, where a resident expert is the host tensor and no copy is in
-    flight). Their own nodes then find their outputs there; the rest run at their nodes. A node that
-    waits for the gates of several micro-batches runs its expert over all of them (`_expert_batch`)."""
-    batch = s.batch_of(n)
-    if len(batch) > 1:
-        _expert_batch(s, n, batch)
-        return
+    flight). Their own nodes then find their outputs there; the rest run at their nodes. (A node that
+    waits for the gates of several micro-batches is bound to `_expert_batch` instead.)"""
     key = (n.layer, n.mb)
     with s._lock:
         bound = s._ffn_bound.get((key, n.lane), [])
