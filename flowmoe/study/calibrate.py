@@ -238,12 +238,13 @@ def calibrate(
     )
     links = link_rates(quick) if cuda else _host_copies(quick)
     where = "CUDA" if cuda else "no CUDA: gpu.* lanes on the CPU"
+    cpu_read = _memory_roof(cpu_curve)
     spec = HardwareSpec(
         f"calibrated-{os.uname().nodename}", _peak(gpu_curve), _memory_roof(gpu_curve), _gpu_memory(cuda),
-        _peak(cpu_curve), _memory_roof(cpu_curve), _memory_bytes(), gpu_attention_roofline=gpu_attention,
+        _peak(cpu_curve), cpu_read, _memory_bytes(), gpu_attention_roofline=gpu_attention,
         cpu_attention_roofline=cpu_attention, gpu_roofline=gpu_curve, cpu_roofline=cpu_curve,
         gpu_launch=dispatch, cpu_launch=dispatch, copy_latency=dispatch, **links,
-        cpu_memory_efficiency=stream / _memory_roof(cpu_curve),  # all cores' copy, of the matmul's read
+        cpu_memory_efficiency=stream / cpu_read,  # all cores' copy, of the matmul's read
         source=f"flowmoe calibrate ({dtype}, matmul {matmul}, {torch.get_num_threads()} threads, {where})",
     )  # fmt: skip
     report("op dispatch costs (tiny model through the runtime)")
