@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from flowmoe.core.scheduling import PlanStream, Residency, SchedulerContext, StepShape
-from flowmoe.schedulers._layer_nodes import check_placement, copied_experts, model_order
+from flowmoe.schedulers.layer_nodes import check_placement, copied_experts, model_order
 
 
 class EagerScheduler:

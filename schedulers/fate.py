@@ -45,7 +45,7 @@ from typing import ClassVar
 
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest
 from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
-from flowmoe.schedulers._layer_nodes import (
+from flowmoe.schedulers.layer_nodes import (
     check_placement,
     embeddings,
     gpu_attention,

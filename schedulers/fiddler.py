@@ -44,7 +44,7 @@ from flowmoe.core.scheduling import (
     SchedulerContext,
     StepShape,
 )
-from flowmoe.schedulers._layer_nodes import (
+from flowmoe.schedulers.layer_nodes import (
     Cost,
     check_placement,
     cpu_experts,

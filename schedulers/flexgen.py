@@ -77,7 +77,7 @@ from attrs import evolve
 
 from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
-from flowmoe.schedulers._layer_nodes import (
+from flowmoe.schedulers.layer_nodes import (
     check_placement,
     copied_experts,
     embeddings,

@@ -59,7 +59,7 @@ from flowmoe.core.scheduling import (
     SchedulerContext,
     StepShape,
 )
-from flowmoe.schedulers._layer_nodes import (
+from flowmoe.schedulers.layer_nodes import (
     check_placement,
     cpu_experts,
     gate_and_route,

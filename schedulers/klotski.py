@@ -108,7 +108,7 @@ from flowmoe.core.scheduling import (
     StepShape,
 )
 from flowmoe.schedulers._correlation import CorrelationTable
-from flowmoe.schedulers._layer_nodes import (
+from flowmoe.schedulers.layer_nodes import (
     check_placement,
     embeddings,
     kept_per_layer,

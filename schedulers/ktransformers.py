@@ -63,7 +63,7 @@ from flowmoe.core.plan import ExpertCounts, Lane, Op
 from flowmoe.core.policy import check_defer
 from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
 from flowmoe.core.spec import ModelSpec
-from flowmoe.schedulers._layer_nodes import (
+from flowmoe.schedulers.layer_nodes import (
     check_placement,
     cpu_experts,
     gate_and_route,

@@ -108,7 +108,7 @@ from flowmoe.core.scheduling import (
     StepShape,
 )
 from flowmoe.core.spec import ModelSpec
-from flowmoe.schedulers._layer_nodes import (
+from flowmoe.schedulers.layer_nodes import (
     check_placement,
     kept_per_layer,
     latency_model,

@@ -25,7 +25,7 @@ from typing import ClassVar
 
 from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
-from flowmoe.schedulers._layer_nodes import check_placement, gate_and_route, model_order
+from flowmoe.schedulers.layer_nodes import check_placement, gate_and_route, model_order
 
 SLOTS = 2  # experts the GPU buffer holds: the one computing and the next one copying
 

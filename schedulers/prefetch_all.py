@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
-from flowmoe.schedulers._layer_nodes import (
+from flowmoe.schedulers.layer_nodes import (
     check_placement,
     copied_experts,
     copy_experts,

@@ -24,7 +24,7 @@ from flowmoe.core.scheduling import PlanStream, Residency, Scheduler, SchedulerC
 from flowmoe.core.spec import ModelSpec
 
 ENTRY_POINT_GROUP = "flowmoe.schedulers"
-NOT_PLUGINS = {"registry"}
+NOT_PLUGINS = {"registry", "layer_nodes"}  # the public node builders (the plugin SDK), not a scheduler
 METHODS = ("residency", "weight_buffer_bytes", "kv_on_gpu", "plan")
 
 

@@ -1,4 +1,4 @@
-"""Node builders every scheduler shares.
+"""The plugin SDK: node builders every scheduler shares (public: third-party schedulers import it).
 
 The pieces every plan has in the same shape whatever the schedule: embeddings,
 attention on the GPU, a layer's tail (shared expert or dense MLP, then combine),
