@@ -77,11 +77,22 @@ class TaskNode:
     pageable: bool = False  # a copy from (or to) pageable host memory, not pinned
     sync: bool = False  # the host waits for this node before it issues more (a synchronisation point)
     more: tuple[int, ...] = ()  # PAGE_COPY of whole experts: the experts after `expert` in one page
+    # EXPERT_FFN: the micro-batches whose tokens its expert's one GEMM takes, in order (MoE-Gen's expert
+    # batch): the node of the first runs it, each other's finds its output there; empty: its own only
+    serves: tuple[int, ...] = ()
+    # EXPERT_FFN, EXPERT_LOAD: the layer whose COMBINE (of the node's micro-batch) adds the expert output
+    # (-1: the node's own layer; KTransformers' Expert Deferral names the next layer's)
+    combined_at: int = -1
 
     @property
     def experts(self) -> tuple[int, ...]:
         """Every expert the node concerns (several for a PAGE_COPY of a chunk of experts)."""
         return (self.expert, *self.more) if self.expert >= 0 else ()
+
+    @property
+    def combine_layer(self) -> int:
+        """The layer whose COMBINE adds this expert node's output (`combined_at`, else its own)."""
+        return self.layer if self.combined_at < 0 else self.combined_at
 
     @property
     def label(self) -> str:
