@@ -183,11 +183,14 @@ class NodeFactory:
         pageable: bool = False,
         sync: bool = False,
         more: Sequence[int] = (),
+        serves: Sequence[int] = (),
     ) -> TaskNode:
         """`tokens`: tokens an expert FFN processes (default: the micro-batch's tokens).
         `part`/`parts`: a PAGE_COPY of page `part` of `parts` (its bytes are that page's share);
         `more`: a PAGE_COPY of whole experts, `expert` and these after it, as one page.
         `pageable`: a copy whose host side is not pinned; `sync`: the host waits for this node.
+        `serves`: the micro-batches whose tokens an EXPERT_FFN's one GEMM takes (TaskNode.serves); the
+        node is priced by its `tokens` all the same.
         `None` deps are dropped, so optional producers can be passed as is."""
         clean = tuple(dict.fromkeys(d for d in deps if d is not None))
         n_bytes, flops = self._cost(op, layer, mb, expert, tokens)
@@ -200,7 +203,7 @@ class NodeFactory:
         rows = 0 if rowless else (mb.sequences if op is Op.LM_HEAD and mb else tokens if tokens is not None
                                   else mb.tokens if mb else 0)  # fmt: skip
         return TaskNode(next(self._ids), op, lane, layer, index, expert, clean, n_bytes, flops, part, parts,
-                        rows, pageable, sync, tuple(more))  # fmt: skip
+                        rows, pageable, sync, tuple(more), tuple(serves))  # fmt: skip
 
     def _cost(
         self, op: Op, layer: int, mb: MicroBatchShape | None, expert: int, tokens: int | None
