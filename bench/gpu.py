@@ -36,12 +36,13 @@ from rich.table import Table
 
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.hardware import hardware
-from flowmoe.core.memory import gpu_need
+from flowmoe.core.memory import gpu_memory
 from flowmoe.core.plan import Lane, Op
 from flowmoe.core.policy import Policy, parse_bytes
-from flowmoe.core.scheduling import NodeFactory, SchedulerContext, kv_gpu_parts
+from flowmoe.core.scheduling import BatchShape, NodeFactory, SchedulerContext
 from flowmoe.jobs.batching import BatchLimits
 from flowmoe.jobs.engine import Engine, Request, eager_step
+from flowmoe.jobs.job import first_batch
 from flowmoe.model.loading import load_model
 from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.registry import create
@@ -63,19 +64,16 @@ SHARES = (1.0, 0.75, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05, 0.0)
 console = Console()
 
 
-def fit_policy(
-    model, scheduler: str, budget: int, base: Policy, sequences: int, max_len: int, tokens: int, cost=None
-):
-    """The policy with the largest resident expert share (or cache) this scheduler fits in `budget`."""
+def fit_policy(model, scheduler: str, budget: int, base: Policy, batch: BatchShape, cost=None):
+    """The policy with the largest resident expert share (or cache) this scheduler fits in `budget`
+    with `batch` (flowmoe's memory figure, the runtime's check)."""
     spec, need = model.spec, None
     for share in SHARES:
         ways = base.cache_ways
         slots = max(ways, int(share * spec.moe.experts * spec.layers) // ways * ways)
         policy = attrs.evolve(base, weights_gpu_share=share, expert_cache_slots=slots, gpu_memory=budget)
         plugin = create(scheduler, SchedulerContext(spec, policy, NodeFactory(spec), cost))
-        parts = kv_gpu_parts(plugin, spec.layers, sequences)  # (layer, sequence) caches homed on the GPU
-        kv = parts * max_len * spec.kv_bytes_per_token // spec.layers
-        need = gpu_need(spec, plugin.residency(), plugin.weight_buffer_bytes(), kv, tokens, sequences)
+        need = gpu_memory(plugin, batch)
         if need.total <= budget:
             return policy, need
     return None, need
@@ -187,7 +185,7 @@ def run(args) -> None:
     requests = requests_for(args, model.spec.vocab)
     size = -(-args.prompts // args.micro_batches)
     limits = BatchLimits(args.micro_batches, size, args.new_tokens)
-    max_len = max(len(r.input_ids) for r in requests) + args.new_tokens
+    batch = first_batch(requests, limits)
     rows = []
     args.trace_dir.mkdir(parents=True, exist_ok=True)
     base = Policy(micro_batch_size=size, micro_batches=args.micro_batches)
@@ -195,8 +193,7 @@ def run(args) -> None:
     for budget_name, budget in budgets.items():
         for name in args.schedulers:
             row = {"budget": budget_name, "budget_bytes": budget, "scheduler": name}
-            sequences = size * args.micro_batches
-            policy, need = fit_policy(model, name, budget, base, sequences, max_len, size * max_len, cost)
+            policy, need = fit_policy(model, name, budget, base, batch, cost)
             if policy is None:
                 rows.append({**row, "status": f"does not fit: needs {need.describe()}"})
                 continue

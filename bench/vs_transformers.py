@@ -198,8 +198,9 @@ def flowmoe_generate(
         return await runner(m, inputs)  # type: ignore[misc]
 
     async def go() -> dict[str, tuple[int, ...]]:
+        homes = runner.cache_device if isinstance(runner, Runtime) else "cpu"
         engine = Engine(model, step, max_new_tokens=new_tokens, stop_ids=frozenset(),
-                        cache_device=getattr(runner, "cache_device", torch.device("cpu")))  # fmt: skip
+                        cache_device=homes)  # fmt: skip
         return {r.id: r.output_ids async for r in engine.generate(requests, limits)}
 
     out = uvloop.run(go())  # `flowmoe run`'s loop

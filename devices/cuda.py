@@ -89,6 +89,12 @@ class EventBook:
             self._events.clear()
         return retimed
 
+    def close(self) -> None:
+        """Drop every event, pooled or of the step (the runtime is closing)."""
+        with self._lock:
+            self._events.clear()
+            self._free.clear()
+
     def _reanchor(self, event: cuda.Event | None = None) -> tuple[cuda.Event, float]:
         """Record the anchor on an idle device and read the host clock once it has passed."""
         anchor = event or cuda.Event(enable_timing=True)

@@ -28,11 +28,11 @@ class Held:
     last_use: int | None = None
 
 
-def cache_slots(policy: Policy, moe_layers: int, experts: int) -> int:
-    """The GPU expert slots of a cache schedule: `--expert-cache-slots`, else `--weights-gpu-share` of
-    every MoE layer's experts; never more than there are experts."""
+def cache_slots(policy: Policy, slots: int | None, moe_layers: int, experts: int) -> int:
+    """The GPU expert slots of a cache schedule: `slots` (`--expert-cache-slots`), else
+    `--weights-gpu-share` of every MoE layer's experts; never more than there are experts."""
     total = moe_layers * experts
-    return min(total, policy.expert_cache_slots or round(policy.weights_gpu_share * total))
+    return min(total, slots or round(policy.weights_gpu_share * total))
 
 
 def evict_held(f: NodeFactory, layer: int, expert: int, held: Held, lane: Lane = Lane.GPU_H2D) -> TaskNode:

@@ -73,8 +73,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import ClassVar
 
+from attrs import evolve
+
 from flowmoe.core.plan import Lane, Op, RoutingRequest, TaskNode
-from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
+from flowmoe.core.scheduling import (
+    MicroBatchShape,
+    PlanStream,
+    Residency,
+    Scheduler,
+    SchedulerContext,
+    StepShape,
+)
 from flowmoe.schedulers.layer_nodes import (
     check_placement,
     embeddings,
@@ -87,22 +96,25 @@ from flowmoe.schedulers.layer_nodes import (
     moe_layers,
     offloaded_kv_attention,
 )
+from flowmoe.schedulers.shared_options import PagedOptions
 
 LOOKAHEAD = 2  # CPU attention runs this many micro-batches ahead of the GPU FFN
 Slot = tuple[int, MicroBatchShape]  # (layer, micro-batch)
 Page = tuple[tuple[int, ...], int]  # (experts, page index within the expert or -1 for whole experts)
 
 
-class CGOPipeScheduler:
+class CGOPipeScheduler(Scheduler):
     name: ClassVar[str] = "cgopipe"
     summary: ClassVar[str] = (
         "MoE-Lightning CGOPipe: with --attention-on cpu, attention on the CPU 2 micro-batches ahead, each "
         "hidden load then a chunk of the next layer's weights; prefill (and --attention-on gpu) on the GPU"
     )
+    Options: ClassVar[type[PagedOptions]] = PagedOptions
 
     def __init__(self, context: SchedulerContext) -> None:
-        self.context = context
+        super().__init__(context)
         spec, policy = context.spec, context.policy
+        self.options = policy.options_for(self.Options)
         check_placement(self.name, policy, attention=("cpu", "gpu"))
         self.gpu_attention = policy.attention_on == "gpu"
         self.kv_share = policy.kv_gpu_share if self.gpu_attention else 0.0  # CPU attention: cache on the CPU
@@ -110,8 +122,8 @@ class CGOPipeScheduler:
         self.moe = moe_layers(spec)
         self.resident = {m: sorted(kept) for m, (kept, _) in split.items()}  # experts kept on the GPU
         self.paged = {m: sorted(rest) for m, (_, rest) in split.items()}  # paged in for every use
-        self.parts = max(1, -(-spec.expert_bytes // policy.page_bytes))  # pages per expert
-        self.per_page = max(1, policy.page_bytes // spec.expert_bytes)  # whole experts per page
+        self.parts = max(1, -(-spec.expert_bytes // self.options.page_bytes))  # pages per expert
+        self.per_page = max(1, self.options.page_bytes // spec.expert_bytes)  # whole experts per page
 
     def residency(self) -> Residency:
         experts = frozenset((m, e) for m, kept in self.resident.items() for e in kept)
@@ -196,9 +208,9 @@ class _Plan:
                 if kv is None:
                     attention = gpu_attention(self.f, layer, mb, self.last[mb.index])
                 else:
-                    attention = offloaded_kv_attention(self.f, layer, mb, self.last[mb.index], kv.id)
-                    store = kv_transfer(self.f, Op.KV_STORE, layer, mb, attention[2].deps, kept)
-                    attention[2] = store
+                    nodes = offloaded_kv_attention(self.f, layer, mb, self.last[mb.index], kv.id)
+                    store = kv_transfer(self.f, Op.KV_STORE, layer, mb, nodes.store.deps, kept)
+                    attention = list(evolve(nodes, store=store))
                 yield from attention
                 yield from self._ffn(layer, mb, attention[-1].id)
             if self._paged_at(layer):

@@ -9,26 +9,20 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from flowmoe.core.scheduling import PlanStream, Residency, SchedulerContext, StepShape
+from flowmoe.core.scheduling import PlanStream, Residency, Scheduler, SchedulerContext, StepShape
 from flowmoe.schedulers.layer_nodes import check_placement, copied_experts, model_order
 
 
-class EagerScheduler:
+class EagerScheduler(Scheduler):
     name: ClassVar[str] = "eager"
     summary: ClassVar[str] = "all weights resident, model order on one GPU lane (the reference)"
 
     def __init__(self, context: SchedulerContext) -> None:
-        self.context = context
+        super().__init__(context)
         check_placement(self.name, context.policy)
 
     def residency(self) -> Residency:
         return Residency.everything(self.context.spec)
-
-    def weight_buffer_bytes(self) -> int:
-        return 0
-
-    def kv_on_gpu(self) -> bool:
-        return True
 
     def plan(self, step: StepShape) -> PlanStream:
         f = self.context.factory

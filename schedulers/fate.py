@@ -44,7 +44,15 @@ from __future__ import annotations
 from typing import ClassVar
 
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest
-from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
+from flowmoe.core.scheduling import (
+    MicroBatchShape,
+    PlanStream,
+    Residency,
+    Scheduler,
+    SchedulerContext,
+    StepShape,
+)
+from flowmoe.schedulers._successors import Arc, Held, cache_slots, evict_held, forget_step
 from flowmoe.schedulers.layer_nodes import (
     check_placement,
     embeddings,
@@ -53,7 +61,7 @@ from flowmoe.schedulers.layer_nodes import (
     lm_heads,
     moe_layers,
 )
-from flowmoe.schedulers._successors import Arc, Held, cache_slots, evict_held, forget_step
+from flowmoe.schedulers.shared_options import ExpertCacheOptions
 
 
 def shallow_quotas(layers: list[int], slots: int, experts: int) -> dict[int, int]:
@@ -70,19 +78,21 @@ def shallow_quotas(layers: list[int], slots: int, experts: int) -> dict[int, int
     return quota
 
 
-class FateScheduler:
+class FateScheduler(Scheduler):
     name: ClassVar[str] = "fate"
     summary: ClassVar[str] = (
         "Fate: the next layer's router on this layer's gate input predicts its experts, copied before this "
         "layer gates; shallow-favouring ARC expert cache; misses fetched on demand"
     )
+    Options: ClassVar[type[ExpertCacheOptions]] = ExpertCacheOptions
 
     def __init__(self, context: SchedulerContext) -> None:
-        self.context = context
+        super().__init__(context)
         spec, policy = context.spec, context.policy
+        self.options = policy.options_for(self.Options)
         check_placement(self.name, policy)
         self.moe = moe_layers(spec)
-        slots = cache_slots(policy, len(self.moe), spec.moe.experts)
+        slots = cache_slots(policy, self.options.expert_cache_slots, len(self.moe), spec.moe.experts)
         self.quota = shallow_quotas(self.moe, slots, spec.moe.experts)
         self.slots = slots
         self.arc = {m: Arc(self.quota[m]) for m in self.moe}
@@ -96,9 +106,6 @@ class FateScheduler:
         """The cache, plus every expert of the layer computing and of the one prefetched."""
         spec = self.context.spec
         return min(len(self.moe) * spec.moe.experts, self.slots + 2 * spec.moe.experts) * spec.expert_bytes
-
-    def kv_on_gpu(self) -> bool:
-        return True
 
     def report(self) -> dict[str, float]:
         predicted = self.hits + self.misses

@@ -41,6 +41,7 @@ from flowmoe.core.scheduling import (
     NodeFactory,
     PlanStream,
     Residency,
+    Scheduler,
     SchedulerContext,
     StepShape,
 )
@@ -58,7 +59,7 @@ from flowmoe.schedulers.layer_nodes import (
 MAX_TOKENS = 1 << 24  # beyond this many tokens an expert is never worth copying: always the CPU
 
 
-class FiddlerScheduler:
+class FiddlerScheduler(Scheduler):
     name: ClassVar[str] = "fiddler"
     summary: ClassVar[str] = (
         "Fiddler: popular experts resident (a routing profile's); each other expert on the CPU or copied "
@@ -66,7 +67,7 @@ class FiddlerScheduler:
     )
 
     def __init__(self, context: SchedulerContext) -> None:
-        self.context = context
+        super().__init__(context)
         spec = context.spec
         check_placement(self.name, context.policy, ffn=("gpu", "cpu"))
         ranked = popularity_ranking(spec, context.popularity)
@@ -82,9 +83,6 @@ class FiddlerScheduler:
 
     def weight_buffer_bytes(self) -> int:
         return self.slots * self.context.spec.expert_bytes
-
-    def kv_on_gpu(self) -> bool:
-        return True
 
     def on_cpu(self, tokens: int) -> bool:
         """The latency model's choice for a non-resident expert given `tokens` tokens."""

@@ -76,7 +76,14 @@ from typing import ClassVar
 from attrs import evolve
 
 from flowmoe.core.plan import Lane, Op, TaskNode
-from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
+from flowmoe.core.scheduling import (
+    MicroBatchShape,
+    PlanStream,
+    Residency,
+    Scheduler,
+    SchedulerContext,
+    StepShape,
+)
 from flowmoe.schedulers.layer_nodes import (
     check_placement,
     copied_experts,
@@ -92,7 +99,7 @@ from flowmoe.schedulers.layer_nodes import (
 FLEXGEN_CPU_PASSES = 7  # bytes FlexGen's CPU attention moves per cached byte (see _cpu_attention)
 
 
-class FlexGenScheduler:
+class FlexGenScheduler(Scheduler):
     name: ClassVar[str] = "flexgen"
     summary: ClassVar[str] = (
         "FlexGen zig-zag block schedule: activations and the CPU share of the KV cache loaded a "
@@ -100,7 +107,7 @@ class FlexGenScheduler:
     )
 
     def __init__(self, context: SchedulerContext) -> None:
-        self.context = context
+        super().__init__(context)
         spec = context.spec
         check_placement(self.name, context.policy, attention=("gpu", "cpu"))
         self.cpu_attention = context.policy.attention_on == "cpu"

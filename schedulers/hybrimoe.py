@@ -50,15 +50,19 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from attrs import frozen
+
 from flowmoe.core.plan import ExpertCounts, Lane, Op, TaskNode
 from flowmoe.core.scheduling import (
     MicroBatchShape,
     NodeFactory,
     PlanStream,
     Residency,
+    Scheduler,
     SchedulerContext,
     StepShape,
 )
+from flowmoe.schedulers._successors import Held, cache_slots, evict_held, forget_step
 from flowmoe.schedulers.layer_nodes import (
     check_placement,
     cpu_experts,
@@ -69,24 +73,32 @@ from flowmoe.schedulers.layer_nodes import (
     moe_layers,
     popularity_ranking,
 )
-from flowmoe.schedulers._successors import Held, cache_slots, evict_held, forget_step
+from flowmoe.schedulers.shared_options import ExpertCacheOptions, HotExpertsOptions
 
 ALPHA = 0.5  # MRS decay: PKU-SEC-Lab/HybriMoE, KScoreAwareCache(alpha=0.5)
 
 
-class HybriMoEScheduler:
+@frozen
+class HybriMoEOptions(ExpertCacheOptions, HotExpertsOptions):
+    """The cache's slots and the experts prefetched per layer (the code's `load_size` over the layers,
+    and its `prefetch_size`)."""
+
+
+class HybriMoEScheduler(Scheduler):
     name: ClassVar[str] = "hybrimoe"
     summary: ClassVar[str] = (
         "HybriMoE: each layer's routed experts split between CPU and GPU by a simulated schedule on the "
         "cost model; per-layer cache by Minus Recent Score; impact-driven prefetch of the next layer"
     )
+    Options: ClassVar[type[HybriMoEOptions]] = HybriMoEOptions
 
     def __init__(self, context: SchedulerContext) -> None:
-        self.context = context
+        super().__init__(context)
         spec, policy = context.spec, context.policy
+        self.options = policy.options_for(self.Options)
         check_placement(self.name, policy)
         self.moe = moe_layers(spec)
-        slots = cache_slots(policy, len(self.moe), spec.moe.experts)
+        slots = cache_slots(policy, self.options.expert_cache_slots, len(self.moe), spec.moe.experts)
         share, extra = divmod(slots, len(self.moe)) if self.moe else (0, 0)
         self.quota = {m: min(spec.moe.experts, share + (i < extra)) for i, m in enumerate(self.moe)}
         ranked = popularity_ranking(spec, context.popularity)
@@ -96,7 +108,7 @@ class HybriMoEScheduler:
                 self.cache[layer][e] = Held()
         self.initial = frozenset((m, e) for m, held in self.cache.items() for e in held)
         self.score = {m: [0.0] * spec.moe.experts for m in self.moe}
-        self.prefetch = min(policy.hot_experts or spec.moe.top_k, spec.moe.experts)
+        self.prefetch = min(self.options.hot_experts or spec.moe.top_k, spec.moe.experts)
         self._cost = latency_model(context, self.name)
         probe = NodeFactory(spec)
         self._copy_seconds = self._cost(probe.node(Op.PAGE_COPY, Lane.GPU_H2D, self.moe[0] if self.moe else 0,
@@ -115,9 +127,6 @@ class HybriMoEScheduler:
         spec = self.context.spec
         short = any(q < spec.moe.experts for q in self.quota.values())
         return spec.moe.experts * spec.expert_bytes if short else 0
-
-    def kv_on_gpu(self) -> bool:
-        return True
 
     def report(self) -> dict[str, float]:
         lookups = self.hits + self.misses

@@ -32,9 +32,9 @@ Weights and cache (§6.1): the caches of the first `kv_gpu_share` of the
 layers stay on the GPU, as Klotski's code places them layer by layer
 (mindspore-lab/models research/SYSU/Klotski/mixtral/configuration_mixtral.py,
 `memory_cost_mixtral`: the first m layers' caches on the GPU, the rest on the
-CPU); their copies move no bytes, the simulated GPU memory holds them
-(`gpu_working_bytes`), and a real run allocates them on the GPU and attends
-them there (`kv_gpu_layers`: their KV_LOAD and KV_STORE do nothing). The rest
+CPU); their copies move no bytes, and both the memory check and a real run
+hold them on the GPU (`kv_gpu_layers`: the run attends them there, their
+KV_LOAD and KV_STORE do nothing). The rest
 lives on the CPU, in pageable memory (KV copies `pageable`): Klotski's cache
 is FlexGen's, allocated unpinned (the same code, pytorch_backend.py,
 `init_cache_one_gpu_batch`: "disable pin_memory due to high memory
@@ -93,17 +93,20 @@ everything on the GPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import ClassVar
 
-from attrs import define, evolve, field
+from attrs import define, evolve, field, frozen
 
+from flowmoe.core.options import option
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
+from flowmoe.core.ranges import IntRange
 from flowmoe.core.scheduling import (
     MicroBatchShape,
     NodeFactory,
     PlanStream,
     Residency,
+    Scheduler,
     SchedulerContext,
     StepShape,
 )
@@ -119,26 +122,38 @@ from flowmoe.schedulers.layer_nodes import (
     offloaded_kv_attention,
     two_layers_bytes,
 )
+from flowmoe.schedulers.shared_options import HotExpertsOptions
 
 Group = tuple[MicroBatchShape, ...]
 
 
-class KlotskiScheduler:
+@frozen
+class KlotskiOptions(HotExpertsOptions):
+    """Klotski's n and its K hot experts (`hot_experts`, shared with hybrimoe)."""
+
+    group_size: int = option(
+        0, "micro-batches per group, Klotski's n (0: its constraint planner chooses)", IntRange(0), label="n"
+    )
+
+
+class KlotskiScheduler(Scheduler):
     name: ClassVar[str] = "klotski"
     summary: ClassVar[str] = (
         "Klotski: n micro-batches per layer; attention weights and KV cache loaded per layer and batch, "
         "hot experts prefetched by correlation during attention and computed first"
     )
+    Options: ClassVar[type[KlotskiOptions]] = KlotskiOptions
 
     def __init__(self, context: SchedulerContext) -> None:
-        self.context = context
+        super().__init__(context)
         spec, policy = context.spec, context.policy
+        self.options = policy.options_for(self.Options)
         check_placement(self.name, policy)
         split = kept_per_layer(spec, context.popularity, policy.weights_gpu_share)
         self.moe = moe_layers(spec)
         self.resident = {m: set(kept) for m, (kept, _) in split.items()}
         offloaded = spec.moe.experts - round(policy.weights_gpu_share * spec.moe.experts)
-        self.k = min(policy.hot_experts or spec.moe.top_k, offloaded)
+        self.k = min(self.options.hot_experts or spec.moe.top_k, offloaded)
         self.offloaded = offloaded
         self.kv_kept = round(policy.kv_gpu_share * spec.layers)  # layers whose cache stays on the GPU
         self.table = CorrelationTable.seeded(self.moe, spec.moe.experts, context.popularity, spec.moe.top_k)
@@ -185,17 +200,11 @@ class KlotskiScheduler:
         """The layers whose cache the GPU keeps: the first `kv_gpu_share` of them (§6.1)."""
         return frozenset(range(self.kv_kept))
 
-    def gpu_working_bytes(self, steps: Sequence[StepShape]) -> int:
-        """The caches of the GPU-kept layers at the largest of `steps`."""
-        spec = self.context.spec
-        tokens = max((sum(mb.kv_tokens for mb in step.micro_batches) for step in steps), default=0)
-        return self.kv_kept * tokens * spec.kv_bytes_per_token // spec.layers
-
     def group_size(self, step: StepShape) -> int:
         """Policy's n, else the smallest n meeting Eqs. (5)-(7) (all micro-batches if none does)."""
         count = len(step.micro_batches)
-        if self.context.policy.group_size:
-            return min(self.context.policy.group_size, count)
+        if self.options.group_size:
+            return min(self.options.group_size, count)
         spec, mb, cost = self.context.spec, step.micro_batches[0], self._cost
         probe = NodeFactory(spec)
         layer = self.moe[0] if self.moe else 0
@@ -242,17 +251,19 @@ class _Evicted:
 class _Group:
     """One group of micro-batches through every layer."""
 
-    def __init__(self, s: KlotskiScheduler, group: Group, last: dict[int, int], evicted: _Evicted) -> None:
-        self.s, self.group, self.last, self.evicted = s, group, last, evicted
+    def __init__(
+        self, scheduler: KlotskiScheduler, group: Group, last: dict[int, int], evicted: _Evicted
+    ) -> None:
+        self.scheduler, self.group, self.last, self.evicted = scheduler, group, last, evicted
         self.freed = evicted.dense
-        self.f, self.spec = s.context.factory, s.context.spec
+        self.factory, self.spec = scheduler.context.factory, scheduler.context.spec
         self.copies: dict[int, int] = {}  # expert of the current layer -> its PAGE_COPY
         self.hot: list[int] = []
         self.dense: dict[int, int] = {}  # layer -> PAGE_COPY of its dense part
         self.kv: dict[tuple[int, int], int] = {}  # (layer, mb) -> KV_LOAD
         self.read: dict[int, int] = {}  # layer -> DISK_LOAD of its weights (disk-homed layers)
         self.start: int | None = None  # the end of the layer before (the host's barrier)
-        self.pageable = not s.context.weights_pinned
+        self.pageable = not scheduler.context.weights_pinned
 
     def run(self) -> PlanStream:
         routing: list[ExpertCounts] = []
@@ -269,24 +280,24 @@ class _Group:
                 yield from self._next_layer(layer + 1, self.start)
             combines = []
             for mb in self.group:
-                tail = layer_tail(self.f, self.spec, layer, mb, posts[mb.index], outputs[mb.index])
+                tail = layer_tail(self.factory, self.spec, layer, mb, posts[mb.index], outputs[mb.index])
                 yield from tail
                 self.last[mb.index] = tail[-1].id
                 combines.append(tail[-1].id)
-            evict = self.f.node(Op.EVICT, Lane.GPU_COMPUTE, layer, deps=combines)
+            evict = self.factory.node(Op.EVICT, Lane.GPU_COMPUTE, layer, deps=combines)
             self.freed.append(evict.id)
-            if layer in self.s.on_disk:
+            if layer in self.scheduler.on_disk:
                 self.evicted.disk.append(evict.id)
             yield evict
 
     def _disk_load(self, layer: int) -> Iterator[TaskNode]:
         """§6.1: a disk-homed layer read into host memory a layer ahead, into a buffer of two such
         layers (after the layer two reads back has left the GPU's dense buffer, its last reader)."""
-        if layer not in self.s.on_disk:
+        if layer not in self.scheduler.on_disk:
             return
         reads, freed = self.evicted.reads, self.evicted.disk
         room = freed[reads - 2] if reads >= 2 and len(freed) >= reads - 1 else None
-        node = self.f.node(Op.DISK_LOAD, Lane.DISK_READ, layer, deps=[room])
+        node = self.factory.node(Op.DISK_LOAD, Lane.DISK_READ, layer, deps=[room])
         self.evicted.reads += 1
         self.read[layer] = node.id
         yield node
@@ -300,20 +311,21 @@ class _Group:
         back = 2 if layer == 0 else 1
         room = self.freed[-back] if len(self.freed) >= back else None
         deps = [room, self.read.get(layer), issued]
-        copy = self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, deps=deps, pageable=self.pageable)
+        copy = self.factory.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, deps=deps, pageable=self.pageable)
         self.dense[layer] = copy.id
         yield copy
         yield self._kv_load(layer, self.group[0], issued)
 
     def _kv_load(self, layer: int, mb: MicroBatchShape, issued: int | None) -> TaskNode:
         """The cache is pageable: Klotski's CPU cache is FlexGen's, allocated unpinned."""
-        node = self._kept(self.f.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb, deps=[issued], pageable=True))
+        node = self.factory.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb, deps=[issued], pageable=True)
+        node = self._kept(node)
         self.kv[(layer, mb.index)] = node.id
         return node
 
     def _kept(self, node: TaskNode) -> TaskNode:
         """A cache copy of a layer whose cache the GPU keeps moves nothing."""
-        return evolve(node, bytes=0) if node.layer < self.s.kv_kept else node
+        return evolve(node, bytes=0) if node.layer < self.scheduler.kv_kept else node
 
     def _attention(self, layer: int, before: list[ExpertCounts]) -> PlanStream:
         """Algorithm 1's attention layer, batch by batch: the next batch's cache in, attention with
@@ -321,7 +333,7 @@ class _Group:
         layer, batch by batch, once the hot experts are in (line 18's sync(load_weight_stream) ends
         the attention layer). What the host issues here waits for the layer before to end (`start`).
         -> (POST_ATTN ids, GATE ids)."""
-        posts, gates = {}, {}
+        f, posts, gates = self.factory, {}, {}
         hot = self._predict(layer, before) if self.spec.is_moe_layer(layer) else []
         for k, mb in enumerate(self.group):
             if k + 1 < len(self.group):
@@ -329,14 +341,15 @@ class _Group:
             if k == max(0, len(self.group) - 2):  # behind the layer's last cache load
                 yield from (self._copy(layer, e, self.start) for e in hot)
             kv = self.kv.pop((layer, mb.index))
-            nodes = offloaded_kv_attention(self.f, layer, mb, self.last[mb.index], kv, self.dense[layer])
-            nodes[2] = self._kept(evolve(nodes[2], pageable=True))  # KV_STORE into the unpinned cache
-            posts[mb.index] = nodes[-1].id
+            nodes = offloaded_kv_attention(f, layer, mb, self.last[mb.index], kv, self.dense[layer])
+            store = self._kept(evolve(nodes.store, pageable=True))  # KV_STORE into the unpinned cache
+            nodes = evolve(nodes, store=store)
+            posts[mb.index] = nodes.post.id
             yield from nodes
         if self.spec.is_moe_layer(layer):
             synced = [self.copies[e] for e in hot]
             for mb in self.group:
-                gate = self.f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[posts[mb.index], *synced])
+                gate = f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[posts[mb.index], *synced])
                 gates[mb.index] = gate.id
                 yield gate
         return posts, gates
@@ -347,7 +360,7 @@ class _Group:
         """Routing and cold copies in arrival order, the next layer's weights and first cache, then the
         FFNs hot first. -> this layer's routing."""
         routing, hot, cold = [], self.hot, []
-        resident = self.s.resident[layer]
+        resident = self.scheduler.resident[layer]
         for mb in self.group:
             counts = yield RoutingRequest(layer, mb.index, gates[mb.index])
             routing.append(counts)
@@ -358,8 +371,8 @@ class _Group:
         used = {e for counts in routing for e in counts.experts}
         for e in hot:
             if e not in used:
-                yield self.f.node(Op.EVICT, Lane.GPU_COMPUTE, layer, expert=e, deps=[self.copies[e]])
-        self.s.table.learn(before, routing)
+                yield self.factory.node(Op.EVICT, Lane.GPU_COMPUTE, layer, expert=e, deps=[self.copies[e]])
+        self.scheduler.table.learn(before, routing)
         if layer + 1 < self.spec.layers:
             yield from self._next_layer(layer + 1, None)  # issued once the last gate's routing is read
         first = sorted(e for e in used if e in resident or e in hot)
@@ -381,24 +394,24 @@ class _Group:
             tokens = counts.tokens(expert)
             if tokens:
                 deps = [gates[mb.index], copy]
-                ffn = self.f.node(
+                ffn = self.factory.node(
                     Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, expert, deps=deps, tokens=tokens
                 )
                 outputs[mb.index].append(ffn.id)
                 yield ffn
         if copy is not None:
-            yield self.f.node(Op.EVICT, Lane.GPU_COMPUTE, layer, expert=expert, deps=[copy])
+            yield self.factory.node(Op.EVICT, Lane.GPU_COMPUTE, layer, expert=expert, deps=[copy])
 
     def _predict(self, layer: int, before: list[ExpertCounts]) -> list[int]:
         """The K hot experts of `layer` predicted from `before` (the previous MoE layer's routing)."""
-        among = [e for e in range(self.spec.moe.experts) if e not in self.s.resident[layer]]
-        self.hot = self.s.table.hot(layer, before, self.s.k, among)
+        among = [e for e in range(self.spec.moe.experts) if e not in self.scheduler.resident[layer]]
+        self.hot = self.scheduler.table.hot(layer, before, self.scheduler.k, among)
         self.copies = {}
         return self.hot
 
     def _copy(self, layer: int, expert: int, after: int | None) -> TaskNode:
         deps = [after, self.read.get(layer)]
-        node = self.f.node(
+        node = self.factory.node(
             Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=expert, deps=deps, pageable=self.pageable
         )
         self.copies[expert] = node.id

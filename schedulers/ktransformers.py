@@ -32,7 +32,9 @@ python/sglang/srt/layers/moe/kt_ep_wrapper.py and server_args.py
   layer's output buffer; the layer combines without them, and the next layer's MoE output adds
   them (kt-kernel's `incremental` merge): the deferred sum enters the residual at layer l+1's
   combine, after l+1's attention and gate, which never see it. So the CPU computes layer l's
-  deferred experts while the GPU runs layer l+1's attention.
+  deferred experts while the GPU runs layer l+1's attention. The plan says so: the deferred
+  experts' EXPERT_FFN and EXPERT_LOAD nodes name layer l+1 as the one whose combine adds them
+  (`TaskNode.combined_at`), and that combine waits for their EXPERT_LOAD.
 - the last layer never defers (sglang: "the final layer always uses 0"); nor, here, a layer whose
   next layer is dense (kt-kernel picks deferred outputs up only at the next layer's MoE) or whose
   experts are on the GPU (kt-kernel defers only CPU experts).
@@ -58,10 +60,20 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from attrs import evolve, frozen
+
 from flowmoe.core.errors import ConfigError
+from flowmoe.core.options import check_options, option
 from flowmoe.core.plan import ExpertCounts, Lane, Op
-from flowmoe.core.policy import check_defer
-from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
+from flowmoe.core.ranges import IntRange
+from flowmoe.core.scheduling import (
+    MicroBatchShape,
+    PlanStream,
+    Residency,
+    Scheduler,
+    SchedulerContext,
+    StepShape,
+)
 from flowmoe.core.spec import ModelSpec
 from flowmoe.schedulers.layer_nodes import (
     check_placement,
@@ -72,22 +84,50 @@ from flowmoe.schedulers.layer_nodes import (
 )
 
 
-class KTransformersScheduler:
+def check_defer(defer: int, spec: ModelSpec) -> None:
+    """Expert Deferral keeps at least one expert of each token in its own layer."""
+    if defer and defer >= spec.moe.top_k:
+        raise ConfigError(
+            f"--defer-experts {defer} must be below the model's top-k ({spec.moe.top_k}): "
+            "each token keeps at least one expert in its own layer"
+        )
+
+
+@frozen
+class KTransformersOptions:
+    """KTransformers' Expert Deferral."""
+
+    defer_experts: int = option(
+        0,
+        "KTransformers' Expert Deferral: experts per token whose output goes into the next layer, so the "
+        "CPU computes them during its attention (0: none). K > 0 CHANGES THE MODEL'S OUTPUTS (not eager's "
+        "tokens; the paper reports <= 0.5% accuracy drop)",
+        IntRange(0),
+        label="defer",
+        check=check_defer,
+        caution="KTransformers' Expert Deferral changes the model's outputs (not eager's tokens; "
+        "bench/deferral.py measures by how much)",
+    )
+
+
+class KTransformersScheduler(Scheduler):
     name: ClassVar[str] = "ktransformers"
     summary: ClassVar[str] = (
         "KTransformers hybrid placement: routed experts on the CPU (the first weights_gpu_share of MoE "
         "layers on the GPU), attention and shared experts on the GPU, overlapping; K = 0 (default) is "
         "exact. --defer-experts K > 0 (Expert Deferral) CHANGES OUTPUTS: not eager's tokens"
     )
+    Options: ClassVar[type[KTransformersOptions]] = KTransformersOptions
 
     def __init__(self, context: SchedulerContext) -> None:
-        self.context = context
+        super().__init__(context)
         spec, policy = context.spec, context.policy
+        self.options = policy.options_for(self.Options)
+        check_options(self.options, spec)
         check_placement(self.name, policy, ffn=("gpu", "cpu"))
         moe = moe_layers(spec) if policy.ffn_on == "gpu" else []
         self.on_gpu = frozenset(moe[: round(policy.weights_gpu_share * len(moe))])
-        self.defer = policy.defer_experts
-        check_defer(self.defer, spec.moe.top_k)
+        self.defer = self.options.defer_experts
         self.deferring = deferring_layers(spec, self.on_gpu) if self.defer else frozenset()
         self._carried: dict[int, int] = {}  # micro-batch -> the EXPERT_LOAD of its last deferred experts
 
@@ -95,12 +135,6 @@ class KTransformersScheduler:
         spec = self.context.spec
         experts = frozenset((layer, e) for layer in self.on_gpu for e in range(spec.moe.experts))
         return Residency(Residency.dense_only(spec).dense, experts)
-
-    def weight_buffer_bytes(self) -> int:
-        return 0
-
-    def kv_on_gpu(self) -> bool:
-        return True
 
     def plan(self, step: StepShape) -> PlanStream:
         self._carried = {}
@@ -123,9 +157,10 @@ class KTransformersScheduler:
         later = set(self._deferred(counts, defer))
         on_cpu = cpu_experts(f, layer, mb, gate, [(e, n) for e, n in counts.counts if e not in later])
         yield from on_cpu
-        if later:  # after the kept experts on the CPU lane; the next layer's combine waits for them
+        if later:  # after the kept experts on the CPU lane; the next layer's combine adds them
             deferred = [(e, n) for e, n in counts.counts if e in later]
             nodes = cpu_experts(f, layer, mb, gate, deferred, offload=on_cpu[0] if on_cpu else None)
+            nodes = [evolve(n, combined_at=layer + 1) if n.op in EXPERT_OUTPUTS else n for n in nodes]
             yield from nodes
             self._carried[mb.index] = nodes[-1].id
         return ([on_cpu[-1].id] if on_cpu else []) + carried
@@ -139,6 +174,9 @@ class KTransformersScheduler:
                 "weights); use a synthetic routing or a trace recorded with --defer-experts"
             )
         return counts.deferrable(self.context.spec.moe.top_k - defer)
+
+
+EXPERT_OUTPUTS = (Op.EXPERT_FFN, Op.EXPERT_LOAD)  # the nodes that make or move an expert's output
 
 
 def deferring_layers(spec: ModelSpec, on_gpu: frozenset[int] = frozenset()) -> frozenset[int]:

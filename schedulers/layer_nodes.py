@@ -10,11 +10,11 @@ ranking of experts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
 
 import structlog
-from attrs import evolve
+from attrs import evolve, frozen
 
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import ConfigError
@@ -81,17 +81,31 @@ def gpu_attention(f: NodeFactory, layer: int, mb: MicroBatchShape, after: int) -
     return [pre, attn, f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id])]
 
 
+@frozen
+class OffloadedAttention:
+    """Attention on the GPU over a KV cache whose home is the CPU, its nodes by name; iterated, in
+    launch order. A scheduler that stores the cache its own way swaps `store` (`attrs.evolve`)."""
+
+    pre: TaskNode  # PRE_ATTN
+    attn: TaskNode  # GPU_ATTN
+    store: TaskNode  # KV_STORE of this step's k, v (d2h)
+    post: TaskNode  # POST_ATTN
+
+    def __iter__(self) -> Iterator[TaskNode]:
+        return iter((self.pre, self.attn, self.store, self.post))
+
+
 def offloaded_kv_attention(
     f: NodeFactory, layer: int, mb: MicroBatchShape, after: int, kv_load: int, weights: int | None = None
-) -> list[TaskNode]:
+) -> OffloadedAttention:
     """PRE_ATTN (after `weights`, the copy of the layer's dense part, if any) -> GPU_ATTN (after
     `kv_load` brought the cache layer in) -> KV_STORE of this step's k, v (d2h) -> POST_ATTN, for a
-    KV cache whose home is the CPU; the last node is POST_ATTN."""
+    KV cache whose home is the CPU."""
     gpu = Lane.GPU_COMPUTE
     pre = f.node(Op.PRE_ATTN, gpu, layer, mb, deps=[after, weights])
     attn = f.node(Op.GPU_ATTN, gpu, layer, mb, deps=[pre.id, kv_load])
     store = f.node(Op.KV_STORE, Lane.GPU_D2H, layer, mb, deps=[attn.id])
-    return [pre, attn, store, f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id])]
+    return OffloadedAttention(pre, attn, store, f.node(Op.POST_ATTN, gpu, layer, mb, deps=[attn.id]))
 
 
 def kept_sequences(share: float, sequences: int) -> int:

@@ -47,15 +47,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import ClassVar
 
-from attrs import define, field
+from attrs import define, field, frozen
 
-from flowmoe.core.errors import ConfigError
+from flowmoe.core.options import option
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest
+from flowmoe.core.ranges import IntRange
 from flowmoe.core.scheduling import (
     MicroBatchShape,
     NodeFactory,
     PlanStream,
     Residency,
+    Scheduler,
     SchedulerContext,
     StepShape,
 )
@@ -69,6 +71,16 @@ from flowmoe.schedulers.layer_nodes import (
     lm_heads,
     moe_layers,
 )
+from flowmoe.schedulers.shared_options import ExpertCacheOptions, PagedOptions
+
+
+@frozen
+class LRUCacheOptions(ExpertCacheOptions, PagedOptions):
+    """The cache's slots S and ways M (N = S / M indexes), and the page size of its loads."""
+
+    cache_ways: int = option(
+        4, "ways per set of the expert cache (its associativity M)", IntRange(1), label="ways"
+    )
 
 
 @define
@@ -87,26 +99,26 @@ class _Line:
         return not self.pending
 
 
-class LRUCacheScheduler:
+class LRUCacheScheduler(Scheduler):
     name: ClassVar[str] = "lru-cache"
     summary: ClassVar[str] = (
         "collaborative inference: N-index x M-way LRU expert cache by layer; misses on the CPU, "
         "post-fetched behind; layers >= N on the CPU"
     )
+    Options: ClassVar[type[LRUCacheOptions]] = LRUCacheOptions
 
     def __init__(self, context: SchedulerContext) -> None:
-        self.context = context
+        super().__init__(context)
         spec, policy = context.spec, context.policy
+        options = self.options = policy.options_for(self.Options)
         check_placement(self.name, policy)
-        if policy.cache_ways < 1:
-            raise ConfigError(f"cache_ways must be at least 1, got {policy.cache_ways}")
         self.moe = moe_layers(spec)
-        self.ways = min(policy.cache_ways, spec.moe.experts)
+        self.ways = min(options.cache_ways, spec.moe.experts)
         total = len(self.moe) * spec.moe.experts
-        slots = policy.expert_cache_slots or round(policy.weights_gpu_share * total)
-        self.covered = self.moe[: slots // policy.cache_ways]  # the N indexes: MoE layers 0..N-1
+        slots = options.expert_cache_slots or round(policy.weights_gpu_share * total)
+        self.covered = self.moe[: slots // options.cache_ways]  # the N indexes: MoE layers 0..N-1
         self.sets: dict[int, OrderedDict[int, _Line]] = {layer: OrderedDict() for layer in self.covered}
-        self.parts = max(1, -(-spec.expert_bytes // policy.page_bytes))
+        self.parts = max(1, -(-spec.expert_bytes // options.page_bytes))
         self._pending: list[tuple[_Line, int]] = []
         self._evicted: dict[
             tuple[int, int], int
@@ -126,9 +138,6 @@ class LRUCacheScheduler:
 
     def weight_buffer_bytes(self) -> int:
         return len(self.covered) * self.ways * self.context.spec.expert_bytes
-
-    def kv_on_gpu(self) -> bool:
-        return True
 
     def report(self) -> dict[str, float]:
         lookups = self.hits + self.misses

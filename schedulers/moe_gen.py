@@ -31,10 +31,10 @@ Per layer, in flowmoe's nodes, for each expert group (below):
    is evicted after the gates. The GEMM is one EXPERT_FFN node per micro-batch
    routed to the expert (so each micro-batch's combine waits for its own),
    each waiting for every gate of the group and priced at the GEMM's rows,
-   the weights read by the first: a real run launches the GEMM at the first
+   the weights read by the first; each names the micro-batches the GEMM
+   serves (`TaskNode.serves`), so a real run launches the GEMM at the first
    of them, over the group's tokens in micro-batch order and in chunks of
-   those rows, and the others find their outputs done (the runtime's
-   `_expert_batch`);
+   those rows, and the others wait for it and find their outputs done;
 3. the tail (shared expert, combine) of each micro-batch.
 
 Expert groups: the expert batch is every micro-batch of the step (a decode
@@ -60,15 +60,15 @@ layer's expert copies are paid once for N tokens, and `ahead` (the copies that
 fit in the layer's attention time, at least one) keeps the link busy while the
 GPU (or the CPU) attends.
 
-Memory (`gpu_working_bytes`): one layer's offloaded experts (the expert
-buffer: the released config's 8 routed-expert module buffers), the KV buffers
-of the largest micro-batch at its longest context, the post-attention
-activations of one layer for every micro-batch of the step (flowmoe's runtime
-keeps them until the next layer's combine), the expert group's residual
-stream and top-k expert outputs, and one micro-batch's working set; host
-memory holds the whole KV cache (the simulator's host check). A real run's
-memory check counts the KV buffers alike (`kv_working_bytes`), not two layers
-of the whole batch's cache.
+Memory (`core.memory.gpu_memory` from its answers): one layer's offloaded
+experts (the expert buffer: the released config's 8 routed-expert module
+buffers), the KV buffers of the largest micro-batch at its longest context
+(`kv_working_bytes`, not two layers of the whole batch's cache), the
+post-attention activations of one layer for every micro-batch of the step
+(flowmoe's runtime keeps them until the next layer's combine) and the expert
+group's residual stream and top-k expert outputs (`gpu_working_bytes`), and
+one micro-batch's working set, at the prefill and at the last decode step;
+host memory holds the whole KV cache.
 
 Deviations, each with its reason: MoE-Gen can split one step's attention
 between the GPU and the CPU by a ratio (its attention mode 2, `SPLIT_RATIO_W`);
@@ -96,14 +96,16 @@ from attrs import evolve
 
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.hardware import HardwareSpec
-from flowmoe.core.memory import activation_bytes, host_need, resident_bytes
+from flowmoe.core.memory import activation_bytes, gpu_memory, host_need, resident_bytes
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.policy import Place, Policy
 from flowmoe.core.scheduling import (
+    BatchShape,
     MicroBatchShape,
     NodeFactory,
     PlanStream,
     Residency,
+    Scheduler,
     SchedulerContext,
     StepShape,
 )
@@ -148,7 +150,7 @@ def expert_groups(spec: ModelSpec, step: StepShape, room: int | None) -> list[tu
     return [*groups, tuple(current)]
 
 
-class MoEGenScheduler:
+class MoEGenScheduler(Scheduler):
     name: ClassVar[str] = "moe-gen"
     summary: ClassVar[str] = (
         "MoE-Gen module-based batching: KV cache and tokens in host memory, attention per micro-batch "
@@ -156,7 +158,7 @@ class MoEGenScheduler:
     )
 
     def __init__(self, context: SchedulerContext) -> None:
-        self.context = context
+        super().__init__(context)
         spec, policy = context.spec, context.policy
         check_placement(self.name, policy, attention=("gpu", "cpu"))
         self.cpu_attention = policy.attention_on == "cpu"
@@ -176,22 +178,23 @@ class MoEGenScheduler:
     def kv_on_gpu(self) -> bool:
         return False
 
-    def kv_working_bytes(self, sequences: int, max_len: int) -> int:
-        """The GPU KV buffers a run of `sequences` sequences of up to `max_len` tokens fills at most:
-        KV_BUFFERS micro-batches' slices of one layer (none with the attention on the CPU)."""
-        mu = min(sequences, self.context.policy.micro_batch_size)
-        return 0 if self.cpu_attention else kv_buffer_bytes(self.context.spec, mu * max_len)
+    def kv_working_bytes(self, batch: BatchShape, step: StepShape) -> int:
+        """The GPU KV buffers of `step` (not two layers of the whole batch's cache)."""
+        return self._kv_buffers(step)
+
+    def _kv_buffers(self, step: StepShape) -> int:
+        """The KV buffers at the step's largest micro-batch context (none with the attention on the
+        CPU): KV_BUFFERS micro-batches' slices of one layer."""
+        kv_tokens = max(mb.kv_tokens for mb in step.micro_batches)
+        return 0 if self.cpu_attention else kv_buffer_bytes(self.context.spec, kv_tokens)
 
     # ---- memory
 
     def _extra_bytes(self, step: StepShape) -> int:
-        """The KV buffers at the step's largest micro-batch context (GPU attention), and one layer's
-        post-attention activations of every micro-batch of the step."""
+        """The KV buffers (GPU attention), and one layer's post-attention activations of every
+        micro-batch of the step."""
         spec = self.context.spec
-        kv = (
-            0 if self.cpu_attention else kv_buffer_bytes(spec, max(mb.kv_tokens for mb in step.micro_batches))
-        )
-        return kv + step.tokens * spec.hidden * spec.dtype_bytes
+        return self._kv_buffers(step) + step.tokens * spec.hidden * spec.dtype_bytes
 
     def groups(self, step: StepShape) -> list[tuple[MicroBatchShape, ...]]:
         """The step's expert groups: as many micro-batches as the GPU's budget leaves room for next to
@@ -204,16 +207,13 @@ class MoEGenScheduler:
                  + activation_bytes(spec, largest.tokens, largest.sequences))  # fmt: skip
         return expert_groups(spec, step, budget - fixed)
 
-    def gpu_working_bytes(self, steps: Sequence[StepShape]) -> int:
-        """GPU bytes beyond the resident weights, the expert buffer and one micro-batch's activations
-        (which the memory check counts itself) at the largest of `steps`: the KV buffers, one layer's
+    def gpu_working_bytes(self, step: StepShape) -> int:
+        """GPU bytes of the step beyond the resident weights, the expert buffer, the KV buffers and
+        one micro-batch's activations (which the memory check counts itself): one layer's
         post-attention activations of the step, the largest expert group's tokens."""
-        per_token = group_token_bytes(self.context.spec)
-        return max(
-            (self._extra_bytes(step) + max(sum(mb.tokens for mb in g) for g in self.groups(step)) * per_token
-             for step in steps),
-            default=0,
-        )  # fmt: skip
+        spec = self.context.spec
+        group = max(sum(mb.tokens for mb in g) for g in self.groups(step))
+        return step.tokens * spec.hidden * spec.dtype_bytes + group * group_token_bytes(spec)
 
     # ---- the plan
 
@@ -241,7 +241,7 @@ class MoEGenScheduler:
             slot = kv_free[-KV_BUFFERS] if len(kv_free) >= KV_BUFFERS else None
             load = f.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb, deps=[slot])
             nodes = offloaded_kv_attention(f, layer, mb, after, load.id)
-            kv_free.append(nodes[2].id)  # the KV_STORE frees the buffer
+            kv_free.append(nodes.store.id)  # the KV_STORE frees the buffer
             return [load, *nodes]
         pre = f.node(Op.PRE_ATTN, Lane.GPU_COMPUTE, layer, mb, deps=[after])
         qkv = f.node(Op.QKV_OFFLOAD, Lane.GPU_D2H, layer, mb, deps=[pre.id])
@@ -380,17 +380,20 @@ class MoEGenScheduler:
         deps: Sequence[int | None],
     ) -> list[TaskNode]:
         """One GEMM of `expert` over the group's tokens, as one EXPERT_FFN per micro-batch that routed
-        to it: each at the GEMM rows of the whole group (up to EXPERT_ROWS), the weights read by the
-        first only."""
+        to it, each serving them all (`serves`: the first runs the GEMM, the others wait for it and
+        find their outputs there): each at the GEMM rows of the whole group (up to EXPERT_ROWS), the
+        weights read by the first only."""
         spec, f = self.context.spec, self.context.factory
-        rows = min(EXPERT_ROWS, sum(counts.tokens(expert) for counts in routing))
+        served = [(mb, counts.tokens(expert)) for mb, counts in zip(group, routing, strict=True)]
+        served = [(mb, tokens) for mb, tokens in served if tokens]
+        rows = min(EXPERT_ROWS, sum(tokens for _, tokens in served))
         weights = 3 * spec.hidden * spec.moe.intermediate * spec.dtype_bytes
+        serves = [mb.index for mb, _ in served]
         nodes: list[TaskNode] = []
-        for mb, counts in zip(group, routing, strict=True):
-            tokens = counts.tokens(expert)
-            if tokens:
-                node = f.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, expert, deps=deps, tokens=tokens)
-                nodes.append(evolve(node, rows=rows, bytes=node.bytes - (weights if nodes else 0)))
+        for mb, tokens in served:
+            after = [*deps, nodes[0].id] if nodes else deps
+            node = f.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, expert, after, tokens, serves=serves)
+            nodes.append(evolve(node, rows=rows, bytes=node.bytes - (weights if nodes else 0)))
         return nodes
 
 
@@ -483,17 +486,6 @@ def _fits(spec: ModelSpec, hw: HardwareSpec, policy: Policy, budget: int, prompt
     context = SchedulerContext(
         spec, evolve(policy, gpu_memory=budget), NodeFactory(spec), RooflineCost(hw, spec)
     )
-    sched = MoEGenScheduler(context)
     mu, n = policy.micro_batch_size, policy.batch_size
-    sizes = [min(mu, n - start) for start in range(0, n, mu)]
-    prefill = tuple(MicroBatchShape.from_lengths(i, [prompt] * s, [0] * s) for i, s in enumerate(sizes))
-    last = tuple(
-        MicroBatchShape.from_lengths(i, [1] * s, [prompt + gen - 2] * s) for i, s in enumerate(sizes)
-    )
-    weights = resident_bytes(spec, sched.residency()) + sched.weight_buffer_bytes()
-    for step in (StepShape(0, True, prefill), StepShape(gen - 1, False, last)):
-        largest = max(step.micro_batches, key=lambda mb: mb.tokens)
-        working = activation_bytes(spec, largest.tokens, largest.sequences) + sched.gpu_working_bytes([step])
-        if weights + working > budget:
-            return False
-    return True
+    batch = BatchShape.of([prompt] * n, mu, gen)
+    return gpu_memory(MoEGenScheduler(context), batch).total <= budget

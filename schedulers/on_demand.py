@@ -24,18 +24,25 @@ from collections import deque
 from typing import ClassVar
 
 from flowmoe.core.plan import Lane, Op, TaskNode
-from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
+from flowmoe.core.scheduling import (
+    MicroBatchShape,
+    PlanStream,
+    Residency,
+    Scheduler,
+    SchedulerContext,
+    StepShape,
+)
 from flowmoe.schedulers.layer_nodes import check_placement, gate_and_route, model_order
 
 SLOTS = 2  # experts the GPU buffer holds: the one computing and the next one copying
 
 
-class OnDemandScheduler:
+class OnDemandScheduler(Scheduler):
     name: ClassVar[str] = "on-demand"
     summary: ClassVar[str] = "dense parts resident; each routed expert copied in before its FFN, then evicted"
 
     def __init__(self, context: SchedulerContext) -> None:
-        self.context = context
+        super().__init__(context)
         check_placement(self.name, context.policy)
 
     @property
@@ -49,9 +56,6 @@ class OnDemandScheduler:
         spec = self.context.spec
         has_moe = any(spec.is_moe_layer(layer) for layer in range(spec.layers))
         return self.slots * spec.expert_bytes if has_moe else 0
-
-    def kv_on_gpu(self) -> bool:
-        return True
 
     def plan(self, step: StepShape) -> PlanStream:
         return model_order(self.context.factory, self.context.spec, step, self._experts)

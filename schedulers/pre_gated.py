@@ -54,7 +54,14 @@ from __future__ import annotations
 from typing import ClassVar
 
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
-from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
+from flowmoe.core.scheduling import (
+    MicroBatchShape,
+    PlanStream,
+    Residency,
+    Scheduler,
+    SchedulerContext,
+    StepShape,
+)
 from flowmoe.schedulers.layer_nodes import (
     check_placement,
     embeddings,
@@ -66,7 +73,7 @@ from flowmoe.schedulers.layer_nodes import (
 )
 
 
-class PreGatedScheduler:
+class PreGatedScheduler(Scheduler):
     name: ClassVar[str] = "pre-gated"
     summary: ClassVar[str] = (
         "Pre-gated MoE, speculative: the next layer's own router on this layer's hidden state predicts "
@@ -75,7 +82,7 @@ class PreGatedScheduler:
     )
 
     def __init__(self, context: SchedulerContext) -> None:
-        self.context = context
+        super().__init__(context)
         check_placement(self.name, context.policy)
         self.hits = 0  # routed experts the pre-gate predicted (per layer and micro-batch)
         self.misses = 0  # routed experts it did not predict (fetched on demand, unless already in)
@@ -102,9 +109,6 @@ class PreGatedScheduler:
         """Two consecutive MoE layers of experts at most: the layer computing and the one prefetched."""
         spec = self.context.spec
         return two_layers_bytes([spec.layer_expert_bytes(layer) for layer in moe_layers(spec)])
-
-    def kv_on_gpu(self) -> bool:
-        return True
 
     def _predicts(self, layer: int) -> int | None:
         """The MoE layer whose experts layer `layer` predicts, or None (ModelSpec.pregate_source):

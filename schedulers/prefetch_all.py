@@ -22,7 +22,14 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from flowmoe.core.scheduling import MicroBatchShape, PlanStream, Residency, SchedulerContext, StepShape
+from flowmoe.core.scheduling import (
+    MicroBatchShape,
+    PlanStream,
+    Residency,
+    Scheduler,
+    SchedulerContext,
+    StepShape,
+)
 from flowmoe.schedulers.layer_nodes import (
     check_placement,
     copied_experts,
@@ -36,12 +43,12 @@ from flowmoe.schedulers.layer_nodes import (
 )
 
 
-class PrefetchAllScheduler:
+class PrefetchAllScheduler(Scheduler):
     name: ClassVar[str] = "prefetch-all"
     summary: ClassVar[str] = "dense parts resident; all experts of layer l+1 copied while layer l computes"
 
     def __init__(self, context: SchedulerContext) -> None:
-        self.context = context
+        super().__init__(context)
         check_placement(self.name, context.policy)
 
     def residency(self) -> Residency:
@@ -51,9 +58,6 @@ class PrefetchAllScheduler:
         """Two consecutive layers of experts: the layer computing and the one being copied."""
         spec = self.context.spec
         return two_layers_bytes([spec.layer_expert_bytes(layer) for layer in range(spec.layers)])
-
-    def kv_on_gpu(self) -> bool:
-        return True
 
     def plan(self, step: StepShape) -> PlanStream:
         f, spec = self.context.factory, self.context.spec

@@ -25,7 +25,6 @@ from flowmoe.core.spec import ModelSpec
 
 ENTRY_POINT_GROUP = "flowmoe.schedulers"
 NOT_PLUGINS = {"registry", "layer_nodes"}  # the public node builders (the plugin SDK), not a scheduler
-METHODS = ("residency", "weight_buffer_bytes", "kv_on_gpu", "plan")
 
 
 @cache
@@ -39,8 +38,8 @@ def builtin() -> dict[str, type[Scheduler]]:
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if (
                 cls.__module__ == module.__name__
-                and isinstance(getattr(cls, "name", None), str)
-                and hasattr(cls, "plan")
+                and issubclass(cls, Scheduler)
+                and not inspect.isabstract(cls)
             ):
                 found[cls.name] = cls
     return found
@@ -75,11 +74,13 @@ def load(name: str) -> type[Scheduler]:
 
 
 def _class_problem(cls: object) -> str | None:
-    if not inspect.isclass(cls):
-        return f"is a {type(cls).__name__}, not a scheduler class"
-    if not isinstance(getattr(cls, "summary", None), str):
-        return "has no `summary` (a one-line str class attribute)"
-    missing = [m for m in METHODS if not callable(getattr(cls, m, None))]
+    if not inspect.isclass(cls) or not issubclass(cls, Scheduler):
+        what = f"the class {cls.__name__}" if inspect.isclass(cls) else f"a {type(cls).__name__}"
+        return f"is {what}, not a scheduler class (a subclass of flowmoe.core.scheduling.Scheduler)"
+    for attribute in ("name", "summary"):
+        if not isinstance(inspect.getattr_static(cls, attribute, None), str):
+            return f"has no `{attribute}` (a one-line str class attribute)"
+    missing = sorted(cls.__abstractmethods__)
     return f"lacks {', '.join(missing)}" if missing else None
 
 
@@ -149,7 +150,7 @@ def checked_plan(scheduler: Scheduler, step: StepShape) -> PlanStream:
     """`scheduler.plan(step)`, failing with a PlanError naming the scheduler if it is not a
     generator, raises, yields something that is neither a TaskNode nor a RoutingRequest, or
     plans no node at all."""
-    name = getattr(scheduler, "name", type(scheduler).__name__)
+    name = scheduler.name
     try:
         plan = scheduler.plan(step)
     except FlowmoeError:

@@ -81,8 +81,9 @@ def generate(model: MoEModel, runner, micro_batches: int = 2, new_tokens: int = 
         return out
 
     async def go() -> list[Result]:
+        homes = runner.cache_device if isinstance(runner, Runtime) else "cpu"
         engine = Engine(model, recording, max_new_tokens=new_tokens,
-                        cache_device=getattr(runner, "cache_device", torch.device("cpu")))  # fmt: skip
+                        cache_device=homes)  # fmt: skip
         size = -(-len(REQUESTS) // micro_batches)
         mbs = [engine.micro_batch(i, REQUESTS[i * size : (i + 1) * size]) for i in range(micro_batches)]
         return [r async for r in engine.run_batch(mbs)]

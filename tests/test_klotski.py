@@ -7,12 +7,14 @@ from attrs import evolve
 
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.hardware import hardware
+from flowmoe.core.memory import gpu_memory
 from flowmoe.core.plan import ExpertCounts, Op
 from flowmoe.core.policy import Policy
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.scheduling import StepShape
 from flowmoe.schedulers._correlation import CorrelationTable
 from flowmoe.study.simulate import simulate
+from tests.helpers import rectangle
 from tests.test_sched_pipelines import MIXTRAL, T4, decode_step, scheduler, shifting_trace, spans_of
 
 EPS = 1e-12
@@ -118,11 +120,14 @@ def test_klotski_keeps_the_caches_of_the_first_layers_on_the_gpu() -> None:
     spans = run(policy)
     for s in spans_of(spans, Op.KV_LOAD) + spans_of(spans, Op.KV_STORE):
         assert (s.node.bytes == 0) == (s.node.layer < 2), s.node.label
-    step = decode_step(2, 16, 512)
+    batch = rectangle(32, 512, micro_batch=16)  # the memory figure counts the GPU-kept layers once
+    whole = 32 * 512 * MIXTRAL.kv_bytes_per_token
+    working = 2 * whole // MIXTRAL.layers  # two layers' working copies of the CPU-homed ones
     klotski = scheduler("klotski", MIXTRAL, policy)
-    tokens = sum(mb.kv_tokens for mb in step.micro_batches)
-    assert klotski.gpu_working_bytes([step]) == 2 * tokens * MIXTRAL.kv_bytes_per_token // 4
-    assert scheduler("klotski", MIXTRAL, evolve(policy, kv_gpu_share=0.0)).gpu_working_bytes([step]) == 0
+    assert gpu_memory(klotski, batch).kv_cache == 2 * whole // MIXTRAL.layers + working
+    assert (
+        gpu_memory(scheduler("klotski", MIXTRAL, evolve(policy, kv_gpu_share=0.0)), batch).kv_cache == working
+    )
 
 
 def test_klotski_hot_experts_are_the_most_counted_top_k_followers() -> None:

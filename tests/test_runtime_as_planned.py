@@ -31,6 +31,7 @@ from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.device_weights import Devices
 from flowmoe.runtime.runner import Runtime
 from flowmoe.study.simulate import Setup, Simulation, simulate
+from tests.helpers import rectangle
 from tests.hf_models import hf_model, save_hf
 from tests.schedule_fixtures import generate, run_eager
 
@@ -89,16 +90,16 @@ def test_klotski_homes_the_caches_of_its_first_layers_on_the_gpu(
         return attention(self, layer, q, k, v, kv, layout, lw)
 
     stores: list[int] = []
-    store = actions._HANDLERS[Op.KV_STORE]
+    store = actions.HANDLERS[Op.KV_STORE]
 
     def storing(s, n) -> None:
-        copied = (n.layer, n.mb) in s.kv_work
+        copied = (n.layer, n.mb) in s.acts.kv_work
         store(s, n)
         if copied:
             stores.append(n.layer)
 
     monkeypatch.setattr(MoEModel, "attention", attending)
-    monkeypatch.setitem(actions._HANDLERS, Op.KV_STORE, storing)
+    monkeypatch.setitem(actions.HANDLERS, Op.KV_STORE, storing)
     results, runtime = generated(model, "klotski", KLOTSKI)
 
     gpu, cpu = runtime.devices.gpu, runtime.devices.cpu
@@ -119,7 +120,7 @@ def test_klotski_homes_the_caches_of_its_first_layers_on_the_gpu(
     assert gpu_memory == {w + 2 * layer_bytes for w in weights}
 
     two_layers = 2 * 5 * 20 * model.spec.kv_bytes_per_token // model.spec.layers
-    assert runtime.check_memory(5, 20, 30).kv_cache == 2 * two_layers  # GPU-homed, and working copies
+    assert runtime.check_memory(rectangle(5, 20)).kv_cache == 2 * two_layers  # GPU-homed, and working copies
 
 
 def test_klotski_with_no_gpu_share_keeps_the_whole_cache_on_the_cpu(model: MoEModel) -> None:
@@ -127,7 +128,7 @@ def test_klotski_with_no_gpu_share_keeps_the_whole_cache_on_the_cpu(model: MoEMo
     runtime.close()
     assert runtime.kv_gpu == frozenset() and runtime.cache_device == runtime.devices.cpu
     whole = 4 * 16 * model.spec.kv_bytes_per_token
-    assert runtime.check_memory(4, 16, 8).kv_cache == 2 * whole // model.spec.layers
+    assert runtime.check_memory(rectangle(4, 16)).kv_cache == 2 * whole // model.spec.layers
 
 
 def test_cache_homes_follow_the_runtimes_devices(model: MoEModel) -> None:
@@ -190,9 +191,9 @@ def test_moe_gen_memory_check_counts_its_kv_buffers(model: MoEModel, where: str)
     policy = Policy(micro_batch_size=3, micro_batches=3, weights_gpu_share=0.0, attention_on=where)
     runtime = Runtime.create(model, "moe-gen", policy, device="cpu")
     runtime.close()
-    slices = moe_gen.KV_BUFFERS * 3 * 16 * model.spec.kv_bytes_per_token // model.spec.layers
-    expected = slices if where == "gpu" else 0  # three slices of one layer of 3 sequences of 16 tokens
-    assert runtime.check_memory(8, 16, 8).kv_cache == expected
+    slices = moe_gen.KV_BUFFERS * 3 * 15 * model.spec.kv_bytes_per_token // model.spec.layers
+    expected = slices if where == "gpu" else 0  # three slices of one layer of 3 sequences of 15 cached tokens
+    assert runtime.check_memory(rectangle(8, 16, micro_batch=3)).kv_cache == expected  # the last decode step
     assert expected < 2 * 8 * 16 * model.spec.kv_bytes_per_token // model.spec.layers
 
 
@@ -224,7 +225,7 @@ def test_flexgen_keeps_its_kv_gpu_share_of_every_cache_layer_on_the_gpu(
 
     loads: list[tuple[TaskNode, StepInput]] = []
     stores: list[tuple[TaskNode, StepInput, list]] = []
-    load, store = actions._HANDLERS[Op.KV_LOAD], actions._HANDLERS[Op.KV_STORE]
+    load, store = actions.HANDLERS[Op.KV_LOAD], actions.HANDLERS[Op.KV_STORE]
 
     def loading(s, n) -> None:
         loads.append((n, s.inputs[n.mb]))
@@ -238,8 +239,8 @@ def test_flexgen_keeps_its_kv_gpu_share_of_every_cache_layer_on_the_gpu(
 
     monkeypatch.setattr(Devices, "to_gpu", sending)
     monkeypatch.setattr(kv_cache, "write_rows", writing)
-    monkeypatch.setitem(actions._HANDLERS, Op.KV_LOAD, loading)
-    monkeypatch.setitem(actions._HANDLERS, Op.KV_STORE, storing)
+    monkeypatch.setitem(actions.HANDLERS, Op.KV_LOAD, loading)
+    monkeypatch.setitem(actions.HANDLERS, Op.KV_STORE, storing)
     results, runtime = generated(model, "flexgen", FLEXGEN)
     assert [r.output_ids for r in results] == [r.output_ids for r in eager[0]]
 
@@ -292,7 +293,7 @@ def test_flexgen_keeps_its_kv_gpu_share_of_every_cache_layer_on_the_gpu(
     gpu_memory = {c.value for c in runtime.trace.counters if c.name == "gpu memory bytes"}
     assert gpu_memory == {w + gpu_kv for w in weights}
     working = 2 * 5 * 20 * spec.kv_bytes_per_token // spec.layers  # two layers' working copies
-    assert runtime.check_memory(5, 20, 30).kv_cache == 2 * 20 * spec.kv_bytes_per_token + working
+    assert runtime.check_memory(rectangle(5, 20)).kv_cache == 2 * 20 * spec.kv_bytes_per_token + working
 
 
 @pytest.mark.parametrize("share", [0.0, 1.0])
@@ -307,7 +308,7 @@ def test_flexgen_with_no_or_all_of_the_cache_on_the_gpu_splits_nothing(model: Mo
     }
     whole = 4 * 16 * model.spec.kv_bytes_per_token
     working = 0 if share else 2 * whole // model.spec.layers
-    assert runtime.check_memory(4, 16, 8).kv_cache == (whole if share else 0) + working
+    assert runtime.check_memory(rectangle(4, 16)).kv_cache == (whole if share else 0) + working
 
 
 def test_simulate_counts_the_sequences_flexgen_keeps_on_the_gpu() -> None:

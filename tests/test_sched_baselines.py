@@ -29,6 +29,7 @@ from flowmoe.model.loading import load_model
 from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.registry import create
 from flowmoe.study.simulate import simulate
+from tests.helpers import rectangle
 from tests.schedule_fixtures import generate
 
 MINE = ("on-demand", "prefetch-all", "flexgen", "pre-gated")
@@ -437,7 +438,7 @@ def test_too_small_a_budget_fails_the_memory_check_with_what_it_needs(tiny_model
     policy = Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.0, kv_gpu_share=kv_share)
     runtime = Runtime.create(tiny_model, name, policy, device="cpu")
     try:
-        need = runtime.check_memory(4, 64, 32)
+        need = runtime.check_memory(rectangle(4, 64))
         assert need.buffers == runtime.scheduler.weight_buffer_bytes() > 0
         whole_cache = 4 * 64 * tiny_model.spec.kv_bytes_per_token
         # flexgen keeps the cache on the CPU: two layers' working copies on the GPU at most
@@ -450,10 +451,10 @@ def test_too_small_a_budget_fails_the_memory_check_with_what_it_needs(tiny_model
         runtime = Runtime.create(tiny_model, name, evolve(policy, gpu_memory=budget), "cpu")
         try:
             if fits:
-                runtime.check_memory(4, 64, 32)
+                runtime.check_memory(rectangle(4, 64))
                 continue
             with pytest.raises(MemoryBudgetError) as failure:
-                runtime.check_memory(4, 64, 32)
+                runtime.check_memory(rectangle(4, 64))
             message = str(failure.value)
             assert f"scheduler {name}" in message and "over the" in message and "budget" in message
             assert "weight buffers" in message

@@ -31,17 +31,18 @@ from flowmoe.cli.ray_run import add_ray_flags, run_on_ray
 from flowmoe.cli.simulate import auto_scheduler
 from flowmoe.cli.trace import stats_table
 from flowmoe.cli.ui import console, progress, table
+from flowmoe.cli.writes import add_force_flag, write_guard
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.hardware import hardware
-from flowmoe.core.jsonfile import os_reason
 from flowmoe.core.policy import EXPERT_FORMATS, Policy, parse_bytes
-from flowmoe.core.routing_trace import RoutingTrace
+from flowmoe.core.routing_trace import ROUTING_RECORD, RoutingTrace
 from flowmoe.core.synthetic_routing import observed_popularity
 from flowmoe.core.threads import plan_threads, usable_cores
+from flowmoe.core.write_guard import Guard, Named
 from flowmoe.jobs.job import JobReport, JobSpec, run_job
 from flowmoe.jobs.job import Progress as JobProgress
-from flowmoe.jobs.joblog import check_output
+from flowmoe.jobs.joblog import check_output, holder_file
 from flowmoe.jobs.sampling import SamplingParams
 from flowmoe.model.builtin import ensure_builtin
 from flowmoe.model.loading import keep_fp8_experts, load_model
@@ -50,7 +51,7 @@ from flowmoe.model.tokenizer import TextCodec
 from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.registry import load as load_scheduler
 from flowmoe.study.sim_report import trace_stats
-from flowmoe.traces.chrome import write_chrome
+from flowmoe.traces.chrome import CHROME_TRACE, write_chrome
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -89,6 +90,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     run.add_argument("--layers", type=POSITIVE_INT, help="cut a preset to its first LAYERS layers (%(type)s)")
     run.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    add_force_flag(run)
     add_policy_flags(run)
     add_ray_flags(run)
     mode = run.add_mutually_exclusive_group()
@@ -199,11 +201,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.scheduler != "auto":
         load_scheduler(args.scheduler)  # an unknown or broken plugin fails before the model loads
     check_deferral(args.defer_experts, [args.scheduler])
-    check_output(args.output, args.prompts)  # so does an --output that is not ours, or in use
+    guard = write_guard(args, [("--output", args.output, None), ("--trace", args.trace, CHROME_TRACE),
+                               ("--record-routing", args.record_routing, ROUTING_RECORD)],
+                        Named("the lock sidecar of --output", holder_file(args.output)))  # fmt: skip
+    check_output(args.output, guard)  # so does an --output that is not ours, or in use
     sampling = SamplingParams(0.0 if args.greedy else args.temperature, args.top_p, args.top_k, args.seed)
     policy = policy_from(args)
     if args.ray:  # one job over many replicas (flowmoe/cluster)
-        return run_on_ray(args, sampling, policy)
+        return run_on_ray(args, sampling, policy, guard)
     if args.replicas:
         raise FlowmoeError("--replicas needs --ray ADDRESS (--ray local: this machine's CPUs)")
     plan_threads(usable_cores(), args.cpu_threads)  # more threads than cores fail before the model loads
@@ -244,17 +249,17 @@ def _run(args: argparse.Namespace) -> int:
             report = uvloop.run(run_job(job, model, codec, runtime, hooks))
     except BaseException:  # interrupted or failed: what ran is still written, then the error goes on
         runtime.close()
-        for failure in save_records(args, runtime):
+        for failure in save_records(args, runtime, guard):
             console.print(f"flowmoe: error: {failure}", soft_wrap=True, highlight=False, markup=False)
         raise
     runtime.close()
-    failures = save_records(args, runtime)
+    failures = save_records(args, runtime, guard)
     for error in report.bad_lines:
         console.print(f"[yellow]skipped[/] {escape(error)}", soft_wrap=True)
     console.print(summary_table(report, source, args.scheduler))
-    scheduler_report = getattr(runtime.scheduler, "report", None)
-    if scheduler_report is not None:  # e.g. pre-gated's prediction hit rate, lru-cache's hits
-        console.print(f"{args.scheduler}: {figures(scheduler_report())}")
+    scheduler_report = runtime.scheduler.report()
+    if scheduler_report:  # e.g. pre-gated's prediction hit rate, lru-cache's hits
+        console.print(f"{args.scheduler}: {figures(scheduler_report)}")
     if runtime.trace.spans:  # kept with --trace: the run statistics, as `flowmoe trace summarize` gives them
         console.print(stats_table(args.scheduler, trace_stats(runtime.trace)))
     if args.json:
@@ -265,7 +270,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def run_json(
-    report: JobReport, scheduler: str, runtime: Runtime, scheduler_report: Callable[[], dict] | None
+    report: JobReport, scheduler: str, runtime: Runtime, scheduler_report: dict[str, float]
 ) -> dict:
     """`run --json`: the job's counts and timings, the scheduler's own figures, and the run statistics
     with the definitions `simulate`, `compare` and `trace summarize` use (traces/stats.py)."""
@@ -281,7 +286,7 @@ def run_json(
         "prefill_seconds": stats.prefill_seconds,
         "decode_seconds": stats.decode_seconds,
         "tokens_per_second": stats.tokens_per_second,
-        "scheduler_report": scheduler_report() if scheduler_report is not None else None,
+        "scheduler_report": scheduler_report or None,
         "stats": trace_stats(runtime.trace).to_json() if runtime.trace.spans else None,
     }
 
@@ -293,19 +298,20 @@ def routing_profile(path: Path, model: MoEModel) -> tuple[tuple[float, ...], ...
     return tuple(row or uniform for row in shares)
 
 
-def save_records(args: argparse.Namespace, runtime: Runtime) -> list[str]:
-    """Write --record-routing and --trace; one line for each that could not be written."""
+def save_records(args: argparse.Namespace, runtime: Runtime, guard: Guard) -> list[str]:
+    """Write --record-routing and --trace through the write guard; one line for each that could
+    not be written."""
     failures = []
     if runtime.routing is not None:
         try:
-            runtime.routing.save(args.record_routing)
-        except OSError as exc:
-            failures.append(f"--record-routing {args.record_routing}: {os_reason(exc)}")
+            runtime.routing.save(args.record_routing, guard)
+        except FlowmoeError as exc:
+            failures.append(str(exc))
     if args.trace:
         try:
-            write_chrome(args.trace, [runtime.trace])
-        except OSError as exc:
-            failures.append(f"--trace {args.trace}: {os_reason(exc)}")
+            write_chrome(args.trace, [runtime.trace], guard)
+        except FlowmoeError as exc:
+            failures.append(str(exc))
         else:
             console.print(
                 f"trace: {args.trace} ({len(runtime.trace.spans)} nodes; open in https://ui.perfetto.dev)"

@@ -16,7 +16,7 @@ from attrs import frozen
 from flowmoe.core.errors import MemoryBudgetError
 from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.policy import ExpertFormat
-from flowmoe.core.scheduling import Residency, fp8_expert_bytes
+from flowmoe.core.scheduling import BatchShape, Residency, Scheduler, fp8_expert_bytes
 from flowmoe.core.spec import ModelSpec
 
 
@@ -67,17 +67,47 @@ def activation_bytes(spec: ModelSpec, tokens: int, sequences: int) -> int:
     return tokens * per_token * spec.dtype_bytes + sequences * spec.vocab * 4
 
 
-def gpu_need(
-    spec: ModelSpec,
-    residency: Residency,
-    buffers: int,
-    kv_on_gpu: int,
-    step_tokens: int,
-    sequences: int,
-) -> MemoryNeed:
-    return MemoryNeed(
-        resident_bytes(spec, residency), buffers, kv_on_gpu, activation_bytes(spec, step_tokens, sequences)
-    )
+def kv_bytes(scheduler: Scheduler, batch: BatchShape, on_gpu: bool) -> int:
+    """The KV cache bytes of `batch` homed on the GPU (`on_gpu`) or the host: every sequence of the
+    scheduler's GPU-homed layers (`kv_gpu_layers`), and in each other layer the whole sequences it
+    keeps on the GPU (`kv_gpu_sequences`), micro-batch by micro-batch."""
+    spec = scheduler.context.spec
+    layers, gpu_layers = spec.layers, len(scheduler.kv_gpu_layers())
+    total = 0
+    for index, prompts in enumerate(batch.prompts):
+        n = len(prompts)
+        gpu = gpu_layers * n + (layers - gpu_layers) * scheduler.kv_gpu_sequences(n)
+        parts = gpu if on_gpu else layers * n - gpu  # of its layers x sequences caches
+        total += batch.slots(index) * spec.kv_bytes_per_token * parts // (layers * n)
+    return total
+
+
+def gpu_memory(scheduler: Scheduler, batch: BatchShape) -> MemoryNeed:
+    """The GPU memory a run of `batch` needs with `scheduler`, from its answers alone, at the step
+    where it peaks (the prefill or the last decode step): the weights it keeps, the buffers it
+    copies weights into and its plan's own working buffers, the GPU-homed KV cache and the working
+    copies of the CPU-homed layers, the step's largest micro-batch's activations. The one figure
+    the runtime's check, the simulator, the planners and bench/gpu.py use."""
+    spec = scheduler.context.spec
+    weights, home = resident_bytes(spec, scheduler.residency()), kv_bytes(scheduler, batch, on_gpu=True)
+    copies = len(scheduler.kv_gpu_layers()) < spec.layers  # some cache layer is homed on the host
+    needs = []
+    for step in batch.steps():
+        largest = max(step.micro_batches, key=lambda mb: mb.tokens)
+        kv = home + (scheduler.kv_working_bytes(batch, step) if copies else 0)
+        buffers = scheduler.weight_buffer_bytes() + scheduler.gpu_working_bytes(step)
+        needs.append(
+            MemoryNeed(weights, buffers, kv, activation_bytes(spec, largest.tokens, largest.sequences))
+        )
+    return max(needs, key=lambda need: need.total)
+
+
+def host_memory(scheduler: Scheduler, batch: BatchShape) -> HostNeed:
+    """The host memory a run of `batch` needs with `scheduler`: the weights the GPU does not keep (as
+    FP8 where the policy homes experts so) and the KV cache homed on the host."""
+    spec = scheduler.context.spec
+    fp8 = fp8_expert_bytes(spec) if scheduler.context.policy.expert_format == "fp8" else None
+    return host_need(spec, scheduler.residency(), kv_bytes(scheduler, batch, on_gpu=False), expert_bytes=fp8)
 
 
 @frozen

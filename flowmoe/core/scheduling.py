@@ -11,11 +11,13 @@ op the same way.
 from __future__ import annotations
 
 import itertools
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Sequence
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 from attrs import define, field, frozen
 
+from flowmoe.core.options import NoOptions
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.policy import ExpertFormat, Policy
 from flowmoe.core.spec import ModelSpec
@@ -83,63 +85,106 @@ class Residency:
         return cls(frozenset(range(spec.layers)), frozenset())
 
 
-class Scheduler(Protocol):
+@frozen
+class BatchShape:
+    """The largest batch a run holds at once: its prompt lengths micro-batch by micro-batch and the
+    new tokens each sequence gets. What the runtime's memory check, the simulator, the planner and
+    bench/gpu.py all size memory from (`core.memory`)."""
+
+    prompts: tuple[tuple[int, ...], ...]  # prompt lengths, micro-batch by micro-batch
+    gen: int  # new tokens per sequence
+    pool: bool = False  # the cache is a token pool (each sequence's own tokens), not one rectangle
+
+    @classmethod
+    def of(cls, prompts: Sequence[int], micro_batch: int, gen: int, pool: bool = False) -> BatchShape:
+        """`prompts` in micro-batches of `micro_batch`, in order."""
+        groups = (tuple(prompts[i : i + micro_batch]) for i in range(0, len(prompts), micro_batch))
+        return cls(tuple(groups), gen, pool)
+
+    def slots(self, index: int) -> int:
+        """KV cache token slots of micro-batch `index`: a [sequences, longest + gen] rectangle (the
+        engine's cache), or each sequence's own tokens (a token pool)."""
+        g = self.prompts[index]
+        return sum(g) + len(g) * self.gen if self.pool else len(g) * (max(g) + self.gen)
+
+    @property
+    def total_slots(self) -> int:
+        return sum(self.slots(i) for i in range(len(self.prompts)))
+
+    def steps(self) -> tuple[StepShape, ...]:
+        """The steps a run's memory peaks at: the prefill (the most tokens) and the last decode step
+        (the longest contexts)."""
+        groups = list(enumerate(self.prompts))
+        prefill = StepShape(
+            0, True, tuple(MicroBatchShape.from_lengths(i, g, [0] * len(g)) for i, g in groups)
+        )
+        if self.gen < 2:
+            return (prefill,)
+        last = tuple(
+            MicroBatchShape.from_lengths(i, [1] * len(g), [p + self.gen - 2 for p in g]) for i, g in groups
+        )
+        return prefill, StepShape(self.gen - 1, False, last)
+
+
+class Scheduler(ABC):
+    """The base of every scheduler plugin. A subclass names itself (`name`, a one-line `summary`),
+    must say what the GPU holds from the start (`residency`) and plan each step (`plan`); every
+    other capability below has a default body that fits a schedule keeping the whole KV cache on
+    the GPU, with no working buffers, no disk tier and nothing to report. `core.memory` sizes a
+    run's GPU and host memory from these answers alone, for the runtime and the simulator alike."""
+
     name: ClassVar[str]
     summary: ClassVar[str]
+    Options: ClassVar[type] = NoOptions  # its knobs (core.options): flags, search, policy.options_for
 
-    def __init__(self, context: SchedulerContext) -> None: ...
+    def __init__(self, context: SchedulerContext) -> None:
+        self.context = context
 
+    @abstractmethod
     def residency(self) -> Residency:
         """What is on the GPU before the first step."""
-        ...
+
+    @abstractmethod
+    def plan(self, step: StepShape) -> PlanStream:
+        """Nodes of one step (all layers, all micro-batches) in launch order."""
 
     def weight_buffer_bytes(self) -> int:
         """The most weight bytes it has copied in beyond its residency at any moment."""
-        ...
+        return 0
 
     def kv_on_gpu(self) -> bool:
         """Whether the KV cache lives on the GPU (else on the CPU, loaded or attended there)."""
-        ...
+        return True
 
-    def plan(self, step: StepShape) -> PlanStream:
-        """Nodes of one step (all layers, all micro-batches) in launch order."""
-        ...
+    def kv_gpu_layers(self) -> frozenset[int]:
+        """The layers whose KV cache lives on the GPU: all of them or none, as `kv_on_gpu()` says
+        (Klotski keeps its first layers' caches there)."""
+        return frozenset(range(self.context.spec.layers)) if self.kv_on_gpu() else frozenset()
 
+    def kv_gpu_sequences(self, sequences: int) -> int:
+        """Of a micro-batch's `sequences` cache slots, how many whole sequences the GPU keeps in every
+        CPU-homed cache layer (FlexGen's cache GPU percent splits the cache so); the rest crosses the
+        link. Must not grow faster than `sequences`."""
+        return 0
 
-def kv_gpu_layers(scheduler: Scheduler, layers: int) -> frozenset[int]:
-    """The layers whose KV cache lives on the GPU: the scheduler's own `kv_gpu_layers()` where it
-    splits the cache by layer (Klotski keeps its first layers' caches on the GPU), else all of them
-    or none, as `kv_on_gpu()` says."""
-    split = getattr(scheduler, "kv_gpu_layers", None)
-    if split is not None:
-        return frozenset(split())
-    return frozenset(range(layers)) if scheduler.kv_on_gpu() else frozenset()
+    def kv_working_bytes(self, batch: BatchShape, step: StepShape) -> int:
+        """The most GPU bytes the working copies of CPU-homed cache layers (KV_LOAD) take at once in
+        `step` of `batch`: two layers' caches of the whole batch (a plan that bounds them says less:
+        MoE-Gen's KV buffers). Counted only where some layer's cache is homed on the CPU."""
+        return 2 * batch.total_slots * self.context.spec.kv_bytes_per_token // self.context.spec.layers
 
+    def gpu_working_bytes(self, step: StepShape) -> int:
+        """GPU buffers of the plan's own in `step` beyond its weights, weight buffers, KV cache and
+        working copies, and one micro-batch's activations (MoE-Gen's expert groups' tokens)."""
+        return 0
 
-def kv_gpu_sequences(scheduler: Scheduler) -> Callable[[int], int] | None:
-    """Where a scheduler splits every CPU-homed cache layer by sequence (FlexGen's cache GPU percent),
-    its own `kv_gpu_sequences`: of a micro-batch's `sequences` cache slots, how many whole sequences
-    the GPU keeps in every such layer (the rest crosses the link); else None."""
-    return getattr(scheduler, "kv_gpu_sequences", None)
+    def disk_tier(self) -> bool:
+        """Whether weights the host memory cannot hold are read from disk (DISK_LOAD on disk.read)."""
+        return False
 
-
-def kv_gpu_parts(scheduler: Scheduler, layers: int, sequences: int) -> int:
-    """How many of the `layers` x `sequences` (layer, sequence) caches of a micro-batch of `sequences`
-    sequences live on the GPU: every sequence of its GPU-homed layers (`kv_gpu_layers`), and in each
-    other layer the sequences the scheduler keeps there (`kv_gpu_sequences`)."""
-    gpu_layers = len(kv_gpu_layers(scheduler, layers))
-    kept = kv_gpu_sequences(scheduler)
-    return gpu_layers * sequences + (layers - gpu_layers) * (kept(sequences) if kept else 0)
-
-
-def kv_working_bytes(scheduler: Scheduler, spec: ModelSpec, sequences: int, max_len: int) -> int:
-    """The most GPU bytes the working copies of CPU-homed cache layers (KV_LOAD) take at once, for
-    `sequences` sequences of up to `max_len` tokens: the scheduler's own `kv_working_bytes` where its
-    plan bounds them (MoE-Gen's KV buffers), else two layers' caches of the whole batch."""
-    own = getattr(scheduler, "kv_working_bytes", None)
-    if own is not None:
-        return own(sequences, max_len)
-    return 2 * sequences * max_len * spec.kv_bytes_per_token // spec.layers
+    def report(self) -> dict[str, float]:
+        """Figures of the run so far for its report (an expert cache's hit rate, …), by name."""
+        return {}
 
 
 @frozen

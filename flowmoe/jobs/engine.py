@@ -18,6 +18,7 @@ import torch
 from attrs import define, field, frozen
 
 from flowmoe.core.errors import ConfigError, FlowmoeError
+from flowmoe.core.scheduling import BatchShape
 from flowmoe.jobs.batching import (
     BatchLimits,
     JobId,
@@ -33,7 +34,17 @@ from flowmoe.kernels.layout import TokenLayout
 from flowmoe.model.moe_model import MoEModel, all_finite
 from flowmoe.model.tokenizer import StopStrings
 
-__all__ = ["Engine", "MicroBatch", "Request", "Result", "Slot", "StepInput", "StepRunner", "eager_step"]
+__all__ = [
+    "Engine",
+    "JobRunner",
+    "MicroBatch",
+    "Request",
+    "Result",
+    "Slot",
+    "StepInput",
+    "StepRunner",
+    "eager_step",
+]
 
 
 @frozen
@@ -59,6 +70,16 @@ class StepRunner(Protocol):
     async def __call__(self, model: MoEModel, inputs: Sequence[StepInput]) -> list[torch.Tensor]:
         """-> per input, the logits of each sequence's last token [B, vocab] float32."""
         ...
+
+
+class JobRunner(StepRunner, Protocol):
+    """What a job runs its steps on (the runtime): a StepRunner that says where the engine allocates
+    the KV cache and checks, before the first step, that the run's largest batch fits its budget."""
+
+    @property
+    def cache_device(self) -> Homes: ...
+
+    def check_memory(self, batch: BatchShape) -> object: ...
 
 
 async def eager_step(model: MoEModel, inputs: Sequence[StepInput]) -> list[torch.Tensor]:

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-import torch
 from attrs import define, field, frozen
 
 from flowmoe.core.errors import ConfigError, PromptFileError
+from flowmoe.core.scheduling import BatchShape
 from flowmoe.jobs.batching import BatchLimits, Request, plan_batch
-from flowmoe.jobs.engine import Engine, Result, StepRunner, StepStats
+from flowmoe.jobs.engine import Engine, JobRunner, Result, StepStats
 from flowmoe.jobs.joblog import JobLog
 from flowmoe.jobs.prompts import PromptLine, max_line_bytes, read_prompts
 from flowmoe.jobs.sampling import SamplingParams
@@ -122,7 +122,7 @@ async def run_job(
     job: JobSpec,
     model: MoEModel,
     codec: TextCodec | None,
-    runner: StepRunner,
+    runner: JobRunner,
     progress: Progress | None = None,
 ) -> JobReport:
     progress = progress or Progress()
@@ -156,7 +156,7 @@ async def run_job(
 
 
 def make_engine(
-    job: JobSpec, model: MoEModel, codec: TextCodec | None, runner: StepRunner, progress: Progress
+    job: JobSpec, model: MoEModel, codec: TextCodec | None, runner: JobRunner, progress: Progress
 ) -> Engine:
     """The generation loop of a job: its sampling, stop ids and strings, on the runner's cache device."""
     stop_ids = frozenset(model.spec.eos_token_ids) | (codec.eos_ids if codec else frozenset())
@@ -166,17 +166,20 @@ def make_engine(
         job.sampling,
         job.max_new_tokens,
         stop_ids,
-        getattr(runner, "cache_device", torch.device("cpu")),
+        runner.cache_device,
         stop_strings=StopStrings(codec, job.stop) if job.stop and codec else None,
         on_step=progress.generated,
     )
 
 
-def check_memory(runner: StepRunner, todo: list[Request], limits: BatchLimits) -> None:
-    """Fail before the run when the first (largest) batch cannot fit the runner's memory budget."""
-    check = getattr(runner, "check_memory", None)
-    if check is None or not todo:
-        return
+def first_batch(todo: list[Request], limits: BatchLimits) -> BatchShape:
+    """The first (largest) batch the engine plans of `todo`, as the memory check sees it."""
     batch, _ = plan_batch(todo, limits)
-    capacity = max(mb.capacity for mb in batch.micro_batches)
-    check(batch.requests, capacity, sum(mb.tokens for mb in batch.micro_batches))
+    prompts = (tuple(len(r.input_ids) for r in mb.requests) for mb in batch.micro_batches)
+    return BatchShape(tuple(p for p in prompts if p), limits.max_new_tokens)
+
+
+def check_memory(runner: JobRunner, todo: list[Request], limits: BatchLimits) -> None:
+    """Fail before the run when the first (largest) batch cannot fit the runner's memory budget."""
+    if todo:
+        runner.check_memory(first_batch(todo, limits))

@@ -8,6 +8,8 @@ Without CUDA the "GPU" is the CPU and a resident copy is the CPU tensor itself.
 from __future__ import annotations
 
 import threading
+import weakref
+from collections.abc import Callable
 
 import torch
 from attrs import define, field, fields, frozen
@@ -23,6 +25,37 @@ from flowmoe.model.weights import AttentionWeights, FFNWeights, LayerWeights
 
 class NotResident(FlowmoeError):
     """A node used weights that are not on the GPU."""
+
+
+_HELD: dict[int, tuple[str, int]] = {}  # id of an open DeviceWeights -> (device, the most bytes it holds)
+_HELD_LOCK = threading.Lock()
+
+
+def _hold(owner: object, device: torch.device, nbytes: int, budget: int | None) -> Callable[[], None]:
+    """Count `nbytes` of `owner`'s weights on `device` in the process's ledger, refused where the
+    weights the other open runtimes may hold there leave no room under `budget`; returns the release
+    (also run when `owner` is collected unclosed)."""
+    with _HELD_LOCK:
+        others = [n for where, n in _HELD.values() if where == str(device)]
+        if budget is not None and sum(others) + nbytes > budget:
+            raise MemoryBudgetError(
+                f"the weights need {gib(nbytes)} of {device} next to {gib(sum(others))} that {len(others)} "
+                f"runtime(s) not closed still hold, over the {gib(budget)} budget: close() a runtime (or "
+                "use it in a with block) before creating the next"
+            )
+        _HELD[id(owner)] = (str(device), nbytes)
+    return weakref.finalize(owner, _release, id(owner))
+
+
+def _release(key: int) -> None:
+    with _HELD_LOCK:
+        _HELD.pop(key, None)
+
+
+def held_bytes(device: torch.device) -> int:
+    """Bytes of weights the open runtimes of this process may hold on `device` (flowmoe's ledger)."""
+    with _HELD_LOCK:
+        return sum(n for where, n in _HELD.values() if where == str(device))
 
 
 @frozen
@@ -122,18 +155,25 @@ class DeviceWeights:
     _lock: threading.Lock = field(factory=threading.Lock)
     # "fp8": an expert crosses as its FP8 checkpoint copy (LayerWeights.fp8_experts), dequantized on arrival
     expert_format: ExpertFormat = "native"
+    _release: Callable[[], None] | None = None  # its entry in the process's ledger (set by setup)
 
-    def setup(self, residency: Residency, buffer_bytes: int) -> None:
+    def setup(self, residency: Residency, buffer_bytes: int, budget: int | None = None) -> None:
         """Embedding and head always live on the GPU; then what the scheduler keeps resident.
-        From then on, weights copied in may exceed the resident set by `buffer_bytes` at most."""
+        From then on, weights copied in may exceed the resident set by `buffer_bytes` at most. All of
+        it is counted in the process's ledger first, refused where the runtimes not closed leave no
+        room for it under `budget`."""
         w = self.model.weights
         if self.expert_format == "fp8":
             _check_fp8(self.model)
-        self.embed = self.devices.to_gpu(w.embed)
-        self.head = (self.devices.to_gpu(w.final_norm), self.devices.to_gpu(w.lm_head))
         for layer, lw in enumerate(w.layers):
             self._sizes[(layer, -1)] = lw.dense_nbytes
             self._sizes.update({(layer, e): ffn.nbytes for e, ffn in enumerate(lw.experts)})
+        resident = sum(self._size(layer, -1) for layer in residency.dense)
+        resident += sum(self._size(layer, expert) for layer, expert in residency.experts)
+        ends = w.embed.nbytes + w.final_norm.nbytes + w.lm_head.nbytes
+        self._release = _hold(self, self.devices.gpu, ends + resident + buffer_bytes, budget)
+        self.embed = self.devices.to_gpu(w.embed)
+        self.head = (self.devices.to_gpu(w.final_norm), self.devices.to_gpu(w.lm_head))
         for layer in sorted(residency.dense):
             self.load(layer, -1)
         for layer, expert in sorted(residency.experts):
@@ -242,6 +282,18 @@ class DeviceWeights:
         if ffn is None:
             raise NotResident(f"expert {expert} of layer {layer} is not resident on the GPU")
         return ffn
+
+    def close(self) -> None:
+        """Drop every weight held on the device and this object's entry in the process's ledger."""
+        with self._lock:
+            self._dense.clear()
+            self._experts.clear()
+            self._partial.clear()
+            self.embed = self.head = None
+            self._bytes = 0
+        if self._release is not None:
+            self._release()
+            self._release = None
 
     @property
     def resident_experts(self) -> int:

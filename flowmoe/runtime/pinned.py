@@ -19,11 +19,12 @@ from flowmoe.model.arena import arena_of, layer_arena
 from flowmoe.model.moe_model import MoEModel
 
 PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context (as torch registers)
-Register = Callable[[torch.Tensor], None]
+Register = Callable[[torch.Tensor], Callable[[], object] | None]  # -> its release (None: nothing to undo)
 
 
-def cuda_register(arena: torch.Tensor) -> None:
-    """Page-lock `arena` where it lies (no copy, no rounding) until it is freed."""
+def cuda_register(arena: torch.Tensor) -> Callable[[], object]:
+    """Page-lock `arena` where it lies (no copy, no rounding) until it is freed or the returned
+    release is called (once, whichever comes first)."""
     size, pointer = arena.numel() * arena.element_size(), arena.data_ptr()
     code = int(torch.cuda.cudart().cudaHostRegister(pointer, size, PORTABLE))
     if code != 0:
@@ -31,21 +32,28 @@ def cuda_register(arena: torch.Tensor) -> None:
             f"could not page-lock {size / 2**30:.2f} GiB of host memory for the weights (CUDA error {code}); "
             "lower the memlock limit's use (ulimit -l) or the model's size"
         )
-    weakref.finalize(arena, torch.cuda.cudart().cudaHostUnregister, pointer)
+    return weakref.finalize(arena, torch.cuda.cudart().cudaHostUnregister, pointer)
 
 
 def pin_layers(model: MoEModel, register: Register = cuda_register) -> list[torch.Tensor]:
     """Page-lock every layer's arena (packing a layer that is not in one yet: a model built by hand);
-    returns the arenas registered now. An arena already page-locked (a second runtime on the same
-    model) is left as it is."""
+    returns the arenas registered now, each with its release as `page_locked` (`unpin`). An arena
+    already page-locked (a second runtime open on the same model) is left as it is."""
     arenas = []
     for lw in model.weights.layers:
         arena = arena_of(lw)
         if arena is None:
             arena = layer_arena(lw)
-        elif getattr(arena, "page_locked", False):
+        elif getattr(arena, "page_locked", None) is not None:
             continue
-        register(arena)
-        arena.page_locked = True
+        arena.page_locked = register(arena) or (lambda: None)
         arenas.append(arena)
     return arenas
+
+
+def unpin(arenas: list[torch.Tensor]) -> None:
+    """Undo `pin_layers`' registration of `arenas` (the runtime that pinned them is closing)."""
+    for arena in arenas:
+        release = arena.page_locked
+        arena.page_locked = None
+        release()

@@ -20,20 +20,17 @@ from attrs import Factory, define, field
 
 from flowmoe.core.driver import NodeBudget, drive
 from flowmoe.core.executor import Action, Executor, Span, Worker
-from flowmoe.core.memory import MemoryNeed, gpu_need
+from flowmoe.core.memory import MemoryNeed, gpu_memory
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.scheduling import (
+    BatchShape,
     MicroBatchShape,
     NodeFactory,
     Scheduler,
     SchedulerContext,
     StepShape,
-    kv_gpu_layers,
-    kv_gpu_parts,
-    kv_gpu_sequences,
-    kv_working_bytes,
 )
 from flowmoe.core.spec import ModelSpec
 from flowmoe.devices.cuda import EventBook
@@ -43,7 +40,7 @@ from flowmoe.kernels.kv_cache import Homes, SlotSplit
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.actions import StepState
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
-from flowmoe.runtime.pinned import pin_layers
+from flowmoe.runtime.pinned import pin_layers, unpin
 from flowmoe.schedulers.registry import checked_plan, create
 from flowmoe.traces.trace import CounterSample, Trace
 
@@ -51,17 +48,15 @@ NODES_PER_WEIGHT = 16  # compute, copy and evict nodes one expert (or dense part
 PAGES_PER_WEIGHT = 256  # page copies one expert (or dense part) may be split into
 
 
-def node_budget(spec: ModelSpec, policy: Policy, scheduler: str, micro_batches: int) -> NodeBudget:
+def node_budget(spec: ModelSpec, scheduler: str, micro_batches: int) -> NodeBudget:
     """At most every weight of every layer touched by every micro-batch, each copied in at most
     PAGES_PER_WEIGHT pages: far above what any built-in scheduler plans (cgopipe at
     Mixtral-8x7B, 4 micro-batches: ~6,150 nodes against ~313,000), far below a plan gone wild."""
     weights = spec.layers * micro_batches * (spec.moe.experts + 1)
-    pages = -(-spec.expert_bytes // policy.page_bytes)
     refusal = (
-        f"scheduler {scheduler} plans too many nodes for one step of this model: --page-size "
-        f"{policy.page_bytes} B (policy page_bytes) copies each {spec.expert_bytes} B expert in {pages} "
-        f"pages; at most {PAGES_PER_WEIGHT} pages per weight, so a page size of at least "
-        f"{-(-spec.expert_bytes // PAGES_PER_WEIGHT)} B"
+        f"scheduler {scheduler} plans too many nodes for one step of this model: each {spec.expert_bytes} B "
+        f"expert may be copied in at most {PAGES_PER_WEIGHT} pages, so where it pages weights a --page-size "
+        f"of at least {-(-spec.expert_bytes // PAGES_PER_WEIGHT)} B"
     )
     return NodeBudget(weights * (NODES_PER_WEIGHT + PAGES_PER_WEIGHT) + 64, refusal)
 
@@ -87,8 +82,10 @@ class Runtime:
     routing: RoutingTrace | None = None  # when set, every gate's (and pre-gate's) answer is recorded
     record: bool = True  # keep every span and memory counter in `trace` (False: keep nothing per node)
     kv_gpu: frozenset[int] = field(  # layers whose KV cache lives on the GPU (the scheduler's word)
-        default=Factory(lambda s: kv_gpu_layers(s.scheduler, s.model.spec.layers), takes_self=True)
+        default=Factory(lambda s: s.scheduler.kv_gpu_layers(), takes_self=True)
     )
+    pinned: list[torch.Tensor] = field(factory=list)  # host arenas this runtime page-locked (CUDA)
+    closed: bool = False
     _kv_bytes: dict[str, int] = field(factory=dict)  # "gpu" / "cpu" -> the step's KV cache bytes there
     _budgets: dict[int, NodeBudget] = field(factory=dict)  # micro-batches -> the step's node budget
 
@@ -111,13 +108,26 @@ class Runtime:
         context = SchedulerContext(model.spec, policy, factory, cost, popularity)
         plugin = create(scheduler, context)
         devices = Devices.detect(device)
+        pinned = []
         if devices.cuda:
             cap_allocator(devices.gpu, policy.gpu_memory)
-            pin_layers(model)
+            pinned = pin_layers(model)
         weights = DeviceWeights(model, devices, expert_format=policy.expert_format)
-        weights.setup(plugin.residency(), plugin.weight_buffer_bytes())
+        try:
+            weights.setup(plugin.residency(), plugin.weight_buffer_bytes(), policy.gpu_memory)
+        except BaseException:
+            weights.close()
+            unpin(pinned)
+            raise
         workers, events = make_workers(devices.gpu, policy.cpu_threads)
-        return cls(model, plugin, devices, weights, workers, events, Trace(name=scheduler), record=record)
+        return cls(model, plugin, devices, weights, workers, events, Trace(name=scheduler), record=record,
+                   pinned=pinned)  # fmt: skip
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
     @property
     def kv_on_gpu(self) -> bool:
@@ -134,26 +144,18 @@ class Runtime:
             return gpu
         if self.kv_gpu:
             return tuple(gpu if layer in self.kv_gpu else cpu for layer in range(self.model.spec.layers))
-        kept = kv_gpu_sequences(self.scheduler)
-        return cpu if kept is None else SlotSplit(gpu, kept, cpu)
+        scheduler = self.scheduler
+        split = scheduler.kv_gpu_sequences(scheduler.context.policy.micro_batch_size) > 0
+        return SlotSplit(gpu, scheduler.kv_gpu_sequences, cpu) if split else cpu
 
-    def check_memory(self, sequences: int, max_len: int, step_tokens: int) -> MemoryNeed:
-        """Fail before the run if this scheduler's policy cannot fit the GPU budget: the GPU-homed
-        cache layers and the sequences kept on the GPU of the others (counted as if all `sequences`
-        were one micro-batch: at least what the micro-batches keep), and the working copies of the
-        CPU-homed ones (KV_LOAD) the plan keeps at once."""
-        spec, policy = self.model.spec, self.scheduler.context.policy  # type: ignore[attr-defined]
-        parts = kv_gpu_parts(self.scheduler, spec.layers, sequences)  # (layer, sequence) caches on the GPU
-        kv = max_len * spec.kv_bytes_per_token * parts // spec.layers
-        if not self.kv_on_gpu:
-            kv += kv_working_bytes(self.scheduler, spec, sequences, max_len)
-        need = gpu_need(
-            spec, self.scheduler.residency(), self.scheduler.weight_buffer_bytes(), kv, step_tokens, sequences
-        )
-        need.check(
-            policy.gpu_memory,
-            f"scheduler {self.scheduler.name} with {sequences} sequences of {max_len} tokens",
-        )
+    def check_memory(self, batch: BatchShape) -> MemoryNeed:
+        """Fail before the run if this scheduler's policy cannot fit the GPU budget with `batch` (the
+        largest batch the run holds at once): `core.memory.gpu_memory`, the simulator's figure."""
+        need = gpu_memory(self.scheduler, batch)
+        sequences = sum(len(g) for g in batch.prompts)
+        longest = max(p for g in batch.prompts for p in g) + batch.gen
+        who = f"scheduler {self.scheduler.name} with {sequences} sequences of up to {longest} tokens"
+        need.check(self.scheduler.context.policy.gpu_memory, who)
         return need
 
     async def __call__(self, model: MoEModel, inputs: Sequence[StepInput]) -> list[torch.Tensor]:
@@ -162,7 +164,7 @@ class Runtime:
         self._kv_bytes = self._cache_bytes(inputs)
         state = StepState.create(model, inputs, self.devices, self.weights, self.events, self.kv_gpu)
         await self.run_plan(shape, state.action, self._answer(shape.step, state))
-        return [state.logits[i.micro_batch] for i in inputs]
+        return [state.acts.logits[i.micro_batch] for i in inputs]
 
     async def run_plan(
         self,
@@ -191,10 +193,8 @@ class Runtime:
         """`node_budget` for this runtime's model and scheduler (made once per micro-batch count)."""
         budget = self._budgets.get(micro_batches)
         if budget is None:
-            context = getattr(self.scheduler, "context", None)  # a third-party plugin may keep none
-            name = getattr(self.scheduler, "name", type(self.scheduler).__name__)
-            policy = context.policy if context is not None else Policy()
-            budget = self._budgets[micro_batches] = node_budget(self.model.spec, policy, name, micro_batches)
+            name = self.scheduler.name
+            budget = self._budgets[micro_batches] = node_budget(self.model.spec, name, micro_batches)
         return budget
 
     def _cache_bytes(self, inputs: Sequence[StepInput]) -> dict[str, int]:
@@ -238,8 +238,25 @@ class Runtime:
         ])  # fmt: skip
 
     def close(self) -> None:
+        """Release everything the run holds on the device and for it: the lanes' threads and streams,
+        the device weights (and their share of the process's GPU ledger), the events, the page-locked
+        registrations this runtime made; torch's cached GPU blocks go back to the driver. The trace
+        stays. Closing twice is a no-op."""
+        if self.closed:
+            return
+        self.closed = True
         for worker in {id(w): w for w in self.workers.values()}.values():
             worker.close()
+        self.workers.clear()
+        self.weights.close()
+        if self.events is not None:
+            self.events.close()
+            self.events = None
+        unpin(self.pinned)
+        self.pinned.clear()
+        if self.devices.cuda:
+            torch.cuda.synchronize(self.devices.gpu)
+            torch.cuda.empty_cache()
 
 
 def cap_allocator(gpu: torch.device, budget: int | None) -> None:

@@ -84,8 +84,8 @@ def realtime_run(
     steps = list(simulation.steps if steps is None else steps)
     cost = RooflineCost(setup.hardware, setup.spec)
     routing = simulation.trace
-    virtual = run_steps(simulation._scheduler(name, simulation.popularity), steps, routing, cost)
-    scheduler = simulation._scheduler(name, simulation.popularity)  # fresh: schedulers keep state
+    virtual = run_steps(simulation.scheduler(name, simulation.popularity), steps, routing, cost)
+    scheduler = simulation.scheduler(name, simulation.popularity)  # fresh: schedulers keep state
     model = model or meta_model(setup.spec)
     devices = Devices(META, META)
     weights = DeviceWeights(model, devices)

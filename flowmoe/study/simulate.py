@@ -21,18 +21,17 @@ from flowmoe.core.driver import drive
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.executor import Executor, Span
 from flowmoe.core.hardware import HardwareSpec
-from flowmoe.core.memory import MemoryNeed, gpu_need, host_need
+from flowmoe.core.memory import MemoryNeed, gpu_memory, host_memory
 from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.scheduling import (
+    BatchShape,
     MicroBatchShape,
     NodeFactory,
     Scheduler,
     SchedulerContext,
     StepShape,
-    fp8_expert_bytes,
-    kv_gpu_parts,
 )
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.synthetic_routing import RoutingModel, SyntheticRouting, observed_popularity
@@ -159,10 +158,12 @@ class Simulation:
             return setup.recorded, seen
         return SyntheticRouting.observed(spec, setup.recorded, setup.routing).trace(self.steps), seen
 
-    def _scheduler(self, name: str, popularity: tuple[tuple[float, ...], ...] | None) -> Scheduler:
+    def scheduler(self, name: str, popularity: tuple[tuple[float, ...], ...] | None = None) -> Scheduler:
+        """Scheduler `name` built for this setup's policy (placing by `popularity` where given)."""
         setup = self.setup
         cost = self.cost
-        host = setup.hardware.cpu_memory - self._kv_slots() * setup.spec.kv_bytes_per_token  # weights' share
+        kv_host = self.batch().total_slots * setup.spec.kv_bytes_per_token
+        host = setup.hardware.cpu_memory - kv_host  # the weights' share
         factory = NodeFactory(setup.spec, expert_format=self.policy.expert_format)
         context = SchedulerContext(setup.spec, self.policy, factory, cost, popularity,
                                    weights_pinned=setup.weights_pinned, host_weight_bytes=host)  # fmt: skip
@@ -183,20 +184,20 @@ class Simulation:
     def refusal(self, name: str) -> SimulationResult | None:
         """Why scheduler `name` cannot run this policy (its memory accounting), or None: it fits.
         Builds no routing: the check is cheap next to a run."""
-        scheduler = self._scheduler(name, None)
+        scheduler = self.scheduler(name, None)
         base = self._base(name, self._memory(scheduler))
         return self._over(base) or self._host_over(base, scheduler)
 
     def need(self, name: str) -> MemoryNeed:
         """The GPU memory scheduler `name` takes for this policy (its own accounting)."""
-        return self._memory(self._scheduler(name, None))
+        return self._memory(self.scheduler(name, None))
 
     def failed(self, name: str, why: str) -> SimulationResult:
         """A result that records why scheduler `name` refused this policy."""
         return evolve(self._base(name, MemoryNeed(0, 0, 0, 0)), error=why)
 
     def run(self, name: str) -> SimulationResult:
-        scheduler = self._scheduler(name, self.popularity)
+        scheduler = self.scheduler(name, self.popularity)
         base = self._base(name, self._memory(scheduler))
         over = self._over(base) or self._host_over(base, scheduler)
         if over is not None:
@@ -213,41 +214,21 @@ class Simulation:
                       stats=trace_stats(trace), trace=trace, simulated_steps=len(runs),
                       simulated_seconds=sum(r.seconds for r in runs))  # fmt: skip
 
-    def _kv_slots(self) -> int:
-        """KV cache tokens: the engine sizes each micro-batch's cache for its longest prompt (a
-        token pool, `Setup.kv_pool`: each sequence's own tokens)."""
-        mu, gen = self.policy.micro_batch_size, self.setup.workload.gen_len
-        if self.setup.kv_pool:
-            return sum(self.prompts) + len(self.prompts) * gen
-        groups = [self.prompts[i : i + mu] for i in range(0, len(self.prompts), mu)]
-        return sum(len(g) * (max(g) + gen) for g in groups)
-
-    def _kv_bytes(self, scheduler: Scheduler, on_gpu: bool) -> int:
-        """The KV cache bytes whose home is the GPU (`on_gpu`) or the host: a scheduler that splits
-        the cache by layer (`kv_gpu_layers`) or by sequence (`kv_gpu_sequences`, at the policy's
-        micro-batch size) homes its GPU parts' share there."""
-        spec, mu = self.setup.spec, self.policy.micro_batch_size
-        gpu = kv_gpu_parts(scheduler, spec.layers, mu)  # of a micro-batch's layers x sequences
-        parts = gpu if on_gpu else spec.layers * mu - gpu
-        return self._kv_slots() * spec.kv_bytes_per_token * parts // (spec.layers * mu)
+    def batch(self) -> BatchShape:
+        """The batch as the memory check sees it: the engine sizes each micro-batch's cache for its
+        longest prompt (a token pool, `Setup.kv_pool`: each sequence's own tokens)."""
+        mu, setup = self.policy.micro_batch_size, self.setup
+        return BatchShape.of(self.prompts, mu, setup.workload.gen_len, pool=setup.kv_pool)
 
     def _host_over(self, base: SimulationResult, scheduler: Scheduler) -> SimulationResult | None:
         """The host-memory refusal (weights off the GPU + the CPU-side KV cache), or None: it fits."""
-        spec = self.setup.spec
-        kv = self._kv_bytes(scheduler, on_gpu=False)
-        disk = getattr(scheduler, "disk_tier", lambda: False)()  # a schedule that reads weights from disk
-        fp8 = fp8_expert_bytes(spec) if self.policy.expert_format == "fp8" else None
-        need = host_need(spec, scheduler.residency(), kv, expert_bytes=fp8)
-        why = need.refusal(self.setup.hardware, "this policy", disk)
+        why = host_memory(scheduler, self.batch()).refusal(
+            self.setup.hardware, "this policy", scheduler.disk_tier()
+        )
         return None if why is None else evolve(base, error=why)
 
     def _memory(self, scheduler: Scheduler) -> MemoryNeed:
-        spec = self.setup.spec
-        kv = self._kv_bytes(scheduler, on_gpu=True)
-        tokens = max(mb.tokens for mb in self.steps[0].micro_batches)
-        working = getattr(scheduler, "gpu_working_bytes", None)  # a schedule's own GPU buffers for them
-        buffers = scheduler.weight_buffer_bytes() + (working(self.steps) if working else 0)
-        return gpu_need(spec, scheduler.residency(), buffers, kv, tokens, self.policy.micro_batch_size)
+        return gpu_memory(scheduler, self.batch())
 
 
 def _covers(trace: RoutingTrace, spec: ModelSpec, steps: Sequence[StepShape]) -> bool:
