@@ -1,7 +1,7 @@
 """The five source papers' published numbers next to the simulator's (`flowmoe reproduce all`).
 
 Runs every setting of `flowmoe.study.reproduce` (the numbers and their citations are in
-`flowmoe/study/paper_numbers.py`), prints the per-setting tables and the summary as
+`flowmoe/study/reproduce/paper_numbers.py`), prints the per-setting tables and the summary as
 `flowmoe reproduce` does, and writes bench/paper_setups.json with the wall time and the machine.
 
     python bench/paper_setups.py [--paper moe-lightning|klotski|lru-cache|pre-gated|fiddler|all] [--quick]
@@ -20,7 +20,8 @@ from typing import Any
 from rich.console import Console
 
 from flowmoe.cli.reproduce import setting_table, speedup_table, summary_table
-from flowmoe.study.reproduce import PAPERS, run_setting, settings, summary
+from flowmoe.study.reproduce import PAPERS, settings
+from flowmoe.study.reproduce.run import run_setting, summary
 
 console = Console()
 OUT = __file__.replace(".py", ".json")

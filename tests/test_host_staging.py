@@ -20,7 +20,7 @@ from flowmoe.core.presets import preset
 from flowmoe.core.scheduling import MicroBatchShape, NodeFactory
 from flowmoe.core.workloads import workload
 from flowmoe.devices.sim import SimWorker, run_virtual
-from flowmoe.study import paper_numbers as P
+from flowmoe.study.reproduce import paper_numbers as P
 from flowmoe.study.simulate import simulate
 from tests.test_sched_pipelines import MIXTRAL, decode_step, scheduler, spans_of, uniform_trace
 

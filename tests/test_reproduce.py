@@ -12,8 +12,11 @@ from attrs import evolve
 
 from flowmoe.cli import main
 from flowmoe.core.presets import preset
-from flowmoe.study import paper_numbers as P
-from flowmoe.study.reproduce import PAPERS, Setting, cache_configs, run_setting, settings, summary
+from flowmoe.study.reproduce import PAPERS, settings
+from flowmoe.study.reproduce import paper_numbers as P
+from flowmoe.study.reproduce.lru_cache import cache_configs
+from flowmoe.study.reproduce.run import run_setting, summary
+from flowmoe.study.reproduce.setting import Setting
 
 
 def shrunk(setting: Setting) -> Setting:
@@ -115,7 +118,8 @@ def test_an_unknown_paper_is_refused(capsys: pytest.CaptureFixture[str]) -> None
 def test_a_papers_averages_are_compared_with_the_mean_over_its_configurations() -> None:
     """Pre-gated's Switch-Base figures are averages (and maxima) over its configurations: one setting
     compares them with the mean (max) of the simulated configurations, each configuration only ranks."""
-    from flowmoe.study.reproduce import Mean, Speedup, _mean_row, _speedup
+    from flowmoe.study.reproduce.run import _mean_row, _speedup
+    from flowmoe.study.reproduce.setting import Mean, Speedup
 
     value = {"a (x)": 4.0, "b (x)": 2.0, "a (y)": 9.0, "b (y)": 1.0}
     pairs = (("a (x)", "b (x)"), ("a (y)", "b (y)"))

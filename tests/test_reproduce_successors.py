@@ -13,9 +13,10 @@ from flowmoe.cli import main
 from flowmoe.core.hardware import hardware
 from flowmoe.core.presets import preset
 from flowmoe.core.spec import ModelSpec
-from flowmoe.study import successor_numbers as N
-from flowmoe.study.reproduce import SUCCESSORS, Setting, Speedup, System, run_setting, settings
-from flowmoe.study.reproduce_successors import DECODE, PREFILL
+from flowmoe.study.reproduce import SUCCESSORS, settings
+from flowmoe.study.reproduce import successor_numbers as N
+from flowmoe.study.reproduce.run import run_setting
+from flowmoe.study.reproduce.setting import DECODE, PREFILL, Setting, Speedup, System
 from flowmoe.study.simulate import Setup
 
 MACHINES = {"moe-gen": {"moe-gen-c1", "moe-gen-c2"}, "hybrimoe": {"hybrimoe-a6000"},

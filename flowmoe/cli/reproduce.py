@@ -18,7 +18,8 @@ from rich.table import Table
 
 from flowmoe.cli.ui import console, out
 from flowmoe.core.errors import ConfigError
-from flowmoe.study.reproduce import PAPERS, run_setting, settings, summary
+from flowmoe.study.reproduce import PAPERS, settings
+from flowmoe.study.reproduce.run import run_setting, summary
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
@@ -43,7 +44,7 @@ def _reproduce(args: argparse.Namespace) -> int:
             results.append(run_setting(setting))
     data = {"paper": args.paper, "quick": args.quick, "settings": results, "summary": summary(results)}
     if args.plot is not None:
-        from flowmoe.study.reproduce_plot import plot_reproduction
+        from flowmoe.study.reproduce.plot import plot_reproduction
 
         plot_reproduction(results, args.plot)
     if args.json:

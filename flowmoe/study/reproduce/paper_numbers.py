@@ -103,7 +103,7 @@ THREADS = (1, 2, 4, 8, 16, 24)
 class CollabModel:
     """One model of the collaborative-inference paper: its measured CPU times and end-to-end figures."""
 
-    expert_ms: dict[int, float]  # Table III: CPU time per OMP_NUM_THREADS (ms); see reproduce.threads_host
+    expert_ms: dict[int, float]  # Table III: CPU time per OMP_NUM_THREADS (ms); see lru_cache.threads_host
     power: dict[int, tuple[float, float]]  # Table IV: (CPU, GPU) watts of "ours" per thread count
     joules: dict[int, float]  # Table V: joules per token of "ours" per thread count
     prefetch: tuple[tuple[float, float], float]  # Tables IV and V: Pre-gated (prefetching) W and J/token
