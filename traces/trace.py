@@ -59,8 +59,3 @@ class Trace:
             [s.start for s in self.spans] + [c.time for c in self.counters] + [w.start for w in self.steps]
         )
         return min(starts) if starts else 0.0
-
-    def to_chrome(self) -> dict:
-        from flowmoe.traces.chrome import chrome_trace
-
-        return chrome_trace([self])

@@ -214,11 +214,3 @@ def observed_popularity(spec: ModelSpec, recorded: RoutingTrace) -> list[tuple[f
                 raise ConfigError(f"routing trace names expert {expert}; the model has {spec.moe.experts}")
             totals[answer.layer][expert] += tokens
     return [tuple(t / sum(row) for t in row) if sum(row) else None for row in totals]
-
-
-def routing_for(
-    spec: ModelSpec, steps: Sequence[StepShape], model: RoutingModel
-) -> tuple[RoutingTrace, tuple[tuple[float, ...], ...]]:
-    """A synthetic routing trace for `steps`, and the popularity profile it was drawn from."""
-    routing = SyntheticRouting(spec, model)
-    return routing.trace(steps), routing.popularity
