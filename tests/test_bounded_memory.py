@@ -98,5 +98,6 @@ def test_a_step_keeps_only_its_last_layer_alive(layered: MoEModel, name: str, mo
     run_scheduler(layered, name, Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.5))
     last = layered.spec.layers - 1
     for state in states:
-        assert not (state.qkv or state.attn or state.outputs or state.shared or state.x_cpu or state.kv_work)
-        assert {layer for layer, _ in state.x} <= {last}
+        acts = state.acts
+        assert not (acts.qkv or acts.attn or state.outputs or acts.shared or acts.x_cpu or acts.kv_work)
+        assert {layer for layer, _ in acts.x} <= {last}

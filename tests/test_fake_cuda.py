@@ -30,9 +30,9 @@ from flowmoe.core.scheduling import NodeFactory, Residency, SchedulerContext
 from flowmoe.devices.factory import make_workers
 from flowmoe.model.arena import ALIGN
 from flowmoe.model.loading import load_model
-from flowmoe.runtime.actions import PendingRouting, StepState
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
 from flowmoe.runtime.pinned import pin_layers
+from flowmoe.runtime.routings import Routings
 from flowmoe.runtime.runner import Runtime, cap_allocator
 from flowmoe.schedulers.registry import available, create
 from flowmoe.traces.trace import Trace
@@ -172,16 +172,15 @@ def test_routing_reaches_the_host_by_one_event_and_matches_the_gate(model) -> No
         devices = Devices(torch.device("cpu"))
         weights = DeviceWeights(model, devices)
         weights.setup(Residency.everything(model.spec), 0)
-        state = StepState(model, {}, devices, weights, events=book)
+        routings = Routings(model, devices, book)
         x = torch.randn(7, model.spec.hidden, generator=torch.Generator().manual_seed(1))  # [T, hidden]
         fake.log.clear()
-        state.gate_into(state.routing, (0, 0), x, 0)
-        assert isinstance(state.routing[(0, 0)], PendingRouting)
+        routings.gate((0, 0), x, 0, weights.layer(0))
         assert [kind for kind, *_ in fake.log] == ["record"]  # nothing waited for yet
-        counts = state.expert_counts(RoutingRequest(0, 0, after=0))
+        counts = routings.counts(RoutingRequest(0, 0, after=0))
         assert [kind for kind, *_ in fake.log] == ["record", "sync"]  # the gate's event, nothing else
         assert fake.log[1][1] is fake.log[0][1] and fake.log[1][1] in book._free
-    routing, eager = state.routing[(0, 0)], model.gate(0, x)
+    routing, eager = routings.decided((0, 0)), model.gate(0, x)
     assert counts.counts == tuple(eager.counts().items())
     assert routing.experts == eager.experts
     for expert in eager.experts:

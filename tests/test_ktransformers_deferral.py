@@ -102,7 +102,7 @@ def test_ranks_follow_the_routing_weights_and_choose_what_kt_kernel_defers() -> 
         assert min(r for _, r in answer.ranks) == 0 and max(r for _, r in answer.ranks) < spec.moe.top_k
 
 
-def test_the_plan_defers_what_the_routing_ranks_last_and_the_next_combine_waits_for_it() -> None:
+def test_the_plan_defers_what_the_routing_ranks_last_and_names_the_next_combine_as_its_own() -> None:
     spec = ModelSpec.from_hf(TINY_CONFIG)  # 2 layers, 4 experts, top-2
     scheduler = create("ktransformers", SchedulerContext(spec, POLICY, NodeFactory(spec)))
     mb = MicroBatchShape.from_lengths(0, [1, 1], [4, 4])
@@ -125,6 +125,10 @@ def test_the_plan_defers_what_the_routing_ranks_last_and_the_next_combine_waits_
     deferred_load = loads[1]
     assert {by_id[d].expert for d in deferred_load.deps} == {1, 3}
     assert deferred_load.id not in combines[0].deps and deferred_load.id in combines[1].deps
+    # the plan names the combine that adds each expert output: the deferred ones' is the next layer's
+    into = {(n.layer, n.expert): n.combine_layer for n in nodes if n.op is Op.EXPERT_FFN}
+    assert into == {(0, 0): 0, (0, 2): 0, (0, 1): 1, (0, 3): 1, (1, 0): 1, (1, 1): 1, (1, 3): 1}
+    assert [load.combined_at for load in loads] == [-1, 1, -1]
     # a trace without ranks cannot say which experts to defer: one line
     with pytest.raises(ConfigError, match="no expert ranks"):
         list(

@@ -16,7 +16,7 @@ from flowmoe.core.hardware import hardware
 from flowmoe.core.plan import ExpertCounts, Lane, Op
 from flowmoe.core.policy import Policy
 from flowmoe.core.presets import preset
-from flowmoe.core.routing_trace import RoutingTrace
+from flowmoe.core.routing_trace import RoutingTrace, replay
 from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, SchedulerContext, StepShape
 from flowmoe.model.loading import load_model
 from flowmoe.schedulers._successors import Arc
@@ -306,6 +306,24 @@ def test_moe_gen_paper_signature_kv_slices_in_and_one_copy_per_expert_for_the_wh
             weights = 3 * SPEC.hidden * SPEC.moe.intermediate * SPEC.dtype_bytes
             assert sum(s.node.bytes >= weights for s in ffns) == 1  # the weights read once
             assert min(s.start for s in ffns) >= gates_done
+
+
+def test_moe_gen_expert_nodes_name_the_micro_batches_their_gemm_serves() -> None:
+    """MoE-Gen's expert batch is in the plan, not inferred by the runtime: every EXPERT_FFN of a layer's
+    expert names the micro-batches routed to it (`serves`, in order, its own among them), the node of
+    the first runs the GEMM and each other one waits for that node; an expert only one micro-batch
+    routed to serves just that one."""
+    steps = [decode(4, 3)]
+    routes = {(layer, mb): {0: 4, mb + 1: 4} for layer in range(3) for mb in range(3)}  # expert 0: all three
+    trace, sched = trace_of(steps, routes), scheduler("moe-gen", weights_gpu_share=0.0)
+    nodes = list(replay(sched.plan(steps[0]), lambda request: trace.answer(1, request)))
+    for layer in range(3):
+        for expert in range(4):
+            ffns = [n for n in nodes if n.op is Op.EXPERT_FFN and n.layer == layer and n.expert == expert]
+            routed = tuple(mb for mb in range(3) if expert in routes[(layer, mb)])
+            assert [n.mb for n in ffns] == list(routed) and all(n.serves == routed for n in ffns)
+            assert all(ffns[0].id in n.deps for n in ffns[1:])
+    assert {len(n.serves) for n in nodes if n.op is Op.EXPERT_FFN} == {1, 3}
 
 
 def test_moe_gen_memory_counts_host_kv_and_gpu_kv_buffers() -> None:

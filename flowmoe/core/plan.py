@@ -77,8 +77,9 @@ class TaskNode:
     pageable: bool = False  # a copy from (or to) pageable host memory, not pinned
     sync: bool = False  # the host waits for this node before it issues more (a synchronisation point)
     more: tuple[int, ...] = ()  # PAGE_COPY of whole experts: the experts after `expert` in one page
-    # EXPERT_FFN: the micro-batches whose tokens its expert's one GEMM takes, in order (MoE-Gen's expert
-    # batch): the node of the first runs it, each other's finds its output there; empty: its own only
+    # EXPERT_FFN: one GEMM of its expert over the tokens of these micro-batches, in order, in chunks of
+    # `rows` (MoE-Gen's expert batch): the node of the first runs it, each other's finds its output
+    # there; empty: its own micro-batch's tokens, in one kernel call with other experts at hand
     serves: tuple[int, ...] = ()
     # EXPERT_FFN, EXPERT_LOAD: the layer whose COMBINE (of the node's micro-batch) adds the expert output
     # (-1: the node's own layer; KTransformers' Expert Deferral names the next layer's)
