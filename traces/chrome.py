@@ -8,16 +8,17 @@ and `C` counter tracks.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from flowmoe.core.plan import Lane
+from flowmoe.core.write_guard import DEFAULT_GUARD, Guard, OutputKind
 from flowmoe.traces.summary import STEPS_EVENT
 from flowmoe.traces.trace import Trace
 
 DEVICES = ("gpu", "cpu", "disk")
+WRITER = {"writer": "flowmoe"}  # the trace's otherData, written first: the mark of a trace flowmoe wrote
+CHROME_TRACE = OutputKind("Chrome trace", f'{{"otherData": {json.dumps(WRITER)}'.encode())
 LANES = tuple(Lane)
 
 
@@ -89,45 +90,24 @@ def chrome_trace(traces: list[Trace]) -> dict[str, Any]:
             ]
             events.append({"ph": "M", "name": STEPS_EVENT, "pid": pid_of["gpu"], "tid": 0,
                            "args": {"steps": steps}})  # fmt: skip
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+    return {"otherData": WRITER, "traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def _tid(lane: Lane) -> int:
     return 1 + LANES.index(lane)
 
 
-def write_chrome(path: str | Path, traces: list[Trace]) -> Path:
-    """Write atomically: a temporary file beside the target, then rename."""
+def write_chrome(path: str | Path, traces: list[Trace], guard: Guard = DEFAULT_GUARD) -> Path:
+    """Write through the write guard: whole (a temporary file, then a rename), never over a file
+    flowmoe did not write."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        user_mode(fd)
-        with os.fdopen(fd, "w") as handle:
-            json.dump(chrome_trace(traces), handle)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    data = chrome_trace(traces)
 
+    def dump(tmp: Path) -> None:
+        with tmp.open("w") as handle:
+            json.dump(data, handle)
 
-def user_mode(fd: int) -> None:
-    """Give a file made by mkstemp (mode 0600) the mode any other output gets: 0666 less the umask."""
-    os.fchmod(fd, 0o666 & ~current_umask())
-
-
-def current_umask() -> int:
-    """The process's umask, read without changing it where Linux shows it (/proc/self/status)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    umask = os.umask(0o077)  # elsewhere: set and restore (briefly the strictest mask, never a looser one)
-    os.umask(umask)
-    return umask
+    return guard.write(path, CHROME_TRACE, dump)
 
 
 def validate_chrome(data: dict[str, Any]) -> list[str]:

@@ -9,8 +9,9 @@ from flowmoe.cli.args import OUTPUT_FILE, POSITIVE_INT
 from flowmoe.cli.plan import spec_from
 from flowmoe.cli.ui import out, status
 from flowmoe.cli.ui import table as ui_table
+from flowmoe.cli.writes import add_force_flag, write_guard
 from flowmoe.core.errors import FlowmoeError
-from flowmoe.core.hardware import save_profile
+from flowmoe.core.hardware import PROFILE, save_profile
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,10 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     calibrate.add_argument(
         "--threads", type=POSITIVE_INT, help="torch threads per op, as the runs' --cpu-threads (%(type)s)"
     )
+    add_force_flag(calibrate)
     calibrate.set_defaults(handler=_calibrate)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    guard = write_guard(args, [("--output", args.output, PROFILE)])
     import torch
 
     from flowmoe.study.calibrate import Shapes, calibrate
@@ -58,7 +61,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         spec, measurements = calibrate(
             args.quick, args.dtype, lambda step: spinner.update(step), args.device, shapes
         )
-    save_profile(spec, args.output)
+    save_profile(spec, args.output, guard)
     table = ui_table(f"calibration of {spec.name}", ("measurement", "value", "unit"), justify="right")
     for m in measurements:
         table.add_row(m.name, f"{m.value:.3g}", m.unit)

@@ -12,6 +12,7 @@ from rich.table import Table
 from flowmoe.cli.args import EXPERT_FORMAT_HELP, OUTPUT_FILE, POSITIVE_INT
 from flowmoe.cli.ui import out
 from flowmoe.cli.ui import table as ui_table
+from flowmoe.cli.writes import add_force_flag, write_guard
 from flowmoe.core.hardware import HardwareSpec, hardware
 from flowmoe.core.hrm import balance_point
 from flowmoe.core.memory import fitting_expert_format, gib
@@ -20,6 +21,7 @@ from flowmoe.core.policy_search import CPU_USABLE, GPU_USABLE, Candidate, PlanRe
 from flowmoe.core.presets import PRESETS, preset
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.workloads import WORKLOADS, Workload, workload
+from flowmoe.study.roofline_plot import PLOT
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--expert-format", choices=EXPERT_FORMATS, help=EXPERT_FORMAT_HELP)
     plan.add_argument("--plot", type=OUTPUT_FILE, help="write a roofline figure (.png, .svg or .pdf)")
     plan.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    add_force_flag(plan)
     plan.set_defaults(handler=_plan)
 
 
@@ -67,6 +70,7 @@ def workload_from(args: argparse.Namespace) -> Workload:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    guard = write_guard(args, [("--plot", args.plot, PLOT)])
     spec, hw, work = spec_from(args), hardware(args.hardware), workload_from(args)
     attention = (args.attention_on,) if args.attention_on else ("gpu", "cpu")
     ffn = (args.ffn_on,) if args.ffn_on else ("gpu", "cpu")
@@ -77,7 +81,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.plot:
         from flowmoe.study.roofline_plot import plot_roofline
 
-        plot_roofline(spec, hw, result.best.policy, context, args.plot)
+        plot_roofline(spec, hw, result.best.policy, context, args.plot, guard)
     if args.json:
         print(json.dumps(plan_json(spec, hw, work, result, balance)))
         return 0

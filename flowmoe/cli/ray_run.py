@@ -16,10 +16,10 @@ from flowmoe.cli.args import POSITIVE_INT
 from flowmoe.cli.simulate import auto_scheduler
 from flowmoe.cli.ui import console, progress, table
 from flowmoe.core.cost import RooflineCost
-from flowmoe.core.errors import ConfigError
+from flowmoe.core.errors import ConfigError, FlowmoeError
 from flowmoe.core.hardware import hardware
-from flowmoe.core.jsonfile import os_reason
 from flowmoe.core.policy import Policy
+from flowmoe.core.write_guard import Guard
 from flowmoe.jobs.sampling import SamplingParams
 from flowmoe.model.builtin import ensure_builtin
 from flowmoe.model.tokenizer import TextCodec
@@ -46,8 +46,8 @@ def add_ray_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_on_ray(args: argparse.Namespace, sampling: SamplingParams, policy: Policy) -> int:
-    """The job over `--replicas` replicas of the Ray cluster at `--ray`."""
+def run_on_ray(args: argparse.Namespace, sampling: SamplingParams, policy: Policy, guard: Guard) -> int:
+    """The job over `--replicas` replicas of the Ray cluster at `--ray`; `guard` guards --trace."""
     from flowmoe.cli.run import TokenRateColumn, job_from, routing_profile  # run.py imports this module
 
     if args.record_routing:
@@ -87,10 +87,9 @@ def run_on_ray(args: argparse.Namespace, sampling: SamplingParams, policy: Polic
     if not args.trace:
         return 0
     try:
-        write_chrome(args.trace, report.traces)
-    except OSError as exc:
-        console.print(f"flowmoe: error: --trace {args.trace}: {os_reason(exc)}", soft_wrap=True,
-                      highlight=False, markup=False)  # fmt: skip
+        write_chrome(args.trace, report.traces, guard)
+    except FlowmoeError as exc:
+        console.print(f"flowmoe: error: {exc}", soft_wrap=True, highlight=False, markup=False)
         return 2
     nodes = sum(len(t.spans) for t in report.traces)
     console.print(

@@ -11,8 +11,8 @@ from typing import Any
 from rich.table import Table
 
 from flowmoe.cli.ui import out
+from flowmoe.core.bounded_read import TRACE, read_bounded
 from flowmoe.core.errors import FlowmoeError
-from flowmoe.core.jsonfile import os_reason
 from flowmoe.traces.stats import RunStats
 from flowmoe.traces.summary import TraceSummary, summarize
 
@@ -29,12 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def load_trace(path: Path) -> dict[str, Any]:
     """A Chrome trace in either of its formats: an object with traceEvents, or a bare event array."""
-    if not path.is_file():
+    if path.is_dir() or not path.exists():  # a FIFO or a device is refused by read_bounded
         raise FlowmoeError(f"{path}: {'a folder, not a trace file' if path.is_dir() else 'no such file'}")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise FlowmoeError(f"{path}: cannot be read ({os_reason(exc)})") from exc
+        data = json.loads(read_bounded(path, TRACE, FlowmoeError).decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise FlowmoeError(f"{path}: not UTF-8 text ({exc.reason})") from exc
     except json.JSONDecodeError as exc:

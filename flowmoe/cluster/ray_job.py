@@ -34,7 +34,7 @@ from flowmoe.cluster.model_spec import model_spec
 from flowmoe.cluster.replica import Finished, Replica, ReplicaConfig
 from flowmoe.cluster.resources import ReplicaResources
 from flowmoe.core.errors import ConfigError, FlowmoeError
-from flowmoe.core.jsonfile import os_reason
+from flowmoe.core.os_errors import os_reason
 from flowmoe.jobs.batching import Request
 from flowmoe.jobs.job import build_requests
 from flowmoe.jobs.joblog import JobLog

@@ -21,7 +21,6 @@ import bisect
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +28,12 @@ from attrs import NOTHING, asdict, fields, frozen
 
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.jsonfile import read_json_object
+from flowmoe.core.write_guard import DEFAULT_GUARD, Guard, OutputKind
 
 GiB = 2**30
 GB = 10**9
 PROFILE_FORMAT = "flowmoe-hardware/1"
+PROFILE = OutputKind("hardware profile", f'{{\n  "format": "{PROFILE_FORMAT}"'.encode())
 # Figures a preset states as sustained (not datasheet); each needs an entry in `sources`.
 SUSTAINED = (
     "gemm_efficiency", "gpu_memory_efficiency", "h2d_bandwidth", "d2h_bandwidth", "h2d_pageable_bandwidth",
@@ -168,7 +169,7 @@ def hardware(name_or_path: str | Path) -> HardwareSpec:
     if key in PRESETS:
         return PRESETS[key]
     path = Path(key)
-    if path.is_file():
+    if path.exists():  # a file, or something else in its place for the reader to name
         return load_profile(path)
     if path.suffix == ".json" or os.sep in key:
         raise ConfigError(f"{path}: hardware profile not found")
@@ -191,22 +192,12 @@ def to_json(spec: HardwareSpec) -> dict[str, Any]:
     return {"format": PROFILE_FORMAT, **data}
 
 
-def save_profile(spec: HardwareSpec, path: str | Path) -> Path:
-    """Write atomically: a temporary file beside the target, then rename."""
+def save_profile(spec: HardwareSpec, path: str | Path, guard: Guard = DEFAULT_GUARD) -> Path:
+    """Write through the write guard: whole, never over a file flowmoe did not write."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        umask = os.umask(0o077)  # read it (setting the strictest mask meanwhile, never a looser one)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 -> the user's umask, as any output
-        with os.fdopen(fd, "w") as handle:
-            json.dump(to_json(spec), handle, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    text = json.dumps(to_json(spec), indent=2)  # starts with PROFILE's marker: "format" comes first
+    return guard.write(path, PROFILE, lambda tmp: tmp.write_text(text))
 
 
 def load_profile(path: str | Path) -> HardwareSpec:

@@ -14,13 +14,16 @@ from pathlib import Path
 
 from attrs import asdict, define, field, frozen
 
+from flowmoe.core.bounded_read import ROUTING, read_bounded
 from flowmoe.core.errors import ConfigError
-from flowmoe.core.jsonfile import os_reason, read_bytes
 from flowmoe.core.plan import ExpertCounts, Lane, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import PlanStream
 from flowmoe.core.spec import ModelSpec
+from flowmoe.core.write_guard import DEFAULT_GUARD, Guard, OutputKind
 
 Key = tuple[int, int, int]  # (step, layer, micro-batch)
+ROUTING_FORMAT = "flowmoe-routing/1"  # the first key of a saved trace: the mark of one flowmoe wrote
+ROUTING_RECORD = OutputKind("routing trace", f'{{"format": "{ROUTING_FORMAT}"'.encode())
 
 
 @frozen
@@ -79,7 +82,8 @@ class RoutingTrace:
         found = table[key]
         return ExpertCounts(request.layer, request.mb, found.counts, found.follows, found.ranks)
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, guard: Guard = DEFAULT_GUARD) -> None:
+        """Write through the write guard: whole, never over a file flowmoe did not write."""
         rows = [
             {
                 "step": k[0],
@@ -92,19 +96,16 @@ class RoutingTrace:
             for spec, table in ((False, self.counts), (True, self.predicted))
             for k, v in sorted(table.items())
         ]
-        if self.shape is not None:
-            rows.insert(0, {"model": asdict(self.shape)})
-        try:
-            Path(path).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot write the routing trace ({os_reason(exc)})") from exc
+        rows.insert(0, {"format": ROUTING_FORMAT, **({"model": asdict(self.shape)} if self.shape else {})})
+        text = "\n".join(json.dumps(r) for r in rows) + "\n"
+        guard.write(Path(path), ROUTING_RECORD, lambda tmp: tmp.write_text(text))
 
     @classmethod
     def load(cls, path: str | Path, spec: ModelSpec | None = None) -> RoutingTrace:
         """A saved trace; given `spec`, one recorded on a model of another shape is refused."""
         trace = cls()
         try:
-            text = read_bytes(Path(path)).decode("utf-8")
+            text = read_bounded(Path(path), ROUTING).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
         for number, line in enumerate(text.splitlines(), start=1):
@@ -116,6 +117,7 @@ class RoutingTrace:
                     trace.shape = RoutedShape(
                         **{k: int(row["model"][k]) for k in ("layers", "experts", "top_k")}
                     )
+                if "model" in row or "format" in row:  # the header
                     continue
                 answer = ExpertCounts(
                     row["layer"],

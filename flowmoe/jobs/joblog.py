@@ -5,8 +5,9 @@ refused, naming the process that holds it), checks that every whole line is a
 result flowmoe wrote, and only then cuts off a torn last line (a crash
 mid-write), so re-running the same command continues the job and never
 duplicates or corrupts a result, and a file flowmoe did not write is never
-modified. A failed write (disk full, I/O error) is undone before it is
-reported, so the log stays whole and resumable.
+modified. A last line that is not something flowmoe half-wrote is never cut. A
+failed write (disk full, I/O error) is undone before it is reported, so the log
+stays whole and resumable.
 """
 
 from __future__ import annotations
@@ -16,17 +17,25 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from attrs import define, field
 
+from flowmoe.core.bounded_read import SIDECAR, open_fd
 from flowmoe.core.errors import FlowmoeError
+from flowmoe.core.write_guard import Guard, Named, Target
 from flowmoe.jobs.batching import JobId
 
 LINE_START = b'{"id": '  # every line `append` writes starts so (json.dumps keeps the key order)
 RESULT_KEYS = {"id": (str, int), "output_ids": (list,), "finish_reason": (str,)}
+LINE_BOUND = 64 * 2**20  # the longest line a results log may hold (a result is far shorter)
+HOLDER_START = "pid "  # how the sidecar a run writes begins
+HOLDER_LINE = re.compile(rb"pid \d+ on host [^\n]*\n")  # the whole of a sidecar a run wrote
 
 
 @define
@@ -38,12 +47,12 @@ class JobLog:
     _holder: Path | None = None  # the sidecar naming this process as the lock's holder
 
     @classmethod
-    def open(cls, path: str | Path, prompts: str | Path | None = None) -> JobLog:
-        """Lock, check and recover the log at `path` (created if missing); `prompts` is the job's
-        prompt file, which the log must not be (by identity, whatever the spelling)."""
+    def open(cls, path: str | Path, prompts: str | Path | None = None, guard: Guard | None = None) -> JobLog:
+        """Lock, check and recover the log at `path` (created if missing). The write guard refuses
+        a path that is not a regular file or is a file the job reads: `prompts` (the job's prompt
+        file), or whatever a front end's `guard` names."""
         log = cls(Path(path))
-        if prompts is not None:
-            _refuse_same_file(log.path, Path(prompts))
+        (guard or output_guard(log.path, prompts)).check(log.path, None)
         log._fd = _open_for_append(log.path)
         try:
             log._lock()
@@ -60,20 +69,17 @@ class JobLog:
         assert self._fd is not None
         _lock_or_refuse(self._fd, self.path)
         holder = holder_file(self.path)
-        if not _sidecar_is_ours(holder):  # a file of that name flowmoe did not write stays as it is
-            return
-        try:  # who holds the lock, for the message of a second run; the lock works without it
-            holder.write_text(f"{HOLDER_START}{os.getpid()} on host {socket.gethostname()}\n")
-        except OSError:
-            return
-        self._holder = holder
+        if _claim_sidecar(holder, f"{HOLDER_START}{os.getpid()} on host {socket.gethostname()}\n"):
+            self._holder = holder  # who holds the lock, for a second run's message
 
     def _recover(self) -> None:
         """Read the ids done; every whole line must be a result before a torn tail is cut."""
         assert self._fd is not None
-        data = _read_all(self._fd)
-        self.done, self._size = _results(data, self.path)
-        if self._size < len(data):  # the torn tail of an interrupted write: the request runs again
+        self.done, self._size, complete = _results(self._fd, self.path)
+        if complete:  # a whole result that lacks only its newline: completed, not cut
+            os.write(self._fd, b"\n")
+            self._size = os.fstat(self._fd).st_size
+        elif self._size < os.fstat(self._fd).st_size:  # a line flowmoe half-wrote: its request runs again
             os.ftruncate(self._fd, self._size)
 
     def append(self, record: dict[str, Any]) -> None:
@@ -111,30 +117,31 @@ class JobLog:
             self._fd = None
 
 
-def check_output(path: str | Path, prompts: str | Path) -> None:
+def output_guard(path: Path, prompts: str | Path | None) -> Guard:
+    """The write guard of a log whose job reads only its prompt file."""
+    reads = (Named("the prompt file", Path(prompts)),) if prompts is not None else ()
+    return Guard(reads, (Target("--output", path, None),))
+
+
+def check_output(path: str | Path, guard: Guard) -> None:
     """The checks `JobLog.open` makes, without creating, locking or changing anything: a front end
     calls it to fail before it spends minutes loading a model."""
     path = Path(path)
-    _refuse_same_file(path, Path(prompts))
-    _check_folder(path)
+    guard.check(path, None)
     if not path.exists():
         return
-    if path.is_dir():
-        raise _cannot_open(path, os.strerror(errno.EISDIR))
     try:  # for writing, as the run will (and as an NFS lock needs), but nothing is written
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise _cannot_open(path, exc.strerror) from exc
     try:
+        _check_regular(fd, path)
         _lock_or_refuse(fd, path)
-        _results(_read_all(fd), path)
+        _results(fd, path)
     except OSError as exc:
         raise _cannot_use(path, exc) from exc
     finally:
         os.close(fd)  # and the lock with it
-
-
-HOLDER_START = "pid "  # how the sidecar a run writes begins
 
 
 def holder_file(path: Path) -> Path:
@@ -142,44 +149,43 @@ def holder_file(path: Path) -> Path:
     return path.with_name(f".{path.name}.lock")
 
 
-def _sidecar_is_ours(holder: Path) -> bool:
-    """Missing, or a plain file an earlier flowmoe run wrote (a run killed before it could remove it)."""
-    if holder.is_symlink():
+def _claim_sidecar(holder: Path, text: str) -> bool:
+    """Write `text` into the sidecar if it is missing or one an earlier run left (a run killed
+    before it could remove it): a plain file, linked nowhere else, holding one holder line and no
+    more. Anything else of that name (a file of the user's, a link, a FIFO) is left as it is."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(holder, flags, 0o644)
+    except OSError:  # a symlink, a folder, a file system that refuses it: the lock works without it
         return False
     try:
-        with holder.open("rb") as handle:
-            return handle.read(len(HOLDER_START)) == HOLDER_START.encode()
-    except FileNotFoundError:
-        return True
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1 or found.st_size > SIDECAR.limit:
+            return False
+        if found.st_size and not HOLDER_LINE.fullmatch(os.pread(fd, SIDECAR.limit, 0)):
+            return False
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, text.encode(), 0)
     except OSError:
         return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def _holder_of(path: Path) -> str:
-    holder = holder_file(path)
-    if holder.is_symlink():
+    """The holder line of a sidecar a run wrote, read without following a link or waiting on a FIFO."""
+    try:
+        fd = open_fd(holder_file(path), FlowmoeError, os.O_RDONLY | os.O_NOFOLLOW)
+    except FlowmoeError:
         return "holder unknown"
     try:
-        text = holder.read_text().strip()
-    except (OSError, UnicodeDecodeError):
+        line = os.pread(fd, SIDECAR.limit, 0)
+    except OSError:
         return "holder unknown"
-    return text if text.startswith(HOLDER_START) else "holder unknown"
-
-
-def _refuse_same_file(output: Path, prompts: Path) -> None:
-    try:
-        same = os.path.samefile(output, prompts)
-    except OSError:  # one of them does not exist (yet): not the same file
-        return
-    if same:
-        raise FlowmoeError(
-            f"--output {output} is the prompt file {prompts}; results must go to a file of their own"
-        )
-
-
-def _check_folder(path: Path) -> None:
-    if not path.parent.is_dir():
-        raise FlowmoeError(f"--output {path}: folder {path.parent} does not exist; create it first")
+    finally:
+        os.close(fd)
+    return line.decode(errors="replace").strip() if HOLDER_LINE.fullmatch(line) else "holder unknown"
 
 
 def _cannot_open(path: Path, why: str | None) -> FlowmoeError:
@@ -188,6 +194,12 @@ def _cannot_open(path: Path, why: str | None) -> FlowmoeError:
 
 def _cannot_use(path: Path, exc: OSError) -> FlowmoeError:
     return FlowmoeError(f"--output {path}: cannot read or lock it ({exc.strerror or exc})")
+
+
+def _check_regular(fd: int, path: Path) -> None:
+    """The opened file is still a regular one (not swapped for a FIFO or a device since the guard)."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise _cannot_open(path, "not a regular file")
 
 
 def _lock_or_refuse(fd: int, path: Path) -> None:
@@ -202,13 +214,17 @@ def _lock_or_refuse(fd: int, path: Path) -> None:
 
 
 def _open_for_append(path: Path) -> int:
-    """The log's descriptor (read and append), creating the file; the folder must exist."""
-    _check_folder(path)
+    """The log's descriptor (read and append), creating the file; the guard has checked the path."""
     created = not path.exists()
     try:
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         raise _cannot_open(path, exc.strerror) from exc
+    try:
+        _check_regular(fd, path)
+    except FlowmoeError:
+        os.close(fd)
+        raise
     if created:  # make the new file's name durable too
         _fsync_folder(path.parent)
     return fd
@@ -224,32 +240,74 @@ def _fsync_folder(folder: Path) -> None:
             os.close(fd)
 
 
-def _read_all(fd: int) -> bytes:
-    chunks, offset = [], 0
+def _lines(fd: int, path: Path) -> Iterator[bytes]:
+    """The file's lines with their newlines, read in blocks (the last one may lack its newline);
+    a line longer than LINE_BOUND is no result flowmoe wrote."""
+    pending, offset = bytearray(), 0
     while chunk := os.pread(fd, 1 << 20, offset):
-        chunks.append(chunk)
         offset += len(chunk)
-    return b"".join(chunks)
+        pending += chunk
+        start = 0
+        while (end := pending.find(b"\n", start)) >= 0:
+            yield bytes(pending[start : end + 1])
+            start = end + 1
+        del pending[:start]
+        if len(pending) > LINE_BOUND:
+            raise _not_a_log(f"{path}", f"a line longer than {LINE_BOUND // 2**20} MiB")
+    if pending:
+        yield bytes(pending)
 
 
-def _results(data: bytes, path: Path) -> tuple[set[JobId], int]:
-    """The ids of a log's results and the length of its whole lines; an error unless every whole
-    line is a result flowmoe wrote and what follows the last one is the start of another."""
-    whole = data[: data.rfind(b"\n") + 1]
-    lines = whole.split(b"\n")[:-1]
-    done = {_result_id(line, f"{path}:{number}") for number, line in enumerate(lines, start=1)}
-    tail = data[len(whole) :]
-    if tail and not (tail.startswith(LINE_START) or LINE_START.startswith(tail)):
-        raise _not_a_log(f"{path}:{len(lines) + 1}", "its last line is not the start of a result")
-    return done, len(whole)
+def _results(fd: int, path: Path) -> tuple[set[JobId], int, bool]:
+    """The ids of a log's results, the length of its whole lines, and whether its last line is a
+    whole result that lacks only its newline; an error unless every whole line is a result flowmoe
+    wrote and what follows the last one is a result or flowmoe's own half-written line."""
+    done: set[JobId] = set()
+    size, number = 0, 0
+    for number, line in enumerate(_lines(fd, path), start=1):
+        if not line.endswith(b"\n"):
+            if _torn(line):
+                return done, size, False
+            done.add(_result_id(line, f"{path}:{number}", last=True))
+            return done, size, True
+        done.add(_result_id(line, f"{path}:{number}"))
+        size += len(line)
+    return done, size, False
 
 
-def _result_id(line: bytes, where: str) -> JobId:
+def _torn(tail: bytes) -> bool:
+    """A last line that a write flowmoe began and a crash cut short: the start of a result line
+    and not a whole JSON value (that is a line of its own, flowmoe's or not, and is never cut)."""
+    if LINE_START.startswith(tail):
+        return True
+    if not tail.startswith(LINE_START):
+        return False
+    try:
+        text = tail.decode("utf-8")
+    except UnicodeDecodeError as exc:  # a cut may split the last character, and only that one
+        if exc.reason != "unexpected end of data":
+            return False
+        text = tail[: exc.start].decode("utf-8", errors="replace")
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:  # cut short: inside a string, or where more was due
+        if exc.msg.startswith("Unterminated string"):
+            return True
+        if exc.msg.startswith("Invalid \\uXXXX escape"):
+            return exc.pos >= len(text) - len("\\u0000")
+        return exc.msg.startswith("Expecting") and exc.pos >= len(text) - len("fals")  # "fals": a cut literal
+    except (ValueError, RecursionError):
+        return False
+    return False
+
+
+def _result_id(line: bytes, where: str, last: bool = False) -> JobId:
     """The id of one existing output line, which must be a result flowmoe wrote."""
     try:
         row = json.loads(line.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise _not_a_log(where, "not a JSON result line") from exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        why = "its last line is neither a result nor the start of one" if last else "not a JSON result line"
+        raise _not_a_log(where, why) from exc
     if not isinstance(row, dict):
         raise _not_a_log(where, f"a JSON {type(row).__name__}, not a result object")
     for key, types in RESULT_KEYS.items():

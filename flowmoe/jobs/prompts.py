@@ -14,6 +14,7 @@ from typing import Any, BinaryIO
 
 from attrs import frozen
 
+from flowmoe.core.bounded_read import open_regular
 from flowmoe.core.errors import PromptFileError
 from flowmoe.jobs.batching import JobId
 
@@ -57,13 +58,13 @@ def read_prompts(
     path = Path(path)
     if path.is_dir():
         raise PromptFileError(f"{path}: is a folder, not a prompt file")
-    if not path.is_file():
+    if not path.exists():
         raise PromptFileError(f"{path}: prompt file not found")
     prompts: list[PromptLine] = []
     errors: list[str] = []
     seen: set[JobId] = set()
     try:
-        with path.open("rb") as handle:
+        with open_regular(path, PromptFileError) as handle:
             for number, (raw, whole) in enumerate(_lines(handle, max_line_bytes), start=1):
                 try:
                     if not whole:

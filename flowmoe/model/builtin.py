@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from flowmoe.core.errors import ConfigError
-from flowmoe.core.jsonfile import os_reason
+from flowmoe.core.os_errors import os_reason
 from flowmoe.core.spec import ModelSpec
 from flowmoe.model.random_weights import RandomSource
 from flowmoe.model.tensor_map import TensorMap

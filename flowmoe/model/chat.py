@@ -18,8 +18,9 @@ from typing import Any
 import jinja2
 from attrs import frozen
 
+from flowmoe.core.bounded_read import TEMPLATE, read_bounded
 from flowmoe.core.errors import ConfigError, PromptFileError
-from flowmoe.core.jsonfile import read_bytes, read_json_object
+from flowmoe.core.jsonfile import read_json_object
 from flowmoe.model.template_sandbox import BoundedSandbox, render_bounded
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
@@ -81,7 +82,7 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 def _read_text(path: Path) -> str:
     try:
-        return read_bytes(path).decode("utf-8")
+        return read_bounded(path, TEMPLATE).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
 

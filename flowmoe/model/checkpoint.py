@@ -26,8 +26,10 @@ import torch
 from attrs import define, field
 from safetensors import SafetensorError, safe_open
 
+from flowmoe.core.bounded_read import INDEX as INDEX_BOUND
 from flowmoe.core.errors import CheckpointError
-from flowmoe.core.jsonfile import os_reason, read_json_object
+from flowmoe.core.jsonfile import read_json_object
+from flowmoe.core.os_errors import os_reason
 from flowmoe.core.spec import ModelSpec
 from flowmoe.model.fp8 import (
     FP8_DTYPE,
@@ -87,7 +89,7 @@ class Checkpoint:
         index = self.folder / INDEX
         if not index.exists() and not index.is_symlink():
             return None
-        weight_map = read_json_object(index, CheckpointError).get("weight_map")
+        weight_map = read_json_object(index, CheckpointError, INDEX_BOUND).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise CheckpointError(f'{index}: "weight_map" must be an object of tensor name -> shard file')
         return {name: self._inside(file) for name, file in weight_map.items()}

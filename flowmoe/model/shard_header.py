@@ -16,8 +16,9 @@ from typing import Any
 
 from attrs import frozen
 
+from flowmoe.core.bounded_read import open_regular
 from flowmoe.core.errors import CheckpointError
-from flowmoe.core.jsonfile import os_reason
+from flowmoe.core.os_errors import os_reason
 
 MAX_HEADER_BYTES = 100_000_000  # the limit the safetensors library itself enforces
 DTYPE_BYTES = {
@@ -35,7 +36,7 @@ class TensorInfo:
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Every tensor of the shard, after checking that its bytes lie inside the file."""
     try:
-        with path.open("rb") as file:
+        with open_regular(path, CheckpointError) as file:
             size = os.fstat(file.fileno()).st_size
             length = int.from_bytes(file.read(8), "little") if size >= 8 else -1
             if length < 0:

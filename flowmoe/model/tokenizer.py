@@ -8,7 +8,8 @@ from pathlib import Path
 from attrs import frozen
 from tokenizers import Tokenizer
 
-from flowmoe.core.errors import ConfigError
+from flowmoe.core.bounded_read import TOKENIZER, read_bounded
+from flowmoe.core.errors import ConfigError, FlowmoeError
 from flowmoe.core.jsonfile import read_json_object
 from flowmoe.model.chat import ChatTemplate, Message
 
@@ -26,7 +27,9 @@ class TextCodec:
         if not path.exists() and not path.is_symlink():
             return None
         try:
-            tokenizer = Tokenizer.from_file(str(path))
+            tokenizer = Tokenizer.from_str(read_bounded(path, TOKENIZER).decode("utf-8"))
+        except FlowmoeError:
+            raise
         except Exception as exc:  # tokenizers raises a bare Exception on malformed files
             raise ConfigError(f"{path}: cannot read tokenizer ({exc})") from exc
         eos = frozenset(_config_eos(Path(folder), tokenizer))

@@ -10,8 +10,6 @@ type follows the extension (.png, .svg, .pdf).
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +20,21 @@ from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.hrm import Hierarchy, Phase, layer_ops
 from flowmoe.core.policy import Policy
 from flowmoe.core.spec import ModelSpec
-from flowmoe.traces.chrome import user_mode
+from flowmoe.core.write_guard import DEFAULT_GUARD, Guard, OutputKind
 
 BATCHES = (32, 128, 1024, 16384)
+PLOT_WRITER = "flowmoe plot"  # the figure's Software (PNG) or Creator (SVG, PDF): the mark of flowmoe's
+PLOT = OutputKind("plot", PLOT_WRITER.encode(), at_start=False)
 
 
-def plot_roofline(spec: ModelSpec, hw: HardwareSpec, policy: Policy, context: int, path: str | Path) -> Path:
+def plot_roofline(
+    spec: ModelSpec,
+    hw: HardwareSpec,
+    policy: Policy,
+    context: int,
+    path: str | Path,
+    guard: Guard = DEFAULT_GUARD,
+) -> Path:
     path = Path(path)
     if path.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise ConfigError(f"{path}: roofline plots are written as .png, .svg or .pdf")
@@ -49,7 +56,7 @@ def plot_roofline(spec: ModelSpec, hw: HardwareSpec, policy: Policy, context: in
     ax.set_title(f"{spec.name} on {hw.name}: hierarchical roofline (decode, μ={policy.micro_batch_size})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
-    _save(fig, path)
+    _save(fig, path, guard)
     plt.close(fig)
     return path
 
@@ -95,14 +102,9 @@ def _ops(ax: Any, spec: ModelSpec, levels: Hierarchy, policy: Policy, context: i
                zorder=5, label=f"attention on {attn.place} (context {context})")  # fmt: skip
 
 
-def _save(fig: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    user_mode(fd)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=150, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _save(fig: Any, path: Path, guard: Guard = DEFAULT_GUARD) -> None:
+    """Write through the write guard, the figure's metadata carrying PLOT's marker."""
+    key = "Software" if path.suffix.lower() == ".png" else "Creator"  # the field each format has
+    guard.write(
+        path, PLOT, lambda tmp: fig.savefig(tmp, dpi=150, bbox_inches="tight", metadata={key: PLOT_WRITER})
+    )

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 
 from flowmoe.cli import main
 from flowmoe.jobs import joblog
+from flowmoe.jobs import prompts as prompts_module
 from flowmoe.jobs.joblog import JobLog, holder_file
 from flowmoe.model.builtin import ensure_builtin
 
@@ -255,16 +256,27 @@ def test_bad_line_is_reported_and_the_rest_runs(
     assert _rows(out) == expected
 
 
+class _FailingReader:
+    """A prompt file whose every read fails with an I/O error."""
+
+    def __enter__(self) -> _FailingReader:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        pass
+
+    def readline(self, _limit: int = -1) -> bytes:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
 def _unreadable(path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path.write_text(_good(GOOD[0]).decode())
-    real_open = Path.open
+    real_open = prompts_module.open_regular
 
-    def failing_open(self: Path, *args, **kwargs):
-        if self == path:
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real_open(self, *args, **kwargs)
+    def failing_open(where: Path, error: type) -> object:
+        return _FailingReader() if where == path else real_open(where, error)
 
-    monkeypatch.setattr(Path, "open", failing_open)
+    monkeypatch.setattr(prompts_module, "open_regular", failing_open)
     return path
 
 
@@ -416,7 +428,7 @@ def test_output_that_is_a_directory(
     good_prompts: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     assert _run(good_prompts, tmp_path) == 2
-    assert f"--output {tmp_path}: cannot open for writing (Is a directory)" in _error(capsys)
+    assert f"--output {tmp_path}: is a directory, not a file; flowmoe writes only" in _error(capsys)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes read-only files (the simulated case runs)")

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flowmoe.cli import main
-from flowmoe.core.errors import ConfigError
+from flowmoe.core.errors import ConfigError, FlowmoeError
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.spec import ModelSpec
 from flowmoe.model import template_sandbox
@@ -576,7 +576,7 @@ def test_unreadable_routing_trace(tmp_path: Path, content: bytes | None, message
 
 def test_routing_trace_write_failure_is_one_line(tmp_path: Path) -> None:
     trace = RoutingTrace.for_model(ModelSpec.from_hf(BUILTIN_CONFIG))
-    with pytest.raises(ConfigError, match=f"^{tmp_path}: cannot write the routing trace \\(is a directory"):
+    with pytest.raises(FlowmoeError, match=f"^{tmp_path}: is a directory, not a file; flowmoe writes only"):
         trace.save(tmp_path)
 
 
