@@ -32,6 +32,7 @@ from flowmoe.cli.args import (
 )
 from flowmoe.cli.plan import add_setup_flags, spec_from, workload_from
 from flowmoe.cli.ui import console, out
+from flowmoe.cli.writes import add_force_flag, write_guard
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import hardware
 from flowmoe.core.policy import EXPERT_FORMATS, Policy, parse_bytes
@@ -47,7 +48,7 @@ from flowmoe.study.best_policy import Given, best_policy, describe_policy
 from flowmoe.study.realtime import with_realtime
 from flowmoe.study.sim_report import SimulationResult
 from flowmoe.study.simulate import Setup
-from flowmoe.traces.chrome import write_chrome
+from flowmoe.traces.chrome import CHROME_TRACE, write_chrome
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,12 +57,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     simulate.add_argument("--scheduler", default="all", help="a scheduler name, or all")
     simulate.add_argument("--trace", type=Path, help="write the simulated steps as a Chrome trace")
     simulate.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    add_force_flag(simulate)
     simulate.set_defaults(handler=_simulate)
     compare = sub.add_parser("compare", help="several schedulers on one setup: one stacked trace and a table")
     _flags(compare)
     compare.add_argument("--schedulers", help="comma-separated names (default: every registered one)")
     compare.add_argument("--trace", type=Path, help="write one Chrome trace, a process group per scheduler")
     compare.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    add_force_flag(compare)
     compare.set_defaults(handler=_compare)
 
 
@@ -126,7 +129,7 @@ def setup_from(args: argparse.Namespace) -> Setup:
 
 
 def _recorded(path: Path, spec: ModelSpec) -> RoutingTrace:
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"{path}: routing trace not found")
     return RoutingTrace.load(path, spec)
 
@@ -153,6 +156,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace, names: list[str]) -> int:
+    guard = write_guard(args, [("--trace", args.trace, CHROME_TRACE)])
     setup, given = setup_from(args), given_from(args)
     check_deferral(given.defer_experts or 0, names, setup.spec)
     results = []
@@ -165,7 +169,7 @@ def _report(args: argparse.Namespace, names: list[str]) -> int:
             results = [with_realtime(setup, r, uvloop.run) for r in results]
     traces = [r.realtime.trace if r.realtime else r.trace for r in results if r.trace is not None]
     if args.trace and traces:
-        write_chrome(args.trace, traces)
+        write_chrome(args.trace, traces, guard)
     if args.json:
         print(json.dumps(results_json(setup, results)))
         return 0

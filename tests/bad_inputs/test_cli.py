@@ -28,9 +28,10 @@ from flowmoe.cli.ui import out
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.presets import PRESETS, preset
 from flowmoe.core.scheduling import Residency, SchedulerContext, StepShape
+from flowmoe.core.write_guard import Guard
 from flowmoe.schedulers import registry
 from flowmoe.schedulers.eager import EagerScheduler
-from flowmoe.traces.chrome import validate_chrome
+from flowmoe.traces.chrome import CHROME_TRACE, validate_chrome
 
 ROOT = Path(__file__).parent.parent.parent
 PROMPTS = ROOT / "examples" / "prompts.jsonl"
@@ -217,8 +218,11 @@ def _job(tmp_path: Path, *extra: str) -> list[str]:
 def test_a_failed_trace_write_after_the_job_reports_the_job_then_one_error(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def disk_full(path: Path, _traces: list) -> Path:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    def disk_full(path: Path, _traces: list, guard: Guard) -> Path:  # the guard's write, the disk full
+        def no_space(_tmp: Path) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        return guard.write(path, CHROME_TRACE, no_space)
 
     monkeypatch.setattr(run_command, "write_chrome", disk_full)
     assert main(_job(tmp_path, "--trace", str(tmp_path / "t.json"))) == 2
