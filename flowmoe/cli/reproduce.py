@@ -17,9 +17,11 @@ from typing import Any
 from rich.table import Table
 
 from flowmoe.cli.ui import console, out
+from flowmoe.cli.writes import add_force_flag, write_guard
 from flowmoe.core.errors import ConfigError
 from flowmoe.study.reproduce import PAPERS, settings
 from flowmoe.study.reproduce.run import run_setting, summary
+from flowmoe.study.roofline_plot import PLOT
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
@@ -30,12 +32,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--quick", action="store_true", help="one small setting per paper")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--plot", type=Path, help="paper vs simulated bars per setting (.png, .svg or .pdf)")
+    add_force_flag(parser)
     parser.set_defaults(handler=_reproduce)
 
 
 def _reproduce(args: argparse.Namespace) -> int:
     if args.plot is not None and args.plot.suffix not in PLOT_SUFFIXES:
         raise ConfigError(f"--plot {args.plot}: use a .png, .svg or .pdf file name")
+    guard = write_guard(args, [("--plot", args.plot, PLOT)])
     chosen = settings(args.paper, args.quick)
     results = []
     with console.status("reproducing") as status:
@@ -46,7 +50,7 @@ def _reproduce(args: argparse.Namespace) -> int:
     if args.plot is not None:
         from flowmoe.study.reproduce.plot import plot_reproduction
 
-        plot_reproduction(results, args.plot)
+        plot_reproduction(results, args.plot, guard)
     if args.json:
         print(json.dumps(data))
         return 0

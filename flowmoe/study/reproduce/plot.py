@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from flowmoe.core.errors import ConfigError
+from flowmoe.core.write_guard import DEFAULT_GUARD, Guard
 from flowmoe.study.roofline_plot import _save
 
 COLUMNS = 4
 
 
-def plot_reproduction(results: Sequence[dict[str, Any]], path: Path) -> Path:
+def plot_reproduction(results: Sequence[dict[str, Any]], path: Path, guard: Guard = DEFAULT_GUARD) -> Path:
     try:
         import matplotlib
 
@@ -37,6 +38,6 @@ def plot_reproduction(results: Sequence[dict[str, Any]], path: Path) -> Path:
     for ax in list(axes.flat)[len(shown) :]:
         ax.axis("off")
     fig.tight_layout()
-    _save(fig, path)
+    _save(fig, path, guard)
     plt.close(fig)
     return path
