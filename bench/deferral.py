@@ -46,7 +46,7 @@ from flowmoe.core.workloads import workload
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.model.loading import load_model
 from flowmoe.model.moe_model import Deferral, MoEModel
-from flowmoe.schedulers.ktransformers import deferring_layers
+from flowmoe.schedulers.ktransformers import KTransformersOptions, deferring_layers
 from flowmoe.study.simulate import Setup, Simulation
 from tests.hf_models import hf_model, save_hf
 
@@ -108,7 +108,8 @@ def speedups(name: str) -> list[dict[str, Any]]:
                   RoutingModel(seed=0), decode_samples=3)  # fmt: skip
     rows, base = [], None
     for k in range(min(spec.moe.top_k, 5)):
-        result = Simulation(evolve(setup, policy=evolve(policy, defer_experts=k))).run("ktransformers")
+        deferred = policy.with_options(KTransformersOptions(defer_experts=k))
+        result = Simulation(evolve(setup, policy=deferred)).run("ktransformers")
         if result.error is not None:
             rows.append({"model": name, "defer_experts": k, "error": result.error})
             continue

@@ -45,7 +45,8 @@ from flowmoe.jobs.engine import Engine, Request, eager_step
 from flowmoe.jobs.job import first_batch
 from flowmoe.model.loading import load_model
 from flowmoe.runtime.runner import Runtime
-from flowmoe.schedulers.registry import create
+from flowmoe.schedulers.lru_cache import LRUCacheOptions
+from flowmoe.schedulers.registry import create, load
 from flowmoe.traces.chrome import chrome_trace, write_chrome
 from flowmoe.traces.summary import records_by_group, summarize_records
 
@@ -68,15 +69,23 @@ def fit_policy(model, scheduler: str, budget: int, base: Policy, batch: BatchSha
     """The policy with the largest resident expert share (or cache) this scheduler fits in `budget`
     with `batch` (flowmoe's memory figure, the runtime's check)."""
     spec, need = model.spec, None
+    ways = base.options_for(LRUCacheOptions).cache_ways  # whole sets of the expert cache's ways
     for share in SHARES:
-        ways = base.cache_ways
         slots = max(ways, int(share * spec.moe.experts * spec.layers) // ways * ways)
-        policy = attrs.evolve(base, weights_gpu_share=share, expert_cache_slots=slots, gpu_memory=budget)
+        policy = cache_slots(attrs.evolve(base, weights_gpu_share=share, gpu_memory=budget), scheduler, slots)
         plugin = create(scheduler, SchedulerContext(spec, policy, NodeFactory(spec), cost))
         need = gpu_memory(plugin, batch)
         if need.total <= budget:
             return policy, need
     return None, need
+
+
+def cache_slots(policy: Policy, scheduler: str, slots: int) -> Policy:
+    """`policy` with an expert cache of `slots` where the scheduler has one (--expert-cache-slots)."""
+    own = load(scheduler).Options
+    if "expert_cache_slots" not in attrs.fields_dict(own):
+        return policy
+    return policy.with_options(attrs.evolve(policy.options_for(own), expert_cache_slots=slots))
 
 
 def requests_for(args, vocab: int) -> list[Request]:
@@ -139,7 +148,7 @@ def check_tokens(args, device: str) -> dict[str, bool]:
     reference, _ = asyncio.run(generate(model, eager_step, requests, limits, torch.device("cpu")))
     agree = {}
     for name in args.schedulers:
-        policy = Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.5, expert_cache_slots=8)
+        policy = cache_slots(Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.5), name, 8)
         results, *_ = run_one(model, name, policy, requests, limits, device)
         agree[name] = [r.output_ids for r in results] == [r.output_ids for r in reference]
     return agree

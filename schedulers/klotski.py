@@ -129,7 +129,7 @@ Group = tuple[MicroBatchShape, ...]
 
 @frozen
 class KlotskiOptions(HotExpertsOptions):
-    """Klotski's n and its K hot experts (`hot_experts`, shared with hybrimoe)."""
+    """Klotski's group size n (its K hot experts are `hot_experts`, shared with hybrimoe)."""
 
     group_size: int = option(
         0, "micro-batches per group, Klotski's n (0: its constraint planner chooses)", IntRange(0), label="n"

@@ -110,6 +110,7 @@ from flowmoe.core.scheduling import (
     StepShape,
 )
 from flowmoe.core.spec import ModelSpec
+from flowmoe.core.workloads import Workload
 from flowmoe.schedulers.layer_nodes import (
     check_placement,
     kept_per_layer,
@@ -156,6 +157,22 @@ class MoEGenScheduler(Scheduler):
         "MoE-Gen module-based batching: KV cache and tokens in host memory, attention per micro-batch "
         "(KV slices copied in, or on the CPU), then each expert once over the whole batch's tokens"
     )
+
+    @classmethod
+    def own_policies(
+        cls,
+        spec: ModelSpec,
+        hw: HardwareSpec,
+        workload: Workload,
+        attention: Sequence[Place],
+        max_batch: int | None,
+        gpu_memory: int | None,
+    ) -> list[Policy]:
+        """MoE-Gen's batch sizes per placement (`moe_gen_policy`: the batch host memory holds the KV
+        cache of, the attention micro-batch the GPU holds), for prompts padded to the longest, as
+        MoE-Gen runs them (§5.1): the engine sizes each cache so."""
+        prompt, gen = workload.prompt.maximum, workload.gen_len
+        return [moe_gen_policy(spec, hw, prompt, gen, where, max_batch, gpu_memory) for where in attention]
 
     def __init__(self, context: SchedulerContext) -> None:
         super().__init__(context)

@@ -16,22 +16,28 @@ from flowmoe.core.spec import ModelSpec
 from flowmoe.jobs.engine import Engine, Request, Result, StepInput, eager_step
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.runner import Runtime
+from flowmoe.schedulers.hybrimoe import HybriMoEOptions
+from flowmoe.schedulers.lru_cache import LRUCacheOptions
 from flowmoe.schedulers.registry import create
+from flowmoe.schedulers.shared_options import ExpertCacheOptions, PagedOptions
 
 TINY_CONFIG = {
     "architectures": ["MixtralForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
     "num_experts_per_tok": 2,
 }  # fmt: skip
-GOLDEN_POLICY = Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.0, page_bytes=8192)
+PAGES_8K = (PagedOptions(page_bytes=8192), LRUCacheOptions(page_bytes=8192))  # 8 KiB pages, where paged
+GOLDEN_POLICY = Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.0, options=PAGES_8K)
 # where the common policy would hide what a scheduler does: lru-cache with one 2-way index (layer 0
 # cached, layer 1 on the CPU), cgopipe with CPU attention, flexgen with its cache on the CPU
 GOLDEN_POLICIES = {
-    "lru-cache": evolve(GOLDEN_POLICY, expert_cache_slots=2, cache_ways=2),
+    "lru-cache": GOLDEN_POLICY.with_options(
+        LRUCacheOptions(page_bytes=8192, expert_cache_slots=2, cache_ways=2)
+    ),
     "cgopipe": evolve(GOLDEN_POLICY, attention_on="cpu"),  # Algorithm 1's CPU attention
     "flexgen": evolve(GOLDEN_POLICY, kv_gpu_share=0.0),  # the cache on the CPU, loaded per micro-batch
-    "hybrimoe": evolve(GOLDEN_POLICY, expert_cache_slots=2),  # one slot a layer: MRS evictions
-    "fate": evolve(GOLDEN_POLICY, expert_cache_slots=3),  # quotas 2 and 1: what ARC keeps
+    "hybrimoe": GOLDEN_POLICY.with_options(HybriMoEOptions(expert_cache_slots=2)),  # MRS evictions
+    "fate": GOLDEN_POLICY.with_options(ExpertCacheOptions(expert_cache_slots=3)),  # what ARC keeps
 }
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from attrs import fields_dict
 
 from flowmoe.cli import main
 
@@ -64,15 +65,18 @@ def test_every_scheduler_runs_from_the_cli_with_experts_offloaded(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """`flowmoe run --scheduler X` for every registered X, three quarters of the experts off the GPU:
-    the same outputs as eager; schedulers with a report print it."""
+    the same outputs as eager; schedulers with a report print it; an expert cache of 8 slots where a
+    scheduler takes --expert-cache-slots (an options flag is refused where it does not)."""
     from flowmoe.schedulers.registry import available
 
-    policy = ["--weights-gpu-share", "0.25", "--expert-cache-slots", "8", "--micro-batches", "2"]
+    policy = ["--weights-gpu-share", "0.25", "--micro-batches", "2"]
     outputs = {}
-    for name in available():
+    for name, scheduler in available().items():
         out = tmp_path / f"{name}.jsonl"
         args = ["run", "--prompts", str(PROMPTS), "--output", str(out), "--max-new-tokens", "4"]
-        assert main([*args, "--scheduler", name, *policy]) == 0
+        takes = "expert_cache_slots" in fields_dict(scheduler.Options)
+        cache = ["--expert-cache-slots", "8"] if takes else []
+        assert main([*args, "--scheduler", name, *policy, *cache]) == 0
         outputs[name] = sorted((r["id"], r["output_ids"]) for r in _lines(out))
     assert all(result == outputs["eager"] for result in outputs.values())
     err = capsys.readouterr().err

@@ -21,6 +21,8 @@ from flowmoe.model.checkpoint import Checkpoint
 from flowmoe.model.loading import keep_fp8_experts, load_model
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.runner import Runtime
+from flowmoe.schedulers.lru_cache import LRUCacheOptions
+from flowmoe.schedulers.shared_options import PagedOptions
 from tests.helpers import rel_err
 from tests.hf_models import COMMON, hf_model, save_hf
 from tests.schedule_fixtures import run_eager, run_scheduler
@@ -299,6 +301,10 @@ def test_simulation_moves_half_the_bytes_with_fp8_experts() -> None:
     assert h2d["fp8"].busy_seconds < h2d["native"].busy_seconds
 
 
+PAGES_4K = (PagedOptions(page_bytes=4096),)
+SMALL_CACHE = (LRUCacheOptions(expert_cache_slots=4, cache_ways=2),)
+
+
 @pytest.mark.parametrize(
     ("name", "policy"),
     [
@@ -306,11 +312,8 @@ def test_simulation_moves_half_the_bytes_with_fp8_experts() -> None:
             "eager",
             Policy(micro_batch_size=3, micro_batches=2, expert_format="fp8"),
         ),  # resident: copied at setup
-        ("cgopipe", Policy(3, 2, weights_gpu_share=0.0, page_bytes=4096, expert_format="fp8")),  # 4 KiB pages
-        (
-            "lru-cache",
-            Policy(3, 2, weights_gpu_share=0.0, expert_cache_slots=4, cache_ways=2, expert_format="fp8"),
-        ),
+        ("cgopipe", Policy(3, 2, weights_gpu_share=0.0, expert_format="fp8", options=PAGES_4K)),
+        ("lru-cache", Policy(3, 2, weights_gpu_share=0.0, expert_format="fp8", options=SMALL_CACHE)),
     ],
 )
 def test_fp8_experts_cross_and_dequantize_to_eager_tokens(

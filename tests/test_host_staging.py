@@ -20,6 +20,7 @@ from flowmoe.core.presets import preset
 from flowmoe.core.scheduling import MicroBatchShape, NodeFactory
 from flowmoe.core.workloads import workload
 from flowmoe.devices.sim import SimWorker, run_virtual
+from flowmoe.schedulers.shared_options import PagedOptions
 from flowmoe.study.reproduce import paper_numbers as P
 from flowmoe.study.simulate import simulate
 from tests.test_sched_pipelines import MIXTRAL, decode_step, scheduler, spans_of, uniform_trace
@@ -77,9 +78,8 @@ def test_cgopipe_stages_on_its_own_lane_beside_cpu_attention_within_the_dram_ban
     """The signature: with pageable weights every W_STAGE runs on cpu.stage, overlapping the CPU attention
     (the artifact's copy thread beside its attention thread), waits for its pinned slot's previous pages to
     leave for the GPU, and the host lanes together never stream more than the host's DRAM sustains."""
-    policy = Policy(
-        micro_batch_size=64, micro_batches=4, attention_on="cpu", weights_gpu_share=0.25, page_bytes=2**30
-    )
+    pages = (PagedOptions(page_bytes=2**30),)
+    policy = Policy(64, 4, attention_on="cpu", weights_gpu_share=0.25, options=pages)
     spec = MIXTRAL
     step = decode_step(4, 64, 2048)
     cost = RooflineCost(S7, spec)

@@ -13,6 +13,7 @@ from flowmoe.core.policy import Policy
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.scheduling import StepShape
 from flowmoe.schedulers._correlation import CorrelationTable
+from flowmoe.schedulers.klotski import KlotskiOptions
 from flowmoe.study.simulate import simulate
 from tests.helpers import rectangle
 from tests.test_sched_pipelines import MIXTRAL, T4, decode_step, scheduler, shifting_trace, spans_of
@@ -48,9 +49,7 @@ def test_klotski_gates_wait_for_the_hot_experts_and_the_next_layer_for_this_one(
     weights of layer l + 1 (and its first batch's cache) for layer l's last gate, even over a link
     that would run ahead and with every batch routed to the same experts (no cold copy after the
     first gate holds the link back)."""
-    policy = Policy(
-        micro_batch_size=16, micro_batches=4, weights_gpu_share=0.0, kv_gpu_share=0.0, group_size=4
-    )
+    policy = Policy(16, 4, weights_gpu_share=0.0, kv_gpu_share=0.0, options=(KlotskiOptions(group_size=4),))
     spans = run(policy, cost=FAST, same=True)
     dense_evict = {s.node.layer: s for s in spans_of(spans, Op.EVICT) if s.node.expert < 0}
     for layer in range(MIXTRAL.layers):
@@ -77,10 +76,8 @@ def test_klotski_prefetching_every_expert_is_the_strawman_layer_by_layer_pipelin
     attention and every gate waits for all of it, so nothing is copied after a gate; with hot
     experts only the GPU computes the group's hot experts while the cold ones cross the link, and
     the run ends sooner. Either way the next layer's experts come in only after this layer's left."""
-    policy = Policy(
-        micro_batch_size=16, micro_batches=4, weights_gpu_share=0.0, kv_gpu_share=0.0, group_size=4
-    )
-    strawman = run(evolve(policy, hot_experts=8))
+    policy = Policy(16, 4, weights_gpu_share=0.0, kv_gpu_share=0.0, options=(KlotskiOptions(group_size=4),))
+    strawman = run(policy.with_options(KlotskiOptions(hot_experts=8, group_size=4)))
     for layer in range(MIXTRAL.layers):
         first_gate = min(g.start for g in spans_of(strawman, Op.GATE, layer))
         copies = [s for s in spans_of(strawman, Op.PAGE_COPY, layer) if s.node.expert >= 0]
@@ -100,9 +97,7 @@ def test_klotski_prefetching_every_expert_is_the_strawman_layer_by_layer_pipelin
 def test_klotski_cache_copies_are_pageable_and_weight_copies_unless_pinned() -> None:
     """Klotski's CPU cache is FlexGen's, allocated unpinned; its CPU weights are pinned only where host
     memory suffices (§6.1), else their copies are pageable too."""
-    policy = Policy(
-        micro_batch_size=16, micro_batches=2, weights_gpu_share=0.0, kv_gpu_share=0.0, group_size=2
-    )
+    policy = Policy(16, 2, weights_gpu_share=0.0, kv_gpu_share=0.0, options=(KlotskiOptions(group_size=2),))
     for pinned in (True, False):
         spans = run(policy, pinned)
         kv = spans_of(spans, Op.KV_LOAD) + spans_of(spans, Op.KV_STORE)
@@ -114,9 +109,7 @@ def test_klotski_cache_copies_are_pageable_and_weight_copies_unless_pinned() -> 
 def test_klotski_keeps_the_caches_of_the_first_layers_on_the_gpu() -> None:
     """`kv_gpu_share` 0.5 of 4 layers: layers 0 and 1 keep their caches on the GPU (their copies move
     nothing), as Klotski's code places caches layer by layer, and the GPU memory holds them."""
-    policy = Policy(
-        micro_batch_size=16, micro_batches=2, weights_gpu_share=0.0, kv_gpu_share=0.5, group_size=2
-    )
+    policy = Policy(16, 2, weights_gpu_share=0.0, kv_gpu_share=0.5, options=(KlotskiOptions(group_size=2),))
     spans = run(policy)
     for s in spans_of(spans, Op.KV_LOAD) + spans_of(spans, Op.KV_STORE):
         assert (s.node.bytes == 0) == (s.node.layer < 2), s.node.label

@@ -29,7 +29,7 @@ from flowmoe.model.loading import load_model
 from flowmoe.model.moe_model import Deferral, MoEModel, expert_ranks
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
 from flowmoe.runtime.runner import Runtime
-from flowmoe.schedulers.ktransformers import deferring_layers
+from flowmoe.schedulers.ktransformers import KTransformersOptions, deferring_layers
 from flowmoe.schedulers.registry import create
 from flowmoe.study.simulate import Setup, Simulation, batch_steps
 from flowmoe.traces.trace import Trace
@@ -41,7 +41,8 @@ from tests.test_fake_cuda import FakeCuda
 # every family with top-k >= 2 (Llama 4 routes each token to one expert: nothing to defer)
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
             "phimoe", "granitemoe", "ernie4_5_moe"]  # fmt: skip
-POLICY = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.0, defer_experts=1)
+DEFER_ONE = KTransformersOptions(defer_experts=1)
+POLICY = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.0, options=(DEFER_ONE,))
 
 
 def eager_with(deferral: Deferral):
@@ -158,7 +159,7 @@ def test_simulated_trace_overlaps_deferred_cpu_experts_with_the_next_attention(m
         spec, hardware("l4"), workload("fixed:32:3"), policy, RoutingModel(seed=1), decode_samples=2
     )
     exact = Simulation(setup).run("ktransformers")
-    deferred = Simulation(evolve(setup, policy=evolve(policy, defer_experts=1))).run("ktransformers")
+    deferred = Simulation(evolve(setup, policy=policy.with_options(DEFER_ONE))).run("ktransformers")
     assert exact.error is None and deferred.error is None
     layers = sorted(deferring_layers(spec))
     assert layers and all(overlaps(exact.trace, layer) == 0 for layer in layers)
@@ -177,15 +178,16 @@ def test_a_recorded_trace_keeps_the_ranks(tmp_path) -> None:
 def test_bad_k_is_refused() -> None:
     spec = ModelSpec.from_hf(TINY_CONFIG)
     with pytest.raises(ConfigError, match="--defer-experts"):
-        Policy(defer_experts=-1)
+        KTransformersOptions(defer_experts=-1)
+    two = POLICY.with_options(KTransformersOptions(defer_experts=2))
     with pytest.raises(ConfigError, match="below the model's top-k"):
-        create("ktransformers", SchedulerContext(spec, evolve(POLICY, defer_experts=2), NodeFactory(spec)))
+        create("ktransformers", SchedulerContext(spec, two, NodeFactory(spec)))
 
 
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["--scheduler", "eager", "--defer-experts", "1"], "--defer-experts is ktransformers'"),
+        (["--scheduler", "eager", "--defer-experts", "1"], "--defer-experts is an option of ktransformers;"),
         (["--scheduler", "ktransformers", "--defer-experts", "2"], "below the model's top-k"),
         (["--scheduler", "ktransformers", "--defer-experts", "-1"], "--defer-experts"),
     ],

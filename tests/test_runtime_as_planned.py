@@ -30,12 +30,13 @@ from flowmoe.model.loading import load_model
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.device_weights import Devices
 from flowmoe.runtime.runner import Runtime
+from flowmoe.schedulers.klotski import KlotskiOptions
 from flowmoe.study.simulate import Setup, Simulation, simulate
 from tests.helpers import rectangle
 from tests.hf_models import hf_model, save_hf
 from tests.schedule_fixtures import generate, run_eager
 
-KLOTSKI = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.0, kv_gpu_share=0.67, group_size=2)
+KLOTSKI = Policy(3, 2, weights_gpu_share=0.0, kv_gpu_share=0.67, options=(KlotskiOptions(group_size=2),))
 MOE_GEN = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.0)
 FLEXGEN = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.0, kv_gpu_share=0.5)
 

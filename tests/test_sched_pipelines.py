@@ -24,7 +24,10 @@ from flowmoe.jobs.engine import eager_step
 from flowmoe.model.loading import load_model
 from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers._correlation import CorrelationTable
+from flowmoe.schedulers.klotski import KlotskiOptions
+from flowmoe.schedulers.lru_cache import LRUCacheOptions
 from flowmoe.schedulers.registry import create
+from flowmoe.schedulers.shared_options import PagedOptions
 from flowmoe.study.simulate import simulate
 from tests.helpers import rel_err
 from tests.hf_models import hf_model, save_hf
@@ -86,17 +89,29 @@ def reference(model):
 CHEAP_CPU = evolve(hardware("t4"), name="cheap-cpu", h2d_bandwidth=1e7, cpu_launch=1e-6)
 MBS = {"micro_batch_size": 2, "micro_batches": 3}
 OFFLOADED = {  # case -> scheduler, policy, hardware its latency model prices work on (None: default)
-    "cgopipe": ("cgopipe", Policy(**MBS, attention_on="cpu", weights_gpu_share=0.25, page_bytes=4096), None),
+    "cgopipe": (
+        "cgopipe",
+        Policy(**MBS, attention_on="cpu", weights_gpu_share=0.25, options=(PagedOptions(page_bytes=4096),)),
+        None,
+    ),
     "cgopipe-chunks": (
         "cgopipe",
-        Policy(**MBS, attention_on="cpu", weights_gpu_share=0.25, page_bytes=2**30),
+        Policy(**MBS, attention_on="cpu", weights_gpu_share=0.25, options=(PagedOptions(page_bytes=2**30),)),
         None,
     ),
     "cgopipe-gpu-attention": ("cgopipe", Policy(**MBS, weights_gpu_share=0.25, kv_gpu_share=0.0), None),
-    "klotski": ("klotski", Policy(**MBS, weights_gpu_share=0.0, hot_experts=2), None),
+    "klotski": (
+        "klotski",
+        Policy(**MBS, weights_gpu_share=0.0, options=(KlotskiOptions(hot_experts=2),)),
+        None,
+    ),
     "fiddler-copies": ("fiddler", Policy(**MBS, weights_gpu_share=0.25), None),
     "fiddler-cpu": ("fiddler", Policy(**MBS, weights_gpu_share=0.25), CHEAP_CPU),
-    "lru-cache": ("lru-cache", Policy(**MBS, expert_cache_slots=4, cache_ways=2), None),
+    "lru-cache": (
+        "lru-cache",
+        Policy(**MBS, options=(LRUCacheOptions(expert_cache_slots=4, cache_ways=2),)),
+        None,
+    ),
 }
 
 
@@ -136,7 +151,7 @@ def test_cgopipe_runs_cpu_attention_two_ahead_and_loads_each_hidden_state_before
             ffn = window(spans_of(spans, Op.EXPERT_FFN, layer, j + 1))
             assert attn[0] < ffn[1] and ffn[0] < attn[1], (layer, j, attn, ffn)
     h2d = sorted((s for s in spans if s.node.lane is Lane.GPU_H2D), key=lambda s: s.start)
-    pages_per_layer = 2 * -(-MIXTRAL.expert_bytes // policy.page_bytes)  # 2 of 8 experts paged
+    pages_per_layer = 2 * -(-MIXTRAL.expert_bytes // PagedOptions().page_bytes)  # 2 of 8 experts paged
     for layer in range(1, MIXTRAL.layers):
         chunks: list[tuple[int, int]] = []  # (layer, mb) of the hidden load each chunk follows
         for before, item in itertools.pairwise(h2d):
@@ -151,9 +166,8 @@ def test_cgopipe_runs_cpu_attention_two_ahead_and_loads_each_hidden_state_before
 def test_cgopipe_pages_of_several_experts_make_one_copy_per_chunk() -> None:
     """Pages of 4 experts, 8 experts paged per layer in 4 chunks (one per micro-batch): each chunk of 2
     experts is one PAGE_COPY; every expert's FFN waits for the copy that brought it."""
-    policy = Policy(
-        micro_batch_size=64, micro_batches=4, weights_gpu_share=0.0, page_bytes=4 * MIXTRAL.expert_bytes
-    )
+    pages = PagedOptions(page_bytes=4 * MIXTRAL.expert_bytes)
+    policy = Policy(micro_batch_size=64, micro_batches=4, weights_gpu_share=0.0, options=(pages,))
     step = decode_step(4, 64, 512)
     spans = simulate(scheduler("cgopipe", MIXTRAL, policy), [step], uniform_trace(MIXTRAL, [step]), T4)
     ids = {s.node.id: s for s in spans}
@@ -172,8 +186,9 @@ def test_cgopipe_pages_of_several_experts_make_one_copy_per_chunk() -> None:
 def test_cgopipe_stages_pageable_weights_on_the_cpu_after_each_slots_attention() -> None:
     """Algorithm 1 with weights not pinned: W_CTOPIN(i + 1, j) on cpu.stage after CPUATTN(i, j), and each
     page's W_PINTOG after its staging copy; with pinned weights there is no staging at all."""
+    pages = PagedOptions(page_bytes=2**30)
     policy = Policy(
-        micro_batch_size=64, micro_batches=4, attention_on="cpu", weights_gpu_share=0.5, page_bytes=2**30
+        micro_batch_size=64, micro_batches=4, attention_on="cpu", weights_gpu_share=0.5, options=(pages,)
     )
     step = decode_step(4, 64, 512)
     pinned = simulate(scheduler("cgopipe", MIXTRAL, policy), [step], uniform_trace(MIXTRAL, [step]), T4)
@@ -235,7 +250,7 @@ def shifting_trace(spec: ModelSpec, step: StepShape) -> RoutingTrace:
 
 def test_klotski_prefetches_hot_experts_before_the_gate_and_computes_them_first() -> None:
     """A routing profile seeds the correlation table: hot experts of layer l are l+2 and l+3."""
-    policy = Policy(micro_batch_size=64, micro_batches=4, weights_gpu_share=0.0, group_size=4)
+    policy = Policy(64, 4, weights_gpu_share=0.0, options=(KlotskiOptions(group_size=4),))
     step = decode_step(4, 64, 512)
     trace = shifting_trace(MIXTRAL, step)
     profile = tuple(
@@ -269,7 +284,7 @@ def test_klotski_learns_which_experts_follow_which() -> None:
         for layer, pair in pairs.items():
             for mb in range(2):
                 trace.record(step.step, ExpertCounts(layer, mb, tuple((e, 8) for e in pair)))
-    policy = Policy(micro_batch_size=8, micro_batches=2, weights_gpu_share=0.0, group_size=2)
+    policy = Policy(8, 2, weights_gpu_share=0.0, options=(KlotskiOptions(group_size=2),))
     spans = simulate(scheduler("klotski", MIXTRAL, policy), steps, trace, T4)
     second = [s for s in spans if s.start >= max(s.end for s in spans_of(spans, Op.LM_HEAD)[:2])]
     for layer, pair in pairs.items():
@@ -307,19 +322,18 @@ def test_klotski_planner_picks_the_smallest_group_that_meets_its_constraints(
     n x 0.737 + 8 x 1.112 >= 8 x 1.77 + 0.42 needs n = 8; 29.4 ms at 12 GB/s: no n <= 8, so all 8."""
     ideal = evolve(hardware("t4"), gpu_memory_efficiency=1.0, gemm_efficiency=())  # the datasheet roofline
     cost = RooflineCost(evolve(ideal, h2d_bandwidth=h2d))
-    policy = Policy(micro_batch_size=64, micro_batches=8, weights_gpu_share=0.0, hot_experts=2)
+    policy = Policy(64, 8, weights_gpu_share=0.0, options=(KlotskiOptions(hot_experts=2),))
     step = decode_step(8, 64, 512)
     assert scheduler("klotski", MIXTRAL, policy, cost=cost).group_size(step) == expected
-    assert scheduler("klotski", MIXTRAL, evolve(policy, group_size=3), cost=cost).group_size(step) == 3
+    three = policy.with_options(KlotskiOptions(hot_experts=2, group_size=3))
+    assert scheduler("klotski", MIXTRAL, three, cost=cost).group_size(step) == 3
 
 
 def test_klotski_loads_the_next_batch_cache_while_this_one_computes_and_pages_attention_weights() -> None:
     """Algorithm 1 lines 13-17: the KV cache of micro-batch j + 1 crosses h2d while j computes, the
     cache's home is the CPU (this step's k, v stored back), and each layer's attention weights come
     in during the layer before and leave after it."""
-    policy = Policy(
-        micro_batch_size=64, micro_batches=4, weights_gpu_share=0.0, kv_gpu_share=0.0, group_size=4
-    )
+    policy = Policy(64, 4, weights_gpu_share=0.0, kv_gpu_share=0.0, options=(KlotskiOptions(group_size=4),))
     step = decode_step(4, 64, 2048)
     klotski = scheduler("klotski", MIXTRAL, policy, cost=T4)
     spans = simulate(klotski, [step], shifting_trace(MIXTRAL, step), T4)
@@ -347,7 +361,7 @@ def test_klotski_loads_the_next_batch_cache_while_this_one_computes_and_pages_at
 def test_klotski_holds_two_layers_of_attention_weights_across_groups() -> None:
     """Four groups of one micro-batch each pass through every layer: a layer's dense copy waits for
     the eviction that frees its buffer, so at most two layers' dense parts are ever on the GPU."""
-    policy = Policy(micro_batch_size=16, micro_batches=4, weights_gpu_share=0.0, group_size=1)
+    policy = Policy(16, 4, weights_gpu_share=0.0, options=(KlotskiOptions(group_size=1),))
     step = decode_step(4, 16, 256)
     spans = simulate(
         scheduler("klotski", MIXTRAL, policy, cost=T4), [step], shifting_trace(MIXTRAL, step), T4
@@ -369,7 +383,7 @@ def test_klotski_reads_the_layers_host_memory_cannot_hold_from_disk() -> None:
     """§6.1's disk tier: host memory for 3.5 of the 4 layers' offloaded weights keeps layer 0 and two
     buffers of disk layers, so layers 1-3 are read from disk every pass (a layer ahead, on disk.read),
     and each of their copies to the GPU waits for the read."""
-    policy = Policy(micro_batch_size=16, micro_batches=2, weights_gpu_share=0.0, group_size=1)
+    policy = Policy(16, 2, weights_gpu_share=0.0, options=(KlotskiOptions(group_size=1),))
     layer = MIXTRAL.layer_dense_bytes(0) + MIXTRAL.layer_expert_bytes(0)
     host = 4 * layer - layer // 2
     step = decode_step(2, 16, 256)
@@ -486,8 +500,8 @@ def test_lru_cache_gives_each_of_the_first_n_layers_its_own_lru_set() -> None:
     for (step, layer, mb), experts in routes.items():
         trace.record(step, ExpertCounts(layer, mb, tuple((e, 2) for e in experts)))
     spec = ModelSpec.from_hf(TINY_CONFIG)
-    cache = scheduler("lru-cache", spec, Policy(micro_batch_size=2, micro_batches=2, expert_cache_slots=4,
-                                               cache_ways=2))  # fmt: skip
+    options = LRUCacheOptions(expert_cache_slots=4, cache_ways=2)
+    cache = scheduler("lru-cache", spec, Policy(micro_batch_size=2, micro_batches=2, options=(options,)))
     spans = simulate(cache, [decode_step(2, 2, 4, step=s) for s in range(2)], trace, T4)
     assert cache.report() == {"hits": 9.0, "misses": 7.0, "hit_rate": 9 / 16}
     ffns = spans_of(spans, Op.EXPERT_FFN)
@@ -510,7 +524,8 @@ def test_lru_cache_layers_past_the_indexes_never_copy_and_outputs_do_not_queue_b
         for layer in range(MIXTRAL.layers):
             chosen = ((layer + step.step) % m.experts, (layer + 3 * step.step + 1) % m.experts)
             trace.record(step.step, ExpertCounts(layer, 0, tuple((e, 1) for e in sorted(chosen))))
-    policy = Policy(micro_batch_size=1, expert_cache_slots=8, cache_ways=4, page_bytes=64 * 2**20)
+    options = LRUCacheOptions(page_bytes=64 * 2**20, expert_cache_slots=8, cache_ways=4)
+    policy = Policy(micro_batch_size=1, options=(options,))
     cache = scheduler("lru-cache", MIXTRAL, policy, cost=T4)
     spans = simulate(cache, steps, trace, T4)
     copies = spans_of(spans, Op.PAGE_COPY)
@@ -523,7 +538,7 @@ def test_lru_cache_layers_past_the_indexes_never_copy_and_outputs_do_not_queue_b
     for load in spans_of(spans, Op.EXPERT_LOAD):
         ready = max(ends[d] for d in load.node.deps)
         assert load.start - ready <= page + 1e-9, load.node.label
-    whole = -(-MIXTRAL.expert_bytes // policy.page_bytes)
+    whole = -(-MIXTRAL.expert_bytes // options.page_bytes)
     assert whole > 1 and all(s.node.parts == whole for s in copies)
 
 
@@ -540,9 +555,8 @@ def test_synthetic_routing_reuses_experts_token_to_token_and_the_cache_sees_it()
             for s in range(1, len(steps))
             for layer in range(MIXTRAL.layers)
         ]
-        cache = scheduler(
-            "lru-cache", MIXTRAL, Policy(micro_batch_size=1, expert_cache_slots=16, cache_ways=4)
-        )
+        options = LRUCacheOptions(expert_cache_slots=16, cache_ways=4)
+        cache = scheduler("lru-cache", MIXTRAL, Policy(micro_batch_size=1, options=(options,)))
         simulate(cache, steps, trace, T4)
         rates[reuse] = (sum(kept) / (2 * len(kept)), cache.report()["hit_rate"])
     default = RoutingModel().reuse

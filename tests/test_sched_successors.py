@@ -21,7 +21,9 @@ from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, SchedulerConte
 from flowmoe.model.loading import load_model
 from flowmoe.schedulers._successors import Arc
 from flowmoe.schedulers.fate import shallow_quotas
+from flowmoe.schedulers.hybrimoe import HybriMoEOptions
 from flowmoe.schedulers.registry import create
+from flowmoe.schedulers.shared_options import ExpertCacheOptions
 from flowmoe.study.simulate import simulate
 from tests.helpers import rel_err
 from tests.hf_models import hf_model, save_hf
@@ -32,8 +34,9 @@ SPEC = preset("mixtral-8x7b", layers=3)
 COST = RooflineCost(hardware("t4"), SPEC)
 OFFLOADED = {  # policies that leave experts off the GPU, so the schedule's own paths run
     "none resident": Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.0),
-    "small cache": Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.0, expert_cache_slots=5),
-}
+    "small cache": Policy(3, 2, weights_gpu_share=0.0, options=(HybriMoEOptions(expert_cache_slots=5),
+                                                                  ExpertCacheOptions(expert_cache_slots=5))),
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "deepseek_v2_lite"])
@@ -130,7 +133,7 @@ def test_hybrimoe_splits_a_layer_between_cpu_and_gpu() -> None:
     keeps the cached ones on the GPU and sends the small uncached ones to the CPU, in the same layer."""
     step = decode(8, 1)
     routes = {(layer, 0): {0: 7, 1: 7, 5: 1, 6: 1} for layer in range(3)}
-    sched = scheduler("hybrimoe", weights_gpu_share=0.0, expert_cache_slots=6)
+    sched = scheduler("hybrimoe", weights_gpu_share=0.0, options=(HybriMoEOptions(expert_cache_slots=6),))
     spans = simulate(sched, [step], trace_of([step], routes), COST)
     for layer in range(3):
         ffns = {s.node.expert: s.node.lane for s in of(spans, Op.EXPERT_FFN, layer=layer)}
@@ -144,7 +147,7 @@ def test_hybrimoe_moves_a_large_uncached_expert_and_keeps_it_by_minus_recent_sco
     the slot of the cached expert with the lowest Minus Recent Score, not the one used recently."""
     prefill = StepShape(0, True, (MicroBatchShape.from_lengths(0, [256], [0]),))
     routes = {(layer, 0): {1: 256, 4: 256} for layer in range(3)}
-    sched = scheduler("hybrimoe", weights_gpu_share=0.0, expert_cache_slots=6)
+    sched = scheduler("hybrimoe", weights_gpu_share=0.0, options=(HybriMoEOptions(expert_cache_slots=6),))
     assert sched.cache[0].keys() == {0, 1}
     spans = simulate(sched, [prefill], trace_of([prefill], routes), COST)
     assert [s.node.expert for s in of(spans, Op.PAGE_COPY, layer=0)] == [4]
@@ -165,7 +168,7 @@ def test_hybrimoe_prefetches_the_next_layer_by_impact() -> None:
         for mb in step.micro_batches:
             for layer in range(3):
                 trace.record(step.step, ExpertCounts(layer, mb.index, ((2, mb.tokens), (5, mb.tokens))))
-    sched = scheduler("hybrimoe", weights_gpu_share=0.0, expert_cache_slots=3)
+    sched = scheduler("hybrimoe", weights_gpu_share=0.0, options=(HybriMoEOptions(expert_cache_slots=3),))
     first, second = by_step(simulate(sched, steps, trace, COST))
     assert {s.node.lane for s in of(first, Op.EXPERT_FFN)} == {Lane.CPU_COMPUTE}
     gate = of(second, Op.GATE, layer=1)[0].node.id
@@ -198,7 +201,7 @@ def test_fate_keeps_what_arc_keeps_and_favours_shallow_layers() -> None:
     assert 1 in arc.cached and len(arc.cached) == 2
     step = decode(4, 1)
     routes = {(layer, 0): {0: 2, 1: 2} for layer in range(3)}
-    sched = scheduler("fate", weights_gpu_share=0.0, expert_cache_slots=6)
+    sched = scheduler("fate", weights_gpu_share=0.0, options=(ExpertCacheOptions(expert_cache_slots=6),))
     spans = simulate(
         sched, [step, decode(4, 1, step=2)], trace_of([step, decode(4, 1, step=2)], routes), COST
     )

@@ -21,16 +21,17 @@ from flowmoe.core.scheduling import NodeFactory, SchedulerContext
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.synthetic_routing import RoutingModel, SyntheticRouting, observed_popularity
 from flowmoe.core.workloads import workload
+from flowmoe.schedulers.klotski import KlotskiOptions
 from flowmoe.schedulers.registry import available, create
 from flowmoe.study.auto_choice import choice, job_workload
 from flowmoe.study.sim_report import interpolate
 from flowmoe.study.simulate import Setup, Simulation, batch_steps, sampled
 from flowmoe.traces.chrome import validate_chrome
 from flowmoe.traces.summary import summarize
-from tests.schedule_fixtures import TINY_CONFIG
+from tests.schedule_fixtures import PAGES_8K, TINY_CONFIG
 
 SPEC = ModelSpec.from_hf(TINY_CONFIG)
-POLICY = Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.0, page_bytes=8192)
+POLICY = Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.0, options=PAGES_8K)
 
 
 def setup(**changes: object) -> Setup:
@@ -296,7 +297,8 @@ def test_a_cache_split_by_layer_is_counted_where_each_layer_lives() -> None:
     base = Setup(spec, hardware("klotski-env1"), workload("fixed:512:4"), Policy(8, 2), decode_samples=1)
     simulation = {}
     for share in (0.0, 0.5):
-        policy = Policy(8, 2, weights_gpu_share=0.0, kv_gpu_share=share, group_size=2, hot_experts=2)
+        klotski = KlotskiOptions(hot_experts=2, group_size=2)
+        policy = Policy(8, 2, weights_gpu_share=0.0, kv_gpu_share=share, options=(klotski,))
         simulation[share] = Simulation(evolve(base, policy=policy))
     whole = simulation[0.0]._kv_slots() * spec.kv_bytes_per_token
     split = simulation[0.5]._scheduler("klotski", None)

@@ -15,18 +15,15 @@ from rich.text import Text
 
 from flowmoe.cli.args import (
     BYTES,
-    DEFER_EXPERTS_HELP,
     EXPERT_FORMAT_HELP,
     FRACTION,
     NON_NEGATIVE_INT,
     OUTPUT_FILE,
-    PAGE_SIZE,
     POSITIVE_INT,
     TOKENS_OR_SIZE,
     FloatRange,
-    check_deferral,
-    check_page_size,
 )
+from flowmoe.cli.option_flags import add_option_flags, cautions, check_taken, given_options, options_of
 from flowmoe.cli.ray_run import add_ray_flags, run_on_ray
 from flowmoe.cli.simulate import auto_scheduler
 from flowmoe.cli.trace import stats_table
@@ -35,6 +32,7 @@ from flowmoe.cli.writes import add_force_flag, write_guard
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.hardware import hardware
+from flowmoe.core.options import check_options
 from flowmoe.core.policy import EXPERT_FORMATS, Policy, parse_bytes
 from flowmoe.core.routing_trace import ROUTING_RECORD, RoutingTrace
 from flowmoe.core.synthetic_routing import observed_popularity
@@ -49,6 +47,7 @@ from flowmoe.model.loading import keep_fp8_experts, load_model
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.tokenizer import TextCodec
 from flowmoe.runtime.runner import Runtime
+from flowmoe.schedulers.registry import available
 from flowmoe.schedulers.registry import load as load_scheduler
 from flowmoe.study.sim_report import trace_stats
 from flowmoe.traces.chrome import CHROME_TRACE, write_chrome
@@ -141,43 +140,17 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
         help="share of the KV cache kept on the GPU (%(type)s)",
     )
     group.add_argument(
-        "--expert-cache-slots", type=POSITIVE_INT,
-        help="lru-cache: experts the GPU cache holds (%(type)s; default: --weights-gpu-share of them)",
-    )  # fmt: skip
-    group.add_argument(
-        "--cache-ways",
-        type=POSITIVE_INT,
-        default=4,
-        help="lru-cache: associativity (%(type)s)",
-    )
-    group.add_argument(
-        "--group-size",
-        type=NON_NEGATIVE_INT,
-        default=0,
-        help="klotski: micro-batches per group (0: plan; %(type)s)",
-    )
-    group.add_argument(
-        "--hot-experts",
-        type=NON_NEGATIVE_INT,
-        default=0,
-        help="klotski: hot experts prefetched (0: top-k; %(type)s)",
-    )
-    group.add_argument(
-        "--page-size",
-        type=PAGE_SIZE,
-        default=PAGE_SIZE("16MiB"),
-        help="cgopipe: weight page size (%(type)s)",
-    )
-    group.add_argument(
         "--cpu-threads", type=POSITIVE_INT,
         help="host threads computing at once, split over the host's compute threads (at most the usable "
         "cores; default: OMP_NUM_THREADS or every usable core; %(type)s)",
     )  # fmt: skip
     group.add_argument("--expert-format", choices=EXPERT_FORMATS, default="native", help=EXPERT_FORMAT_HELP)
-    group.add_argument("--defer-experts", type=NON_NEGATIVE_INT, default=0, help=DEFER_EXPERTS_HELP)
+    add_option_flags(parser)
 
 
 def policy_from(args: argparse.Namespace) -> Policy:
+    """The policy the flags give, with the options of --scheduler (none for auto, which takes none)."""
+    options = () if args.scheduler == "auto" else (options_of(args.scheduler, given_options(args)),)
     return Policy(
         micro_batch_size=max(1, -(-args.batch_size // args.micro_batches)),
         micro_batches=args.micro_batches,
@@ -185,22 +158,18 @@ def policy_from(args: argparse.Namespace) -> Policy:
         ffn_on=args.ffn_on,
         weights_gpu_share=args.weights_gpu_share,
         kv_gpu_share=args.kv_gpu_share,
-        expert_cache_slots=args.expert_cache_slots or 0,
-        cache_ways=args.cache_ways,
-        group_size=args.group_size,
-        hot_experts=args.hot_experts,
-        page_bytes=args.page_size,
         gpu_memory=args.gpu_memory,
         cpu_threads=args.cpu_threads,
         expert_format=args.expert_format,
-        defer_experts=args.defer_experts,
+        options=options,
     )
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.scheduler != "auto":
         load_scheduler(args.scheduler)  # an unknown or broken plugin fails before the model loads
-    check_deferral(args.defer_experts, [args.scheduler])
+    given = given_options(args)  # options --scheduler takes (auto: every scheduler must take them)
+    check_taken(given, list(available()) if args.scheduler == "auto" else [args.scheduler])
     guard = write_guard(args, [("--output", args.output, None), ("--trace", args.trace, CHROME_TRACE),
                                ("--record-routing", args.record_routing, ROUTING_RECORD)],
                         Named("the lock sidecar of --output", holder_file(args.output)))  # fmt: skip
@@ -216,12 +185,10 @@ def _run(args: argparse.Namespace) -> int:
     model = load_with_progress(source, args.dtype, args.layers)
     if policy.expert_format == "fp8":
         keep_fp8_experts(model, source)
-    check_page_size(policy.page_bytes, model.spec.expert_bytes)
-    check_deferral(policy.defer_experts, [args.scheduler], model.spec)
-    if policy.defer_experts:
-        console.print(f"[yellow]--defer-experts {policy.defer_experts}[/]: KTransformers' Expert Deferral "
-                      "changes the model's outputs (not eager's tokens; bench/deferral.py measures "
-                      "by how much)")  # fmt: skip
+    if args.scheduler != "auto":  # its options against the model: a page size against its experts, …
+        check_options(policy.options_for(load_scheduler(args.scheduler).Options), model.spec)
+    for line in cautions(given):  # e.g. --defer-experts: KTransformers' Expert Deferral changes outputs
+        console.print(f"[yellow]{escape(line)}[/]", soft_wrap=True)
     codec = TextCodec.from_folder(source) if Path(source).is_dir() else None
     job = job_from(args, model, sampling)
     if args.scheduler == "auto":  # every scheduler simulated on this job; the best runs, its policy too

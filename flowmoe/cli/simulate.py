@@ -20,21 +20,14 @@ import uvloop
 from attrs import evolve
 from rich.table import Table
 
-from flowmoe.cli.args import (
-    BYTES,
-    DEFER_EXPERTS_HELP,
-    EXPERT_FORMAT_HELP,
-    FRACTION,
-    NON_NEGATIVE_INT,
-    PAGE_SIZE,
-    POSITIVE_INT,
-    check_deferral,
-)
+from flowmoe.cli.args import BYTES, EXPERT_FORMAT_HELP, FRACTION, NON_NEGATIVE_INT, POSITIVE_INT
+from flowmoe.cli.option_flags import add_option_flags, check_taken, given_options, options_of
 from flowmoe.cli.plan import add_setup_flags, spec_from, workload_from
 from flowmoe.cli.ui import console, out
 from flowmoe.cli.writes import add_force_flag, write_guard
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import hardware
+from flowmoe.core.options import check_options
 from flowmoe.core.policy import EXPERT_FORMATS, Policy, parse_bytes
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.spec import ModelSpec
@@ -81,16 +74,8 @@ def _flags(parser: argparse.ArgumentParser) -> None:
     policy.add_argument("--kv-gpu-share", type=FRACTION, help="share of the KV cache kept on the GPU")
     policy.add_argument("--gpu-memory", type=BYTES, help="GPU memory budget (default: the hardware's)")
     policy.add_argument("--expert-format", choices=EXPERT_FORMATS, help=EXPERT_FORMAT_HELP)
-    knobs = parser.add_argument_group("scheduler knobs (as `flowmoe run` takes them)")
-    knobs.add_argument(
-        "--expert-cache-slots", type=POSITIVE_INT, help="lru-cache: experts the GPU cache holds"
-    )
-    knobs.add_argument("--cache-ways", type=POSITIVE_INT, help="lru-cache: ways per set")
-    knobs.add_argument("--group-size", type=POSITIVE_INT, help="klotski: micro-batches per group (n)")
-    knobs.add_argument("--hot-experts", type=POSITIVE_INT, help="klotski: hot experts prefetched (K)")
-    knobs.add_argument("--page-size", type=PAGE_SIZE, help="cgopipe: weight page size")
-    knobs.add_argument("--cpu-threads", type=POSITIVE_INT, help="CPU threads per op")
-    knobs.add_argument("--defer-experts", type=NON_NEGATIVE_INT, help=DEFER_EXPERTS_HELP)
+    policy.add_argument("--cpu-threads", type=POSITIVE_INT, help="CPU threads per op (%(type)s)")
+    add_option_flags(parser)  # each scheduler's own, from its options class (as `flowmoe run` takes them)
     routing = parser.add_argument_group("routing")
     routing.add_argument(
         "--routing", type=Path, help="routing trace recorded by `flowmoe run --record-routing`"
@@ -113,9 +98,8 @@ def given_from(args: argparse.Namespace) -> Given:
     """The policy fields given on the command line (None: the search chooses)."""
     return Given(
         args.batch_size, args.micro_batches, args.attention_on, args.ffn_on, args.weights_gpu_share,
-        args.kv_gpu_share, args.expert_cache_slots, args.cache_ways, args.group_size, args.hot_experts,
-        args.page_size, args.gpu_memory, args.cpu_threads, expert_format=args.expert_format,
-        defer_experts=args.defer_experts,
+        args.kv_gpu_share, args.gpu_memory, args.cpu_threads, expert_format=args.expert_format,
+        options=given_options(args),
     )  # fmt: skip
 
 
@@ -158,7 +142,9 @@ def _compare(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, names: list[str]) -> int:
     guard = write_guard(args, [("--trace", args.trace, CHROME_TRACE)])
     setup, given = setup_from(args), given_from(args)
-    check_deferral(given.defer_experts or 0, names, setup.spec)
+    check_taken(given.options, names)
+    for name in names:  # each one's options against the model: a page size against its experts, …
+        check_options(options_of(name, given.options), setup.spec)
     results = []
     with console.status("searching each scheduler's best policy") as status:
         for name in names:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
-from attrs import field, frozen
+import attrs
+from attrs import evolve, field, frozen
 
 from flowmoe.core.errors import ConfigError
 
@@ -29,18 +30,28 @@ def parse_bytes(text: str) -> int:
         raise ConfigError(f"cannot read {text!r} as a size; use e.g. 16GiB, 24GB or 512MiB") from exc
 
 
-def check_defer(defer: int, top_k: int) -> None:
-    """KTransformers' Expert Deferral keeps at least one expert of each token in its own layer."""
-    if defer and defer >= top_k:
-        raise ConfigError(
-            f"--defer-experts {defer} must be below the model's top-k ({top_k}): "
-            "each token keeps at least one expert in its own layer"
-        )
+T = TypeVar("T")
+
+
+def canonical_options(options: tuple[Any, ...] | list[Any]) -> tuple[Any, ...]:
+    """Schedulers' options instances (`core.options`), at most one per class, in the order of their
+    class names, those equal to their class's defaults left out: equal policies compare equal."""
+    kept: dict[type, Any] = {}
+    for item in options:
+        kind = type(item)
+        if not attrs.has(kind):
+            raise ConfigError(f"policy options must be options instances (attrs), got {item!r}")
+        if kind in kept:
+            raise ConfigError(f"policy options hold two {kind.__name__}: {kept[kind]!r} and {item!r}")
+        kept[kind] = item
+    ordered = sorted(kept.items(), key=lambda kv: (kv[0].__module__, kv[0].__qualname__))
+    return tuple(item for kind, item in ordered if item != kind())
 
 
 @frozen
 class Policy:
-    """Batch size N and micro-batch size μ, where attention and FFNs run, what stays on the GPU.
+    """Batch size N and micro-batch size μ, where attention and FFNs run, what stays on the GPU,
+    and each scheduler's own options (`options`, an instance per options class; `options_for`).
 
     `gpu_memory` is the budget flowmoe's own accounting enforces (None: unlimited, or
     the device's memory), so a small GPU can be emulated on a big one."""
@@ -51,19 +62,13 @@ class Policy:
     ffn_on: Place = "gpu"
     weights_gpu_share: float = field(default=1.0)  # share of expert weights resident on the GPU
     kv_gpu_share: float = field(default=1.0)  # share of the KV cache kept on the GPU
-    expert_cache_slots: int = 0  # experts the GPU expert cache holds (0: scheduler default)
-    cache_ways: int = 4  # associativity of the set-associative expert cache
-    group_size: int = 0  # Klotski's n (0: let its planner choose)
-    hot_experts: int = 0  # Klotski's K hot experts prefetched per layer (0: top_k)
-    # KTransformers' Expert Deferral: experts per token whose output goes into the next layer (0: none;
-    # more changes the model's outputs, so only the ktransformers scheduler takes it)
-    defer_experts: int = 0
-    page_bytes: int = 16 * 2**20  # CGOPipe weight page size
     gpu_memory: int | None = None  # bytes; None = unlimited
     cpu_threads: int | None = None
     # how host-side experts cross the link: "native" in the model's dtype, or "fp8" (an FP8
     # checkpoint's e4m3 values + block scales, dequantized on the GPU after the copy)
     expert_format: ExpertFormat = "native"
+    # the schedulers' own knobs: each scheduler's options class (its `Options`) says what they are
+    options: tuple[Any, ...] = field(default=(), converter=canonical_options)
 
     @weights_gpu_share.validator
     @kv_gpu_share.validator
@@ -74,10 +79,6 @@ class Policy:
     def __attrs_post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.micro_batches < 1:
             raise ConfigError("micro-batch size and count must be at least 1")
-        if self.defer_experts < 0:
-            raise ConfigError(f"--defer-experts must be >= 0, got {self.defer_experts}")
-        if self.page_bytes < 1:
-            raise ConfigError(f"page size must be positive, got {self.page_bytes}")
         if self.expert_format not in EXPERT_FORMATS:
             raise ConfigError(
                 f"expert format must be one of {', '.join(EXPERT_FORMATS)}, got {self.expert_format!r}"
@@ -86,3 +87,12 @@ class Policy:
     @property
     def batch_size(self) -> int:
         return self.micro_batch_size * self.micro_batches
+
+    def options_for(self, cls: type[T]) -> T:
+        """The policy's instance of options class `cls`, or `cls()` (its defaults) where it has none."""
+        return next((item for item in self.options if type(item) is cls), None) or cls()
+
+    def with_options(self, *options: Any) -> Policy:
+        """This policy with `options` in place of its instances of the same classes."""
+        replaced = {type(item) for item in options}
+        return evolve(self, options=(*(o for o in self.options if type(o) not in replaced), *options))

@@ -17,10 +17,12 @@ from typing import ClassVar
 
 from attrs import define, field, frozen
 
+from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.options import NoOptions
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
-from flowmoe.core.policy import ExpertFormat, Policy
+from flowmoe.core.policy import ExpertFormat, Place, Policy
 from flowmoe.core.spec import ModelSpec
+from flowmoe.core.workloads import Workload
 
 PlanStream = Generator[TaskNode | RoutingRequest, ExpertCounts | None, None]
 FP8_BLOCK = (128, 128)  # weight_block_size of the DeepSeek-V3, Kimi K2 and Qwen3-FP8 releases
@@ -136,6 +138,21 @@ class Scheduler(ABC):
     name: ClassVar[str]
     summary: ClassVar[str]
     Options: ClassVar[type] = NoOptions  # its knobs (core.options): flags, search, policy.options_for
+
+    @classmethod
+    def own_policies(
+        cls,
+        spec: ModelSpec,
+        hw: HardwareSpec,
+        workload: Workload,
+        attention: Sequence[Place],
+        max_batch: int | None,
+        gpu_memory: int | None,
+    ) -> Sequence[Policy]:
+        """The policies its own planner chooses for a setup, which the best-policy search tries
+        besides its grid: one per attention placement in `attention`, N at most `max_batch` where
+        given, within `gpu_memory` (None: the device's). None by default (MoE-Gen has one)."""
+        return ()
 
     def __init__(self, context: SchedulerContext) -> None:
         self.context = context

@@ -1,10 +1,15 @@
 """The best policy for one scheduler on one setup: a search constrained by the fields the user fixed.
 
-`Given` holds the policy fields a user set (None: let the search choose). The
-candidates are the HRM plan's best policy per placement (`policy_search.search`,
+`Given` holds the policy fields a user set (None: let the search choose) and the
+scheduler options set, by field name. The candidates are the scheduler's own
+planner's policies where it has one (`Scheduler.own_policies`: MoE-Gen's batch
+sizes), the HRM plan's best policy per placement (`policy_search.search`,
 restricted to the given placements and batch size) and a grid of batch sizes
 and micro-batch counts at the largest resident weight share that fits; every
-given field overrides the candidate's. Each candidate's memory is checked with
+given field overrides the candidate's. Each candidate takes the scheduler's
+options (its `Options` class, `core.options`): those given, and for each one not
+given every value its field's search candidates list (its default where they
+list none). Each candidate's memory is checked with
 the scheduler's own accounting (cheap: no simulation); the few fitting ones
 with the largest batches are simulated quickly (two decode steps) and the
 fastest is simulated at the setup's full sampling. A scheduler no candidate
@@ -15,14 +20,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from typing import Any
 
-from attrs import asdict, evolve, frozen
+from attrs import asdict, evolve, field, frozen
 
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.memory import fitting_expert_format, gib
+from flowmoe.core.options import knob, knobs
 from flowmoe.core.policy import ExpertFormat, Place, Policy
 from flowmoe.core.policy_search import search
-from flowmoe.schedulers.moe_gen import moe_gen_policy
+from flowmoe.core.ranges import ByteSize
+from flowmoe.schedulers.registry import load
 from flowmoe.study.sim_report import SimulationResult
 from flowmoe.study.simulate import Setup, Simulation
 
@@ -35,7 +43,8 @@ PER_GROUP = 2  # fitting batch sizes simulated per (placement, micro-batch count
 
 @frozen
 class Given:
-    """Policy fields fixed by the user; None leaves a field to the search."""
+    """Policy fields fixed by the user; None leaves a field to the search. `options`: the scheduler
+    options fixed, by field name (an options class takes those it has fields of)."""
 
     batch_size: int | None = None
     micro_batches: int | None = None
@@ -43,27 +52,23 @@ class Given:
     ffn_on: Place | None = None
     weights_gpu_share: float | None = None
     kv_gpu_share: float | None = None
-    expert_cache_slots: int | None = None
-    cache_ways: int | None = None
-    group_size: int | None = None
-    hot_experts: int | None = None
-    page_bytes: int | None = None
     gpu_memory: int | None = None
     cpu_threads: int | None = None
     max_batch: int | None = None  # a cap on N where N is not given (e.g. the requests a job has)
     expert_format: ExpertFormat | None = None
-    defer_experts: int | None = None
+    options: dict[str, Any] = field(factory=dict, hash=False)
 
     def apply(self, policy: Policy) -> Policy:
-        """`policy` with every given field; N and the micro-batch count fix μ = ceil(N / count)."""
+        """`policy` with every given field (options: `_with_options`); N and the micro-batch count fix
+        μ = ceil(N / count)."""
         n = self.batch_size or policy.batch_size
         count = min(n, self.micro_batches or policy.micro_batches)
-        knobs = {
+        fields = {
             k: v
-            for k, v in asdict(self).items()
-            if v is not None and k not in ("batch_size", "micro_batches", "max_batch")
+            for k, v in asdict(self, recurse=False).items()
+            if v is not None and k not in ("batch_size", "micro_batches", "max_batch", "options")
         }
-        return evolve(policy, micro_batch_size=-(-n // count), micro_batches=count, **knobs)
+        return evolve(policy, micro_batch_size=-(-n // count), micro_batches=count, **fields)
 
     @property
     def complete(self) -> bool:
@@ -101,10 +106,12 @@ def _fitting(setup: Setup, name: str, given: Given) -> tuple[list[Policy], Simul
     """Candidates that fit the scheduler's memory accounting (largest batches first per group), and
     the memory refusal of the smallest candidate, reported when none fits."""
     chosen: list[Policy] = []
-    groups: dict[tuple[str, str, int], int] = {}
+    groups: dict[tuple[str, str, int, tuple[Any, ...]], int] = {}
     smallest: SimulationResult | None = None
-    for policy in itertools.chain(_own(setup, name, given), _candidates(setup, given)):
-        key = (policy.attention_on, policy.ffn_on, policy.micro_batches)
+    options = load(name).Options
+    candidates = itertools.chain(_own(setup, name, given), _candidates(setup, given))
+    for policy in (p for c in candidates for p in _with_options(c, options, given)):
+        key = (policy.attention_on, policy.ffn_on, policy.micro_batches, policy.options)
         if groups.get(key, 0) >= PER_GROUP or policy in chosen:
             continue
         refusal = _refusal(setup, name, policy)
@@ -138,16 +145,26 @@ def _unused_share(setup: Setup, name: str, policy: Policy, given: Given) -> Poli
     return bare if next(need) == next(need) else policy
 
 
+def _with_options(policy: Policy, options: type, given: Given) -> Iterator[Policy]:
+    """`policy` with scheduler options `options`: the values given, and each combination of the
+    search candidates of the fields not given (a field without candidates keeps its default)."""
+    fields = knobs(options)
+    choices = [
+        (given.options[a.name],) if a.name in given.options else knob(a).candidates or (a.default,)
+        for a in fields
+    ]
+    for values in itertools.product(*choices):
+        yield policy.with_options(options(**{a.name: v for a, v in zip(fields, values, strict=True)}))
+
+
 def _own(setup: Setup, name: str, given: Given) -> Iterator[Policy]:
-    """A scheduler's own planner's policy per placement, where it has one: moe-gen's MoE-Gen batch
-    sizes (the batch host memory holds the KV cache of, the attention micro-batch the GPU holds)."""
-    if name != "moe-gen" or given.complete:
+    """The scheduler's own planner's policy per placement, where it has one (`own_policies`)."""
+    if given.complete:
         return
-    spec, hw, work, cap = setup.spec, setup.hardware, setup.workload, given.batch_size or given.max_batch
-    for where in (given.attention_on,) if given.attention_on else ("gpu", "cpu"):
-        # prompts padded to the longest, as MoE-Gen runs them (§5.1): the engine sizes each cache so
-        prompt, gen, budget = work.prompt.maximum, work.gen_len, setup.policy.gpu_memory
-        yield given.apply(moe_gen_policy(spec, hw, prompt, gen, where, cap, budget))
+    attention = (given.attention_on,) if given.attention_on else ("gpu", "cpu")
+    cap, budget = given.batch_size or given.max_batch, setup.policy.gpu_memory
+    own = load(name).own_policies(setup.spec, setup.hardware, setup.workload, attention, cap, budget)
+    yield from (given.apply(policy) for policy in own)
 
 
 def _candidates(setup: Setup, given: Given) -> Iterator[Policy]:
@@ -193,21 +210,25 @@ def _shares(given: Given) -> Sequence[float]:
     return (given.weights_gpu_share,) if given.weights_gpu_share is not None else SHARES
 
 
-KNOBS = {"lru-cache": ("expert_cache_slots", "cache_ways"), "klotski": ("group_size", "hot_experts"),
-         "cgopipe": ("page_bytes",), "ktransformers": ("defer_experts",)}  # fmt: skip
-
-
 def describe_policy(p: Policy, scheduler: str = "") -> str:
     """The policy a result ran, in one cell: N (μ x count), placements, shares, and the scheduler's
-    own knobs where set."""
+    own options where set (each by its label; sizes in MiB or GiB)."""
     text = (f"N={p.batch_size} ({p.micro_batch_size}x{p.micro_batches}) attn {p.attention_on} "
             f"ffn {p.ffn_on} w {p.weights_gpu_share:.0%} kv {p.kv_gpu_share:.0%}")  # fmt: skip
-    names = {"expert_cache_slots": "slots", "cache_ways": "ways", "group_size": "n", "hot_experts": "K",
-             "defer_experts": "defer"}  # fmt: skip
-    knobs = [f"{names.get(k, 'page')} {gib(v) if k == 'page_bytes' else v}"
-             for k in KNOBS.get(scheduler, ()) if (v := getattr(p, k))]  # fmt: skip
+    words = [text, *(_described(p.options_for(load(scheduler).Options)) if scheduler else ())]
     if p.cpu_threads:
-        knobs.append(f"threads {p.cpu_threads}")
+        words.append(f"threads {p.cpu_threads}")
     if p.expert_format != "native":
-        knobs.append(f"experts {p.expert_format}")
-    return " ".join([text, *knobs])
+        words.append(f"experts {p.expert_format}")
+    return " ".join(words)
+
+
+def _described(options: object) -> list[str]:
+    words = []
+    for attribute in knobs(type(options)):
+        if value := getattr(options, attribute.name):
+            k = knob(attribute)
+            words.append(
+                f"{k.label or attribute.name} {gib(value) if isinstance(k.range, ByteSize) else value}"
+            )
+    return words

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from attrs import frozen
+from attrs import asdict, frozen
 
 from flowmoe.core.executor import Span
 from flowmoe.core.memory import MemoryNeed
 from flowmoe.core.policy import Policy
 from flowmoe.core.scheduling import StepShape
+from flowmoe.schedulers.registry import load
 from flowmoe.traces.stats import LaneStats, RunStats, SpanRecord, Window, run_stats
 from flowmoe.traces.trace import StepWindow, Trace
 
@@ -93,14 +94,12 @@ class SimulationResult:
         return lane.share
 
     def to_json(self) -> dict[str, Any]:
-        p = self.policy
+        p = self.policy  # its placements and shares, then its scheduler's own options
         policy = {"batch_size": p.batch_size, "micro_batch_size": p.micro_batch_size,
                   "micro_batches": p.micro_batches, "attention_on": p.attention_on, "ffn_on": p.ffn_on,
                   "weights_gpu_share": p.weights_gpu_share, "kv_gpu_share": p.kv_gpu_share,
-                  "expert_cache_slots": p.expert_cache_slots, "cache_ways": p.cache_ways,
-                  "group_size": p.group_size, "hot_experts": p.hot_experts, "page_bytes": p.page_bytes,
                   "gpu_memory": p.gpu_memory, "cpu_threads": p.cpu_threads,
-                  "defer_experts": p.defer_experts}  # fmt: skip
+                  **asdict(p.options_for(load(self.scheduler).Options))}  # fmt: skip
         lanes = [{**lane.to_json(), "utilisation": lane.share} for lane in self.lanes]
         stats = self.stats.to_json() if self.stats is not None else None
         realtime = self.realtime.to_json() if self.realtime is not None else {}

@@ -22,7 +22,6 @@ import torch
 from flowmoe import __version__
 from flowmoe.cli import main
 from flowmoe.cli import run as run_command
-from flowmoe.cli.args import check_page_size
 from flowmoe.cli.signals import Interrupted, SignalGate
 from flowmoe.cli.ui import out
 from flowmoe.core.errors import ConfigError
@@ -31,6 +30,7 @@ from flowmoe.core.scheduling import Residency, SchedulerContext, StepShape
 from flowmoe.core.write_guard import Guard
 from flowmoe.schedulers import registry
 from flowmoe.schedulers.eager import EagerScheduler
+from flowmoe.schedulers.shared_options import check_pages
 from flowmoe.traces.chrome import CHROME_TRACE, validate_chrome
 
 ROOT = Path(__file__).parent.parent.parent
@@ -52,7 +52,7 @@ BAD_FLAGS = [
     ([*RUN, "--hot-experts", "-2"], "--hot-experts", "an integer >= 0"),
     ([*RUN, "--weights-gpu-share", "1.5"], "--weights-gpu-share", "a number in [0, 1]"),
     ([*RUN, "--kv-gpu-share", "nan"], "--kv-gpu-share", "a number in [0, 1]"),
-    ([*RUN, "--scheduler", "cgopipe", "--page-size", "1B"], "--page-size", "at least 64KiB"),
+    ([*RUN, "--scheduler", "cgopipe", "--page-size", "0B"], "--page-size", "more than 0 bytes"),
     ([*RUN, "--max-new-tokens", "0"], "--max-new-tokens", "an integer >= 1"),
     ([*RUN, "--max-new-tokens", "-1"], "--max-new-tokens", "an integer >= 1"),
     ([*RUN, "--max-new-tokens", "many"], "--max-new-tokens", "an integer >= 1"),
@@ -105,7 +105,7 @@ def test_bad_flag_values_are_refused_as_they_are_parsed(
     [
         (["run"], "--group-size", "an integer >= 0"),
         (["run"], "--weights-gpu-share", "a number in [0, 1]"),
-        (["run"], "--page-size", "at least 64KiB"),
+        (["run"], "--page-size", "more than 0 bytes"),
         (["run"], "--top-p", "a number in (0, 1]"),
         (["plan"], "--max-batch", "an integer >= 1"),
         (["calibrate"], "--threads", "an integer >= 1"),
@@ -166,13 +166,13 @@ def test_tables_never_cut_names(
 def test_pages_per_expert_are_bounded() -> None:
     """A page size that would cut each expert into more than 256 copy nodes is refused, with a
     page size that fits (a Mixtral-8x7B expert is 336 MiB: 64 KiB pages would make 5376)."""
-    expert = preset("mixtral-8x7b").expert_bytes
+    spec = preset("mixtral-8x7b")
     message = r"--page-size 64KiB cuts each expert \(336.00 MiB\) into 5376 pages; at most 256 are allowed"
     with pytest.raises(ConfigError, match=rf"{message}: use --page-size 1344KiB or more"):
-        check_page_size(64 * 2**10, expert)
-    check_page_size(1344 * 2**10, expert)  # the size it suggests: 256 pages
+        check_pages(64 * 2**10, spec)
+    check_pages(1344 * 2**10, spec)  # the size it suggests: 256 pages
     with pytest.raises(ConfigError, match="into 257 pages"):
-        check_page_size(1344 * 2**10 - 1, expert)
+        check_pages(1344 * 2**10 - 1, spec)
 
 
 def test_scheduler_reports_print_counts_as_integers() -> None:

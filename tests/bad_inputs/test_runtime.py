@@ -17,6 +17,7 @@ from flowmoe.core.policy import Policy
 from flowmoe.devices.inline import InlineWorker
 from flowmoe.model.loading import load_model
 from flowmoe.runtime.runner import node_budget
+from flowmoe.schedulers.shared_options import PagedOptions
 from tests.hf_models import hf_model, save_hf
 from tests.schedule_fixtures import run_scheduler
 
@@ -42,20 +43,20 @@ def test_the_budget_is_far_above_a_paper_scale_plan() -> None:
     """cgopipe at Mixtral-8x7B with 4 micro-batches plans ~6,150 nodes per step (issue 13)."""
     from flowmoe.core.presets import preset
 
-    budget = node_budget(preset("mixtral-8x7b"), Policy(), "cgopipe", micro_batches=4)
+    budget = node_budget(preset("mixtral-8x7b"), "cgopipe", micro_batches=4)
     assert budget.limit > 40 * 6_150
 
 
 def test_a_one_byte_page_is_refused_naming_the_scheduler_and_the_knob(tmp_path) -> None:
     """`--scheduler cgopipe --weights-gpu-share 0 --page-size 1B`: 3 GB RSS and no progress before;
-    the CLI bounds --page-size, and the runtime refuses any plan past its budget."""
+    the CLI checks --page-size against the model's experts, and the runtime refuses any plan past its
+    budget."""
     model = load_model(save_hf(hf_model("mixtral"), tmp_path / "mixtral"))
-    policy = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.0, page_bytes=1)
+    policy = Policy(3, 2, weights_gpu_share=0.0, options=(PagedOptions(page_bytes=1),))
     with pytest.raises(PlanError) as info:
         run_scheduler(model, "cgopipe", policy)
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith(
-        "scheduler cgopipe plans too many nodes for one step of this model: --page-size 1 B"
-    )
+    assert message.startswith("scheduler cgopipe plans too many nodes for one step of this model: ")
+    assert "--page-size" in message
     assert f"at least {-(-model.spec.expert_bytes // 256)} B" in message
