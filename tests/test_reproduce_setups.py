@@ -11,6 +11,7 @@ from flowmoe.core.executor import Span
 from flowmoe.core.plan import Op
 from flowmoe.core.policy import Policy
 from flowmoe.core.presets import preset
+from flowmoe.schedulers.klotski import KlotskiOptions
 from flowmoe.study.reproduce import paper_numbers as P
 from flowmoe.study.reproduce import settings
 from flowmoe.study.reproduce.lru_cache import FIDDLER_THREADS, threads_host
@@ -114,11 +115,11 @@ def test_klotski_places_weights_by_the_search_without_quantization() -> None:
     (setting,) = settings("klotski", quick=True)
     simple, *multi = setting.systems
     assert simple.scheduler == "klotski" and simple.policy is not None
-    assert (simple.policy.micro_batches, simple.policy.hot_experts) == (1, 8)
+    assert (simple.policy.micro_batches, simple.policy.options_for(KlotskiOptions).hot_experts) == (1, 8)
     assert [s.scheduler for s in multi] == ["klotski", "klotski"]
     for system in multi:
         assert system.policy is None and system.given.expert_format == "native"
-        assert system.given.weights_gpu_share is None and system.given.group_size == 15
+        assert system.given.weights_gpu_share is None and system.given.options["group_size"] == 15
 
 
 def test_moe_lightning_runs_the_batch_its_artifact_ran() -> None:

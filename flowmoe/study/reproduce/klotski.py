@@ -9,6 +9,7 @@ from attrs import evolve
 
 from flowmoe.core.policy import Policy
 from flowmoe.core.presets import preset
+from flowmoe.schedulers.klotski import KlotskiOptions
 from flowmoe.study.best_policy import Given
 from flowmoe.study.reproduce import paper_numbers as P
 from flowmoe.study.reproduce.setting import Setting, System, pageable, paper_setup, ratios_from
@@ -32,11 +33,11 @@ def klotski(quick: bool) -> Iterator[Setting]:
             setup = pageable(setup)
         # §9.5's simple pipeline, the ablation's first step in Klotski's own framework (its disk tier
         # included): one batch, the whole next MoE layer prefetched while the current one computes.
-        one = Policy(KLOTSKI_MICRO_BATCH, 1, weights_gpu_share=0.0, kv_gpu_share=0.0, group_size=1)
-        one = evolve(one, hot_experts=spec.moe.experts)
+        every = KlotskiOptions(hot_experts=spec.moe.experts, group_size=1)
+        one = Policy(KLOTSKI_MICRO_BATCH, 1, weights_gpu_share=0.0, kv_gpu_share=0.0, options=(every,))
         # §6.1's adaptive placement: the GPU memory the pipeline leaves free keeps weights (and KV)
         # there, so the weight and KV shares are the search's largest that fit; no quantization.
-        many = Given(KLOTSKI_MICRO_BATCH * n, n, group_size=n, expert_format="native")
+        many = Given(KLOTSKI_MICRO_BATCH * n, n, expert_format="native", options={"group_size": n})
         systems = (
             System("Simple pipeline", "klotski", setup, rows["Simple pipeline"], one),
             System(
@@ -44,7 +45,7 @@ def klotski(quick: bool) -> Iterator[Setting]:
                 "klotski",
                 setup,
                 rows["+ Multi batches"],
-                given=evolve(many, hot_experts=spec.moe.experts),
+                given=evolve(many, options={**many.options, "hot_experts": spec.moe.experts}),
             ),
             System(
                 "Klotski (+ adjust order)", "klotski", setup, rows["Klotski (+ adjust order)"], given=many

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from attrs import evolve
-
 from flowmoe.core.hardware import hardware
 from flowmoe.core.memory import fitting_expert_format
 from flowmoe.core.policy import Policy
 from flowmoe.core.presets import preset
 from flowmoe.core.spec import ModelSpec
+from flowmoe.schedulers.ktransformers import KTransformersOptions
 from flowmoe.study.best_policy import Given
 from flowmoe.study.reproduce import successor_numbers as N
 from flowmoe.study.reproduce.setting import DECODE, PREFILL, Setting, Speedup, System, paper_setup
@@ -63,7 +62,7 @@ def _deferral(spec: ModelSpec, model: str) -> Setting:
     hw = hardware("ktransformers-a100")
     setup = paper_setup(spec, hw, KT_DECODE_WORK, 32, samples=4)
     base = Policy(1, 1, weights_gpu_share=0.0, expert_format=fitting_expert_format(spec, hw))
-    deferred = evolve(base, defer_experts=KT_DEFER)
+    deferred = base.with_options(KTransformersOptions(defer_experts=KT_DEFER))
     name = f"KTransformers (K = {KT_DEFER})"
     return Setting(
         "ktransformers",

@@ -12,6 +12,7 @@ from flowmoe.core.hardware import HardwareSpec, hardware
 from flowmoe.core.policy import Policy
 from flowmoe.core.presets import preset
 from flowmoe.core.spec import ModelSpec
+from flowmoe.schedulers.lru_cache import LRUCacheOptions
 from flowmoe.study.reproduce import paper_numbers as P
 from flowmoe.study.reproduce.setting import Setting, Speedup, System, paper_setup
 
@@ -80,7 +81,7 @@ def _collab_setting(
         fiddler = evolve(one, weights_gpu_share=56 / 256, cpu_threads=at)
         systems.append(System("Fiddler", "fiddler", host, ours / P.COLLAB_OVER_FIDDLER, fiddler))
         speedups.append(Speedup("Ours (best cache)", "Fiddler", P.COLLAB_OVER_FIDDLER))
-        cache = evolve(one, expert_cache_slots=58, cache_ways=2)
+        cache = one.with_options(LRUCacheOptions(expert_cache_slots=58, cache_ways=2))
         systems.append(System("Ours (29, 2)", "lru-cache", setup, P.COLLAB_29_2_CAP, cache))
     configs = ", ".join(map(str, cache_configs(spec)))
     return Setting(

@@ -10,6 +10,7 @@ from typing import Any
 from attrs import evolve
 
 from flowmoe.core.errors import FlowmoeError
+from flowmoe.schedulers.lru_cache import LRUCacheOptions
 from flowmoe.study.best_policy import best_policy, describe_policy
 from flowmoe.study.reproduce.lru_cache import cache_configs
 from flowmoe.study.reproduce.setting import Mean, Setting, Speedup, System
@@ -47,10 +48,10 @@ def _best_cache(system: System) -> SimulationResult:
     """lru-cache at each cache configuration of the setting, the fastest (the paper's choice)."""
     base = system.policy
     assert base is not None
-    results = [
-        run_system(evolve(system, policy=evolve(base, expert_cache_slots=i * w, cache_ways=w)))
-        for i, w in cache_configs(system.setup.spec)
-    ]
+    cache = base.options_for(LRUCacheOptions)
+    policies = (base.with_options(evolve(cache, expert_cache_slots=i * w, cache_ways=w))
+                for i, w in cache_configs(system.setup.spec))  # fmt: skip
+    results = [run_system(evolve(system, policy=policy)) for policy in policies]
     return max(results, key=lambda r: r.throughput)
 
 
