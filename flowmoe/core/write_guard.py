@@ -63,6 +63,11 @@ class Target:
     path: Path
     kind: OutputKind | None
 
+    @property
+    def label(self) -> str:
+        """The output as its error lines name it: `--trace run.json`."""
+        return f"{self.flag} {self.path}" if self.flag else str(self.path)
+
 
 @frozen
 class Guard:
@@ -75,11 +80,14 @@ class Guard:
     def check_all(self) -> None:
         """Every output, before the command's work starts (a wrong path fails in a second)."""
         for target in self.targets:
-            self.check(target.path, target.kind)
+            self._check(target)
 
     def check(self, path: Path, kind: OutputKind | None) -> None:
         """One error line if writing `path` could destroy a file; nothing is created or changed."""
-        label = self._label(path)
+        self._check(self._target(path, kind))
+
+    def _check(self, target: Target) -> None:
+        path, kind, label = target.path, target.kind, target.label
         try:
             found = _stat(path, label)
             if found is not None and (why := not_regular(found.st_mode)) is not None:
@@ -87,7 +95,7 @@ class Guard:
             if not os.path.isdir(os.path.dirname(os.path.realpath(path)) or "."):
                 folder = Path(path).parent
                 raise FlowmoeError(f"{label}: folder {folder} does not exist; create it first")
-            self._refuse_same(path, label)
+            self._refuse_same(target, label)
             if found is not None and kind is not None and not self.force and not _ours(path, found, kind):
                 raise FlowmoeError(
                     f"{label}: the existing file is not a {kind.name} flowmoe wrote; it is left as it "
@@ -99,33 +107,35 @@ class Guard:
     def write(self, path: Path, kind: OutputKind, produce: Callable[[Path], None]) -> Path:
         """Write `path` whole through `produce(temporary path)`, once the guard allows it; a file
         system error (no space, read-only, permission) is one error line naming the flag."""
-        self.check(path, kind)
-        target = Path(os.path.realpath(path))
+        target = self._target(path, kind)
+        self._check(target)
+        real = Path(os.path.realpath(path))
         try:
-            fd, name = tempfile.mkstemp(prefix=".flowmoe-", suffix=target.suffix, dir=target.parent)
+            fd, name = tempfile.mkstemp(prefix=".flowmoe-", suffix=real.suffix, dir=real.parent)
         except OSError as exc:
-            raise FlowmoeError(f"{self._label(path)}: {os_reason(exc)}") from exc
+            raise FlowmoeError(f"{target.label}: {os_reason(exc)}") from exc
         tmp = Path(name)
         try:
             os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp's 0600 -> what any other output gets
             os.close(fd)
             produce(tmp)
-            self.check(path, kind)
-            os.replace(tmp, target)
+            self._check(target)
+            os.replace(tmp, real)
         except BaseException as exc:
             tmp.unlink(missing_ok=True)
             if isinstance(exc, OSError):
-                raise FlowmoeError(f"{self._label(path)}: {os_reason(exc)}") from exc
+                raise FlowmoeError(f"{target.label}: {os_reason(exc)}") from exc
             raise
         return Path(path)
 
-    def _label(self, path: Path) -> str:
-        flag = next((t.flag for t in self.targets if t.path == path), None)
-        return f"{flag} {path}" if flag else str(path)
+    def _target(self, path: Path, kind: OutputKind | None) -> Target:
+        """`path` as the command's output of that path (its flag names it in errors)."""
+        return Target(next((t.flag for t in self.targets if t.path == path), ""), path, kind)
 
-    def _refuse_same(self, path: Path, label: str) -> None:
-        others = [*self.reads, *(Named(f"the {t.flag} file", t.path) for t in self.targets if t.path != path)]
-        mine = _identity(path)
+    def _refuse_same(self, target: Target, label: str) -> None:
+        outputs = (Named(f"the {t.flag} file", t.path) for t in self.targets if t.flag != target.flag)
+        others = [*self.reads, *outputs]
+        mine = _identity(target.path)
         for other in others:
             if _identity(other.path) == mine:
                 raise FlowmoeError(
