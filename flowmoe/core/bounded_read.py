@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -59,30 +58,21 @@ def not_regular(mode: int) -> str | None:
     return next((why for test, why in _NOT_REGULAR if test(mode)), "is not a regular file")
 
 
-def open_fd(path: Path, error: type[FlowmoeError] = ConfigError, flags: int = os.O_RDONLY) -> int:
-    """A descriptor of the regular file at `path` (symlinks followed), or one error line naming it."""
+def open_regular(path: Path, error: type[FlowmoeError] = ConfigError) -> BinaryIO:
+    """The regular file at `path` (symlinks followed) open for reading as bytes, or one error line
+    naming it."""
     try:
         why = not_regular(os.stat(path).st_mode)
         if why is not None:
             raise error(f"{path}: {why}")
-        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise error(f"{path}: {os_reason(exc)}") from exc
     why = not_regular(os.fstat(fd).st_mode)  # it may have been swapped since the stat
     if why is not None:
         os.close(fd)
         raise error(f"{path}: {why}")
-    return fd
-
-
-def open_regular(path: Path, error: type[FlowmoeError] = ConfigError) -> BinaryIO:
-    """The regular file at `path` open for reading as bytes (for a file read line by line)."""
-    return os.fdopen(open_fd(path, error), "rb")
-
-
-def check_regular(path: Path, error: type[FlowmoeError] = ConfigError) -> None:
-    """That `path` is a regular file that can be opened, before a library opens it by name."""
-    os.close(open_fd(path, error))
+    return os.fdopen(fd, "rb")
 
 
 def read_bounded(path: Path, bound: Bound = CONFIG, error: type[FlowmoeError] = ConfigError) -> bytes:
@@ -98,13 +88,6 @@ def read_bounded(path: Path, bound: Bound = CONFIG, error: type[FlowmoeError] = 
     if len(data) > bound.limit:  # it grew since the fstat
         raise _too_large(path, bound, error)
     return data
-
-
-def read_lines(handle: BinaryIO, line_limit: int) -> Iterator[bytes]:
-    """Each line of `handle` with its newline (the last one may lack it); a line longer than
-    `line_limit` is given cut at that many bytes plus one, for the caller to refuse."""
-    while raw := handle.readline(line_limit + 1):
-        yield raw
 
 
 def _too_large(path: Path, bound: Bound, error: type[FlowmoeError]) -> FlowmoeError:

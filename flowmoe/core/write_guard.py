@@ -18,14 +18,13 @@ rename, since a run may take hours.
 from __future__ import annotations
 
 import os
-import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from attrs import frozen
 
-from flowmoe.core.bounded_read import not_regular
+from flowmoe.core.bounded_read import not_regular, open_regular
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.os_errors import os_reason
 
@@ -169,14 +168,9 @@ def _ours(path: Path, found: os.stat_result, kind: OutputKind) -> bool:
     """An empty file, or one that carries the kind's marker."""
     if found.st_size == 0:
         return True
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        head = os.pread(fd, PEEK, 0)
-        tail = os.pread(fd, PEEK, max(0, found.st_size - PEEK))
-    finally:
-        os.close(fd)
+    with open_regular(path, FlowmoeError) as handle:
+        head = os.pread(handle.fileno(), PEEK, 0)
+        tail = os.pread(handle.fileno(), PEEK, max(0, found.st_size - PEEK))
     return kind.marks(head, tail)
 
 

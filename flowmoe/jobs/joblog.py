@@ -26,7 +26,7 @@ from typing import Any
 
 from attrs import define, field
 
-from flowmoe.core.bounded_read import SIDECAR, open_fd
+from flowmoe.core.bounded_read import SIDECAR
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.write_guard import Guard, Named, Target
 from flowmoe.jobs.batching import JobId
@@ -45,6 +45,7 @@ class JobLog:
     _fd: int | None = None
     _size: int = 0  # bytes of whole lines in the file
     _holder: Path | None = None  # the sidecar naming this process as the lock's holder
+    _holder_line: bytes = b""  # what this process wrote there: the sidecar is removed only if it holds it
 
     @classmethod
     def open(cls, path: str | Path, prompts: str | Path | None = None, guard: Guard | None = None) -> JobLog:
@@ -69,8 +70,9 @@ class JobLog:
         assert self._fd is not None
         _lock_or_refuse(self._fd, self.path)
         holder = holder_file(self.path)
-        if _claim_sidecar(holder, f"{HOLDER_START}{os.getpid()} on host {socket.gethostname()}\n"):
-            self._holder = holder  # who holds the lock, for a second run's message
+        line = f"{HOLDER_START}{os.getpid()} on host {socket.gethostname()}\n".encode()
+        if _claim_sidecar(holder, line):  # who holds the lock, for a second run's message
+            self._holder, self._holder_line = holder, line
 
     def _recover(self) -> None:
         """Read the ids done; every whole line must be a result before a torn tail is cut."""
@@ -109,8 +111,9 @@ class JobLog:
             os.ftruncate(self._fd, self._size)
 
     def close(self) -> None:
-        if self._holder is not None:  # still holding the lock: the sidecar is ours
-            self._holder.unlink(missing_ok=True)
+        if self._holder is not None:  # still holding the lock: the sidecar is ours, if it is still there
+            if _sidecar_holds(self._holder, self._holder_line):
+                self._holder.unlink(missing_ok=True)
             self._holder = None
         if self._fd is not None:
             os.close(self._fd)  # releases the lock
@@ -149,8 +152,8 @@ def holder_file(path: Path) -> Path:
     return path.with_name(f".{path.name}.lock")
 
 
-def _claim_sidecar(holder: Path, text: str) -> bool:
-    """Write `text` into the sidecar if it is missing or one an earlier run left (a run killed
+def _claim_sidecar(holder: Path, line: bytes) -> bool:
+    """Write `line` into the sidecar if it is missing or one an earlier run left (a run killed
     before it could remove it): a plain file, linked nowhere else, holding one holder line and no
     more. Anything else of that name (a file of the user's, a link, a FIFO) is left as it is."""
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -159,13 +162,10 @@ def _claim_sidecar(holder: Path, text: str) -> bool:
     except OSError:  # a symlink, a folder, a file system that refuses it: the lock works without it
         return False
     try:
-        found = os.fstat(fd)
-        if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1 or found.st_size > SIDECAR.limit:
-            return False
-        if found.st_size and not HOLDER_LINE.fullmatch(os.pread(fd, SIDECAR.limit, 0)):
+        if _sidecar_line(fd) is None:
             return False
         os.ftruncate(fd, 0)
-        os.pwrite(fd, text.encode(), 0)
+        os.pwrite(fd, line, 0)
     except OSError:
         return False
     finally:
@@ -173,19 +173,42 @@ def _claim_sidecar(holder: Path, text: str) -> bool:
     return True
 
 
+def _sidecar_line(fd: int) -> bytes | None:
+    """The holder line of an open sidecar a run wrote (b"" when empty), None for any other file."""
+    found = os.fstat(fd)
+    if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1 or found.st_size > SIDECAR.limit:
+        return None
+    line = os.pread(fd, SIDECAR.limit, 0)
+    return line if not line or HOLDER_LINE.fullmatch(line) else None
+
+
+def _sidecar_holds(holder: Path, line: bytes) -> bool:
+    """The sidecar is still the one this process wrote (not a file put in its place since)."""
+    try:
+        fd = os.open(holder, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return _sidecar_line(fd) == line
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def _holder_of(path: Path) -> str:
     """The holder line of a sidecar a run wrote, read without following a link or waiting on a FIFO."""
     try:
-        fd = open_fd(holder_file(path), FlowmoeError, os.O_RDONLY | os.O_NOFOLLOW)
-    except FlowmoeError:
-        return "holder unknown"
-    try:
-        line = os.pread(fd, SIDECAR.limit, 0)
+        fd = os.open(holder_file(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return "holder unknown"
+    try:
+        line = _sidecar_line(fd)
+    except OSError:
+        line = None
     finally:
         os.close(fd)
-    return line.decode(errors="replace").strip() if HOLDER_LINE.fullmatch(line) else "holder unknown"
+    return line.decode(errors="replace").strip() if line else "holder unknown"
 
 
 def _cannot_open(path: Path, why: str | None) -> FlowmoeError:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import stat
@@ -22,8 +21,8 @@ from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.hardware import hardware, save_profile
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.spec import ModelSpec
+from flowmoe.jobs.joblog import holder_file
 from flowmoe.model.builtin import CONFIG as BUILTIN_CONFIG
-from flowmoe.model.builtin import ensure_builtin
 from flowmoe.traces.chrome import CHROME_TRACE, write_chrome
 from flowmoe.traces.trace import Trace
 
@@ -42,19 +41,6 @@ def no_hang() -> Iterator[None]:
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
-
-
-@pytest.fixture
-def model(tmp_path: Path) -> Path:
-    """A checkpoint folder of the built-in model: its small files copied, its shard linked."""
-    folder = tmp_path / "model"
-    folder.mkdir()
-    for file in ensure_builtin().iterdir():
-        if file.suffix == ".safetensors":
-            (folder / file.name).symlink_to(file)
-        else:
-            shutil.copy(file, folder / file.name)
-    return folder
 
 
 @pytest.fixture
@@ -335,3 +321,59 @@ def test_plots_carry_the_marker(tmp_path: Path, model: Path, capsys: pytest.Capt
         argv = ["plan", "--model", str(model), "--plot", str(tmp_path / name)]
         assert main(argv) == 0
         assert main(argv) == 0
+
+
+# ---- resuming never cuts what flowmoe did not half-write
+
+RESULT = b'{"id": "z", "output_ids": [1], "text": "x", "finish_reason": "length", "prompt_tokens": 2}\n'
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        b'{"id": "mine", "note": "a whole line of mine, only its newline missing"}',
+        b'{"id": "big", "data": "' + b"x" * 1_000_000 + b'"}',
+        b'{"id": 1, "output_ids": [2], "finish_reason": "stop"} and a note after it',
+        b'{"id": "tab", "text": "a raw\ttab"',
+        b'{"id": "binary", "text": "\xff\xfe"',
+    ],
+    ids=["whole foreign line", "1 MB foreign line", "result then text", "raw control char", "not utf-8"],
+)
+def test_a_last_line_flowmoe_did_not_half_write_is_never_cut(
+    tmp_path: Path, model: Path, prompts: Path, capsys: pytest.CaptureFixture, tail: bytes
+) -> None:
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(RESULT + tail)
+    assert main(_run(tmp_path, "--model", str(model))) == 2
+    assert "existing file is not a flowmoe results log" in _one_error(capsys)
+    assert out.read_bytes() == RESULT + tail
+
+
+def test_a_whole_result_without_its_newline_is_kept(tmp_path: Path, model: Path, prompts: Path) -> None:
+    """A result cut just before its newline is whole: the newline is added, the result kept (its
+    request is not run again)."""
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(RESULT + RESULT.replace(b'"z"', b'"a"').rstrip(b"\n"))
+    assert main(_run(tmp_path, "--model", str(model))) == 0
+    assert out.read_bytes() == RESULT + RESULT.replace(b'"z"', b'"a"')
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"pid 1 on host gone\n", b"pid 7 on host gone\nmy notes\n", b"pid " + b"9" * 5000 + b" on host x\n"],
+    ids=["hard-linked holder line", "holder line then notes", "longer than a sidecar"],
+)
+def test_a_sidecar_that_is_a_users_file_is_never_overwritten(
+    tmp_path: Path, model: Path, prompts: Path, content: bytes
+) -> None:
+    """A file of the user's under the sidecar's name, even one that starts like a holder line, is
+    left as it is: flowmoe claims only a plain, unlinked file holding one holder line."""
+    mine = tmp_path / "mine.txt"
+    mine.write_bytes(content)
+    os.link(mine, holder_file(tmp_path / "out.jsonl"))
+    if content != b"pid 1 on host gone\n":  # the others are foreign by content alone
+        mine.unlink()
+        mine = holder_file(tmp_path / "out.jsonl")
+    assert main(_run(tmp_path, "--model", str(model))) == 0
+    assert mine.read_bytes() == content
+    assert holder_file(tmp_path / "out.jsonl").read_bytes() == content
