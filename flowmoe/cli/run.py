@@ -236,9 +236,7 @@ def _run(args: argparse.Namespace) -> int:
     return 2 if failures else 0
 
 
-def run_json(
-    report: JobReport, scheduler: str, runtime: Runtime, scheduler_report: dict[str, float]
-) -> dict:
+def run_json(report: JobReport, scheduler: str, runtime: Runtime, scheduler_report: dict[str, float]) -> dict:
     """`run --json`: the job's counts and timings, the scheduler's own figures, and the run statistics
     with the definitions `simulate`, `compare` and `trace summarize` use (traces/stats.py)."""
     stats = report.stats
