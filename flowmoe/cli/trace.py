@@ -39,6 +39,8 @@ def load_trace(path: Path) -> dict[str, Any]:
         raise FlowmoeError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
     except RecursionError as exc:
         raise FlowmoeError(f"{path}: JSON nested too deep") from exc
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise FlowmoeError(f"{path}: not valid JSON ({exc})") from exc
     if isinstance(data, list):
         data = {"traceEvents": data}
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):

@@ -57,7 +57,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{path}: {os_reason(exc)}") from exc
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, an integer of too many digits
         raise CheckpointError(f"{path}: not a safetensors file (its header is not JSON)") from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: not a safetensors file (its header is not a JSON object)")
