@@ -17,6 +17,7 @@ import flowmoe.runtime.actions as actions
 import flowmoe.schedulers.moe_gen as moe_gen
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.hardware import hardware
+from flowmoe.core.memory import kv_bytes
 from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.presets import preset
@@ -192,9 +193,13 @@ def test_moe_gen_memory_check_counts_its_kv_buffers(model: MoEModel, where: str)
     policy = Policy(micro_batch_size=3, micro_batches=3, weights_gpu_share=0.0, attention_on=where)
     runtime = Runtime.create(model, "moe-gen", policy, device="cpu")
     runtime.close()
+    batch = rectangle(8, 16, micro_batch=3)
+    prefill, last = batch.steps()
     slices = moe_gen.KV_BUFFERS * 3 * 15 * model.spec.kv_bytes_per_token // model.spec.layers
     expected = slices if where == "gpu" else 0  # three slices of one layer of 3 sequences of 15 cached tokens
-    assert runtime.check_memory(rectangle(8, 16, micro_batch=3)).kv_cache == expected  # the last decode step
+    assert runtime.scheduler.kv_working_bytes(batch, last) == expected
+    need = runtime.check_memory(batch)  # at the prefill, where its memory peaks: 12 cached tokens each
+    assert need.kv_cache == runtime.scheduler.kv_working_bytes(batch, prefill) == expected * 12 // 15
     assert expected < 2 * 8 * 16 * model.spec.kv_bytes_per_token // model.spec.layers
 
 
@@ -318,10 +323,10 @@ def test_simulate_counts_the_sequences_flexgen_keeps_on_the_gpu() -> None:
     spec = preset("mixtral-8x7b", layers=4)
     policy = Policy(3, 2, weights_gpu_share=0.0, kv_gpu_share=0.5)
     simulation = Simulation(Setup(spec, hardware("t4"), workload("fixed:512:4"), policy, decode_samples=1))
-    flexgen = simulation._scheduler("flexgen", None)
-    whole = simulation._kv_slots() * spec.kv_bytes_per_token
-    assert simulation._kv_bytes(flexgen, on_gpu=True) == whole // 3
-    assert simulation._kv_bytes(flexgen, on_gpu=False) == 2 * whole // 3
+    flexgen, batch = simulation.scheduler("flexgen"), simulation.batch()
+    whole = batch.total_slots * spec.kv_bytes_per_token
+    assert kv_bytes(flexgen, batch, on_gpu=True) == whole // 3
+    assert kv_bytes(flexgen, batch, on_gpu=False) == 2 * whole // 3
 
 
 def test_cgopipe_with_gpu_attention_splits_its_cache_as_flexgen_does(
