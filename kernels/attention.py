@@ -51,14 +51,14 @@ def attend(
     for run in _slot_runs([layout.slots[i] for i in decoding]):
         members = [decoding[j] for j in run]
         rows = [layout.starts[i] for i in members]
-        past = [layout.past[i] for i in members]
+        pasts = [layout.past[i] for i in members]
         first = layout.slots[members[0]]
         together = q[rows[0] : rows[-1] + 1] if rows == list(range(rows[0], rows[-1] + 1)) else q[rows]
         out_rows = _attend_group(
             together[:, None],  # [b, 1, H, D]
             keys[first : first + len(members)],
             values[first : first + len(members)],
-            past,
+            pasts,
             window,
             sinks,
             chunk,
@@ -143,7 +143,7 @@ def _attend_group(
     fused = q.device.type == "cpu" and (q.dtype == torch.float32 or n > 1)
     products = _flash if fused else _flash_math
     out, lse = products(qg, k, v, mask, dim**-0.5, sinks is not None)  # [b, kvh, g * n, D], [b, kvh, g * n]
-    if lse is not None:
+    if lse is not None and sinks is not None:  # lse comes back only when there are sinks
         sink = sinks.reshape(kv_heads, group, 1).expand(kv_heads, group, n).reshape(kv_heads, group * n)
         out = (out.float() * torch.sigmoid(lse - sink.float())[..., None]).to(q.dtype)
     return out.reshape(batch, heads, n, dim).transpose(1, 2).reshape(batch, n, heads * dim)

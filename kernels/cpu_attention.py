@@ -32,7 +32,8 @@ def library() -> ctypes.CDLL | None:
     lib = native.library()
     if lib is None or not hasattr(lib, "flowmoe_decode_attention"):
         return None
-    lib.flowmoe_decode_attention.argtypes = [_I, _P, _I, _I, _I, _I, _P, _L, _L, *[_P, _L, _L, _L] * 2]
+    lib.flowmoe_decode_attention.argtypes = [_I, _P, _I, _I, _I, _I, _P, _L, _L]
+    lib.flowmoe_decode_attention.argtypes += [_P, _L, _L, _L, _P, _L, _L, _L]  # keys, values: data, strides
     lib.flowmoe_decode_attention.argtypes += [_P, _F, _I, _P, _L, _I]
     lib.flowmoe_decode_attention.restype = _I
     return lib

@@ -59,8 +59,9 @@ class KVCache:
         RoPE key)."""
         dims = ((kv_heads, capacity, head_dim), (kv_heads, capacity, value_dim or head_dim))  # keys, values
         split = device if isinstance(device, SlotSplit) else None
-        if split is not None:
-            kept, homes = split.kept(slots), [split.cpu] * layers
+        homes: list[torch.device | str]
+        if isinstance(device, SlotSplit):
+            kept, homes = device.kept(slots), [device.cpu] * layers
         else:
             kept, homes = 0, [device] * layers if isinstance(device, torch.device | str) else list(device)
         cache = cls(  # [layers] of each, the rest's slots where split

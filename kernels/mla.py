@@ -45,6 +45,7 @@ def mla_project(
     q_width = mla.q_lora_rank or heads * mla.qk_head_dim
     q, latent, k_pe = linear(x, down).split([q_width, mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
     if mla.q_lora_rank:
+        assert q_norm is not None and q_up is not None, "a q LoRA rank needs q_norm and q_up"
         q = linear(rms_norm(q, q_norm, eps), q_up)  # [T, H * qk_head_dim]
     q = q.reshape(tokens, heads, mla.qk_head_dim)
     q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)

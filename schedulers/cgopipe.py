@@ -95,6 +95,7 @@ from flowmoe.schedulers.layer_nodes import (
     lm_heads,
     moe_layers,
     offloaded_kv_attention,
+    routing_of,
 )
 from flowmoe.schedulers.shared_options import PagedOptions
 
@@ -236,7 +237,7 @@ class _Plan:
         if per_page > 1:
             mine = paged[len(paged) * chunk // chunks : len(paged) * (chunk + 1) // chunks]
             return [(tuple(mine[i : i + per_page]), -1) for i in range(0, len(mine), per_page)]
-        pages = [((e,), p) for e in paged for p in range(parts)]
+        pages: list[Page] = [((e,), p) for e in paged for p in range(parts)]
         return pages[len(pages) * chunk // chunks : len(pages) * (chunk + 1) // chunks]
 
     def _stage(self, layer: int, chunk: int, chunks: int) -> Iterator[TaskNode]:
@@ -279,7 +280,7 @@ class _Plan:
         if self.spec.is_moe_layer(layer):
             gate = f.node(Op.GATE, gpu, layer, mb, deps=[post])
             yield gate
-            counts = yield RoutingRequest(layer, mb.index, gate.id)
+            counts = yield from routing_of(RoutingRequest(layer, mb.index, gate.id))
             for e, tokens in counts.counts:
                 arrived = self.arrived.get((layer, e))
                 ffn = f.node(Op.EXPERT_FFN, gpu, layer, mb, e, deps=[gate.id, arrived], tokens=tokens)

@@ -51,6 +51,7 @@ from flowmoe.core.scheduling import (
     Scheduler,
     SchedulerContext,
     StepShape,
+    SubPlan,
 )
 from flowmoe.schedulers._successors import Arc, Held, cache_slots, evict_held, forget_step
 from flowmoe.schedulers.layer_nodes import (
@@ -60,6 +61,7 @@ from flowmoe.schedulers.layer_nodes import (
     layer_tail,
     lm_heads,
     moe_layers,
+    routing_of,
 )
 from flowmoe.schedulers.shared_options import ExpertCacheOptions
 
@@ -133,14 +135,14 @@ class FateScheduler(Scheduler):
                 if nxt is not None:
                     pregate = f.node(Op.PREGATE, gpu, nxt, mb, deps=[post])
                     yield pregate
-                    guess = yield RoutingRequest(nxt, mb.index, pregate.id, speculative=True)
+                    guess = yield from routing_of(RoutingRequest(nxt, mb.index, pregate.id, speculative=True))
                     predicted[(nxt, mb.index)] = frozenset(guess.experts)
                     yield from self._copies(nxt, sorted(guess.experts), pregate.id)
                 outputs: list[int] = []
                 if spec.is_moe_layer(layer):
                     gate = f.node(Op.GATE, gpu, layer, mb, deps=[post])
                     yield gate
-                    counts = yield RoutingRequest(layer, mb.index, gate.id)
+                    counts = yield from routing_of(RoutingRequest(layer, mb.index, gate.id))
                     routing.append(counts)
                     self._score(counts, predicted.pop((layer, mb.index), None))
                     outputs = yield from self._experts(layer, mb, gate.id, counts)
@@ -167,7 +169,9 @@ class FateScheduler(Scheduler):
                 yield copy
         return None
 
-    def _experts(self, layer: int, mb: MicroBatchShape, gate: int, counts: ExpertCounts) -> PlanStream:
+    def _experts(
+        self, layer: int, mb: MicroBatchShape, gate: int, counts: ExpertCounts
+    ) -> SubPlan[list[int]]:
         """Each routed expert on the GPU after its copy (fetched on demand if nothing brought it in)."""
         held = self.held[layer]
         self.cache_hits += sum(1 for e in counts.experts if e in self.arc[layer].cached and e in held)

@@ -44,6 +44,7 @@ from flowmoe.core.scheduling import (
     Scheduler,
     SchedulerContext,
     StepShape,
+    SubPlan,
 )
 from flowmoe.schedulers.layer_nodes import (
     Cost,
@@ -112,7 +113,7 @@ class FiddlerScheduler(Scheduler):
         f, spec = self.context.factory, self.context.spec
         evicts: list[int] = []  # EVICT of each copy so far, in order
 
-        def routed(layer: int, mb: MicroBatchShape, post: int) -> PlanStream:
+        def routed(layer: int, mb: MicroBatchShape, post: int) -> SubPlan[list[int]]:
             gate, counts = yield from gate_and_route(f, layer, mb, post)
             return (yield from self._experts(layer, mb, gate, counts, evicts))
 
@@ -120,7 +121,7 @@ class FiddlerScheduler(Scheduler):
 
     def _experts(
         self, layer: int, mb: MicroBatchShape, gate: int, counts: ExpertCounts, evicts: list[int]
-    ) -> PlanStream:
+    ) -> SubPlan[list[int]]:
         """The first `slots` copies (h2d), the CPU experts, then the GPU ones, each copy after the
         first `slots` issued once the eviction it reuses the slot of is. -> the outputs' last nodes."""
         f, gpu = self.context.factory, Lane.GPU_COMPUTE

@@ -79,10 +79,12 @@ from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.scheduling import (
     MicroBatchShape,
     PlanStream,
+    R,
     Residency,
     Scheduler,
     SchedulerContext,
     StepShape,
+    SubPlan,
 )
 from flowmoe.schedulers.layer_nodes import (
     check_placement,
@@ -205,7 +207,7 @@ class _Block:
         self.lanes[node.lane] = node.id
         return node
 
-    def _copy(self, layer: int) -> PlanStream:
+    def _copy(self, layer: int) -> SubPlan[dict[int, int]]:
         """load_weight(layer): every offloaded expert, after the barrier. -> expert -> PAGE_COPY id."""
         copies, unpinned = {}, not self.s.context.weights_pinned
         for e in self.s.offloaded(layer):
@@ -295,7 +297,7 @@ class _Block:
         return evolve(node, bytes=node.bytes + (FLEXGEN_CPU_PASSES - 1) * cache)
 
 
-def _emitted(stream: PlanStream, emit: Callable[[TaskNode], TaskNode]) -> PlanStream:
+def _emitted(stream: SubPlan[R], emit: Callable[[TaskNode], TaskNode]) -> SubPlan[R]:
     """Pass a sub-plan through, recording each node it yields; returns the sub-plan's value."""
     answer = None
     try:

@@ -61,6 +61,7 @@ from flowmoe.core.scheduling import (
     Scheduler,
     SchedulerContext,
     StepShape,
+    SubPlan,
 )
 from flowmoe.schedulers._successors import Held, cache_slots, evict_held, forget_step
 from flowmoe.schedulers.layer_nodes import (
@@ -140,7 +141,9 @@ class HybriMoEScheduler(Scheduler):
         on the GPU in order, the simulated finish time)."""
         by_tokens = sorted(counts, key=lambda e: (-counts[e], e))
         queue = [e for e in by_tokens if e in cached] + [e for e in by_tokens if e not in cached]
-        gpu, cpu, gpu_end, cpu_end, link_end = [], [], 0.0, 0.0, 0.0
+        gpu: list[int] = []
+        cpu: list[int] = []
+        gpu_end, cpu_end, link_end = 0.0, 0.0, 0.0
         while queue:
             first, last = queue[0], queue[-1]
             gpu_time = self._seconds(layer, mb, counts[first], Lane.GPU_COMPUTE, False)
@@ -177,7 +180,7 @@ class HybriMoEScheduler(Scheduler):
         self._gone.clear()
         yield from model_order(f, spec, step, self._routed, lambda layer: self._layer_end(layer, step))
 
-    def _routed(self, layer: int, mb: MicroBatchShape, post: int) -> PlanStream:
+    def _routed(self, layer: int, mb: MicroBatchShape, post: int) -> SubPlan[list[int]]:
         gate, counts = yield from gate_and_route(self.context.factory, layer, mb, post)
         return (yield from self._experts(layer, mb, gate, counts))
 
@@ -225,7 +228,9 @@ class HybriMoEScheduler(Scheduler):
             Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=expert, deps=[self._gone.get((layer, expert))]
         )
 
-    def _experts(self, layer: int, mb: MicroBatchShape, gate: int, counts: ExpertCounts) -> PlanStream:
+    def _experts(
+        self, layer: int, mb: MicroBatchShape, gate: int, counts: ExpertCounts
+    ) -> SubPlan[list[int]]:
         """HSS's split: moved experts copied (into a slot, else the layer's buffer), the CPU experts, then
         the GPU ones in HSS's order. -> the outputs' last nodes."""
         f, cached, buffer = self.context.factory, self.cache[layer], self._buffer

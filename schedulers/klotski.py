@@ -109,6 +109,7 @@ from flowmoe.core.scheduling import (
     Scheduler,
     SchedulerContext,
     StepShape,
+    SubPlan,
 )
 from flowmoe.schedulers._correlation import CorrelationTable
 from flowmoe.schedulers.layer_nodes import (
@@ -120,6 +121,7 @@ from flowmoe.schedulers.layer_nodes import (
     lm_heads,
     moe_layers,
     offloaded_kv_attention,
+    routing_of,
     two_layers_bytes,
 )
 from flowmoe.schedulers.shared_options import HotExpertsOptions
@@ -327,7 +329,9 @@ class _Group:
         """A cache copy of a layer whose cache the GPU keeps moves nothing."""
         return evolve(node, bytes=0) if node.layer < self.scheduler.kv_kept else node
 
-    def _attention(self, layer: int, before: list[ExpertCounts]) -> PlanStream:
+    def _attention(
+        self, layer: int, before: list[ExpertCounts]
+    ) -> SubPlan[tuple[dict[int, int], dict[int, int]]]:
         """Algorithm 1's attention layer, batch by batch: the next batch's cache in, attention with
         the cache store; the hot experts prefetched behind the layer's last cache load. Then its gate
         layer, batch by batch, once the hot experts are in (line 18's sync(load_weight_stream) ends
@@ -356,13 +360,13 @@ class _Group:
 
     def _moe(
         self, layer: int, gates: dict[int, int], outputs: dict[int, list[int]], before: list[ExpertCounts]
-    ) -> PlanStream:
+    ) -> SubPlan[list[ExpertCounts]]:
         """Routing and cold copies in arrival order, the next layer's weights and first cache, then the
         FFNs hot first. -> this layer's routing."""
         routing, hot, cold = [], self.hot, []
         resident = self.scheduler.resident[layer]
         for mb in self.group:
-            counts = yield RoutingRequest(layer, mb.index, gates[mb.index])
+            counts = yield from routing_of(RoutingRequest(layer, mb.index, gates[mb.index]))
             routing.append(counts)
             for e in counts.experts:
                 if e not in resident and e not in self.copies:

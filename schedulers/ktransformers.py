@@ -73,6 +73,7 @@ from flowmoe.core.scheduling import (
     Scheduler,
     SchedulerContext,
     StepShape,
+    SubPlan,
 )
 from flowmoe.core.spec import ModelSpec
 from flowmoe.schedulers.layer_nodes import (
@@ -140,7 +141,7 @@ class KTransformersScheduler(Scheduler):
         self._carried = {}
         return model_order(self.context.factory, self.context.spec, step, self._experts)
 
-    def _experts(self, layer: int, mb: MicroBatchShape, post: int) -> PlanStream:
+    def _experts(self, layer: int, mb: MicroBatchShape, post: int) -> SubPlan[list[int]]:
         """The layer's experts; returns what its combine waits for: its own (kept) experts' outputs and
         the previous layer's deferred ones."""
         f = self.context.factory

@@ -17,11 +17,18 @@ import structlog
 from attrs import evolve, frozen
 
 from flowmoe.core.cost import RooflineCost
-from flowmoe.core.errors import ConfigError
+from flowmoe.core.errors import ConfigError, PlanError
 from flowmoe.core.hardware import hardware
-from flowmoe.core.plan import Lane, Op, RoutingRequest, TaskNode
+from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.policy import Policy
-from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, PlanStream, SchedulerContext, StepShape
+from flowmoe.core.scheduling import (
+    MicroBatchShape,
+    NodeFactory,
+    PlanStream,
+    SchedulerContext,
+    StepShape,
+    SubPlan,
+)
 from flowmoe.core.spec import ModelSpec
 
 Cost = Callable[[TaskNode], float]
@@ -167,18 +174,29 @@ def cpu_experts(
     return [*fresh, *ffns, load]
 
 
-def gate_and_route(f: NodeFactory, layer: int, mb: MicroBatchShape, post: int, defer: int = 0) -> PlanStream:
+def routing_of(request: RoutingRequest) -> SubPlan[ExpertCounts]:
+    """Yield a routing request; returns the routing the driver answers it with (a plan is sent None
+    after a node, the ExpertCounts after a request)."""
+    counts = yield request
+    if counts is None:
+        raise PlanError(f"routing request for layer {request.layer}, micro-batch {request.mb} not answered")
+    return counts
+
+
+def gate_and_route(
+    f: NodeFactory, layer: int, mb: MicroBatchShape, post: int, defer: int = 0
+) -> SubPlan[tuple[int, ExpertCounts]]:
     """GATE after POST_ATTN, then the routing request (`defer`: its Expert Deferral, see
     RoutingRequest); returns (gate id, ExpertCounts)."""
     gate = f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[post])
     yield gate
-    counts = yield RoutingRequest(layer, mb.index, gate.id, defer=defer)
+    counts = yield from routing_of(RoutingRequest(layer, mb.index, gate.id, defer=defer))
     return gate.id, counts
 
 
 def copied_experts(
     f: NodeFactory, layer: int, mb: MicroBatchShape, post: int, copies: Mapping[int, int]
-) -> PlanStream:
+) -> SubPlan[list[int]]:
     """GATE, then every routed expert's FFN on the GPU, each after the PAGE_COPY that brought it
     in (`copies`: expert -> copy id; none for a resident expert). Returns the FFN ids."""
     gate, counts = yield from gate_and_route(f, layer, mb, post)
@@ -208,7 +226,7 @@ def evict_experts(f: NodeFactory, layer: int, experts: Iterable[int], after: Seq
     return [f.node(Op.EVICT, Lane.GPU_H2D, layer, expert=expert, deps=after) for expert in experts]
 
 
-ExpertsPlan = Callable[[int, MicroBatchShape, int], PlanStream]
+ExpertsPlan = Callable[[int, MicroBatchShape, int], SubPlan[list[int]]]
 
 
 def model_order(

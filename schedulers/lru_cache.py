@@ -60,6 +60,7 @@ from flowmoe.core.scheduling import (
     Scheduler,
     SchedulerContext,
     StepShape,
+    SubPlan,
 )
 from flowmoe.schedulers.layer_nodes import (
     check_placement,
@@ -70,6 +71,7 @@ from flowmoe.schedulers.layer_nodes import (
     layer_tail,
     lm_heads,
     moe_layers,
+    routing_of,
 )
 from flowmoe.schedulers.shared_options import ExpertCacheOptions, PagedOptions
 
@@ -159,7 +161,7 @@ class LRUCacheScheduler(Scheduler):
                 if spec.is_moe_layer(layer):
                     gate = f.node(Op.GATE, Lane.GPU_COMPUTE, layer, mb, deps=[post])
                     yield gate
-                    counts = yield RoutingRequest(layer, mb.index, gate.id)
+                    counts = yield from routing_of(RoutingRequest(layer, mb.index, gate.id))
                     attend = sum(self._cost(n) for n in [*attention, gate])  # the next slot's, about
                     outputs = yield from self._experts(layer, mb, gate.id, counts, attend)
                 tail = layer_tail(f, spec, layer, mb, post, outputs)
@@ -170,16 +172,16 @@ class LRUCacheScheduler(Scheduler):
 
     def _experts(
         self, layer: int, mb: MicroBatchShape, gate: int, counts: ExpertCounts, attend: float
-    ) -> PlanStream:
+    ) -> SubPlan[list[int]]:
         """Hits on the GPU, misses on the CPU (and fetched), then the pages that fit before the next
         output: the CPU experts' time and the next slot's attention (`attend`). -> outputs' last nodes."""
         f, outputs, missed = self.context.factory, [], []
         ways = self.sets.get(layer)
         for e, tokens in counts.counts:
             line = ways.get(e) if ways is not None else None
-            if line is not None and line.usable:
+            if ways is not None and line is not None and line.usable:
                 self.hits += 1
-                ways.move_to_end(e)  # type: ignore[union-attr]
+                ways.move_to_end(e)
                 ffn = f.node(
                     Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, e, deps=[gate, line.copy], tokens=tokens
                 )
@@ -191,8 +193,8 @@ class LRUCacheScheduler(Scheduler):
             missed.append((e, tokens))
             if ways is not None and line is None:
                 yield from self._fetch(layer, ways, e)
-            elif line is not None:
-                ways.move_to_end(e)  # type: ignore[union-attr]
+            elif ways is not None and line is not None:
+                ways.move_to_end(e)
         on_cpu = cpu_experts(f, layer, mb, gate, missed)
         yield from on_cpu
         if on_cpu:  # behind this output

@@ -108,6 +108,7 @@ from flowmoe.core.scheduling import (
     Scheduler,
     SchedulerContext,
     StepShape,
+    SubPlan,
 )
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.workloads import Workload
@@ -117,6 +118,7 @@ from flowmoe.schedulers.layer_nodes import (
     latency_model,
     layer_tail,
     offloaded_kv_attention,
+    routing_of,
 )
 
 KV_BUFFERS = 3  # the released config: num_k_buffer = num_v_buffer = 3
@@ -141,7 +143,9 @@ def expert_groups(spec: ModelSpec, step: StepShape, room: int | None) -> list[tu
     mbs = step.micro_batches
     if room is None:
         return [mbs]
-    per_token, groups, current, tokens = group_token_bytes(spec), [], [], 0
+    per_token, tokens = group_token_bytes(spec), 0
+    groups: list[tuple[MicroBatchShape, ...]] = []
+    current: list[MicroBatchShape] = []
     for mb in mbs:
         if current and (tokens + mb.tokens) * per_token > room:
             groups.append(tuple(current))
@@ -310,7 +314,7 @@ class MoEGenScheduler(Scheduler):
         freed: list[TaskNode],
         kv_free: list[int],
         moe: bool,
-    ) -> PlanStream:
+    ) -> SubPlan[tuple[dict[int, int], dict[int, int], dict[int, int]]]:
         """Attention and gate of each micro-batch of the group, a share of the layer's early copies
         behind each one's KV slice (GPU) or attention output (CPU). -> (POST_ATTN ids, GATE ids,
         the copies issued: expert -> PAGE_COPY id)."""
@@ -361,13 +365,13 @@ class MoEGenScheduler(Scheduler):
         copies: dict[int, int],
         freed: list[TaskNode],
         outputs: dict[int, list[int]],
-    ) -> PlanStream:
+    ) -> SubPlan[list[TaskNode]]:
         """The group's routing, the missing copies, then each routed expert once over the group's
         tokens. -> this phase's EVICTs, in order."""
         f = self.context.factory
         routing: list[ExpertCounts] = []
         for mb in group:
-            routing.append((yield RoutingRequest(layer, mb.index, gates[mb.index])))
+            routing.append((yield from routing_of(RoutingRequest(layer, mb.index, gates[mb.index]))))
         used = {e for counts in routing for e in counts.experts}
         evicts = []
         for e in [e for e in copies if e not in used]:  # prefetched, routed by nobody

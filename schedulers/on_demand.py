@@ -31,6 +31,7 @@ from flowmoe.core.scheduling import (
     Scheduler,
     SchedulerContext,
     StepShape,
+    SubPlan,
 )
 from flowmoe.schedulers.layer_nodes import check_placement, gate_and_route, model_order
 
@@ -60,7 +61,7 @@ class OnDemandScheduler(Scheduler):
     def plan(self, step: StepShape) -> PlanStream:
         return model_order(self.context.factory, self.context.spec, step, self._experts)
 
-    def _experts(self, layer: int, mb: MicroBatchShape, post: int) -> PlanStream:
+    def _experts(self, layer: int, mb: MicroBatchShape, post: int) -> SubPlan[list[int]]:
         """Gate, then per routed expert: copy, FFN, evict, through a ring of `slots` buffers.
         Returns the FFN node ids."""
         f = self.context.factory

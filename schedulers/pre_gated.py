@@ -61,6 +61,7 @@ from flowmoe.core.scheduling import (
     Scheduler,
     SchedulerContext,
     StepShape,
+    SubPlan,
 )
 from flowmoe.schedulers.layer_nodes import (
     check_placement,
@@ -69,6 +70,7 @@ from flowmoe.schedulers.layer_nodes import (
     layer_tail,
     lm_heads,
     moe_layers,
+    routing_of,
     two_layers_bytes,
 )
 
@@ -142,14 +144,16 @@ class PreGatedScheduler(Scheduler):
                 if pregate is not None:
                     yield pregate
                 if gate is not None:
-                    counts = yield RoutingRequest(layer, mb.index, gate.id)
+                    counts = yield from routing_of(RoutingRequest(layer, mb.index, gate.id))
                     self._score(counts, predicted.pop((layer, mb.index), None))
                     parts = yield from self._experts(counts, mb, gate.id, held[layer], readers[layer])
                 tail = layer_tail(f, spec, layer, mb, post.id, parts)
                 yield from tail
                 last[mb.index] = tail[-1].id
                 if pregate is not None and target is not None:
-                    guess = yield RoutingRequest(target, mb.index, pregate.id, speculative=True)
+                    guess = yield from routing_of(
+                        RoutingRequest(target, mb.index, pregate.id, speculative=True)
+                    )
                     experts = frozenset(guess.experts)
                     predicted[(target, mb.index)] = experts
                     yield from self._prefetch(target, sorted(experts), mb, pregate, held[target])
@@ -170,7 +174,7 @@ class PreGatedScheduler(Scheduler):
         gate: int,
         held: dict[int, int],
         readers: dict[int, list[int]],
-    ) -> PlanStream:
+    ) -> SubPlan[list[int]]:
         """FFN of each routed expert, after its prefetch, or after an on-demand copy where no
         micro-batch's prediction (and no earlier miss) brought it in. Returns the FFN ids."""
         f = self.context.factory

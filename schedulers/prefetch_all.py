@@ -29,6 +29,7 @@ from flowmoe.core.scheduling import (
     Scheduler,
     SchedulerContext,
     StepShape,
+    SubPlan,
 )
 from flowmoe.schedulers.layer_nodes import (
     check_placement,
@@ -84,7 +85,7 @@ class PrefetchAllScheduler(Scheduler):
         spec = self.context.spec
         return range(spec.moe.experts) if spec.is_moe_layer(layer) else range(0)
 
-    def _layer(self, layer: int, mb: MicroBatchShape, before: int, copies: dict[int, int]) -> PlanStream:
+    def _layer(self, layer: int, mb: MicroBatchShape, before: int, copies: dict[int, int]) -> SubPlan[int]:
         """One micro-batch through one layer; the routed experts' FFNs wait for their copies.
         Returns the COMBINE id."""
         f, spec = self.context.factory, self.context.spec

@@ -17,6 +17,8 @@ import pkgutil
 from collections.abc import Generator
 from functools import cache
 from importlib.metadata import EntryPoint, entry_points
+from types import TracebackType
+from typing import Any
 
 from flowmoe.core.errors import ConfigError, FlowmoeError, PlanError
 from flowmoe.core.plan import ExpertCounts, RoutingRequest, TaskNode
@@ -164,7 +166,7 @@ def checked_plan(scheduler: Scheduler, step: StepShape) -> PlanStream:
     return CheckedPlan(name, step, plan)
 
 
-class CheckedPlan(Generator):
+class CheckedPlan(Generator[TaskNode | RoutingRequest, ExpertCounts | None, None]):
     """A plan stream that turns a plugin's faults into a PlanError naming it."""
 
     def __init__(self, name: str, step: StepShape, plan: PlanStream) -> None:
@@ -172,7 +174,7 @@ class CheckedPlan(Generator):
 
     def send(self, reply: ExpertCounts | None) -> TaskNode | RoutingRequest:
         try:
-            item = self.plan.send(reply)  # type: ignore[arg-type]
+            item = self.plan.send(reply)
         except StopIteration:
             if not self.nodes:
                 raise PlanError(
@@ -194,8 +196,10 @@ class CheckedPlan(Generator):
             )
         return item
 
-    def throw(self, *exc_info: object) -> TaskNode | RoutingRequest:  # type: ignore[override]
-        return self.plan.throw(*exc_info)  # type: ignore[arg-type]
+    def throw(
+        self, typ: Any, val: Any = None, tb: TracebackType | None = None
+    ) -> TaskNode | RoutingRequest:  # Any: Generator.throw's two overloads, (type, value) and (exception)
+        return self.plan.throw(typ, val, tb)
 
     def close(self) -> None:
         self.plan.close()

@@ -61,7 +61,7 @@ def chrome_trace(traces: list[Trace]) -> dict[str, Any]:
                 "bytes": node.bytes, "flops": node.flops, "deps": list(node.deps),
                 "queued_us": at(span.queued),
             }  # fmt: skip
-            where = {"pid": pid_of[node.lane.device], "tid": _tid(node.lane)}
+            where: dict[str, float] = {"pid": pid_of[node.lane.device], "tid": _tid(node.lane)}
             start, end = _ns(span.start - origin), _ns(span.end - origin)
             ts, dur = _us(start), _us(end - start)
             events.append({"name": node.label, "cat": str(node.op), "ph": "X", "ts": ts, "dur": dur, **where,

@@ -85,7 +85,8 @@ def records_by_group(data: dict[str, Any]) -> dict[str, list[SpanRecord]]:
             continue
         pid, tid = event.get("pid", 0), event.get("tid", 0)
         group = _group(names, pid)
-        args = event.get("args") if isinstance(event.get("args"), dict) else {}
+        raw_args = event.get("args")
+        args = raw_args if isinstance(raw_args, dict) else {}
         start, dur = _number(event, "ts", index), _number(event, "dur", index)
         deps = args.get("deps", ())
         groups[group].append(

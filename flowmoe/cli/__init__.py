@@ -48,7 +48,7 @@ def configure_logging(json_logs: bool, verbose: bool) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=ConsoleFile()),
+        logger_factory=structlog.PrintLoggerFactory(file=ConsoleFile()),  # type: ignore[arg-type]  # structlog calls only write and flush
     )
 
 

@@ -16,7 +16,7 @@ from flowmoe.cli.writes import add_force_flag, write_guard
 from flowmoe.core.hardware import HardwareSpec, hardware
 from flowmoe.core.hrm import balance_point
 from flowmoe.core.memory import fitting_expert_format, gib
-from flowmoe.core.policy import EXPERT_FORMATS
+from flowmoe.core.policy import EXPERT_FORMATS, Place
 from flowmoe.core.policy_search import CPU_USABLE, GPU_USABLE, Candidate, PlanResult, search
 from flowmoe.core.presets import PRESETS, preset
 from flowmoe.core.spec import ModelSpec
@@ -72,8 +72,8 @@ def workload_from(args: argparse.Namespace) -> Workload:
 def _plan(args: argparse.Namespace) -> int:
     guard = write_guard(args, [("--plot", args.plot, PLOT)])
     spec, hw, work = spec_from(args), hardware(args.hardware), workload_from(args)
-    attention = (args.attention_on,) if args.attention_on else ("gpu", "cpu")
-    ffn = (args.ffn_on,) if args.ffn_on else ("gpu", "cpu")
+    attention: tuple[Place, ...] = (args.attention_on,) if args.attention_on else ("gpu", "cpu")
+    ffn: tuple[Place, ...] = (args.ffn_on,) if args.ffn_on else ("gpu", "cpu")
     form = args.expert_format or fitting_expert_format(spec, hw)
     result = search(spec, hw, work, attention, ffn, max_batch=args.max_batch, expert_format=form)
     context = result.best.prompt + max(1, result.best.gen // 2)

@@ -63,18 +63,18 @@ def run_on_ray(args: argparse.Namespace, sampling: SamplingParams, policy: Polic
         raise ConfigError("--ray needs Ray: pip install 'flowmoe[ray]'") from exc
     source = args.model or str(ensure_builtin())
     model = model_spec(source, args.dtype, args.layers)  # the driver reads no weight
-    job = job_from(args, model, sampling)  # type: ignore[arg-type]
+    job = job_from(args, model, sampling)  # type: ignore[arg-type]  # a SpecOnly: only .spec is read
     scheduler = args.scheduler
     if scheduler == "auto":
         codec = TextCodec.from_folder(source) if Path(source).is_dir() else None
-        scheduler, policy, job = auto_scheduler(args, model, codec, job)  # type: ignore[arg-type]
+        scheduler, policy, job = auto_scheduler(args, model, codec, job)  # type: ignore[arg-type]  # a SpecOnly: only .spec is read
     with session(args.ray) as cluster:
         resources = ReplicaResources.choose(args.device, args.replica_cpus, alive_nodes())
         config = ReplicaConfig(
             source, args.dtype, args.layers, scheduler, policy, job, resources.device, resources.num_cpus,
             record=bool(args.trace),
             cost=RooflineCost(hardware(args.hardware), model.spec) if args.hardware else None,
-            popularity=routing_profile(args.routing_profile, model) if args.routing_profile else None,  # type: ignore[arg-type]
+            popularity=routing_profile(args.routing_profile, model) if args.routing_profile else None,  # type: ignore[arg-type]  # a SpecOnly: only .spec is read
         )  # fmt: skip
         replicas = args.replicas or 1
         with progress(TextColumn("{task.fields[tokens]} tokens"), TokenRateColumn()) as bar:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import Literal, Protocol
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -25,13 +25,17 @@ def progress(*extra_columns) -> Progress:
     )  # fmt: skip
 
 
+class Spinner(Protocol):
+    def update(self, text: str, /) -> None: ...
+
+
 class _Quiet:
     def update(self, _status: str) -> None:
         pass
 
 
 @contextmanager
-def status(text: str) -> Iterator[object]:
+def status(text: str) -> Iterator[Spinner]:
     """A spinner with `update(text)` on a terminal; nothing otherwise."""
     if not console.is_terminal:
         yield _Quiet()

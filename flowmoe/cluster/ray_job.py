@@ -178,7 +178,7 @@ async def run_on_cluster(
     codec = TextCodec.from_folder(config.source) if config.model_folder else None
     if job.stop and codec is None:
         raise ConfigError("--stop needs a tokenizer.json beside the model to decode the output")
-    requests, errors = build_requests(job, model, codec, job.limits(model))  # type: ignore[arg-type]
+    requests, errors = build_requests(job, model, codec, job.limits(model))  # type: ignore[arg-type]  # a SpecOnly: only .spec is read
     for error in errors:
         log.warning("bad prompt line skipped", error=error)
     output = JobLog.open(job.output, job.prompts)
@@ -209,7 +209,7 @@ def _start(config: ReplicaConfig, replicas: int, resources: ReplicaResources) ->
             max_restarts=MAX_RESTARTS,
             max_task_retries=0,  # the driver re-queues what a dead replica had not returned
             max_concurrency=1,  # one chunk at a time: a replica's runtime runs one engine
-        ).remote(config, i)
+        ).remote(config, i)  # type: ignore[misc]  # ray types it ActorHandle | type[Replica]; it is a handle
         for i in range(replicas)
     ]
 

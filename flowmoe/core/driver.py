@@ -42,7 +42,7 @@ async def drive(
     try:
         while True:
             try:
-                item = plan.send(reply)  # type: ignore[arg-type]
+                item = plan.send(reply)
             except StopIteration:
                 break
             reply = None

@@ -111,6 +111,7 @@ class Executor:
             queue = self._queues.get(lane)
             if queue is None or node_id in self._nodes or node_id in deps:
                 self._validate(node)
+            assert queue is not None  # _validate raised for a lane without a worker
             self._nodes[node_id] = node
             if self._timed:
                 self._queued[node_id] = self._clock()
@@ -162,7 +163,7 @@ class Executor:
                 raise self._error
             future = self._futures.get(node_id)
             if future is None:
-                future = self._futures[node_id] = self._loop.create_future()  # type: ignore[union-attr]
+                future = self._futures[node_id] = self._loop.create_future()  # type: ignore[union-attr]  # bound (_bind_loop) before any wait
             self._check_stuck()
         await future
 
@@ -178,7 +179,7 @@ class Executor:
                     raise asyncio.CancelledError()
                 if len(self._done) == len(self._nodes) and not self._busy:
                     return
-                self._idle = idle = self._loop.create_future()  # type: ignore[union-attr]
+                self._idle = idle = self._loop.create_future()  # type: ignore[union-attr]  # bound (_bind_loop) before any wait
                 self._check_stuck()
             await idle
 
@@ -189,7 +190,7 @@ class Executor:
             with self._lock:
                 if not self._busy:
                     return
-                self._idle = idle = self._loop.create_future()  # type: ignore[union-attr]
+                self._idle = idle = self._loop.create_future()  # type: ignore[union-attr]  # bound (_bind_loop) before any wait
             await idle
 
     def _run_started(self) -> None:
@@ -261,8 +262,8 @@ class Executor:
         (appending to `starts` as it goes, so a failure midway knows what it claimed)."""
         node_id = node.id
         self._done.add(node_id)
-        if self._keep:
-            self.spans.append(span)  # type: ignore[arg-type]
+        if self._keep and span is not None:
+            self.spans.append(span)
         if self._futures:
             future = self._futures.pop(node_id, None)
             if future is not None:
@@ -313,7 +314,7 @@ class Executor:
         if threading.get_ident() == self._loop_thread:
             settle()
         else:
-            self._loop.call_soon_threadsafe(settle)  # type: ignore[union-attr]
+            self._loop.call_soon_threadsafe(settle)  # type: ignore[union-attr]  # bound when a node ran
 
     def _fail_waiters(self, error: BaseException) -> None:
         for future in self._futures.values():

@@ -197,7 +197,11 @@ def save_profile(spec: HardwareSpec, path: str | Path, guard: Guard = DEFAULT_GU
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(to_json(spec), indent=2)  # starts with PROFILE's marker: "format" comes first
-    return guard.write(path, PROFILE, lambda tmp: tmp.write_text(text))
+
+    def produce(tmp: Path) -> None:
+        tmp.write_text(text)
+
+    return guard.write(path, PROFILE, produce)
 
 
 def load_profile(path: str | Path) -> HardwareSpec:

@@ -10,6 +10,8 @@ against.
 
 from __future__ import annotations
 
+from typing import Any
+
 from attrs import evolve, frozen
 
 from flowmoe.core.hardware import GB, GiB, HardwareSpec
@@ -527,7 +529,8 @@ def machine(name: str, gpu: Gpu, host: Host, link: Link, gpus: int = 1,
     if interconnect is not None:
         figures["interconnect_bandwidth"] = interconnect
         figures["interconnect_latency"] = ALLREDUCE_LATENCY
-    values = {k: f.value for k, f in figures.items() if k != "gemm_efficiency"}
+    # the float fields by name; Any because **values cannot say which of HardwareSpec's fields they fill
+    values: dict[str, Any] = {k: f.value for k, f in figures.items() if k != "gemm_efficiency"}
     return HardwareSpec(
         name, gpu.flops, gpu.bandwidth, gpu.memory * gpus,
         host.cpu_flops, host.cpu_bandwidth, host.cpu_memory,

@@ -175,7 +175,7 @@ def layer_ops(spec: ModelSpec, phase: Phase, policy: Policy, moe: bool = True) -
     n, t = phase.micro_batches, phase.mb_tokens
     kv_bytes = phase.micro_batch * phase.context * 2 * kv * b
     link = n * kv_bytes * (1 - policy.kv_gpu_share) if policy.attention_on == "gpu" else 0.0
-    reads = n * (kv_bytes + t * (q + out) * b)
+    reads: float = n * (kv_bytes + t * (q + out) * b)
     attn = OpPoint("attention", policy.attention_on, n * phase.mb_attended * a.pair_flops(), reads, link, n)
     ops = [
         _matmul("pre-attention", a.pre_params(h), n, t, b, t * (h + q + 2 * kv) * b),

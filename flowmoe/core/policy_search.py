@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from attrs import evolve, frozen
 
@@ -108,7 +109,7 @@ def _fit_share(spec: ModelSpec, hw: HardwareSpec, policy: Policy, prompt: int, g
     return share if share >= max(0.0, low) else None
 
 
-def _with(policy: Policy, **changes: object) -> Policy:
+def _with(policy: Policy, **changes: Any) -> Policy:
     return evolve(policy, **changes)
 
 

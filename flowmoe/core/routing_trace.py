@@ -98,7 +98,11 @@ class RoutingTrace:
         ]
         rows.insert(0, {"format": ROUTING_FORMAT, **({"model": asdict(self.shape)} if self.shape else {})})
         text = "\n".join(json.dumps(r) for r in rows) + "\n"
-        guard.write(Path(path), ROUTING_RECORD, lambda tmp: tmp.write_text(text))
+
+        def produce(tmp: Path) -> None:
+            tmp.write_text(text)
+
+        guard.write(Path(path), ROUTING_RECORD, produce)
 
     @classmethod
     def load(cls, path: str | Path, spec: ModelSpec | None = None) -> RoutingTrace:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Sequence
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from attrs import define, field, frozen
 
@@ -25,6 +25,9 @@ from flowmoe.core.spec import ModelSpec
 from flowmoe.core.workloads import Workload
 
 PlanStream = Generator[TaskNode | RoutingRequest, ExpertCounts | None, None]
+R = TypeVar("R")
+# part of a plan, run with `yield from`, that returns an R (node ids, a layer's routing, ...)
+SubPlan = Generator[TaskNode | RoutingRequest, ExpertCounts | None, R]
 FP8_BLOCK = (128, 128)  # weight_block_size of the DeepSeek-V3, Kimi K2 and Qwen3-FP8 releases
 
 

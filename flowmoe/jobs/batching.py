@@ -13,7 +13,7 @@ holds (`refill_slots`), and a drained micro-batch is planned anew.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from attrs import field, frozen
 
@@ -83,9 +83,13 @@ class MicroBatchPlan:
         return len(self.requests) * self.capacity
 
 
+def _micro_batches(plans: Iterable[MicroBatchPlan]) -> tuple[MicroBatchPlan, ...]:
+    return tuple(plans)
+
+
 @frozen
 class BatchPlan:
-    micro_batches: tuple[MicroBatchPlan, ...] = field(converter=tuple)
+    micro_batches: tuple[MicroBatchPlan, ...] = field(converter=_micro_batches)
 
     @property
     def requests(self) -> int:

@@ -35,7 +35,8 @@ def _pack(slots: list[Slot]) -> torch.Tensor:
         size = tensor.numel() * tensor.element_size()
         view = arena[offset : offset + size].view(tensor.dtype).view(tensor.shape)
         view.copy_(tensor)
-        view.arena = arena  # the buffer lives (and stays page-locked) while any of its views does
+        # the buffer lives (and stays page-locked) while any of its views does
+        view.arena = arena  # type: ignore[attr-defined]  # a Python attribute on a tensor, not a torch field
         setattr(owner, name, view)
         offset += _aligned(size)
     return arena

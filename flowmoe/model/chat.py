@@ -39,6 +39,7 @@ class ChatTemplate:
         folder = Path(folder)
         config = _read_config(folder / "tokenizer_config.json")
         jinja_file = folder / "chat_template.jinja"
+        text: str | None
         if _present(jinja_file):
             source, text = jinja_file, _read_text(jinja_file)
         else:

@@ -86,7 +86,7 @@ class MoEModel:
     def rope(self, layout: TokenLayout, device: torch.device | str = "cpu") -> Rope:
         """cos, sin: [T, head_dim] for this step's token positions (shared by all layers)."""
         positions = layout.positions.to(device)
-        scaling = self.rope_scaling
+        scaling: float | torch.Tensor = self.rope_scaling
         if self.spec.rope.kind == "longrope":
             lengths = torch.tensor(layout.advanced()).repeat_interleave(torch.tensor(layout.counts))  # [T]
             scaling = longrope_scaling(self.spec.rope, lengths.to(device))  # [T, 1]
@@ -102,10 +102,12 @@ class MoEModel:
         x = norm_of_kind(hidden, w.input_norm, self.spec.norm_eps, self.spec.norm)
         if a.mla is not None:  # -> q [T, H, qk_head_dim], latent [T, 1, r], RoPE key [T, 1, R]
             eps = self.spec.norm_eps
+            assert w.kv_a_norm is not None, "multi-head latent attention has a latent norm"
             return mla_project(x, w.qkv, w.q_a_norm, w.q_b, w.kv_a_norm, a.mla, a.heads, *rope, eps)
         qkv = linear(x, w.qkv, w.qkv_bias)  # [T, (H + 2 KVH) * D]
         q, k, v = qkv.split([a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], dim=-1)
         if a.qk_norm == "full":
+            assert w.q_norm is not None and w.k_norm is not None, "qk_norm has q and k norms"
             q = rms_norm(q, w.q_norm, self.spec.norm_eps)
             k = rms_norm(k, w.k_norm, self.spec.norm_eps)
         if a.clip_qkv is not None:
@@ -115,6 +117,7 @@ class MoEModel:
         k = k.reshape(tokens, a.kv_heads, a.head_dim)
         v = v.reshape(tokens, a.kv_heads, a.head_dim)
         if a.qk_norm == "head":
+            assert w.q_norm is not None and w.k_norm is not None, "qk_norm has q and k norms"
             q = rms_norm(q, w.q_norm, self.spec.norm_eps)
             k = rms_norm(k, w.k_norm, self.spec.norm_eps)
         if not a.uses_rope(layer):
@@ -140,6 +143,7 @@ class MoEModel:
         With multi-head latent attention k, v are the latent and the RoPE key -> [T, H * v_head_dim]."""
         if self.spec.attention.mla is not None:
             kv_up = (lw or self.weights.layers[layer]).attn.kv_b
+            assert kv_up is not None, "multi-head latent attention has a kv up-projection"
             return mla_attend(q, k, v, kv, layout, kv_up, self.spec.attention.mla)
         keys, values = kv
         write_kv(keys, values, layout, k, v)
@@ -163,6 +167,7 @@ class MoEModel:
 
     def gate(self, layer: int, x: torch.Tensor, lw: LayerWeights | None = None) -> Routing:
         w = lw or self.weights.layers[layer]
+        assert w.router is not None, f"layer {layer} is dense: it has no router"
         return route(x, w.router, w.router_bias, self.spec.moe, w.selection_bias)
 
     def routed_experts(
@@ -197,6 +202,7 @@ class MoEModel:
         """Shared expert (gated by a sigmoid when the family has one) or dense MLP: [T, hidden]."""
         w = lw or self.weights.layers[layer]
         ffn = w.shared if w.shared is not None else w.dense
+        assert ffn is not None, f"layer {layer} has neither a shared expert nor a dense MLP"
         out = swiglu_ffn(x, ffn.gate_up, ffn.down, self.spec.moe, ffn.gate_up_bias, ffn.down_bias)
         if w.shared_gate is not None:
             out = torch.sigmoid(F.linear(x, w.shared_gate)) * out

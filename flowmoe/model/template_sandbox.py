@@ -105,12 +105,12 @@ class _Route(NodeTransformer):
         self.bounds = bounds
 
     def visit_For(self, node: nodes.For) -> nodes.Node:
-        node = self.generic_visit(node)
+        self.generic_visit(node)  # rewrites node's children in place
         node.iter = nodes.Call(self.bounds.attr("iterate"), [node.iter], [], None, None, lineno=node.lineno)
         return node
 
     def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
-        node = self.generic_visit(node)
+        self.generic_visit(node)  # rewrites node's children in place
         return nodes.Call(self.bounds.attr("concat"), node.nodes, [], None, None, lineno=node.lineno)
 
 
@@ -192,7 +192,7 @@ def _bounded_filter(function: Callable[..., Any]) -> Callable[..., Any]:
             _check_format(budget, args[0])
         return _checked(budget, function(*args, **kwargs))
 
-    bounded.bounded = True  # type: ignore[attr-defined]
+    bounded.bounded = True  # type: ignore[attr-defined]  # a mark on the wrapper, read by getattr above
     return bounded
 
 

@@ -7,6 +7,7 @@ stacked into one [2I, hidden] matrix (gate rows first), so each costs one matmul
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +36,16 @@ class FFNWeights:
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.gate_up, self.down, self.gate_up_bias, self.down_bias) if t is not None]
+
+    def mapped(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> FFNWeights:
+        """The same FFN with `fn` applied to each of its tensors (the biases it has)."""
+        up_bias, down_bias = self.gate_up_bias, self.down_bias
+        return FFNWeights(
+            fn(self.gate_up),
+            fn(self.down),
+            None if up_bias is None else fn(up_bias),
+            None if down_bias is None else fn(down_bias),
+        )
 
 
 @define

@@ -57,6 +57,7 @@ def _expert_batch(s: StepState, n: TaskNode) -> None:
     each (the GEMM the plan prices, chunked as it is), the outputs split back per micro-batch. A fixed
     order: the same floats every run."""
     ffn = s.weights.ffn(n, n.expert)
+    assert ffn is not None, "a node's own expert is resident or NotResident, never None"
     routings = {key: s.routings.decided(key) for key in [(n.layer, mb) for mb in n.serves]}
     routed = {key: r for key, r in routings.items() if n.expert in r.tokens}  # those routed to it, in order
     inputs = [s.acts.expert_input(key, n.lane) for key in routed]  # [T_mb, hidden] each
@@ -65,7 +66,7 @@ def _expert_batch(s: StepState, n: TaskNode) -> None:
     )
     scales = torch.cat([r.scales[n.expert] for r in routed.values()]).to(gathered.device)[:, None]  # [N, 1]
     rows = n.rows or len(gathered)  # [N, hidden] in chunks of `rows`
-    outs = [s.model.scaled_experts(chunk, weight, [len(chunk)], [ffn])[0]  # type: ignore[list-item]
+    outs = [s.model.scaled_experts(chunk, weight, [len(chunk)], [ffn])[0]
             for chunk, weight in zip(gathered.split(rows), scales.split(rows), strict=True)]  # fmt: skip
     counts = [r.tokens[n.expert].numel() for r in routed.values()]
     for key, out in zip(routed, torch.cat(outs).split(counts), strict=True):

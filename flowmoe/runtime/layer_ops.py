@@ -129,7 +129,9 @@ def _evict(s: StepState, n: TaskNode) -> None:
 
 def _lm_head(s: StepState, n: TaskNode) -> None:
     rows = s.inputs[n.mb].layout.last_rows.to(s.devices.gpu)
-    norm, head = s.weights.device.head
+    ends = s.weights.device.head
+    assert ends is not None, "the device weights were released (Runtime.close)"
+    norm, head = ends
     s.acts.logits[n.mb] = s.devices.to_cpu(s.model.logits(s.acts.hidden[n.mb][rows], norm, head))
 
 

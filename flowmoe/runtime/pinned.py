@@ -46,7 +46,7 @@ def pin_layers(model: MoEModel, register: Register = cuda_register) -> list[torc
             arena = layer_arena(lw)
         elif getattr(arena, "page_locked", None) is not None:
             continue
-        arena.page_locked = register(arena) or (lambda: None)
+        arena.page_locked = register(arena) or (lambda: None)  # type: ignore[attr-defined]  # see arena.py
         arenas.append(arena)
     return arenas
 
@@ -54,6 +54,6 @@ def pin_layers(model: MoEModel, register: Register = cuda_register) -> list[torc
 def unpin(arenas: list[torch.Tensor]) -> None:
     """Undo `pin_layers`' registration of `arenas` (the runtime that pinned them is closing)."""
     for arena in arenas:
-        release = arena.page_locked
-        arena.page_locked = None
+        release = arena.page_locked  # type: ignore[attr-defined]  # a Python attribute on a tensor
+        arena.page_locked = None  # type: ignore[attr-defined]  # a Python attribute on a tensor
         release()

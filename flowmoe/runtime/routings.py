@@ -64,6 +64,7 @@ class Routings:
         if self.events is None:
             table[key] = self.model.gate(layer, x, lw)
             return
+        assert lw.router is not None, f"layer {layer} is dense: it has no router"
         indices, weights = choose(x, lw.router, lw.router_bias, self.model.spec.moe, lw.selection_bias)
         rows, scales, counts = sort_by_expert(indices, weights, self.model.spec.moe.experts)
         host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=self.devices.cuda)
@@ -94,5 +95,6 @@ class Routings:
             with self._lock:  # the driver and a lane thread may ask at once: one resolves it
                 routing = table[key]
                 if isinstance(routing, PendingRouting):
-                    routing = table[key] = routing.resolve(self.events)  # type: ignore[arg-type]
+                    assert self.events is not None, "a routing is left pending only on CUDA, with events"
+                    routing = table[key] = routing.resolve(self.events)
         return routing

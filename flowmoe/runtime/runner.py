@@ -187,7 +187,8 @@ class Runtime:
             if self.events is not None:
                 spans = self.events.end_step(spans)
             if record:  # with the process's CPU time in the step (host time per step)
-                self.trace.extend(spans, host_seconds=time.process_time() - cpu)  # type: ignore[arg-type]
+                assert spans is not None, "a recorded step's spans"
+                self.trace.extend(spans, host_seconds=time.process_time() - cpu)
 
     def _budget(self, micro_batches: int) -> NodeBudget:
         """`node_budget` for this runtime's model and scheduler (made once per micro-batch count)."""

@@ -161,7 +161,7 @@ def _own(setup: Setup, name: str, given: Given) -> Iterator[Policy]:
     """The scheduler's own planner's policy per placement, where it has one (`own_policies`)."""
     if given.complete:
         return
-    attention = (given.attention_on,) if given.attention_on else ("gpu", "cpu")
+    attention: tuple[Place, ...] = (given.attention_on,) if given.attention_on else ("gpu", "cpu")
     cap, budget = given.batch_size or given.max_batch, setup.policy.gpu_memory
     own = load(name).own_policies(setup.spec, setup.hardware, setup.workload, attention, cap, budget)
     yield from (given.apply(policy) for policy in own)

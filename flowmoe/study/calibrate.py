@@ -13,12 +13,14 @@ what the runtime really does there (nothing).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import os
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import NotRequired, TypedDict
 
 import torch
 from attrs import evolve, frozen
@@ -65,6 +67,9 @@ def matmul_curve(
     in all), so weights come from memory, not cache, as a layer's experts do."""
     from flowmoe.kernels.linear import linear
 
+    def next_linear(x: torch.Tensor, weights: Iterator[torch.Tensor]) -> torch.Tensor:
+        return linear(x, next(weights))
+
     k, n = shape
     size = torch.empty((), dtype=dtype).element_size()
     copies = max(1, -(-(COLD_BYTES // (4 if quick else 1)) // (k * n * size)))
@@ -73,7 +78,7 @@ def matmul_curve(
     for rows in ROWS:
         x = torch.randn(rows, k, device=device, dtype=dtype)
         turn = itertools.cycle(weights)
-        seconds = timed(lambda x=x, turn=turn: linear(x, next(turn)), 3 if quick else 10, sync)
+        seconds = timed(functools.partial(next_linear, x, turn), 3 if quick else 10, sync)
         flops, n_bytes = 2 * rows * k * n, (k * n + rows * k + rows * n) * size
         points.append((flops / n_bytes, flops / seconds))
     return tuple(points)
@@ -120,7 +125,7 @@ def attention_curve(
         q = torch.randn(seqs * new, heads, dim, device=device, dtype=dtype)
         keys = _host_like_model(torch.randn(seqs, kv_heads, context, dim, device=device, dtype=dtype))
         values = _host_like_model(torch.randn_like(keys))
-        seconds = timed(lambda q=q, k=keys, v=values, lay=layout: attend(q, k, v, lay), repeats, sync)
+        seconds = timed(functools.partial(attend, q, keys, values, layout), repeats, sync)
         attended = seqs * (new * (context - new) + new * (new + 1) // 2)
         flops = 4 * attended * heads * dim
         n_bytes = (seqs * context * 2 * kv_heads * dim + 2 * seqs * new * heads * dim) * size
@@ -128,7 +133,16 @@ def attention_curve(
     return tuple(sorted(points))
 
 
-def link_rates(quick: bool) -> dict[str, float]:
+class LinkRates(TypedDict):
+    """HardwareSpec's link bandwidths, measured."""
+
+    h2d_bandwidth: float
+    d2h_bandwidth: float
+    h2d_pageable_bandwidth: NotRequired[float]
+    d2h_pageable_bandwidth: NotRequired[float]
+
+
+def link_rates(quick: bool) -> LinkRates:
     """Host<->device copy bandwidth, pinned and pageable (CUDA only)."""
     gpu, size = torch.device("cuda"), (64 if quick else 256) * 2**20
     sync, repeats = torch.cuda.synchronize, 5 if quick else 10
@@ -271,9 +285,7 @@ def _memory_roof(curve: Curve) -> float:
     return flops / intensity
 
 
-def _measurements(
-    spec: HardwareSpec, stream: float, cuda: bool, links: dict[str, float]
-) -> list[Measurement]:
+def _measurements(spec: HardwareSpec, stream: float, cuda: bool, links: LinkRates) -> list[Measurement]:
     found = [
         *(
             Measurement(f"CPU matmul, {rows} rows", f / 1e9, "GFLOP/s")
@@ -300,8 +312,8 @@ def _measurements(
             ),
         ]
     link = "{}" if cuda else "{} (no GPU: gpu.* lanes on the CPU, the copy a no-op)"
-    return found + [
-        Measurement(link.format(name.replace("_", " ")), value / 1e9, "GB/s") for name, value in links.items()
+    return found + [  # the spec's figure of each link measured
+        Measurement(link.format(name.replace("_", " ")), getattr(spec, name) / 1e9, "GB/s") for name in links
     ]
 
 
@@ -316,7 +328,7 @@ def _gpu_memory(cuda: bool) -> int:
     return torch.cuda.get_device_properties(0).total_memory if cuda else _memory_bytes()
 
 
-def _host_copies(quick: bool) -> dict[str, float]:
+def _host_copies(quick: bool) -> LinkRates:
     """Without CUDA a "device" copy is what Devices.to_gpu does on the CPU: returns the tensor."""
     size = (64 if quick else 256) * 2**20
     x = torch.empty(size, dtype=torch.uint8)

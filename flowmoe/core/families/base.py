@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from attrs import frozen
 
@@ -101,7 +101,15 @@ def dtype_of(config: dict[str, Any]) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def attention_shape(config: dict[str, Any]) -> dict[str, int]:
+class AttentionShape(TypedDict):
+    """AttentionSpec's shape fields, passed on as keywords."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def attention_shape(config: dict[str, Any]) -> AttentionShape:
     """heads, kv_heads (default: heads) and head_dim, which every family reads alike."""
     heads = int(config["num_attention_heads"])
     return {

@@ -17,7 +17,7 @@ from attrs import evolve
 
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.families.base import Family, TensorNames, common_fields, num_experts, rope_from_config
-from flowmoe.core.spec import AttentionSpec, MLASpec, ModelSpec, MoESpec, RopeSpec
+from flowmoe.core.spec import AttentionSpec, MLASpec, ModelSpec, MoESpec, RopeSpec, RouterKind
 
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 # transformers' defaults for fields a config.json leaves out (a null q_lora_rank: no q LoRA)
@@ -50,9 +50,10 @@ def mla_rope(config: dict[str, Any], where: str) -> tuple[RopeSpec, float]:
     mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
-        both = mscale and mscale_all
         attention_factor = (
-            _mscale(factor, mscale) / _mscale(factor, mscale_all) if both else _mscale(factor, 1)
+            _mscale(factor, mscale) / _mscale(factor, mscale_all)
+            if mscale and mscale_all
+            else _mscale(factor, 1)
         )
     scaled = {**params, "factor": factor, "attention_factor": attention_factor}
     rope = rope_from_config(
@@ -80,7 +81,7 @@ def _mla(config: dict[str, Any], where: str, interleave: bool) -> tuple[Attentio
     return attention, rope
 
 
-def _moe(config: dict[str, Any], where: str, router: str, norm_topk: bool) -> MoESpec:
+def _moe(config: dict[str, Any], where: str, router: RouterKind, norm_topk: bool) -> MoESpec:
     experts = num_experts(config)
     groups = int(config.get("n_group") or 1)
     if experts % groups:
@@ -91,7 +92,7 @@ def _moe(config: dict[str, Any], where: str, router: str, norm_topk: bool) -> Mo
         experts=experts,
         top_k=int(config["num_experts_per_tok"]),
         intermediate=inter,
-        router=router,  # type: ignore[arg-type]
+        router=router,
         norm_topk=norm_topk,
         combine_fp32=True,  # the router's weights are float32 and scale the expert outputs as such
         selection_bias=router == "sigmoid_group",

@@ -38,7 +38,7 @@ def fate(quick: bool) -> Iterator[Setting]:
         metric = DECODE if phase == "decode" else PREFILL
         setup = paper_setup(spec, "fate-1080ti", work, gen, samples=4 if gen > 2 else 1)
         at = Given(batch_size=1)
-        systems = (
+        systems: tuple[System, ...] = (
             System("Fate", "fate", setup, None, given=at, metric=metric),
             System("Load on Demand", "on-demand", setup, None, given=at, metric=metric),
         )

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from attrs import evolve
 
 from flowmoe.core.plan import Op
-from flowmoe.core.policy import Policy
+from flowmoe.core.policy import Place, Policy
 from flowmoe.core.policy_search import search
 from flowmoe.core.presets import preset
 from flowmoe.study.best_policy import Given
@@ -51,8 +51,8 @@ ML_PAIRS = (
 DEEPSPEED = "on-demand"
 
 
-def _flexgen(mu: int, count: int, percent: int, attention: str = "gpu") -> Policy:
-    return Policy(mu, count, attention, "gpu", weights_gpu_share=percent / 100, kv_gpu_share=0.0)  # type: ignore[arg-type]
+def _flexgen(mu: int, count: int, percent: int, attention: Place = "gpu") -> Policy:
+    return Policy(mu, count, attention, "gpu", weights_gpu_share=percent / 100, kv_gpu_share=0.0)
 
 
 def _moe_lightning(setup: Setup, machine: str) -> Setup:
@@ -105,7 +105,7 @@ def moe_lightning(quick: bool) -> Iterator[Setting]:
             # One server per setting runs every generation length (the artifact's launch_server.sh plans
             # once, at --gen-len 256): S1's logs hold Table 5's N = 504 at each, so its μ = 36 too.
             ml_mu = P.ML_TABLE5["MoE-Lightning(p)"][1] if machine == "S1" else None
-            systems = (
+            systems: tuple[System, ...] = (
                 System("MoE-Lightning", "cgopipe", ml, paper["MoE-Lightning"], _as_run(ml, n)),
                 System(
                     "MoE-Lightning(p)",
@@ -191,7 +191,7 @@ def moe_lightning(quick: bool) -> Iterator[Setting]:
             "cgopipe" if name.startswith("MoE") else "flexgen",
             _moe_lightning(s1, "S1") if name.startswith("MoE") else pageable(s1),
             tps,
-            given=Given(mu * -(-n // mu), -(-n // mu)) if name.startswith("MoE") else None,
+            given=Given(mu * -(-n // mu), -(-n // mu)) if name.startswith("MoE") else Given(),
             policy=None if name.startswith("MoE") else _flexgen(mu, -(-n // mu), 8),
         )
         for name, tps, mu, n in rows
@@ -212,10 +212,10 @@ def moe_lightning(quick: bool) -> Iterator[Setting]:
         work = "fixed:418:128" if small == "S6" else "mtbench"
         name = "MoE-Lightning(p)" if small == "S6" else "MoE-Lightning"
         two, four = (_moe_lightning(paper_setup(model, ML_MACHINE[m], work, 128), m) for m in (small, large))
-        at_128, n = P.ML_SCALING_GEN128, P.ML_SCALING_N
+        at_128, runs = P.ML_SCALING_GEN128, P.ML_SCALING_N
         systems = (
-            System(f"{name} {large}", "cgopipe", four, at_128[large], _as_run(four, n[large])),
-            System(f"{name} {small}", "cgopipe", two, at_128[small], _as_run(two, n[small])),
+            System(f"{name} {large}", "cgopipe", four, at_128[large], _as_run(four, runs[large])),
+            System(f"{name} {small}", "cgopipe", two, at_128[small], _as_run(two, runs[small])),
         )
         ratio = Speedup(systems[0].name, systems[1].name, at_128[large] / at_128[small], low, high)
         yield Setting(

@@ -88,12 +88,12 @@ def run_setting(setting: Setting) -> dict[str, Any]:
                 "policy": describe_policy(result.policy, system.scheduler),
             }
         )
-    value = {r["system"]: r["simulated"] for r in rows}
+    values = {r["system"]: r["simulated"] for r in rows}
     bound = {r["system"]: r["bound"] for r in rows}
-    rows.extend(_mean_row(mean, value, bound) for mean in setting.means)
+    rows.extend(_mean_row(mean, values, bound) for mean in setting.means)
     speedups = []
     for s in setting.speedups:
-        sim = _speedup(s, value)
+        sim = _speedup(s, values)
         speedups.append(
             {
                 "faster": s.faster,
@@ -119,16 +119,17 @@ def run_setting(setting: Setting) -> dict[str, Any]:
 def _speedup(s: Speedup, value: dict[str, float | None]) -> float | None:
     """The simulated ratio of `s`: faster / slower, or the statistic of its pairs' ratios."""
     ratios = [(value.get(a), value.get(b)) for a, b in s.over or ((s.faster, s.slower),)]
-    if not all(a and b for a, b in ratios):
+    each = [a / b for a, b in ratios if a and b]
+    if len(each) != len(ratios):
         return None
-    each = [a / b for a, b in ratios]  # type: ignore[operator]
     return max(each) if s.statistic == "max" else statistics.mean(each)
 
 
 def _mean_row(mean: Mean, value: dict[str, float | None], bound: dict[str, str]) -> dict[str, Any]:
     """The row of a published average: the mean of its systems' figures, bound by what bounds them."""
     figures = [value.get(name) for name in mean.of]
-    sim = statistics.mean(figures) if all(figures) else None  # type: ignore[type-var]
+    known = [f for f in figures if f]
+    sim = statistics.mean(known) if len(known) == len(figures) else None
     return {
         "system": mean.name,
         "scheduler": "-",

@@ -9,7 +9,7 @@ from typing import Literal
 from attrs import Factory, evolve, frozen
 
 from flowmoe.core.hardware import HardwareSpec, hardware
-from flowmoe.core.policy import Policy
+from flowmoe.core.policy import ExpertFormat, Policy
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.synthetic_routing import RoutingModel
 from flowmoe.core.workloads import workload
@@ -18,7 +18,8 @@ from flowmoe.study.simulate import Setup
 
 ROUTING = RoutingModel(skew=0.5, correlation=0.3)  # flowmoe's defaults (`flowmoe simulate`)
 DECODE, PREFILL = "decode tok/s", "prefill tok/s"  # metrics of one phase (`run.measured`)
-NEAREST_INT4 = "fp8"  # the nearest flowmoe expert format to a paper's 4-bit experts (HybriMoE §V, Fate)
+# the nearest flowmoe expert format to a paper's 4-bit experts (HybriMoE §V, Fate)
+NEAREST_INT4: ExpertFormat = "fp8"
 
 
 @frozen
@@ -94,5 +95,5 @@ def pageable(setup: Setup) -> Setup:
 
 def ratios_from(systems: Sequence[System], pairs: Sequence[tuple[str, str]]) -> tuple[Speedup, ...]:
     """The published speedups of `pairs` (faster, slower) where the paper gives both figures."""
-    figure = {s.name: s.published for s in systems}
-    return tuple(Speedup(a, b, figure[a] / figure[b]) for a, b in pairs if figure.get(a) and figure.get(b))
+    figure = {s.name: s.published for s in systems if s.published}
+    return tuple(Speedup(a, b, figure[a] / figure[b]) for a, b in pairs if a in figure and b in figure)
