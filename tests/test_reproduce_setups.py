@@ -25,7 +25,7 @@ def _spans(setup: Setup, name: str, step: int = 1) -> list[Span]:
     """One step of the setup's batch (default: its first decode step) simulated with scheduler
     `name`, on the setup's synthetic routing and the cost model of its hardware."""
     simulation = Simulation(setup)
-    scheduler = simulation._scheduler(name, None)
+    scheduler = simulation.scheduler(name)
     return simulate(scheduler, [simulation.steps[step]], simulation.trace, simulation.cost)
 
 
@@ -167,5 +167,5 @@ def test_a_token_pool_holds_each_sequences_own_tokens() -> None:
     setup = paper_setup(preset("mixtral-8x7b", layers=2), "moe-lightning-s1", "mtbench", 8)
     setup = evolve(setup, policy=Policy(16, 2, "cpu", weights_gpu_share=0.0, kv_gpu_share=0.0))
     rectangular, pool = Simulation(setup), Simulation(evolve(setup, kv_pool=True))
-    assert pool._kv_slots() == sum(pool.prompts) + 8 * len(pool.prompts)
-    assert pool._kv_slots() < rectangular._kv_slots()
+    assert pool.batch().total_slots == sum(pool.prompts) + 8 * len(pool.prompts)
+    assert pool.batch().total_slots < rectangular.batch().total_slots

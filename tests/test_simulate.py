@@ -14,6 +14,7 @@ from flowmoe.cli import main
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import hardware
+from flowmoe.core.memory import kv_bytes
 from flowmoe.core.policy import Policy
 from flowmoe.core.presets import preset
 from flowmoe.core.routing_trace import RoutingTrace, replay
@@ -300,8 +301,9 @@ def test_a_cache_split_by_layer_is_counted_where_each_layer_lives() -> None:
         klotski = KlotskiOptions(hot_experts=2, group_size=2)
         policy = Policy(8, 2, weights_gpu_share=0.0, kv_gpu_share=share, options=(klotski,))
         simulation[share] = Simulation(evolve(base, policy=policy))
-    whole = simulation[0.0]._kv_slots() * spec.kv_bytes_per_token
-    split = simulation[0.5]._scheduler("klotski", None)
-    assert simulation[0.5]._kv_bytes(split, on_gpu=True) == whole // 2
-    assert simulation[0.5]._kv_bytes(split, on_gpu=False) == whole // 2
-    assert simulation[0.0]._kv_bytes(simulation[0.0]._scheduler("klotski", None), on_gpu=True) == 0
+    batch = simulation[0.0].batch()
+    whole = batch.total_slots * spec.kv_bytes_per_token
+    split = simulation[0.5].scheduler("klotski")
+    assert kv_bytes(split, batch, on_gpu=True) == whole // 2
+    assert kv_bytes(split, batch, on_gpu=False) == whole // 2
+    assert kv_bytes(simulation[0.0].scheduler("klotski"), batch, on_gpu=True) == 0

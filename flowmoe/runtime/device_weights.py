@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
+from typing import overload
 
 import torch
 from attrs import define, field, fields, frozen
@@ -33,11 +34,12 @@ _HELD_LOCK = threading.Lock()
 
 def _hold(owner: object, device: torch.device, nbytes: int, budget: int | None) -> Callable[[], None]:
     """Count `nbytes` of `owner`'s weights on `device` in the process's ledger, refused where the
-    weights the other open runtimes may hold there leave no room under `budget`; returns the release
-    (also run when `owner` is collected unclosed)."""
+    weights other open runtimes may hold there leave no room under `budget` (a runtime alone is held
+    to it by its memory check before the run); returns the release (also run when `owner` is
+    collected unclosed)."""
     with _HELD_LOCK:
         others = [n for where, n in _HELD.values() if where == str(device)]
-        if budget is not None and sum(others) + nbytes > budget:
+        if budget is not None and others and sum(others) + nbytes > budget:  # alone: the run's own check
             raise MemoryBudgetError(
                 f"the weights need {gib(nbytes)} of {device} next to {gib(sum(others))} that {len(others)} "
                 f"runtime(s) not closed still hold, over the {gib(budget)} budget: close() a runtime (or "
@@ -75,6 +77,12 @@ class Devices:
             raise FlowmoeError("--device cuda asked for, but torch sees no CUDA device")
         return cls(torch.device("cuda", torch.cuda.current_device()))
 
+    @overload
+    def to_gpu(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def to_gpu(self, tensor: None) -> None: ...
+    @overload
+    def to_gpu(self, tensor: torch.Tensor | None) -> torch.Tensor | None: ...
     def to_gpu(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         return None if tensor is None else tensor.to(self.gpu, non_blocking=True)
 
@@ -82,12 +90,8 @@ class Devices:
         return tensor.to(self.cpu, non_blocking=False)
 
 
-def _fields(ffn: FFNWeights) -> tuple[torch.Tensor | None, ...]:
-    return ffn.gate_up, ffn.down, ffn.gate_up_bias, ffn.down_bias
-
-
 def _ffn_to(devices: Devices, ffn: FFNWeights) -> FFNWeights:
-    return FFNWeights(*(devices.to_gpu(t) for t in _fields(ffn)))
+    return ffn.mapped(devices.to_gpu)
 
 
 def _dense_to(devices: Devices, lw: LayerWeights) -> LayerWeights:
@@ -214,22 +218,22 @@ class DeviceWeights:
         fp8 = self.expert_format == "fp8"
         ffn = lw.fp8_experts[expert] if fp8 else lw.experts[expert]
         if key not in self._partial:
-            if self.devices.cuda and isinstance(ffn, FP8Expert):  # FP8 pages land in an FP8 buffer
-                target: FFNWeights | FP8Expert = ffn.empty_like(self.devices.gpu)
-            elif self.devices.cuda:
-                blank = [
-                    None if t is None else torch.empty_like(t, device=self.devices.gpu) for t in _fields(ffn)
-                ]
-                target = FFNWeights(*blank)
-            else:
+            target: FFNWeights | FP8Expert
+            if not self.devices.cuda:
                 target = ffn  # the "GPU" is the CPU: the resident copy is the tensor itself
+            elif isinstance(ffn, FP8Expert):  # FP8 pages land in an FP8 buffer
+                target = ffn.empty_like(self.devices.gpu)
+            else:
+                gpu = self.devices.gpu
+                target = ffn.mapped(lambda t: torch.empty_like(t, device=gpu))
             self._partial[key] = (target, set())
         target, done = self._partial[key]
         if self.devices.cuda:
             _copy_page(ffn.tensors(), target.tensors(), part, parts)
         done.add(part)
         if len(done) == parts:
-            self._experts[key] = target.to_ffn(lw.experts[expert].gate_up.dtype) if fp8 else target
+            dtype = lw.experts[expert].gate_up.dtype
+            self._experts[key] = target.to_ffn(dtype) if isinstance(target, FP8Expert) else target
             del self._partial[key]
 
     def _size(self, layer: int, expert: int) -> int:
@@ -257,14 +261,15 @@ class DeviceWeights:
         reused once that lane's stream has finished with them (record_stream)."""
         with self._lock:
             if expert < 0:
-                dropped = self._dense.pop(layer, None)
-                tensors = [] if dropped is None else _layer_tensors(dropped)
+                dense = self._dense.pop(layer, None)
+                tensors = [] if dense is None else _layer_tensors(dense)
+                dropped = dense is not None
             else:
                 ffn = self._experts.pop((layer, expert), None)
                 partial = self._partial.pop((layer, expert), None)
-                dropped = ffn or partial
+                dropped = ffn is not None or partial is not None
                 tensors = [*(ffn.tensors() if ffn else []), *(partial[0].tensors() if partial else [])]
-            if dropped is not None:
+            if dropped:
                 self._bytes -= self._size(layer, expert)
         if self.devices.cuda:
             stream = torch.cuda.current_stream(self.devices.gpu)
