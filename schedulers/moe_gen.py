@@ -104,6 +104,7 @@ from flowmoe.core.scheduling import (
     MicroBatchShape,
     NodeFactory,
     PlanStream,
+    PolicyRequest,
     Residency,
     Scheduler,
     SchedulerContext,
@@ -111,7 +112,6 @@ from flowmoe.core.scheduling import (
     SubPlan,
 )
 from flowmoe.core.spec import ModelSpec
-from flowmoe.core.workloads import Workload
 from flowmoe.schedulers.layer_nodes import (
     check_placement,
     kept_per_layer,
@@ -163,20 +163,13 @@ class MoEGenScheduler(Scheduler):
     )
 
     @classmethod
-    def own_policies(
-        cls,
-        spec: ModelSpec,
-        hw: HardwareSpec,
-        workload: Workload,
-        attention: Sequence[Place],
-        max_batch: int | None,
-        gpu_memory: int | None,
-    ) -> list[Policy]:
+    def own_policies(cls, request: PolicyRequest) -> list[Policy]:
         """MoE-Gen's batch sizes per placement (`moe_gen_policy`: the batch host memory holds the KV
         cache of, the attention micro-batch the GPU holds), for prompts padded to the longest, as
         MoE-Gen runs them (§5.1): the engine sizes each cache so."""
-        prompt, gen = workload.prompt.maximum, workload.gen_len
-        return [moe_gen_policy(spec, hw, prompt, gen, where, max_batch, gpu_memory) for where in attention]
+        r, work = request, request.workload
+        return [moe_gen_policy(r.spec, r.hardware, work.prompt.maximum, work.gen_len, where, r.max_batch,
+                               r.gpu_memory) for where in r.attention]  # fmt: skip
 
     def __init__(self, context: SchedulerContext) -> None:
         super().__init__(context)

@@ -131,6 +131,20 @@ class BatchShape:
         return prefill, StepShape(self.gen - 1, False, last)
 
 
+@frozen
+class PolicyRequest:
+    """What a scheduler's own planner is asked (`Scheduler.own_policies`): policies for this model,
+    machine and workload, one per attention placement in `attention`, N at most `max_batch` where
+    given, within `gpu_memory` (None: the device's)."""
+
+    spec: ModelSpec
+    hardware: HardwareSpec
+    workload: Workload
+    attention: tuple[Place, ...]
+    max_batch: int | None = None
+    gpu_memory: int | None = None
+
+
 class Scheduler(ABC):
     """The base of every scheduler plugin. A subclass names itself (`name`, a one-line `summary`),
     must say what the GPU holds from the start (`residency`) and plan each step (`plan`); every
@@ -143,18 +157,9 @@ class Scheduler(ABC):
     Options: ClassVar[type] = NoOptions  # its knobs (core.options): flags, search, policy.options_for
 
     @classmethod
-    def own_policies(
-        cls,
-        spec: ModelSpec,
-        hw: HardwareSpec,
-        workload: Workload,
-        attention: Sequence[Place],
-        max_batch: int | None,
-        gpu_memory: int | None,
-    ) -> Sequence[Policy]:
+    def own_policies(cls, request: PolicyRequest) -> Sequence[Policy]:
         """The policies its own planner chooses for a setup, which the best-policy search tries
-        besides its grid: one per attention placement in `attention`, N at most `max_batch` where
-        given, within `gpu_memory` (None: the device's). None by default (MoE-Gen has one)."""
+        besides its grid. None by default (MoE-Gen has one)."""
         return ()
 
     def __init__(self, context: SchedulerContext) -> None:

@@ -30,6 +30,7 @@ from flowmoe.core.options import knob, knobs
 from flowmoe.core.policy import ExpertFormat, Place, Policy
 from flowmoe.core.policy_search import search
 from flowmoe.core.ranges import ByteSize
+from flowmoe.core.scheduling import PolicyRequest
 from flowmoe.schedulers.registry import load
 from flowmoe.study.sim_report import SimulationResult
 from flowmoe.study.simulate import Setup, Simulation
@@ -163,8 +164,8 @@ def _own(setup: Setup, name: str, given: Given) -> Iterator[Policy]:
         return
     attention: tuple[Place, ...] = (given.attention_on,) if given.attention_on else ("gpu", "cpu")
     cap, budget = given.batch_size or given.max_batch, setup.policy.gpu_memory
-    own = load(name).own_policies(setup.spec, setup.hardware, setup.workload, attention, cap, budget)
-    yield from (given.apply(policy) for policy in own)
+    request = PolicyRequest(setup.spec, setup.hardware, setup.workload, attention, cap, budget)
+    yield from (given.apply(policy) for policy in load(name).own_policies(request))
 
 
 def _candidates(setup: Setup, given: Given) -> Iterator[Policy]:
