@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from flowmoe.core.errors import ConfigError, FlowmoeError, PlanError
+from flowmoe.core.options import knobs
 from flowmoe.core.plan import ExpertCounts, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import PlanStream, Residency, Scheduler, SchedulerContext, StepShape
 from flowmoe.core.spec import ModelSpec
@@ -83,7 +84,13 @@ def _class_problem(cls: object) -> str | None:
         if not isinstance(inspect.getattr_static(cls, attribute, None), str):
             return f"has no `{attribute}` (a one-line str class attribute)"
     missing = sorted(cls.__abstractmethods__)
-    return f"lacks {', '.join(missing)}" if missing else None
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    try:
+        knobs(cls.Options)  # its options are flags of every command: a bad field fails only this plugin
+    except ConfigError as exc:
+        return f"has unusable Options: {exc}"
+    return None
 
 
 def available() -> dict[str, type[Scheduler]]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from attrs import frozen
 
 from flowmoe import __version__
 from flowmoe.cli import main
@@ -293,12 +294,22 @@ class NegativeBuffer(EagerScheduler):
         return -1
 
 
+@frozen
+class PlainOptions:
+    width: int = 1  # not made with flowmoe.core.options.option: no flag, range or help
+
+
+class BadOptions(EagerScheduler):
+    name = "bad-options"
+    Options = PlainOptions
+
+
 PLUGINS = {
     "missing-package": "no_such_flowmoe_plugin:Scheduler",
     "not-a-class": f"{__name__}:PLUGINS",
     **{cls.name: f"{__name__}:{cls.__name__}" for cls in
        (NoSummary, RaisesInInit, PlanReturnsNone, EmptyPlan, YieldsJunk, FailsMidPlan, BadResidency,
-        NegativeBuffer)},
+        NegativeBuffer, BadOptions)},
 }  # fmt: skip
 
 
@@ -335,6 +346,8 @@ def test_broken_plugins_are_listed_and_break_nothing_else(
         ("raises-in-init", "scheduler 'raises-in-init' failed to start: RuntimeError: cannot start"),
         ("bad-residency", "scheduler 'bad-residency': its residency names expert (0, 999)"),
         ("negative-buffer", "scheduler 'negative-buffer': weight_buffer_bytes() is -1, not a byte count"),
+        ("bad-options", "scheduler plugin 'bad-options' (tests.bad_inputs.test_cli:BadOptions) has unusable "
+                        "Options: options class PlainOptions: field width has no Knob"),
         ("plan-none", "scheduler 'plan-none': plan() returned NoneType, not a generator of TaskNodes"),
         ("empty-plan", "scheduler 'empty-plan' planned no node for step 0"),
         ("yields-junk", "scheduler 'yields-junk' yielded a str, neither a TaskNode nor a RoutingRequest"),
