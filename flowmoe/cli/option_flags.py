@@ -49,10 +49,7 @@ def option_flags() -> list[OptionFlag]:
             seen = found.get(attribute.name)
             if seen is None:
                 found[attribute.name] = OptionFlag(attribute, owner, (name,))
-            elif seen.owner is owner or (knob(seen.attribute), seen.attribute.default) == (
-                knob(attribute),
-                attribute.default,
-            ):
+            elif seen.owner is owner or _same(seen.attribute, attribute):
                 found[attribute.name] = evolve(seen, takers=(*seen.takers, name))
             else:
                 raise ConfigError(
@@ -63,7 +60,13 @@ def option_flags() -> list[OptionFlag]:
     return list(found.values())
 
 
+def _same(a: attrs.Attribute, b: attrs.Attribute) -> bool:
+    """Two fields one flag can stand for: the same Knob and default."""
+    return (knob(a), a.default) == (knob(b), b.default)
+
+
 def add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """The option flags, a group per options class that declares fields."""
     groups: dict[type, Any] = {}
     for option in option_flags():
         if option.owner not in groups:
