@@ -151,8 +151,8 @@ class _Plan:
     """One step of CGOPipe: the state that threads through its slots."""
 
     def __init__(self, scheduler: CGOPipeScheduler, step: StepShape) -> None:
-        self.s, self.step = scheduler, step
-        self.f, self.spec = scheduler.context.factory, scheduler.context.spec
+        self.scheduler, self.step = scheduler, step
+        self.factory, self.spec = scheduler.context.factory, scheduler.context.spec
         self.last: dict[int, int] = {}  # micro-batch -> its last node so far
         self.attended: dict[tuple[int, int], int] = {}  # (layer, mb) -> CPU_ATTN
         self.arrived: dict[tuple[int, int], int] = {}  # (layer, expert) -> its last page
@@ -161,14 +161,14 @@ class _Plan:
         self.sent: dict[int, int] = {}  # chunk (pinned slot) -> its last PAGE_COPY so far
 
     def run(self) -> PlanStream:
-        nodes, self.last = embeddings(self.f, self.step)
+        nodes, self.last = embeddings(self.factory, self.step)
         yield from nodes
         if self._paged_at(0):
             yield from self._stage(0, 0, 1)
             yield from self._pages(0, 0, 1)
-        gpu_pass = self.step.prefill or self.s.gpu_attention
+        gpu_pass = self.step.prefill or self.scheduler.gpu_attention
         yield from (self._gpu_attention_pass() if gpu_pass else self._decode())
-        yield from lm_heads(self.f, self.step, self.last)
+        yield from lm_heads(self.factory, self.step, self.last)
 
     def _decode(self) -> PlanStream:
         """Algorithm 1: the prologue, then LOADH, W_PINTOG, POSTATTN, PREATTN..CPUATTN(j + 2) per slot."""
@@ -178,13 +178,13 @@ class _Plan:
         for slot in slots[:ahead]:
             yield from self._cpu_attention(slot)
         for k, (layer, mb) in enumerate(slots):
-            load = self.f.node(
+            load = self.factory.node(
                 Op.HIDDEN_LOAD, Lane.GPU_H2D, layer, mb, deps=[self.attended[(layer, mb.index)]]
             )
             yield load
             if self._paged_at(layer + 1):
                 yield from self._pages(layer + 1, mb.index, len(mbs))
-            post = self.f.node(Op.POST_ATTN, Lane.GPU_COMPUTE, layer, mb, deps=[load.id])
+            post = self.factory.node(Op.POST_ATTN, Lane.GPU_COMPUTE, layer, mb, deps=[load.id])
             yield post
             yield from self._ffn(layer, mb, post.id)
             if mb is mbs[-1] and self._paged_at(layer):
@@ -196,21 +196,21 @@ class _Plan:
         """Attention on the GPU, layer by layer (zig-zag): each micro-batch's cache layer in (but the
         GPU's share), attention, this step's k, v back; a chunk of the next layer's weights after
         each cache load, so on h2d the next micro-batch's cache goes ahead of the weights."""
-        mbs, kv_gpu = self.step.micro_batches, self.s.kv_on_gpu()
+        mbs, kv_gpu = self.step.micro_batches, self.scheduler.kv_on_gpu()
         for layer in range(self.spec.layers):
             for mb in mbs:
-                kept = self.s.kv_gpu_sequences(mb.sequences)  # of mb's cache sequences, on the GPU
-                kv = None if kv_gpu else kv_transfer(self.f, Op.KV_LOAD, layer, mb, (), kept)
+                kept = self.scheduler.kv_gpu_sequences(mb.sequences)  # of mb's cache sequences, on the GPU
+                kv = None if kv_gpu else kv_transfer(self.factory, Op.KV_LOAD, layer, mb, (), kept)
                 if kv is not None:
                     yield kv
                 if self._paged_at(layer + 1):
                     yield from self._stage(layer + 1, mb.index, len(mbs))
                     yield from self._pages(layer + 1, mb.index, len(mbs))
                 if kv is None:
-                    attention = gpu_attention(self.f, layer, mb, self.last[mb.index])
+                    attention = gpu_attention(self.factory, layer, mb, self.last[mb.index])
                 else:
-                    nodes = offloaded_kv_attention(self.f, layer, mb, self.last[mb.index], kv.id)
-                    store = kv_transfer(self.f, Op.KV_STORE, layer, mb, nodes.store.deps, kept)
+                    nodes = offloaded_kv_attention(self.factory, layer, mb, self.last[mb.index], kv.id)
+                    store = kv_transfer(self.factory, Op.KV_STORE, layer, mb, nodes.store.deps, kept)
                     attention = list(evolve(nodes, store=store))
                 yield from attention
                 yield from self._ffn(layer, mb, attention[-1].id)
@@ -218,14 +218,14 @@ class _Plan:
                 yield from self._evict(layer)
 
     def _paged_at(self, layer: int) -> bool:
-        return layer in self.s.paged and bool(self.s.paged[layer])
+        return layer in self.scheduler.paged and bool(self.scheduler.paged[layer])
 
     def _cpu_attention(self, slot: Slot) -> Iterator[TaskNode]:
         """PREATTN (gpu) -> OFFLOADQKV (d2h) -> CPUATTN, then W_CTOPIN of the slot's weight chunk."""
         layer, mb = slot
-        pre = self.f.node(Op.PRE_ATTN, Lane.GPU_COMPUTE, layer, mb, deps=[self.last[mb.index]])
-        qkv = self.f.node(Op.QKV_OFFLOAD, Lane.GPU_D2H, layer, mb, deps=[pre.id])
-        attn = self.f.node(Op.CPU_ATTN, Lane.CPU_COMPUTE, layer, mb, deps=[qkv.id])
+        pre = self.factory.node(Op.PRE_ATTN, Lane.GPU_COMPUTE, layer, mb, deps=[self.last[mb.index]])
+        qkv = self.factory.node(Op.QKV_OFFLOAD, Lane.GPU_D2H, layer, mb, deps=[pre.id])
+        attn = self.factory.node(Op.CPU_ATTN, Lane.CPU_COMPUTE, layer, mb, deps=[qkv.id])
         self.attended[(layer, mb.index)] = attn.id
         yield from (pre, qkv, attn)
         yield from self._stage(layer + 1, mb.index, len(self.step.micro_batches))  # W_CTOPIN(i + 1, j)
@@ -233,7 +233,7 @@ class _Plan:
     def _chunk(self, layer: int, chunk: int, chunks: int) -> list[Page]:
         """The pages of chunk `chunk` of `chunks` of `layer`'s offloaded experts, `page_bytes` each:
         whole experts per page where a page holds one or more, else each expert in `parts` pages."""
-        paged, parts, per_page = self.s.paged[layer], self.s.parts, self.s.per_page
+        paged, parts, per_page = self.scheduler.paged[layer], self.scheduler.parts, self.scheduler.per_page
         if per_page > 1:
             mine = paged[len(paged) * chunk // chunks : len(paged) * (chunk + 1) // chunks]
             return [(tuple(mine[i : i + per_page]), -1) for i in range(0, len(mine), per_page)]
@@ -243,12 +243,12 @@ class _Plan:
     def _stage(self, layer: int, chunk: int, chunks: int) -> Iterator[TaskNode]:
         """W_CTOPIN: where the weights are not pinned, the chunk's pages copied into pinned buffers on
         the CPU first."""
-        if self.s.context.weights_pinned or not self._paged_at(layer):
+        if self.scheduler.context.weights_pinned or not self._paged_at(layer):
             return
         slot = self.sent.get(chunk)  # the slot's previous pages must have left for the GPU
         for group, part in self._chunk(layer, chunk, chunks):
-            parts = self.s.parts if part >= 0 else 1
-            node = self.f.node(
+            parts = self.scheduler.parts if part >= 0 else 1
+            node = self.factory.node(
                 Op.W_STAGE, Lane.CPU_STAGE, layer, expert=group[0], deps=[slot], more=group[1:], part=part,
                 parts=parts,
             )  # fmt: skip
@@ -258,13 +258,13 @@ class _Plan:
     def _pages(self, layer: int, chunk: int, chunks: int) -> Iterator[TaskNode]:
         """W_PINTOG: the chunk's pages to the GPU, each after its staging copy (if any) and, for an
         expert's first page, the eviction whose buffer it reuses."""
-        position = self.s.moe.index(layer)
-        freed = self.evicted.get(self.s.moe[position - 2], []) if position >= 2 else []
-        room = dict(zip(self.s.paged[layer], freed, strict=False))
+        position = self.scheduler.moe.index(layer)
+        freed = self.evicted.get(self.scheduler.moe[position - 2], []) if position >= 2 else []
+        room = dict(zip(self.scheduler.paged[layer], freed, strict=False))
         for group, part in self._chunk(layer, chunk, chunks):
-            parts = self.s.parts if part >= 0 else 1
+            parts = self.scheduler.parts if part >= 0 else 1
             deps = [self.staged.pop((layer, group, part), None), *(room.get(e) for e in group if part <= 0)]
-            node = self.f.node(
+            node = self.factory.node(
                 Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=group[0], deps=deps, more=group[1:],
                 part=part, parts=parts,
             )  # fmt: skip
@@ -275,7 +275,7 @@ class _Plan:
 
     def _ffn(self, layer: int, mb: MicroBatchShape, post: int) -> PlanStream:
         """After POST_ATTN: the gate, every routed expert on the GPU, the tail."""
-        f, gpu = self.f, Lane.GPU_COMPUTE
+        f, gpu = self.factory, Lane.GPU_COMPUTE
         outputs: list[int] = []
         if self.spec.is_moe_layer(layer):
             gate = f.node(Op.GATE, gpu, layer, mb, deps=[post])
@@ -293,8 +293,8 @@ class _Plan:
     def _evict(self, layer: int) -> Iterator[TaskNode]:
         """After the layer's last FFN on the GPU lane (and its pages, for experts nobody used)."""
         evicts = [
-            self.f.node(Op.EVICT, Lane.GPU_COMPUTE, layer, expert=e, deps=[self.arrived[(layer, e)]])
-            for e in self.s.paged[layer]
+            self.factory.node(Op.EVICT, Lane.GPU_COMPUTE, layer, expert=e, deps=[self.arrived[(layer, e)]])
+            for e in self.scheduler.paged[layer]
         ]
         self.evicted[layer] = [n.id for n in evicts]
         yield from evicts

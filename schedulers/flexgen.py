@@ -156,9 +156,9 @@ class FlexGenScheduler(Scheduler):
 class _Block:
     """One step: the iterations (layer, micro-batch) of Algorithm 1, each ended by synchronize()."""
 
-    def __init__(self, s: FlexGenScheduler, step: StepShape) -> None:
-        self.s, self.step = s, step
-        self.f, self.spec = s.context.factory, s.context.spec
+    def __init__(self, scheduler: FlexGenScheduler, step: StepShape) -> None:
+        self.scheduler, self.step = scheduler, step
+        self.factory, self.spec = scheduler.context.factory, scheduler.context.spec
         self.order = [(layer, mb) for layer in range(self.spec.layers) for mb in step.micro_batches]
         self.last: dict[int, int] = {}  # micro-batch -> its last node so far
         self.kv: dict[tuple[int, int], int] = {}  # (layer, mb) -> KV_LOAD
@@ -171,7 +171,7 @@ class _Block:
         self.barrier: list[int] = []  # the iteration before's last node on each lane (synchronize())
 
     def run(self) -> PlanStream:
-        f, mbs, layers = self.f, self.step.micro_batches, self.spec.layers
+        f, mbs, layers = self.factory, self.step.micro_batches, self.spec.layers
         nodes, self.last = embeddings(f, self.step)
         yield from map(self._emit, nodes)
         if self._loads_cache():
@@ -209,9 +209,9 @@ class _Block:
 
     def _copy(self, layer: int) -> SubPlan[dict[int, int]]:
         """load_weight(layer): every offloaded expert, after the barrier. -> expert -> PAGE_COPY id."""
-        copies, unpinned = {}, not self.s.context.weights_pinned
-        for e in self.s.offloaded(layer):
-            copy = self.f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=e, deps=self.barrier,
+        copies, unpinned = {}, not self.scheduler.context.weights_pinned
+        for e in self.scheduler.offloaded(layer):
+            copy = self.factory.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=e, deps=self.barrier,
                                pageable=unpinned)  # fmt: skip
             node = self._emit(copy)
             copies[e] = node.id
@@ -220,14 +220,14 @@ class _Block:
 
     def _loads_cache(self) -> bool:
         """GPU attention over a cache whose home (or part of it) is the CPU."""
-        return not self.s.cpu_attention and not self.s.kv_on_gpu()
+        return not self.scheduler.cpu_attention and not self.scheduler.kv_on_gpu()
 
     def _kept(self, mb: MicroBatchShape) -> int:
         """The sequences of mb's cache layers the GPU keeps (`kv_gpu_sequences`)."""
-        return self.s.kv_gpu_sequences(mb.sequences)
+        return self.scheduler.kv_gpu_sequences(mb.sequences)
 
     def _kv_load(self, layer: int, mb: MicroBatchShape) -> TaskNode:
-        node = kv_transfer(self.f, Op.KV_LOAD, layer, mb, self.barrier, self._kept(mb), pageable=True)
+        node = kv_transfer(self.factory, Op.KV_LOAD, layer, mb, self.barrier, self._kept(mb), pageable=True)
         self.kv[(layer, mb.index)] = node.id
         return node
 
@@ -238,7 +238,7 @@ class _Block:
 
     def _act_load(self, layer: int, mb: MicroBatchShape) -> TaskNode:
         deps = [self.stored[(layer - 1, mb.index)], *self.barrier]
-        node = self._emit(self.f.node(Op.ACT_LOAD, Lane.GPU_H2D, layer, mb, deps=deps))
+        node = self._emit(self.factory.node(Op.ACT_LOAD, Lane.GPU_H2D, layer, mb, deps=deps))
         self.loaded[(layer, mb.index)] = node.id
         return node
 
@@ -247,22 +247,24 @@ class _Block:
         key = (layer, mb.index)
         if key in self.attn:
             deps = [self.attn.pop(key), *self.barrier]
-            yield self._emit(kv_transfer(self.f, Op.KV_STORE, layer, mb, deps, self._kept(mb), pageable=True))
+            yield self._emit(
+                kv_transfer(self.factory, Op.KV_STORE, layer, mb, deps, self._kept(mb), pageable=True)
+            )
         if layer + 1 < self.spec.layers:  # the last layer's output stays for the LM head
             deps = [self.last[mb.index], *self.barrier]
-            node = self._emit(self.f.node(Op.ACT_STORE, Lane.GPU_D2H, layer, mb, deps=deps))
+            node = self._emit(self.factory.node(Op.ACT_STORE, Lane.GPU_D2H, layer, mb, deps=deps))
             self.stored[key] = node.id
             yield node
 
     def _compute(self, layer: int, mb: MicroBatchShape) -> PlanStream:
         """compute(j, k): attention (on the GPU, or FlexGen(c)'s on the CPU), the gate, the routed
         experts and the tail."""
-        f, spec, gpu = self.f, self.spec, Lane.GPU_COMPUTE
+        f, spec, gpu = self.factory, self.spec, Lane.GPU_COMPUTE
         key = (layer, mb.index)
         deps = [self.last[mb.index], self.loaded.get(key), *self.barrier]
         pre = self._emit(f.node(Op.PRE_ATTN, gpu, layer, mb, deps=deps))
         yield pre
-        if self.s.cpu_attention:
+        if self.scheduler.cpu_attention:
             qkv = self._emit(f.node(Op.QKV_OFFLOAD, Lane.GPU_D2H, layer, mb, deps=[pre.id]))
             attn = self._emit(self._cpu_attention(layer, mb, qkv.id))
             back = self._emit(f.node(Op.HIDDEN_LOAD, Lane.GPU_H2D, layer, mb, deps=[attn.id]))
@@ -292,7 +294,7 @@ class _Block:
         new tensors (a copy, read and write at 2 bytes an element), cast with `.float()` (read 2,
         write 4) and then read by `torch.bmm` in float32 (4): 14 bytes moved per cached element
         where a fused kernel reads 2, so the node moves the cache's bytes 7 times."""
-        node = self.f.node(Op.CPU_ATTN, Lane.CPU_COMPUTE, layer, mb, deps=[qkv])
+        node = self.factory.node(Op.CPU_ATTN, Lane.CPU_COMPUTE, layer, mb, deps=[qkv])
         cache = mb.kv_tokens * 2 * self.spec.attention.kv_width * self.spec.dtype_bytes
         return evolve(node, bytes=node.bytes + (FLEXGEN_CPU_PASSES - 1) * cache)
 
