@@ -2,82 +2,132 @@
 Hugging Face Accelerate's device_map offload, in one call.
 
 On an NVIDIA GPU (H100/H200 class), with a Mixtral-8x7B-shaped model at its real layer shapes
-(random bf16 weights, --layers of its 32), for each budget:
+(random bf16 weights tiled from one random block at copy speed, --layers of its 32), for each budget:
   * the pinned and pageable H2D / D2H peak, measured in this run;
-  * each scheduler's tokens/s, its decode H2D link busy share and achieved bandwidth against the
-    pinned peak, and its overlap efficiency (makespan / busiest lane) from its own trace;
-  * Accelerate offload (transformers + accelerate, device_map with the same budget) tokens/s;
-  * tokens: every scheduler on CUDA against the CPU path on a small fp32 model;
+  * each of the 12 schedulers' tokens/s (on-demand, flowmoe's own baseline, among them), its decode
+    H2D link busy share and achieved bandwidth against the pinned peak, and its overlap efficiency
+    (makespan / busiest lane) from its own trace;
+  * the simulator's prediction for the same model, policy, batch and --hardware, and measured /
+    predicted;
+  * Accelerate offload (transformers + accelerate, an auto device map under the same budget) tokens/s;
+  * tokens: every scheduler on the device against the CPU eager path on a small fp32 model;
   * memory: flowmoe's own accounting of the GPU memory a run keeps alive against
     torch.cuda.max_memory_allocated (the caching allocator is capped at the budget as well).
+Each scheduler runs isolated: its runtime in a `with` block (everything it holds released when it
+ends), any exception a row with its error while the others go on, each row appended to --out (JSON
+Lines, synced) as soon as it finishes; the table is printed at the end.
 Schedulers plan with the cost model of the machine the run is on (--hardware, an H100 by
 default), not the T4 roofline their defaults assume.
 The budget is the whole GPU's (16 GiB for a T4, 24 GiB for an L4) and --layers is chosen so the
 model does not fit it (12 layers: 34 GiB of experts); each row says which share of the experts the
 scheduler kept resident. Split a long run over calls with --budgets / --schedulers.
 
-    python bench/gpu.py                       # on the GPU machine: writes bench/gpu.json + RESULTS rows
-    python bench/gpu.py --device cpu --tiny   # a dry run of every code path on the CPU
+    python bench/gpu.py                       # on the GPU machine: writes bench/gpu.jsonl + RESULTS rows
+    python bench/gpu.py --device cpu --tiny   # a dry run of every code path on the CPU (toy widths,
+                                              # budgets where every scheduler fits and pages)
+    python bench/gpu.py --device cpu --tiny --fail-scheduler klotski   # isolation: one row fails
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import gc
+import sys
 import time
+import traceback
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
-from gpu_support import accelerate_baseline, link_peaks, write_results
+from gpu_support import (
+    RowLog,
+    accelerate_baseline,
+    bench_spec,
+    fast_model,
+    link_peaks,
+    predict,
+    write_results,
+)
 from rich.console import Console
 from rich.table import Table
 
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.hardware import hardware
-from flowmoe.core.memory import gpu_memory
+from flowmoe.core.memory import MemoryNeed, gpu_memory
 from flowmoe.core.plan import Lane, Op
 from flowmoe.core.policy import Policy, parse_bytes
 from flowmoe.core.scheduling import BatchShape, NodeFactory, SchedulerContext
 from flowmoe.jobs.batching import BatchLimits
-from flowmoe.jobs.engine import Engine, Request, eager_step
+from flowmoe.jobs.engine import Engine, Request, StepInput, StepStats, eager_step
 from flowmoe.jobs.job import first_batch
-from flowmoe.model.loading import load_model
+from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.lru_cache import LRUCacheOptions
 from flowmoe.schedulers.registry import create, load
 from flowmoe.traces.chrome import chrome_trace, write_chrome
 from flowmoe.traces.summary import records_by_group, summarize_records
 
+# every registered scheduler but eager (everything resident: it cannot run under these budgets);
+# on-demand is flowmoe's own baseline
 SCHEDULERS = (
     "cgopipe",
     "klotski",
     "flexgen",
-    "on-demand",
-    "prefetch-all",
+    "moe-gen",
     "fiddler",
+    "hybrimoe",
+    "ktransformers",
+    "fate",
     "lru-cache",
     "pre-gated",
+    "prefetch-all",
+    "on-demand",
 )
 BUDGETS = {"t4": "16GiB", "l4": "24GiB"}
 SHARES = (1.0, 0.75, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05, 0.0)
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 200)
+Phases = list[tuple[bool, int, int]]  # (prefill, first span, end span) per step
 
 
-def fit_policy(model, scheduler: str, budget: int, base: Policy, batch: BatchShape, cost=None):
+class InjectedFailure(RuntimeError):
+    """--fail-scheduler: raised in the middle of that scheduler's run (its first decode step)."""
+
+
+def fit_policy(
+    model: MoEModel, scheduler: str, budget: int, base: Policy, batch: BatchShape, cost: Any = None
+) -> tuple[Policy | None, MemoryNeed]:
     """The policy with the largest resident expert share (or cache) this scheduler fits in `budget`
     with `batch` (flowmoe's memory figure, the runtime's check)."""
-    spec, need = model.spec, None
-    ways = base.options_for(LRUCacheOptions).cache_ways  # whole sets of the expert cache's ways
+    need = None
     for share in SHARES:
-        slots = max(ways, int(share * spec.moe.experts * spec.layers) // ways * ways)
-        policy = cache_slots(attrs.evolve(base, weights_gpu_share=share, gpu_memory=budget), scheduler, slots)
-        plugin = create(scheduler, SchedulerContext(spec, policy, NodeFactory(spec), cost))
-        need = gpu_memory(plugin, batch)
+        policy, need = policy_at(model, scheduler, share, base, batch, cost, budget)
         if need.total <= budget:
             return policy, need
+    assert need is not None
     return None, need
+
+
+def policy_at(
+    model: MoEModel,
+    scheduler: str,
+    share: float,
+    base: Policy,
+    batch: BatchShape,
+    cost: Any,
+    budget: int | None,
+) -> tuple[Policy, MemoryNeed]:
+    """`base` keeping `share` of the experts resident (an expert cache of as many slots, in whole
+    sets of its ways, where the scheduler has one) and the GPU memory it needs with `batch`."""
+    spec = model.spec
+    ways = base.options_for(LRUCacheOptions).cache_ways
+    slots = max(ways, int(share * spec.moe.experts * spec.layers) // ways * ways)
+    policy = cache_slots(attrs.evolve(base, weights_gpu_share=share, gpu_memory=budget), scheduler, slots)
+    plugin = create(scheduler, SchedulerContext(spec, policy, NodeFactory(spec), cost))
+    return policy, gpu_memory(plugin, batch)
 
 
 def cache_slots(policy: Policy, scheduler: str, slots: int) -> Policy:
@@ -88,39 +138,42 @@ def cache_slots(policy: Policy, scheduler: str, slots: int) -> Policy:
     return policy.with_options(attrs.evolve(policy.options_for(own), expert_cache_slots=slots))
 
 
-def requests_for(args, vocab: int) -> list[Request]:
+def requests_for(prompts: int, prompt_len: int, vocab: int) -> list[Request]:
     generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(
-        args.prompt_len // 2, args.prompt_len * 3 // 2, (args.prompts,), generator=generator
-    )
+    lengths = torch.randint(prompt_len // 2, prompt_len * 3 // 2, (prompts,), generator=generator)
     return [Request(str(i), tuple(torch.randint(3, vocab, (int(n),), generator=generator).tolist()), i)
             for i, n in enumerate(lengths)]  # fmt: skip
 
 
-async def generate(model, runner, requests, limits, cache_device):
+async def generate(
+    model: MoEModel, runner: Any, requests: list[Request], limits: BatchLimits, cache_device: Any
+) -> tuple[list[Any], StepStats]:
     engine = Engine(model, runner, max_new_tokens=limits.max_new_tokens, cache_device=cache_device)
     results = [r async for r in engine.generate(requests, limits)]
     return sorted(results, key=lambda r: r.id), engine.stats
 
 
-def run_one(model, name, policy, requests, limits, device, cost=None):
-    runtime = Runtime.create(model, name, policy, device, cost)
-    phases: list[tuple[bool, int, int]] = []  # (prefill, first span, end span) per step
+def run_in(
+    runtime: Runtime, model: MoEModel, requests: list[Request], limits: BatchLimits, fail: bool = False
+) -> tuple[list[Any], StepStats, Phases]:
+    """Generate with `runtime` (the caller's `with` block closes it), recording each step's spans;
+    `fail`: raise InjectedFailure at the first decode step, after the prefill ran."""
+    phases: Phases = []
 
-    async def recording(m, inputs):
+    async def recording(m: MoEModel, inputs: list[StepInput]) -> list[torch.Tensor]:
+        prefill = any(p == 0 for i in inputs for p in i.layout.past)
+        if fail and not prefill:
+            raise InjectedFailure(f"injected failure (--fail-scheduler) at step {runtime.steps}, mid-run")
         first = len(runtime.trace.spans)
         out = await runtime(m, inputs)
-        phases.append((any(p == 0 for i in inputs for p in i.layout.past), first, len(runtime.trace.spans)))
+        phases.append((prefill, first, len(runtime.trace.spans)))
         return out
 
-    try:
-        results, stats = asyncio.run(generate(model, recording, requests, limits, runtime.cache_device))
-    finally:
-        runtime.close()
-    return results, stats, runtime, phases
+    results, stats = asyncio.run(generate(model, recording, requests, limits, runtime.cache_device))
+    return results, stats, phases
 
 
-def decode_metrics(runtime: Runtime, phases, pinned_peak: float) -> dict:
+def decode_metrics(runtime: Runtime, phases: Phases, pinned_peak: float) -> dict[str, Any]:
     spans = [s for prefill, a, b in phases if not prefill for s in runtime.trace.spans[a:b]]
     if not spans:
         return {}
@@ -130,32 +183,77 @@ def decode_metrics(runtime: Runtime, phases, pinned_peak: float) -> dict:
     h2d = lanes.get("gpu.h2d")
     copied = sum(s.node.bytes for s in spans if s.node.lane is Lane.GPU_H2D and s.node.op is not Op.EVICT)
     achieved = copied / (h2d.busy_us / 1e6) if h2d and h2d.busy_us else 0.0
+    decode_steps = sum(1 for prefill, _, _ in phases if not prefill)
     return {
         "h2d_busy": h2d.utilisation if h2d else 0.0,
         "h2d_gbps": achieved / 1e9,
         "h2d_of_peak": achieved / pinned_peak if pinned_peak else 0.0,
         "overlap": summary.makespan_us / summary.busiest.busy_us if summary.busiest.busy_us else 0.0,
         "busiest": summary.busiest.lane,
+        "nodes_per_decode_step": len(spans) / decode_steps,
     }
 
 
-def check_tokens(args, device: str) -> dict[str, bool]:
-    """Every scheduler on `device` against the CPU eager path on a small fp32 model."""
+def release(device: str) -> None:
+    """What a finished (or failed) row left behind goes back before the next one starts."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def isolated(device: str, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`work()`'s row, or a row with its error: one failure never stops the others."""
+    started = time.perf_counter()
+    try:
+        row = work()
+    except Exception as exc:  # any failure of one scheduler is its row, the bench goes on
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        row = {"status": "error", "error": f"{type(exc).__name__}: {exc}",
+               "at": f"{Path(where.filename).name}:{where.lineno}"}  # fmt: skip
+        del exc
+    release(device)
+    return {**row, "wall_s": time.perf_counter() - started}
+
+
+def check_tokens(args: argparse.Namespace, log: RowLog) -> dict[str, Any]:
+    """Every scheduler on the device against the CPU eager path on a small fp32 model (its real
+    widths, or the toy ones with --tiny): True, False or the error."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    model = load_model(args.model, dtype="float32", layers=2)
-    requests = requests_for(argparse.Namespace(prompts=4, prompt_len=16), model.spec.vocab)
-    limits = BatchLimits(micro_batches=2, micro_batch_size=2, max_new_tokens=8)
+    model = fast_model(bench_spec(args.model, 2, "float32", args.tiny))
+    requests = requests_for(4, 16, model.spec.vocab)
+    limits = BatchLimits(micro_batches=2, micro_batch_size=2, max_new_tokens=4 if args.tiny else 8)
+    cost = RooflineCost(hardware(args.hardware), model.spec)
     reference, _ = asyncio.run(generate(model, eager_step, requests, limits, torch.device("cpu")))
-    agree = {}
+    agree: dict[str, Any] = {}
     for name in args.schedulers:
-        policy = cache_slots(Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.5), name, 8)
-        results, *_ = run_one(model, name, policy, requests, limits, device)
-        agree[name] = [r.output_ids for r in results] == [r.output_ids for r in reference]
+        row = isolated(
+            args.device, partial(same_tokens, model, name, args.device, requests, limits, reference, cost)
+        )
+        agree[name] = row["match"] if row["status"] == "ok" else row["error"]
+        log.add("tokens", {"scheduler": name, **row})
     return agree
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def same_tokens(
+    model: MoEModel,
+    name: str,
+    device: str,
+    requests: list[Request],
+    limits: BatchLimits,
+    reference: list[Any],
+    cost: RooflineCost,
+) -> dict[str, Any]:
+    """Scheduler `name`'s tokens on `device` against `reference` (the CPU eager path's)."""
+    policy = cache_slots(Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.5), name, 8)
+    with Runtime.create(model, name, policy, device, cost) as runtime:
+        results, _, _ = run_in(runtime, model, requests, limits)
+    return {"status": "ok", "match": [r.output_ids for r in results] == [r.output_ids for r in reference]}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", default="mixtral-8x7b")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=32)
@@ -163,105 +261,183 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--schedulers", nargs="+", default=list(SCHEDULERS))
-    parser.add_argument("--budgets", nargs="+", default=list(BUDGETS))
+    parser.add_argument("--budgets", nargs="+", default=list(BUDGETS), choices=list(BUDGETS))
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--hardware", default="h100", help="cost model the schedulers plan with")
+    parser.add_argument("--hardware", default="h100", help="cost model the schedulers plan with and the "
+                        "simulator predicts with")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a CPU dry run: tiny shapes, every code path")
+    parser.add_argument("--fail-scheduler", metavar="NAME", help="make this scheduler fail mid-run "
+                        "(its first decode step): the isolation check")  # fmt: skip
     parser.add_argument("--no-accelerate", action="store_true")
     parser.add_argument("--trace-dir", type=Path, default=Path("bench/gpu-traces"))
-    parser.add_argument("--out", type=Path, default=Path("bench/gpu.json"))
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=Path("bench/gpu.jsonl"), help="rows, one JSON per line")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/gpu.py needs a CUDA device (or --device cpu --tiny for a dry run)")
-    run(args)
+    rows = run(args)
+    fine = ("ok", "skipped")  # a baseline whose package is missing is skipped, not failed
+    return (
+        0 if all(r["status"].startswith(fine) or r["scheduler"] == args.fail_scheduler for r in rows) else 1
+    )
 
 
-def run(args) -> None:
-    budgets = {name: parse_bytes(BUDGETS[name]) for name in args.budgets}
-    if args.tiny:  # two layers of the real shapes on the CPU, budgets that force paging
-        args.layers, args.prompts, args.prompt_len, args.new_tokens = 2, 8, 12, 4
-        budgets = {"t4": parse_bytes("3GiB"), "l4": parse_bytes("4GiB")}
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if args.tiny:  # Mixtral's structure at toy widths on the CPU
+        args.layers, args.prompts, args.prompt_len, args.new_tokens = 4, 8, 12, 3
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (dry run)"
+    log = RowLog(args.out)
+    started = time.perf_counter()
+    model = fast_model(bench_spec(args.model, args.layers, "bfloat16", args.tiny))
     meta = {"device": device_name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "model": f"{args.model} x{args.layers} layers (bf16, random)"}  # fmt: skip
+            "model": f"{model.spec.name} x{args.layers} layers (bf16, random)", "hardware": args.hardware,
+            "setup_s": time.perf_counter() - started}  # fmt: skip
+    log.add("meta", meta)
+    console.print(f"model set up in {meta['setup_s']:.1f} s: {meta['model']}")
     peaks = link_peaks(args.device, tiny=args.tiny)
+    log.add("peaks", peaks)
     console.print(
         f"{device_name}: pinned H2D {peaks['h2d_pinned'] / 1e9:.1f} GB/s, "
         f"pageable {peaks['h2d_pageable'] / 1e9:.1f} GB/s, D2H {peaks['d2h_pinned'] / 1e9:.1f} GB/s"
     )
-    tokens_agree = check_tokens(args, args.device)
-    model = load_model(args.model, dtype="bfloat16", layers=args.layers)
-    requests = requests_for(args, model.spec.vocab)
+    agree = check_tokens(args, log)
+    requests = requests_for(args.prompts, args.prompt_len, model.spec.vocab)
     size = -(-args.prompts // args.micro_batches)
     limits = BatchLimits(args.micro_batches, size, args.new_tokens)
     batch = first_batch(requests, limits)
-    rows = []
     args.trace_dir.mkdir(parents=True, exist_ok=True)
     base = Policy(micro_batch_size=size, micro_batches=args.micro_batches)
     cost = RooflineCost(hardware(args.hardware), model.spec)
-    for budget_name, budget in budgets.items():
-        for name in args.schedulers:
-            row = {"budget": budget_name, "budget_bytes": budget, "scheduler": name}
-            policy, need = fit_policy(model, name, budget, base, batch, cost)
-            if policy is None:
-                rows.append({**row, "status": f"does not fit: needs {need.describe()}"})
-                continue
-            if args.device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            _, stats, runtime, phases = run_one(model, name, policy, requests, limits, args.device, cost)
-            write_chrome(args.trace_dir / f"{budget_name}-{name}.json", [runtime.trace])
-            measured = {
-                "status": "ok",
-                "share": policy.weights_gpu_share,
-                "tokens_per_s": stats.tokens_per_second,
-                "prefill_s": stats.prefill_seconds,
-                "decode_s": stats.decode_seconds,
-                "tokens_match_cpu": tokens_agree.get(name),
-                "accounted_bytes": need.total,  # flowmoe's accounting of what the run keeps alive
-                "peak_allocated_bytes": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
-            }
-            rows.append({**row, **measured, **decode_metrics(runtime, phases, peaks["h2d_pinned"])})
-        if not args.no_accelerate:
-            baseline = accelerate_baseline(args, requests, budget)
-            rows.append(
-                {"budget": budget_name, "budget_bytes": budget, "scheduler": "accelerate-offload", **baseline}
+    budgets = {name: dict.fromkeys(args.schedulers, parse_bytes(BUDGETS[name])) for name in args.budgets}
+    if args.tiny:
+        budgets = tiny_budgets(model, args.schedulers, base, batch, cost, args.budgets)
+    rows = []
+    for budget_name, each in budgets.items():
+        for name, budget in each.items():
+            work = partial(
+                measure, args, model, name, budget_name, budget, base, batch, requests, limits, cost, peaks
             )
+            row = {
+                "budget": budget_name,
+                "budget_bytes": budget,
+                "scheduler": name,
+                **isolated(args.device, work),
+            }
+            rows.append({**row, "tokens_match_cpu": agree.get(name)})
+            log.add("row", rows[-1])
+            console.print(f"  {budget_name} {name}: {row['status']} {row.get('error', '')}")
+        if not args.no_accelerate:
+            most = max(each.values())
+            work = partial(accelerate_baseline, model.spec, requests, args.new_tokens, args.device, most)
+            row = {"budget": budget_name, "budget_bytes": most, "scheduler": "accelerate-offload"}
+            rows.append({**row, **isolated(args.device, work)})
+            log.add("row", rows[-1])
     show(rows, meta)
-    args.out.write_text(json.dumps({"meta": meta, "peaks": peaks, "rows": rows}, indent=2))
     if not args.tiny:
         write_results(Path("bench/RESULTS.md"), meta, peaks, rows)
+    return rows
 
 
-def show(rows: list[dict], meta: dict) -> None:
+def measure(
+    args: argparse.Namespace,
+    model: MoEModel,
+    name: str,
+    budget_name: str,
+    budget: int,
+    base: Policy,
+    batch: BatchShape,
+    requests: list[Request],
+    limits: BatchLimits,
+    cost: RooflineCost,
+    peaks: dict[str, float],
+) -> dict[str, Any]:
+    """One scheduler at one budget: its run in a `with` block, its trace, the simulator's prediction."""
+    policy, need = fit_policy(model, name, budget, base, batch, cost)
+    if policy is None:
+        return {"status": f"does not fit: needs {need.describe()}"}
+    with Runtime.create(model, name, policy, args.device, cost) as runtime:
+        _, stats, phases = run_in(runtime, model, requests, limits, fail=name == args.fail_scheduler)
+        peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
+    write_chrome(args.trace_dir / f"{budget_name}-{name}.json", [runtime.trace])
+    row = {
+        "status": "ok",
+        "share": policy.weights_gpu_share,
+        "tokens_per_s": stats.tokens_per_second,
+        "prefill_s": stats.prefill_seconds,
+        "decode_s": stats.decode_seconds,
+        "accounted_bytes": need.total,  # flowmoe's accounting of what the run keeps alive
+        "peak_allocated_bytes": peak,
+        **decode_metrics(runtime, phases, peaks["h2d_pinned"]),
+    }
+    try:
+        predicted = predict(model.spec, args.hardware, name, policy, batch)
+    except Exception as exc:  # a prediction that cannot be made is noted, the measurement kept
+        predicted = {"predicted_error": f"{type(exc).__name__}: {exc}"}
+    if predicted.get("predicted_tokens_per_s"):
+        predicted["measured_over_predicted"] = row["tokens_per_s"] / predicted["predicted_tokens_per_s"]
+    return {**row, **predicted}
+
+
+def tiny_budgets(
+    model: MoEModel, schedulers: list[str], base: Policy, batch: BatchShape, cost: Any, names: list[str]
+) -> dict[str, dict[str, int]]:
+    """Dry-run budgets, per scheduler, where it fits and does not hold the whole model: 40% (t4) and
+    70% (l4) of the way from its smallest need (every expert paged) to its whole-model need."""
+    budgets: dict[str, dict[str, int]] = {name: {} for name in names}
+    for scheduler in schedulers:
+        least = policy_at(model, scheduler, 0.0, base, batch, cost, None)[1].total
+        whole = policy_at(model, scheduler, 1.0, base, batch, cost, None)[1].total
+        for name, way in zip(names, (0.4, 0.7), strict=False):
+            budgets[name][scheduler] = least + int(way * (whole - least))
+    return budgets
+
+
+def show(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     table = Table(title=f"{meta['device']} — {meta['model']} — torch {meta['torch']} — {meta['date']}")
-    for column in (
-        "budget",
-        "scheduler",
-        "share",
-        "tok/s",
-        "H2D busy",
-        "H2D GB/s (of peak)",
-        "overlap",
-        "GiB accounted / peak",
-        "tokens = CPU",
-    ):
+    columns = ("budget", "scheduler", "share", "tok/s", f"predicted ({meta['hardware']})", "/ predicted",
+               "H2D busy", "H2D GB/s (of peak)", "overlap", "GiB used / peak", "tokens = CPU")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="right")
     for r in rows:
         if r.get("status") != "ok":
-            table.add_row(r["budget"], r["scheduler"], "", "", "", r.get("status", ""), "", "", "")
+            why = r.get("error") or r.get("status", "")
+            table.add_row(
+                r["budget"],
+                r["scheduler"],
+                "",
+                "",
+                "",
+                "",
+                "",
+                why[:80],
+                "",
+                "",
+                str(r.get("tokens_match_cpu", "")),
+            )
             continue
         link = f"{r.get('h2d_gbps', 0):.1f} ({r.get('h2d_of_peak', 0):.0%})"
-        busy, overlap, agree = (
-            f"{r.get('h2d_busy', 0):.0%}",
-            f"{r.get('overlap', 0):.2f}",
-            r.get("tokens_match_cpu"),
+        predicted = r.get("predicted_tokens_per_s")
+        ratio = r.get("measured_over_predicted")
+        table.add_row(
+            r["budget"],
+            r["scheduler"],
+            f"{r.get('share', '')}",
+            f"{r['tokens_per_s']:.1f}",
+            f"{predicted:.1f}" if predicted else r.get("predicted_error", "-")[:30],
+            f"{ratio:.2f}" if ratio else "-",
+            f"{r.get('h2d_busy', 0):.0%}" if "h2d_busy" in r else "",
+            link if "h2d_gbps" in r else "",
+            f"{r.get('overlap', 0):.2f}" if "overlap" in r else "",
+            memory(r),
+            str(r.get("tokens_match_cpu", "")),
         )
-        share, speed = f"{r.get('share', '')}", f"{r['tokens_per_s']:.1f}"
-        table.add_row(r["budget"], r["scheduler"], share, speed, busy, link, overlap, memory(r), str(agree))
     console.print(table)
 
 
-def memory(row: dict) -> str:
+def memory(row: dict[str, Any]) -> str:
     """Accounted GiB / the caching allocator's peak GiB (the peak only where CUDA ran)."""
     accounted, peak = row.get("accounted_bytes"), row.get("peak_allocated_bytes")
     if accounted is None:
@@ -270,4 +446,4 @@ def memory(row: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""bench/gpu.py's dry run (--device cpu --tiny): every scheduler but eager gets an ok row whose
+tokens match the CPU eager path, one made to fail mid-run (--fail-scheduler) is a row with its error
+while the others go on, and each row is in the output file (JSON Lines) as soon as it finishes,
+seen from outside while the run is still going."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from flowmoe.schedulers.registry import builtin
+
+ROOT = Path(__file__).resolve().parent.parent
+FAILING = "klotski"
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    """The complete lines written so far (a line being written is left for the next look)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line]
+
+
+def test_dry_run_isolates_a_failure_and_writes_rows_as_they_finish(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.jsonl"
+    command = [sys.executable, "bench/gpu.py", "--device", "cpu", "--tiny", "--budgets", "t4",
+               "--fail-scheduler", FAILING, "--out", str(out),
+               "--trace-dir", str(tmp_path / "traces")]  # fmt: skip
+    log = tmp_path / "stdout.txt"
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+    seen: set[int] = set()  # the numbers of rows on file, looked at while the run went on
+    deadline = time.monotonic() + 600
+    while process.poll() is None and time.monotonic() < deadline:
+        seen.add(sum(r["kind"] == "row" for r in read(out)))
+        time.sleep(0.05)
+    process.wait(timeout=60)
+    output = log.read_text()
+    assert process.returncode == 0, output
+    rows = [r for r in read(out) if r["kind"] == "row"]
+    schedulers = sorted(name for name in builtin() if name != "eager")
+    assert len(schedulers) == 12
+    assert sorted(r["scheduler"] for r in rows if r["scheduler"] != "accelerate-offload") == schedulers
+    assert any(0 < n < len(rows) for n in seen), f"rows appeared only at the end: {sorted(seen)}"
+    for row in rows:
+        if row["scheduler"] == "accelerate-offload":
+            assert row["status"] == "ok" or row["status"].startswith("skipped"), row
+        elif row["scheduler"] == FAILING:
+            assert row["status"] == "error" and "InjectedFailure" in row["error"], row
+        else:
+            assert row["status"] == "ok", row
+            assert row["tokens_match_cpu"] is True, row
+            assert row["tokens_per_s"] > 0 and row["predicted_tokens_per_s"] > 0, row
+            assert row["measured_over_predicted"] > 0 and row["nodes_per_decode_step"] > 0, row
+    tokens = {r["scheduler"]: r for r in read(out) if r["kind"] == "tokens"}
+    assert sorted(tokens) == schedulers and all(r["match"] is True for r in tokens.values())
+    assert "InjectedFailure" in output and "on-demand" in output  # the table, printed at the end
