@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 from flowmoe.cli import main
 from flowmoe.cli.run import kv_budget_tokens
 from flowmoe.core.errors import FlowmoeError
+from flowmoe.core.scheduling import BatchShape
 from flowmoe.jobs.engine import StepInput
 from flowmoe.jobs.job import JobSpec, run_job
 from flowmoe.model.builtin import ensure_builtin
@@ -140,15 +142,23 @@ def test_kv_budget_and_stop_strings_in_a_job(tmp_path: Path) -> None:
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
     caches: list[int] = []
 
-    async def successor(m: MoEModel, inputs: list[StepInput]) -> list[torch.Tensor]:
-        out = []
-        for step in inputs:
-            caches.append(step.cache.keys[0].shape[0] * step.cache.capacity)
-            last = step.ids[step.layout.last_rows]  # [B]
-            logits = torch.zeros(len(last), m.spec.vocab)  # [B, vocab]
-            logits[torch.arange(len(last)), last + 1] = 1.0
-            out.append(logits)
-        return out
+    class Successor:  # a JobRunner: the cache on the CPU, no GPU budget to check
+        cache_device = torch.device("cpu")
+
+        def check_memory(self, batch: BatchShape) -> None:
+            return None
+
+        async def __call__(self, m: MoEModel, inputs: Sequence[StepInput]) -> list[torch.Tensor]:
+            out = []
+            for step in inputs:
+                caches.append(step.cache.keys[0].shape[0] * step.cache.capacity)
+                last = step.ids[step.layout.last_rows]  # [B]
+                logits = torch.zeros(len(last), m.spec.vocab)  # [B, vocab]
+                logits[torch.arange(len(last)), last + 1] = 1.0
+                out.append(logits)
+            return out
+
+    successor = Successor()
 
     budget = kv_budget_tokens("30", model)
     job = JobSpec(prompts, tmp_path / "out.jsonl", max_new_tokens=6, batch_size=4, micro_batches=2,
