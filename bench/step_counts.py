@@ -1,0 +1,279 @@
+"""What the host launches per decode step, counted on the CPU: torch operations dispatched and
+executor nodes, per scheduler, at the H200 setting of issue 29 and at MoE-Lightning's S1.
+
+Counts, not times: every torch operation the runtime dispatches in a decode step is counted with a
+TorchDispatchMode (aten operations after autograd, as the device would be asked to run them; views
+counted apart, they launch no kernel) and attributed to the node whose action dispatched it
+("outside nodes": the engine and the step's own set-up). Deterministic and machine-independent.
+
+The count does not depend on tensor sizes, only on the plan (layers, micro-batches, routed experts,
+pages per expert) and on the code path, so the model is Mixtral-8x7B's structure (8 experts, top-2,
+GQA, its layer count) at toy widths (bench/gpu_support.TINY) and the page size is scaled so that an
+expert is cut into as many pages as Mixtral's real 352 MB expert at 16 MiB pages (21). The native
+C kernels are off (FLOWMOE_CPU_KERNELS=0): the GPU runs torch operations. On the CPU a "GPU"
+weight is the host tensor itself, so the copies a page copy makes on CUDA are counted apart: each
+PAGE_COPY node's `_copy_page` run on meta tensors of its expert's shapes (the operations a CUDA run
+dispatches for it). Other device-to-device moves (hidden states, the routing read-back) are free on
+the CPU and missing here: the count is a lower bound for a CUDA run.
+
+    python bench/step_counts.py [--settings h200 s1] [--schedulers cgopipe ...]
+
+Prints a rich table and writes bench/step_counts.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["FLOWMOE_CPU_KERNELS"] = "0"  # torch operations everywhere, as on the GPU
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from gpu import SCHEDULERS, cache_slots, generate, requests_for
+from gpu_support import bench_spec, fast_model
+from rich.console import Console
+from rich.table import Table
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from flowmoe.core.cost import RooflineCost
+from flowmoe.core.hardware import hardware
+from flowmoe.core.plan import Op, TaskNode
+from flowmoe.core.policy import Policy
+from flowmoe.core.presets import preset
+from flowmoe.core.workloads import workload
+from flowmoe.jobs.batching import BatchLimits
+from flowmoe.jobs.engine import Request, StepInput
+from flowmoe.model.moe_model import MoEModel
+from flowmoe.runtime import actions
+from flowmoe.runtime.device_weights import _copy_page  # the CUDA-only copy, counted on meta tensors
+from flowmoe.runtime.runner import Runtime
+from flowmoe.schedulers.shared_options import PagedOptions
+
+console = Console(width=200)
+REAL_PAGE = 16 * 2**20  # the default page size against Mixtral-8x7B's real expert
+
+
+@attrs.frozen
+class Setting:
+    label: str
+    layers: int
+    prompts: int
+    micro_batches: int
+    share: float  # experts resident
+    attention_on: str
+    lengths: str  # "random:MEAN" (bench/gpu.py's prompts) or a workload name
+    source: str
+
+
+SETTINGS = {
+    "h200": Setting("H200 run (issue 29)", 12, 32, 4, 0.25, "gpu", "random:128",
+                    "../shared/gpu-runs/2026-11-27-h200: 12 layers, 32 prompts of ~128 tokens, "
+                    "4 micro-batches, 25% of experts resident"),
+    "s1": Setting("MoE-Lightning S1", 32, 504, 14, 0.0, "cpu", "mtbench",
+                  "MoE-Lightning S1 (T4): all 32 layers, MTBench prompts, N = 504, mu = 36 (Table 5), "
+                  "attention on the CPU, experts paged"),
+}  # fmt: skip
+
+
+class OpCounter(TorchDispatchMode):
+    """Every aten operation dispatched while `active`, by the label of the node running it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+        self.label = "outside nodes"
+        self.ops: Counter[str] = Counter()
+        self.views: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.active:
+            self.ops[self.label] += 1
+            if func.is_view:
+                self.views[self.label] += 1
+        return func(*args, **(kwargs or {}))
+
+    @contextmanager
+    def labelled(self, label: str) -> Iterator[None]:
+        outer, self.label = self.label, label
+        try:
+            yield
+        finally:
+            self.label = outer
+
+
+def attributing(counter: OpCounter) -> Callable[[], None]:
+    """StepState.action wrapped so each node's binding and run count under its op; returns undo."""
+    original = actions.StepState.action
+
+    def action(self: actions.StepState, node: TaskNode) -> Any:
+        with counter.labelled(node.op.name):
+            bound = original(self, node)
+        if bound is None:
+            return None
+
+        def run() -> Any:
+            with counter.labelled(node.op.name):
+                return bound()
+
+        return run
+
+    actions.StepState.action = action  # type: ignore[method-assign]  # a bench's own instrumentation
+    return lambda: setattr(actions.StepState, "action", original)
+
+
+def copy_ops(model: MoEModel, node: TaskNode, memo: dict[tuple[int, int, int], int]) -> int:
+    """The operations a PAGE_COPY node dispatches on CUDA (on the CPU it dispatches none: the
+    "GPU" copy is the host tensor): `_copy_page` of its page, or a `.to(device)` of each tensor of
+    each whole expert (or dense part) it copies, run on meta tensors of the same shapes."""
+    key = (min(node.expert, 0), node.part, node.parts)
+    if key not in memo:
+        lw = model.weights.layers[node.layer]
+        if node.expert >= 0:
+            sources = list(lw.experts[node.expert].tensors())
+        else:  # the dense part: attention, norms, router
+            dense = [getattr(lw.attn, f.name) for f in attrs.fields(type(lw.attn))] + [lw.router]
+            sources = [t for t in dense if isinstance(t, torch.Tensor)]
+        meta = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in sources]
+        counter = OpCounter()
+        with counter:
+            counter.active = True
+            if node.part >= 0:
+                _copy_page(meta, [torch.empty_like(t) for t in meta], node.part, node.parts)
+            else:  # host tensors to another device, as Devices.to_gpu moves them
+                for tensor in sources:
+                    tensor.to("meta", non_blocking=True)
+        memo[key] = sum(counter.ops.values())
+    return memo[key] * (1 + len(node.more))
+
+
+def prompts_for(setting: Setting, vocab: int) -> list[Request]:
+    if setting.lengths.startswith("random:"):
+        return requests_for(setting.prompts, int(setting.lengths.split(":")[1]), vocab)
+    lengths = workload(setting.lengths).sample(setting.prompts, 0)
+    generator = torch.Generator().manual_seed(0)
+    return [Request(str(i), tuple(torch.randint(3, vocab, (n,), generator=generator).tolist()), i)
+            for i, n in enumerate(lengths)]  # fmt: skip
+
+
+def count(setting: Setting, name: str, model: MoEModel, pages: int, decode_steps: int) -> dict[str, Any]:
+    """One scheduler's decode steps at `setting`: operations and nodes per step, by op."""
+    requests = prompts_for(setting, model.spec.vocab)
+    size = -(-setting.prompts // setting.micro_batches)
+    limits = BatchLimits(setting.micro_batches, size, decode_steps + 1)
+    page = -(-model.spec.expert_bytes // pages)  # as many pages per expert as the real model's
+    policy = Policy(micro_batch_size=size, micro_batches=setting.micro_batches,
+                    weights_gpu_share=setting.share, attention_on=setting.attention_on)  # fmt: skip
+    policy = policy.with_options(PagedOptions(page_bytes=page))
+    slots = max(4, int(setting.share * model.spec.moe.experts * model.spec.layers) // 4 * 4)
+    policy = cache_slots(policy, name, slots)
+    counter = OpCounter()
+    undo = attributing(counter)
+    steps: list[tuple[int, int]] = []  # (first span, end span) of each decode step
+    try:
+        cost = RooflineCost(hardware("h100" if setting.attention_on == "gpu" else "t4"), model.spec)
+        with Runtime.create(model, name, policy, "cpu", cost) as runtime, counter:
+
+            async def counted(m: MoEModel, inputs: list[StepInput]) -> list[torch.Tensor]:
+                prefill = any(p == 0 for i in inputs for p in i.layout.past)
+                first, counter.active = len(runtime.trace.spans), not prefill
+                try:
+                    return await runtime(m, inputs)
+                finally:
+                    counter.active = False
+                    if not prefill:
+                        steps.append((first, len(runtime.trace.spans)))
+
+            asyncio.run(generate(model, counted, requests, limits, runtime.cache_device))
+    finally:
+        undo()
+    spans = [s for a, b in steps for s in runtime.trace.spans[a:b]]
+    n = len(steps)
+    nodes = Counter(s.node.op.name for s in spans)
+    memo: dict[tuple[int, int, int], int] = {}
+    copies = sum(copy_ops(model, s.node, memo) for s in spans if s.node.op is Op.PAGE_COPY)
+    return {
+        "setting": setting.label, "scheduler": name, "decode_steps": n,
+        "nodes_per_step": len(spans) / n, "ops_per_step": sum(counter.ops.values()) / n,
+        "views_per_step": sum(counter.views.values()) / n, "cuda_page_copy_ops_per_step": copies / n,
+        "ops_with_copies_per_step": (sum(counter.ops.values()) + copies) / n,
+        "nodes_by_op": {k: v / n for k, v in nodes.most_common()},
+        "ops_by_op": {k: v / n for k, v in counter.ops.most_common()},
+        "policy": {"batch_size": policy.batch_size, "micro_batch_size": size,
+                   "micro_batches": setting.micro_batches, "weights_gpu_share": setting.share,
+                   "attention_on": setting.attention_on, "page_bytes_scaled": page,
+                   "pages_per_expert": pages},
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--schedulers", nargs="+", default=list(SCHEDULERS))
+    parser.add_argument("--s1-schedulers", nargs="+", help="at S1 only these (default: --schedulers)")
+    parser.add_argument("--decode-steps", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("bench/step_counts.json"))
+    args = parser.parse_args()
+    real = preset("mixtral-8x7b", dtype="bfloat16")
+    pages = -(-real.expert_bytes // REAL_PAGE)
+    rows = []
+    for key in args.settings:
+        setting = SETTINGS[key]
+        model = fast_model(bench_spec("mixtral-8x7b", setting.layers, "bfloat16", tiny=True))
+        for name in (args.s1_schedulers or args.schedulers) if key == "s1" else args.schedulers:
+            started = time.perf_counter()
+            try:
+                row = count(setting, name, model, pages, args.decode_steps)
+            except Exception as exc:  # a scheduler that refuses the setting is a row with its reason
+                row = {"setting": setting.label, "scheduler": name, "error": f"{type(exc).__name__}: {exc}"}
+            row["wall_s"] = time.perf_counter() - started
+            rows.append(row)
+            console.print(
+                f"{setting.label} {name}: {row.get('error') or round(row['ops_per_step'])} ops/step"
+            )
+    show(rows)
+    settings = {k: attrs.asdict(SETTINGS[k]) for k in args.settings}
+    meta = {"cpu": cpu_name(), "torch": torch.__version__, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d"), "settings": settings}  # fmt: skip
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def show(rows: list[dict[str, Any]]) -> None:
+    table = Table(title="Per decode step: torch operations and executor nodes (counted on the CPU)")
+    for column in ("setting", "scheduler", "nodes", "page copies", "expert FFNs", "torch ops",
+                   "of them views", "+ CUDA page-copy ops", "ops / node", "top ops by node"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["setting"], r["scheduler"], "", "", "", "", "", "", "", r["error"][:60])
+            continue
+        top = ", ".join(f"{k} {v:.0f}" for k, v in list(r["ops_by_op"].items())[:3])
+        table.add_row(
+            r["setting"], r["scheduler"], f"{r['nodes_per_step']:.0f}",
+            f"{r['nodes_by_op'].get('PAGE_COPY', 0):.0f}", f"{r['nodes_by_op'].get('EXPERT_FFN', 0):.0f}",
+            f"{r['ops_per_step']:.0f}", f"{r['views_per_step']:.0f}",
+            f"{r['cuda_page_copy_ops_per_step']:.0f}",
+            f"{r['ops_with_copies_per_step'] / r['nodes_per_step']:.1f}", top,
+        )  # fmt: skip
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
