@@ -228,17 +228,26 @@ def write_results(path: Path, meta: dict, peaks: dict, rows: list[dict]) -> None
         + ", ".join(f"{name} {value / 1e9:.1f} GB/s" for name, value in peaks.items())
         + ".",
         "",
-        "| budget | scheduler | expert share resident | tokens/s | H2D busy (decode) "
-        "| H2D GB/s (of pinned peak) | makespan / busiest lane | GiB accounted / allocator peak "
-        "| tokens = CPU path |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| budget | scheduler | expert share resident | tokens/s | predicted (measured / predicted) "
+        "| H2D busy (decode) | H2D GB/s (of pinned peak) | makespan / busiest lane "
+        "| GiB accounted / allocator peak | tokens = CPU path |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| {r['budget']} | {r['scheduler']} | | | | {r.get('status', '')} | | | |")
+            why = r.get("error") or r.get("status", "")
+            lines.append(
+                f"| {r['budget']} | {r['scheduler']} | | | | | {why} | | | {r.get('tokens_match_cpu', '')} |"
+            )
             continue
+        predicted = r.get("predicted_tokens_per_s")
+        guess = (
+            f"{predicted:.1f} ({r['measured_over_predicted']:.2f})"
+            if predicted
+            else r.get("predicted_error", "")
+        )
         lines.append(
-            f"| {r['budget']} | {r['scheduler']} | {r.get('share', '')} | {r['tokens_per_s']:.1f} "
+            f"| {r['budget']} | {r['scheduler']} | {r.get('share', '')} | {r['tokens_per_s']:.1f} | {guess} "
             f"| {r.get('h2d_busy', 0):.0%} | {r.get('h2d_gbps', 0):.1f} ({r.get('h2d_of_peak', 0):.0%}) "
             f"| {r.get('overlap', 0):.2f} "
             f"| {gib(r.get('accounted_bytes'))} / {gib(r.get('peak_allocated_bytes'))} "
