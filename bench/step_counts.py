@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.hardware import hardware
 from flowmoe.core.plan import Op, TaskNode
-from flowmoe.core.policy import Policy
+from flowmoe.core.policy import Place, Policy
 from flowmoe.core.presets import preset
 from flowmoe.core.workloads import workload
 from flowmoe.jobs.batching import BatchLimits
@@ -71,7 +71,7 @@ class Setting:
     prompts: int
     micro_batches: int
     share: float  # experts resident
-    attention_on: str
+    attention_on: Place
     lengths: str  # "random:MEAN" (bench/gpu.py's prompts) or a workload name
     source: str
 
