@@ -20,13 +20,12 @@ from flowmoe.core.errors import ConfigError, FlowmoeError
 from flowmoe.core.hardware import hardware
 from flowmoe.core.policy import Policy
 from flowmoe.core.write_guard import Guard
-from flowmoe.jobs.sampling import SamplingParams
-from flowmoe.model.builtin import ensure_builtin
 from flowmoe.model.tokenizer import TextCodec
 from flowmoe.traces.chrome import write_chrome
 
 if TYPE_CHECKING:
     from flowmoe.cluster.ray_job import ClusterProgress, ClusterReport
+    from flowmoe.jobs.sampling import SamplingParams
 
 
 def add_ray_flags(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +48,7 @@ def add_ray_flags(parser: argparse.ArgumentParser) -> None:
 def run_on_ray(args: argparse.Namespace, sampling: SamplingParams, policy: Policy, guard: Guard) -> int:
     """The job over `--replicas` replicas of the Ray cluster at `--ray`; `guard` guards --trace."""
     from flowmoe.cli.run import TokenRateColumn, job_from, routing_profile  # run.py imports this module
+    from flowmoe.model.builtin import ensure_builtin
 
     if args.record_routing:
         raise ConfigError("--record-routing is not available with --ray; record it in a single-process run")

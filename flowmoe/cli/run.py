@@ -6,8 +6,8 @@ import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import uvloop
 from rich.markup import escape
 from rich.progress import Progress, ProgressColumn, Task, TaskID, TextColumn
 from rich.table import Table
@@ -38,19 +38,18 @@ from flowmoe.core.routing_trace import ROUTING_RECORD, RoutingTrace
 from flowmoe.core.synthetic_routing import observed_popularity
 from flowmoe.core.threads import plan_threads, usable_cores
 from flowmoe.core.write_guard import Guard, Named
-from flowmoe.jobs.job import JobReport, JobSpec, run_job
-from flowmoe.jobs.job import Progress as JobProgress
 from flowmoe.jobs.joblog import check_output, holder_file
-from flowmoe.jobs.sampling import SamplingParams
-from flowmoe.model.builtin import ensure_builtin
-from flowmoe.model.loading import keep_fp8_experts, load_model
-from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.tokenizer import TextCodec
-from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.registry import available
 from flowmoe.schedulers.registry import load as load_scheduler
 from flowmoe.study.sim_report import trace_stats
 from flowmoe.traces.chrome import CHROME_TRACE, write_chrome
+
+if TYPE_CHECKING:  # these run tensors: imported by the functions that run (`flowmoe --help` needs no torch)
+    from flowmoe.jobs.job import JobReport, JobSpec
+    from flowmoe.jobs.sampling import SamplingParams
+    from flowmoe.model.moe_model import MoEModel
+    from flowmoe.runtime.runner import Runtime
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -166,6 +165,15 @@ def policy_from(args: argparse.Namespace) -> Policy:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from flowmoe.jobs.job import Progress as JobProgress
+    from flowmoe.jobs.job import run_job
+    from flowmoe.jobs.sampling import SamplingParams
+    from flowmoe.model.builtin import ensure_builtin
+    from flowmoe.model.loading import keep_fp8_experts
+    from flowmoe.runtime.runner import Runtime
+
     if args.scheduler != "auto":
         load_scheduler(args.scheduler)  # an unknown or broken plugin fails before the model loads
     given = given_options(args)  # options --scheduler takes (auto: every scheduler must take them)
@@ -290,6 +298,8 @@ def figures(report: dict[str, float]) -> str:
 
 
 def job_from(args: argparse.Namespace, model: MoEModel, sampling: SamplingParams) -> JobSpec:
+    from flowmoe.jobs.job import JobSpec
+
     if any(not s for s in args.stop):
         raise FlowmoeError("--stop must not be empty")
     budget = kv_budget_tokens(args.kv_budget, model) if args.kv_budget else None
@@ -329,6 +339,8 @@ class TokenRateColumn(ProgressColumn):
 
 
 def load_with_progress(source: str, dtype: str | None, layers: int | None) -> MoEModel:
+    from flowmoe.model.loading import load_model
+
     with progress() as bar:
         task = bar.add_task(f"loading {Path(source).name}", total=None)
         return load_model(
