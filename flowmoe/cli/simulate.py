@@ -14,9 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import uvloop
 from attrs import evolve
 from rich.table import Table
 
@@ -28,20 +27,21 @@ from flowmoe.cli.writes import add_force_flag, write_guard
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import hardware
 from flowmoe.core.options import check_options
-from flowmoe.core.policy import EXPERT_FORMATS, Policy, parse_bytes
+from flowmoe.core.policy import EXPERT_FORMATS, Policy
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.synthetic_routing import RoutingModel
-from flowmoe.jobs.job import JobSpec, build_requests
-from flowmoe.model.moe_model import MoEModel
-from flowmoe.model.tokenizer import TextCodec
 from flowmoe.schedulers.registry import available
 from flowmoe.study.auto_choice import choice, job_workload, rank
 from flowmoe.study.best_policy import Given, best_policy, describe_policy
-from flowmoe.study.realtime import with_realtime
 from flowmoe.study.sim_report import SimulationResult
 from flowmoe.study.simulate import Setup
 from flowmoe.traces.chrome import CHROME_TRACE, write_chrome
+
+if TYPE_CHECKING:  # these run tensors (torch): imported where a run needs them
+    from flowmoe.jobs.job import JobSpec
+    from flowmoe.model.moe_model import MoEModel
+    from flowmoe.model.tokenizer import TextCodec
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -151,6 +151,10 @@ def _report(args: argparse.Namespace, names: list[str]) -> int:
             status.update(f"searching {name}'s best policy")
             results.append(best_policy(setup, name, given))
     if args.realtime:
+        import uvloop
+
+        from flowmoe.study.realtime import with_realtime
+
         with console.status("running the simulated steps on the real clock"):
             results = [with_realtime(setup, r, uvloop.run) for r in results]
     traces = [r.realtime.trace if r.realtime else r.trace for r in results if r.trace is not None]
@@ -196,6 +200,8 @@ def auto_scheduler(args: argparse.Namespace, model: MoEModel, codec: TextCodec |
     """`run --scheduler auto`: rank every scheduler on this job's workload (prompt lengths, max new
     tokens) and hardware (--hardware, or a quick CPU-only calibration of this machine), print the
     ranking, and give the best one with its policy and the job at that policy's batch."""
+    from flowmoe.jobs.job import build_requests
+
     requests, _errors = build_requests(job, model, codec, job.limits(model))
     work = job_workload([len(r.input_ids) for r in requests], job.max_new_tokens)
     if args.hardware:
@@ -205,7 +211,7 @@ def auto_scheduler(args: argparse.Namespace, model: MoEModel, codec: TextCodec |
 
         with console.status("describing this machine (quick CPU-only calibration)"):
             hw, _measured = calibrate(quick=True, dtype=model.spec.dtype, device="cpu")
-    memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    memory = args.gpu_memory  # already bytes (the flag's type parses it)
     given = Given(gpu_memory=memory, expert_format=args.expert_format)
     with console.status(f"simulating every scheduler on this job ({len(requests)} requests) on {hw.name}"):
         results = rank(model.spec, hw, work, list(available()), max(1, len(requests)), given)

@@ -15,6 +15,7 @@ EXPERT_FORMATS: tuple[ExpertFormat, ...] = ("native", "fp8")
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
          "gb": 10**9, "tb": 10**12, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}  # fmt: skip
+MAX_BYTES = 2**64  # no memory, disk or budget is larger: a size beyond is a typo, refused as read
 
 
 def parse_bytes(text: str) -> int:
@@ -25,9 +26,12 @@ def parse_bytes(text: str) -> int:
     if unit not in UNITS or not number:
         raise ConfigError(f"cannot read {text!r} as a size; use e.g. 16GiB, 24GB or 512MiB")
     try:
-        return int(float(number) * UNITS[unit])
-    except ValueError as exc:
+        value = int(float(number) * UNITS[unit])
+    except (ValueError, OverflowError) as exc:  # not a number; inf, nan or 1e999GiB
         raise ConfigError(f"cannot read {text!r} as a size; use e.g. 16GiB, 24GB or 512MiB") from exc
+    if not 0 <= value <= MAX_BYTES:
+        raise ConfigError(f"{text!r} is not a size between 0 and 16 EiB")
+    return value
 
 
 T = TypeVar("T")

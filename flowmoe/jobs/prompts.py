@@ -16,6 +16,7 @@ from attrs import frozen
 
 from flowmoe.core.bounded_read import open_regular
 from flowmoe.core.errors import PromptFileError
+from flowmoe.core.jsonfile import JsonProblem, parse_json
 from flowmoe.jobs.batching import JobId
 
 BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, which some editors put at the start of a file
@@ -119,13 +120,14 @@ def _decode(raw: bytes) -> str:
 
 
 def _load(text: str) -> Any:
-    """One JSON line, which must hold valid Unicode (no lone surrogate from a \\u escape)."""
+    """One JSON line, which must hold valid Unicode (no lone surrogate from a \\u escape), each
+    object's keys once and integers within Python's digit limit."""
     try:
-        obj = json.loads(text)
+        obj = parse_json(text, unique_keys=True)
         json.dumps(obj, ensure_ascii=False).encode("utf-8")
-    except json.JSONDecodeError as exc:
-        raise PromptFileError(f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
-    except RecursionError as exc:
+    except JsonProblem as exc:
+        raise PromptFileError(str(exc)) from exc
+    except RecursionError as exc:  # json.dumps of a value nested just under the parser's depth
         raise PromptFileError("JSON nested too deeply") from exc
     except UnicodeEncodeError as exc:
         bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode()

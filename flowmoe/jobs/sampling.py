@@ -53,7 +53,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """logits: [vocab] float32 -> the next token id."""
     if params.greedy:
         return int(torch.argmax(logits))
-    scores = logits / params.temperature
+    scores = _scaled(logits, params.temperature)
     if params.top_k and params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -65,3 +65,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits: [vocab] / temperature, finite wherever the logits are for every temperature > 0 the
+    flag accepts: a temperature so small (1e-320) that the division overflows float32 is taken in
+    float64 from the largest logit down, where it is 0 at the top and -inf below, i.e. greedy with
+    ties shared."""
+    scores = logits / temperature
+    if bool((torch.isinf(scores) & torch.isfinite(logits)).any()):
+        scores = (logits.double() - logits.max().double()) / temperature  # [vocab] float64
+    return scores

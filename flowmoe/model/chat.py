@@ -69,6 +69,13 @@ class ChatTemplate:
             raise PromptFileError(f"chat template ({self.source.name}): {type(exc).__name__}: {exc}") from exc
         if not text:
             raise PromptFileError(f"chat template ({self.source.name}): rendered an empty prompt")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate, which no tokenizer takes
+            bad = text[exc.start : exc.end].encode("unicode_escape").decode()
+            raise PromptFileError(
+                f"chat template ({self.source.name}): rendered a lone surrogate ({bad}), not Unicode text"
+            ) from exc
         return text
 
 
