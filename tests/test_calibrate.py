@@ -101,7 +101,9 @@ def test_calibrate_writes_a_profile_commands_take(
     overheads = dict(spec.op_overhead)
     assert {"gpu.compute/expert_ffn", "gpu.compute/gpu_attn", "gpu.h2d/page_copy"} <= set(overheads)
     assert all(v >= 0 for v in overheads.values())
-    assert "calibration of" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "calibration of" in printed.out
+    assert "--hardware" not in printed.err.replace(str(path), "")  # no "pass --hardware": calibrate has none
     model = ["--model", "olmoe-1b-7b", "--layers", "1", "--workload", "fixed:8:2", "--hardware", str(path)]
     argv = [
         "simulate",

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from flowmoe.cli import main
+from flowmoe.cli.ui import NO_GPU
 from flowmoe.core.executor import Span
 from flowmoe.core.plan import Lane, Op, TaskNode
-from flowmoe.traces.chrome import chrome_trace, validate_chrome
+from flowmoe.traces.chrome import EMULATED, chrome_trace, validate_chrome
 from flowmoe.traces.summary import summarize
 from flowmoe.traces.trace import CounterSample, Trace
 
@@ -69,6 +70,21 @@ def test_format_of_a_real_run(tmp_path: Path) -> None:
     assert "gpu.compute" in threads and "cpu.compute" in threads
     counters = {e["name"] for e in events if e["ph"] == "C"}
     assert {"gpu memory bytes", "gpu experts resident", "kv cache bytes"} <= counters
+    labels = [e["args"]["labels"] for e in events if e.get("name") == "process_labels"]
+    assert labels == ([] if torch.cuda.is_available() else [EMULATED])  # no GPU: said, lanes not renamed
+
+
+def test_no_gpu_is_said_by_run_and_trace_summarize(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("the GPU is real here")
+    trace = tmp_path / "t.json"
+    argv = ["run", "--prompts", str(PROMPTS), "--output", str(tmp_path / "o.jsonl"), "--max-new-tokens", "2"]
+    assert main([*argv, "--trace", str(trace)]) == 0
+    assert NO_GPU in " ".join(capsys.readouterr().err.split())
+    assert main(["trace", "summarize", str(trace)]) == 0
+    assert NO_GPU in " ".join(capsys.readouterr().out.split())
 
 
 def test_flows_join_lanes() -> None:

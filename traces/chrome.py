@@ -17,6 +17,7 @@ from flowmoe.traces.summary import STEPS_EVENT
 from flowmoe.traces.trace import Trace
 
 DEVICES = ("gpu", "cpu", "disk")
+EMULATED = "emulated on the CPU"  # the gpu process's label (Perfetto shows it) when there was no GPU
 WRITER = {"writer": "flowmoe"}  # the trace's otherData, written first: the mark of a trace flowmoe wrote
 CHROME_TRACE = OutputKind("Chrome trace", f'{{"otherData": {json.dumps(WRITER)}'.encode())
 LANES = tuple(Lane)
@@ -50,6 +51,9 @@ def chrome_trace(traces: list[Trace]) -> dict[str, Any]:
             events.append(
                 {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}
             )
+            if device == "gpu" and trace.gpu_emulated:
+                events.append({"ph": "M", "name": "process_labels", "pid": pid, "tid": 0,
+                               "args": {"labels": EMULATED}})  # fmt: skip
         for lane in LANES:
             events.append({"ph": "M", "name": "thread_name", "pid": pid_of[lane.device], "tid": _tid(lane),
                            "args": {"name": str(lane)}})  # fmt: skip

@@ -36,6 +36,7 @@ class Trace:
     spans: list[Span] = field(factory=list)
     counters: list[CounterSample] = field(factory=list)
     steps: list[StepWindow] = field(factory=list)
+    gpu_emulated: bool = False  # no GPU: the gpu.* lanes ran on the CPU (the lanes keep their names)
 
     def extend(
         self,

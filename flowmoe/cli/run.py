@@ -27,7 +27,7 @@ from flowmoe.cli.option_flags import add_option_flags, cautions, check_taken, gi
 from flowmoe.cli.ray_run import add_ray_flags, run_on_ray
 from flowmoe.cli.simulate import auto_scheduler
 from flowmoe.cli.trace import stats_table
-from flowmoe.cli.ui import console, progress, table
+from flowmoe.cli.ui import NO_GPU, console, progress, table
 from flowmoe.cli.writes import add_force_flag, write_guard
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import FlowmoeError
@@ -232,6 +232,8 @@ def _run(args: argparse.Namespace) -> int:
     for error in report.bad_lines:
         console.print(f"[yellow]skipped[/] {escape(error)}", soft_wrap=True)
     console.print(summary_table(report, source, args.scheduler))
+    if runtime.trace.gpu_emulated:
+        console.print(NO_GPU, highlight=False)
     scheduler_report = runtime.scheduler.report()
     if scheduler_report:  # e.g. pre-gated's prediction hit rate, lru-cache's hits
         console.print(f"{args.scheduler}: {figures(scheduler_report)}")

@@ -10,9 +10,10 @@ from typing import Any
 
 from rich.table import Table
 
-from flowmoe.cli.ui import out
+from flowmoe.cli.ui import NO_GPU, out
 from flowmoe.core.bounded_read import TRACE, read_bounded
 from flowmoe.core.errors import FlowmoeError
+from flowmoe.traces.chrome import EMULATED
 from flowmoe.traces.stats import RunStats
 from flowmoe.traces.summary import TraceSummary, summarize
 
@@ -54,6 +55,8 @@ def _summarize(args: argparse.Namespace) -> int:
         summaries = summarize(data)
     except FlowmoeError as exc:  # an event the summary cannot read: name the file
         raise FlowmoeError(f"{args.path}: {exc}") from exc
+    if any(e.get("name") == "process_labels" and EMULATED in str(e.get("args")) for e in data["traceEvents"]):
+        out.print(NO_GPU, highlight=False)
     for summary in summaries:
         out.print(summary_table(summary))
     return 0

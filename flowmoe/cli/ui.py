@@ -16,6 +16,7 @@ from rich.table import Table
 
 console = Console(stderr=True)
 out = Console()
+NO_GPU = "no GPU: the gpu.* lanes were emulated on the CPU (same names, CPU kernels)"
 
 
 def progress(*extra_columns) -> Progress:

@@ -120,8 +120,8 @@ class Runtime:
             unpin(pinned)
             raise
         workers, events = make_workers(devices.gpu, policy.cpu_threads)
-        return cls(model, plugin, devices, weights, workers, events, Trace(name=scheduler), record=record,
-                   pinned=pinned)  # fmt: skip
+        trace = Trace(name=scheduler, gpu_emulated=not devices.cuda)
+        return cls(model, plugin, devices, weights, workers, events, trace, record=record, pinned=pinned)
 
     def __enter__(self) -> Runtime:
         return self

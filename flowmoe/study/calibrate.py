@@ -187,20 +187,23 @@ def op_overheads(spec: HardwareSpec, device: str, quick: bool) -> tuple[tuple[st
 
     model, cost = load_model(ensure_builtin()), RooflineCost(spec)
     spent: dict[str, list[float]] = defaultdict(list)
+    planning = RooflineCost(spec, model.spec)  # the machine measured so far plans (no default preset)
     for name in available():
-        for span in _tiny_run(model, name, device, 4 if quick else 12):
+        for span in _tiny_run(model, name, device, 4 if quick else 12, planning):
             node = span.node
             work = cost(node) - cost.fixed(node.lane, node.op)
             spent[f"{node.lane}/{node.op}"].append(max(0.0, span.end - span.start - work))
     return tuple(sorted((key, statistics.median(v)) for key, v in spent.items()))
 
 
-def _tiny_run(model: MoEModel, scheduler: str, device: str, new_tokens: int) -> list[Span]:
+def _tiny_run(
+    model: MoEModel, scheduler: str, device: str, new_tokens: int, cost: RooflineCost
+) -> list[Span]:
     from flowmoe.jobs.engine import Engine, Request
     from flowmoe.runtime.runner import Runtime
 
     policy = Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.0)
-    runtime = Runtime.create(model, scheduler, policy, device)
+    runtime = Runtime.create(model, scheduler, policy, device, cost)
     requests = [Request(str(i), tuple(range(3, 19 + 4 * i)), i) for i in range(4)]
     engine = Engine(model, runtime, max_new_tokens=new_tokens, cache_device=runtime.cache_device)
 

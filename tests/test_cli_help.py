@@ -1,0 +1,56 @@
+"""What `--help` shows (issue 27, item 4): every flag's default, and the global flags accepted after
+the subcommand too."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from flowmoe.cli import COMMANDS, main, parser
+
+
+def _subparsers(top: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    found = {}
+    for action in top._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                found[name] = child
+                found.update({f"{name} {k}": v for k, v in _subparsers(child).items()})
+    return found
+
+
+def test_every_flag_with_a_default_shows_it() -> None:
+    subs = _subparsers(parser())
+    assert set(COMMANDS) <= set(subs)
+    for name, sub in subs.items():
+        text = sub.format_help()
+        for action in sub._actions:
+            default = action.default
+            if not action.option_strings or default in (None, argparse.SUPPRESS) or default is False:
+                continue
+            if default == []:
+                continue
+            assert action.help and "default" in sub._get_formatter()._expand_help(action), (name, action.dest)
+        assert text
+
+
+def test_run_help_names_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # lines joined: argparse wraps at COLUMNS
+    for shown in ("(default: eager)", "(default: 32)", "(default: 16)", "(default: 1)"):
+        assert shown in text
+
+
+@pytest.mark.parametrize("flag", ["--log-json", "-v", "--verbose"])
+def test_global_flags_after_the_subcommand(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["presets", flag]) == 0
+    assert main([flag, "presets"]) == 0
+    assert "mixtral-8x7b" in capsys.readouterr().out
+
+
+def test_global_flag_given_before_holds() -> None:
+    top = parser(["--log-json", "schedulers"])
+    assert top.parse_args(["--log-json", "schedulers"]).log_json is True
+    assert top.parse_args(["schedulers", "--log-json"]).log_json is True
+    assert top.parse_args(["schedulers"]).log_json is False
