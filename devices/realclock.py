@@ -10,6 +10,12 @@ cpu.compute or disk.read node first waits until its producers' device time has e
 worker's `wait_host`), then holds its thread for its cost; `sync(node)` is a routing read-back
 (`.tolist()` on the gate's output) and `synchronize()` the step's device synchronize.
 
+A GPU node's host-side launches (`host(node)`: the modelled CPU seconds a CUDA run's launch thread
+spends dispatching the node's torch operations and kernel launches, e.g. `study.realtime.LaunchCosts`)
+are charged on the lane's own thread, as CPU time, after its action and before its device time may
+begin: the kernels cannot run before they are launched, so a schedule whose launches take longer than
+its device work comes out host-bound. The modelled charge is counted apart (`charged_seconds`).
+
 Waits sleep while far (releasing the GIL) and spin the last `spin` seconds, yielding the GIL at
 every turn, because a sleep overshoots by the kernel's timer slack. Each lane thread's CPU time is
 counted without its waits, so what the host stack costs per lane is measured next to the wall clock.
@@ -38,9 +44,19 @@ def wait_until(deadline: float, spin: float = SPIN_SECONDS) -> None:
         time.sleep(0)  # yields the GIL to the other lanes
 
 
+def burn(seconds: float) -> None:
+    """Spend `seconds` of this thread's CPU time (a launch's host work), yielding the GIL at every
+    turn as torch does around a dispatch."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        time.sleep(0)
+
+
 class RealClockWorker:
-    def __init__(self, cost: Cost, spin: float = SPIN_SECONDS) -> None:
+    def __init__(self, cost: Cost, spin: float = SPIN_SECONDS, host: Cost | None = None) -> None:
         self._cost = cost
+        self._host = host
+        self._charged: dict[Lane, float] = {}  # lane -> modelled launch seconds charged (its thread only)
         self._spin = spin
         self._pools: dict[Lane, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
@@ -63,6 +79,10 @@ class RealClockWorker:
         """A GPU node: the action on the host, then the device time queued behind lane and producers."""
         cpu = time.thread_time()
         cost, error = self._act(node, action)
+        if self._host is not None and error is None:
+            charge = max(0.0, self._host(node))
+            self._charged[node.lane] = self._charged.get(node.lane, 0.0) + charge
+            burn(charge)  # the launches, on this thread: the device time begins after them
         begin = max(time.perf_counter(), self._free.get(node.lane, 0.0), self._after(node))
         end = self._ends[node.id] = self._free[node.lane] = begin + cost
         finish(begin, end, error)  # enqueued; the executor's hand-off to released nodes runs here
@@ -112,6 +132,11 @@ class RealClockWorker:
     def host_seconds(self) -> dict[str, float]:
         """CPU seconds each lane thread spent on host work (actions and the executor), waits excluded."""
         return {str(lane): seconds for lane, seconds in sorted(self._busy.items())}
+
+    def charged_seconds(self) -> dict[str, float]:
+        """The modelled launch seconds charged on each GPU lane's thread (`host`), exact: the CPU time
+        spent on them is in `host_seconds`."""
+        return {str(lane): seconds for lane, seconds in sorted(self._charged.items())}
 
     def close(self) -> None:
         for pool in self._pools.values():

@@ -11,6 +11,9 @@ torch's meta kernels are Python reference implementations (measured on the 2-vCP
 64 decode sequences: pre-attention 1.6 ms, attention 0.6 ms per call), far more host time than a
 CUDA launch of the same ops, so running them would charge the host for work a GPU run does not
 do. Routing is answered from the simulation's routing (a trace or synthetic).
+What the meta tensors leave out is charged as a model (`LaunchCosts`): the host time a CUDA run spends
+launching each GPU node's torch operations, on the lane thread that launches them (`RealClockWorker`'s
+`host`), with per-operation and per-node costs measured on the H200 run (issue 29).
 The virtual-clock makespan of the same steps comes next to the wall clock's, so their ratio is
 what the host stack costs a GPU run that the simulator does not see.
 """
@@ -19,11 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
-from attrs import evolve
+from attrs import evolve, field, frozen
 
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.executor import Action
@@ -49,6 +52,53 @@ BOOKKEEPING = frozenset({Op.PAGE_COPY, Op.EVICT})  # actions that run for real, 
 USES_EXPERT = frozenset({Op.EXPERT_FFN})
 USES_LAYER = frozenset({Op.PRE_ATTN, Op.GPU_ATTN, Op.POST_ATTN, Op.GATE, Op.PREGATE, Op.SHARED_FFN})
 META = torch.device("meta")
+
+# Host costs of a CUDA run's launches, measured on the H200 run (../shared/gpu-runs/2026-11-27-h200,
+# NVIDIA H200 host, torch 2.11.0+cu130, Python 3.12; t4-cgopipe-trace.json.gz: cgopipe, Mixtral-8x7B x12
+# layers, 32 prompts, 4 micro-batches, 16 GiB; its 15 decode steps). A gpu.compute span runs from the
+# begin event to the end event recorded around the node's action (devices/cuda.py), so for a node whose
+# kernels take microseconds (the dense per-layer nodes at decode: 8 rows per micro-batch) it is the time
+# the launch thread took to dispatch them; the built-in model's trace (builtin-cgopipe-cuda-trace.json.gz,
+# kernels of a toy model) shows the same spans (median pre_attn 401 / gpu_attn 665 / post_attn 222 /
+# gate 472 / combine 206 us vs 389 / 615 / 212 / 451 / 259 us), so they are launch time, not kernel time.
+# Least squares over those five kinds of median span (us) against torch operations per node
+# (bench/step_counts.json, cgopipe at the H200 setting, views apart: 32.1 / 46 / 10 / 27.8 / 18.8):
+# span = 80.9 us + 11.31 us x operations (r^2 = 0.92).
+OP_SECONDS = 11.31e-6  # the slope: host time per torch operation dispatched and launched
+NODE_SECONDS = 80.9e-6  # the intercept: a compute node's action's own host time beyond its operations
+# Torch operations per node by kind (views apart): bench/step_counts.json at commit d976cd2, cgopipe at
+# the H200 setting, ops_by_op / nodes_by_op; PAGE_COPY: cuda_page_copy_ops_per_step / PAGE_COPY nodes
+# (10,584 / 1,512: `_copy_page`'s views, slices and copy_ for one 16 MiB page). Kinds that row lacks
+# are charged NODE_SECONDS only (GPU compute) or nothing (copies).
+H200_OPS: Mapping[Op, float] = {
+    Op.EMBED: 2.0, Op.PRE_ATTN: 32.08, Op.GPU_ATTN: 46.0, Op.POST_ATTN: 10.0, Op.GATE: 27.77,
+    Op.EXPERT_FFN: 6.45, Op.COMBINE: 18.77, Op.LM_HEAD: 15.0, Op.PAGE_COPY: 7.0,
+}  # fmt: skip
+
+
+@frozen
+class LaunchCosts:
+    """The host seconds a CUDA run's launch thread spends on a GPU node: `op_seconds` per torch
+    operation it dispatches (`ops`: operations per node by kind), plus `node_seconds` for a compute
+    node's action (PAGE_COPY and EVICT run their real bookkeeping here: only their operations are
+    charged). Host-lane nodes are charged nothing (their modelled duration holds their thread)."""
+
+    op_seconds: float = OP_SECONDS
+    node_seconds: float = NODE_SECONDS
+    ops: Mapping[Op, float] = field(factory=lambda: dict(H200_OPS))
+
+    def __call__(self, node: TaskNode) -> float:
+        if not node.lane.on_gpu:
+            return 0.0
+        own = 0.0 if node.op in BOOKKEEPING else self.node_seconds
+        return own + self.op_seconds * self.ops.get(node.op, 0.0)
+
+    def charge(self, nodes: Sequence[TaskNode]) -> float:
+        """The modelled host seconds of `nodes` (a run's: the sum its lane threads were charged)."""
+        return sum(self(node) for node in nodes)
+
+
+NO_LAUNCH = LaunchCosts(0.0, 0.0, {})  # the real clock without launch costs (the host stack alone)
 
 
 class MetaSource:
@@ -77,9 +127,11 @@ def realtime_run(
     steps: Sequence[StepShape] | None = None,
     runner: Runner = asyncio.run,
     model: MoEModel | None = None,
+    launch: LaunchCosts | None = None,
 ) -> RealtimeRun:
     """Scheduler `name` over `steps` (default: the simulation's) on the real clock, next to the same
-    steps on the virtual clock. `runner` runs the coroutine (the CLI passes uvloop's)."""
+    steps on the virtual clock. `runner` runs the coroutine (the CLI passes uvloop's); `launch`: the
+    host cost of each GPU node's launches (default: the H200 run's, `LaunchCosts()`)."""
     setup = simulation.setup
     steps = list(simulation.steps if steps is None else steps)
     cost = RooflineCost(setup.hardware, setup.spec)
@@ -90,7 +142,7 @@ def realtime_run(
     devices = Devices(META, META)
     weights = DeviceWeights(model, devices)
     weights.setup(scheduler.residency(), scheduler.weight_buffer_bytes())
-    worker = RealClockWorker(cost)
+    worker = RealClockWorker(cost, host=LaunchCosts() if launch is None else launch)
     runtime = Runtime(model, scheduler, devices, weights, dict.fromkeys(Lane, worker), None, Trace(name=name))
     state = StepState.create(model, [], devices, weights)
 

@@ -1,0 +1,78 @@
+"""The real clock charges a CUDA run's launches to the thread that launches (issue 29, item 4)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from attrs import evolve
+
+from flowmoe.core.executor import Executor, Span
+from flowmoe.core.plan import Lane, Op, TaskNode
+from flowmoe.devices.realclock import RealClockWorker
+from flowmoe.study.realtime import H200_OPS, NO_LAUNCH, LaunchCosts, realtime_run
+from tests.test_realtime import simulation
+
+COPY = TaskNode(0, Op.PAGE_COPY, Lane.GPU_H2D, layer=0, mb=0)
+FFN = TaskNode(1, Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer=0, mb=0, deps=(0,))
+ATTN = TaskNode(2, Op.GPU_ATTN, Lane.GPU_COMPUTE, layer=0, mb=0, deps=(1,))
+HOST = TaskNode(3, Op.CPU_ATTN, Lane.CPU_COMPUTE, layer=0, mb=0, deps=(2,))
+NODES = (COPY, FFN, ATTN, HOST)
+
+
+def run_nodes(worker: RealClockWorker) -> dict[int, Span]:
+    async def run() -> list[Span]:
+        executor = Executor(dict.fromkeys(Lane, worker))
+        for node in NODES:
+            executor.submit(node, None)
+        await executor.drain()
+        worker.synchronize()
+        return executor.spans
+
+    try:
+        return {s.node.id: s for s in asyncio.run(run())}
+    finally:
+        worker.close()
+
+
+def test_launch_costs_per_operation_and_per_node() -> None:
+    costs = LaunchCosts(op_seconds=1e-5, node_seconds=1e-4, ops={Op.EXPERT_FFN: 6, Op.PAGE_COPY: 7})
+    assert costs(FFN) == pytest.approx(1e-4 + 6e-5)  # a compute node: its action plus its operations
+    assert costs(COPY) == pytest.approx(7e-5)  # a page copy's bookkeeping runs for real: its operations only
+    assert costs(ATTN) == pytest.approx(1e-4)  # a kind without a count: the node's own cost
+    assert costs(HOST) == 0.0  # a host node's modelled duration holds its thread already
+    assert NO_LAUNCH(FFN) == 0.0 and LaunchCosts()(FFN) > 0  # the H200 run's costs by default
+
+
+def test_more_operations_per_node_cost_more_host_time() -> None:
+    """The regression benchmark's premise: cutting operations cuts the modelled charge."""
+    nodes = [s.node for s in realtime_run(simulation(), "cgopipe", launch=NO_LAUNCH).trace.spans]
+    base = LaunchCosts()
+    grouped = evolve(base, ops={**H200_OPS, Op.EXPERT_FFN: 2 * H200_OPS[Op.EXPERT_FFN]})
+    assert any(n.op == Op.EXPERT_FFN for n in nodes)
+    assert grouped.charge(nodes) > base.charge(nodes) > 0
+
+
+def test_the_charge_lands_on_the_launching_lane_before_the_device_time() -> None:
+    costs = LaunchCosts(op_seconds=1e-3, node_seconds=5e-3, ops={Op.EXPERT_FFN: 4, Op.PAGE_COPY: 2})
+    worker = RealClockWorker(lambda node: 1e-3, host=costs)
+    spans = run_nodes(worker)
+    charged = worker.charged_seconds()
+    assert charged == pytest.approx({"gpu.compute": costs(FFN) + costs(ATTN), "gpu.h2d": costs(COPY)})
+    host = worker.host_seconds()
+    for lane, seconds in charged.items():  # spent as the lane thread's CPU time
+        assert host[lane] >= seconds
+    # the kernels cannot start before they are launched: each GPU span begins after its charge
+    for node in (COPY, FFN, ATTN):
+        assert spans[node.id].start - spans[node.id].queued >= costs(node)
+    assert spans[HOST.id].start >= spans[ATTN.id].end
+
+
+def test_realtime_run_charges_its_host() -> None:
+    sim = simulation()
+    costs = LaunchCosts(op_seconds=2e-6, node_seconds=2e-5)
+    run = realtime_run(sim, "cgopipe", launch=costs)
+    charge = costs.charge([s.node for s in run.trace.spans])
+    assert charge > 0
+    gpu_lanes = sum(v for k, v in run.host_seconds.items() if k.startswith("gpu."))
+    assert gpu_lanes >= charge  # the lane threads' CPU time holds the charge
