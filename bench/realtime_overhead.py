@@ -17,6 +17,15 @@ replaced by waiting its modelled duration, `flowmoe simulate --realtime`). ratio
 simulated; host s/step = CPU time of the lane threads and the event loop's thread per step.
 
     python bench/realtime_overhead.py --label baseline [--steps 1] [--only cgopipe]
+    python bench/realtime_overhead.py --h200 [--steps 3]
+
+`--h200` (issue 29, item 4: the regression benchmark of the host's launches) runs the H200 GPU run's
+setting instead (../shared/gpu-runs/2026-11-27-h200: cgopipe, Mixtral-8x7B x12 layers, 32 prompts of
+~128 tokens, 16 new tokens, 4 micro-batches, 25% of experts resident, 16 GiB, `h200` preset) on the real
+clock with the launch costs measured on that run (`flowmoe.study.realtime.LaunchCosts`, torch
+operations per node from bench/step_counts.json: re-run that bench after cutting operations) and
+without them, and prints the predicted host seconds per decode step next to the step's link time
+and the measured 0.79 s.
 
 Prints a rich table; results go into bench/realtime_overhead.json under the label (other labels
 are kept, so a baseline and a later run sit side by side).
@@ -36,14 +45,16 @@ from attrs import evolve
 from rich.console import Console
 from rich.table import Table
 
+from flowmoe.core.cost import RooflineCost
 from flowmoe.core.hardware import hardware
-from flowmoe.core.policy import Policy
+from flowmoe.core.plan import Lane, Op
+from flowmoe.core.policy import Policy, parse_bytes
 from flowmoe.core.policy_search import search
 from flowmoe.core.presets import preset
 from flowmoe.core.synthetic_routing import RoutingModel
 from flowmoe.core.workloads import workload
 from flowmoe.study.best_policy import Given, best_policy
-from flowmoe.study.realtime import meta_model, realtime_run
+from flowmoe.study.realtime import NO_LAUNCH, LaunchCosts, meta_model, realtime_run
 from flowmoe.study.simulate import Setup, Simulation
 
 console = Console()
@@ -100,6 +111,48 @@ def run_row(label: str, hw_name: str, batch: int | None, name: str, steps: int, 
             "nodes_per_step": len(run.trace.spans) / run.steps, **run.to_json()}  # fmt: skip
 
 
+H200_HOST_MEASURED = (
+    0.7918  # s/step: `trace summarize` of t4-cgopipe-trace.json.gz (its 15 decode steps: 0.760)
+)
+H200_LINK_MEASURED = 0.465  # s: 25.4 GB per decode step / 54.6 GB/s (the run's README)
+COUNTS = Path(__file__).with_name("step_counts.json")
+
+
+def counted_ops(path: Path = COUNTS) -> dict[Op, float]:
+    """Torch operations per node by kind, cgopipe at the H200 setting, from bench/step_counts.json (as
+    flowmoe.study.realtime.H200_OPS was taken at d976cd2; re-run bench/step_counts.py after a cut)."""
+    data = json.loads(path.read_text())
+    row = next(r for r in data["rows"] if r["scheduler"] == "cgopipe" and r["setting"].startswith("H200"))
+    ops = {Op[k]: v / row["nodes_by_op"][k] for k, v in row["ops_by_op"].items()}
+    pages = row["nodes_by_op"].get("PAGE_COPY")
+    if pages:
+        ops[Op.PAGE_COPY] = row["cuda_page_copy_ops_per_step"] / pages
+    return ops
+
+
+def h200_rows(steps: int) -> list[dict[str, Any]]:
+    """The H200 run's setting on the real clock, with the measured launch costs and without."""
+    spec = preset("mixtral-8x7b", layers=12)
+    setup = Setup(spec, hardware("h200"), workload("fixed:128:16"), Policy(), RoutingModel(0.5, 0.3))
+    given = Given(32, 4, "gpu", None, 0.25, None, parse_bytes("16GiB"))
+    result = best_policy(setup, "cgopipe", given)
+    assert result.policy is not None, result.error
+    simulation = Simulation(evolve(setup, policy=result.policy, decode_samples=steps + 1))
+    decode = simulation.steps[-steps:]
+    model = meta_model(spec)
+    cost = RooflineCost(setup.hardware, spec)
+    rows = []
+    for label, launch in (("launch costs", LaunchCosts(ops=counted_ops())), ("host stack only", NO_LAUNCH)):
+        run = realtime_run(simulation, "cgopipe", decode, model=model, launch=launch)
+        host = run.to_json()
+        charged = launch.charge([s.node for s in run.trace.spans]) / run.steps
+        lanes = {k: v / run.steps for k, v in run.host_seconds.items()}
+        link = sum(cost(s.node) for s in run.trace.spans if s.node.lane == Lane.GPU_H2D) / run.steps
+        rows.append({"label": label, "charged_s_per_step": charged, "lanes_s_per_step": lanes,
+                     "link_s_per_step": link, **host})  # fmt: skip
+    return rows
+
+
 def table(label: str, rows: list[dict[str, Any]]) -> Table:
     t = Table(title=f"real-clock vs simulated decode steps ({label}), Mixtral-8x7B, {machine()}")
     for column in ("setting", "scheduler", "N (μ x n)", "nodes/step", "simulated s", "real-clock s", "ratio",
@@ -130,8 +183,41 @@ def table(label: str, rows: list[dict[str, Any]]) -> Table:
     return t
 
 
+def h200_main(label: str, steps: int, out: Path) -> None:
+    started = time.time()
+    rows = h200_rows(steps)
+    t = Table(title=f"H200 run's setting on the real clock ({label}), {machine()}")
+    for column in ("launches", "host s/decode step", "of it charged", "vs measured 0.79 s", "link s/step",
+                   "host / link", "real-clock s/step", "busiest host thread"):  # fmt: skip
+        t.add_column(column, justify="right")
+    for r in rows:
+        host, lanes = r["host_seconds_per_step"], r["lanes_s_per_step"]
+        top = max(lanes, key=lanes.__getitem__)
+        link, wall = r["link_s_per_step"], r["realtime_makespan_seconds"] / r["realtime_steps"]
+        t.add_row(r["label"], f"{host:.3f}", f"{r['charged_s_per_step']:.3f}",
+                  f"{host / H200_HOST_MEASURED:.2f}", f"{link:.3f}", f"{host / link:.2f}", f"{wall:.3f}",
+                  f"{top} {lanes[top]:.3f} s")  # fmt: skip
+    console.print(t)
+    console.print(f"measured on the H200: host {H200_HOST_MEASURED} s/step, link {H200_LINK_MEASURED} s/step")
+    data = json.loads(out.read_text()) if out.exists() else {}
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
+    measured = {"host_s_per_step": H200_HOST_MEASURED, "link_s": H200_LINK_MEASURED}
+    data[f"h200:{label}"] = {"machine": machine(), "date": date, "steps_per_row": steps, "rows": rows,
+                             "measured": measured}  # fmt: skip
+    out.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo), where the system says."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+
+
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
+    cpu = cpu_model() or platform.processor() or platform.machine()
     return f"{os.cpu_count()}-vCPU shared VM ({cpu}), Python {platform.python_version()}"
 
 
@@ -141,7 +227,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1, help="decode steps run per row")
     parser.add_argument("--only", help="comma-separated schedulers (default: the five)")
     parser.add_argument("--out", type=Path, default=OUT, help="JSON file the results are merged into")
+    parser.add_argument("--h200", action="store_true", help="the H200 run's setting: predicted host per step")
     args = parser.parse_args()
+    if args.h200:
+        h200_main(args.label, args.steps, args.out)
+        return
     names = args.only.split(",") if args.only else SCHEDULERS
     model = meta_model(preset("mixtral-8x7b"))
     rows = []
