@@ -11,6 +11,8 @@ tier (and the hardware has one).
 
 from __future__ import annotations
 
+import os
+
 from attrs import frozen
 
 from flowmoe.core.errors import MemoryBudgetError
@@ -100,6 +102,29 @@ def gpu_memory(scheduler: Scheduler, batch: BatchShape) -> MemoryNeed:
             MemoryNeed(weights, buffers, kv, activation_bytes(spec, largest.tokens, largest.sequences))
         )
     return max(needs, key=lambda need: need.total)
+
+
+def physical_memory() -> int:
+    """This host's physical memory in bytes (what no batch can exceed, wherever its cache lives)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_batch_size(scheduler: Scheduler, batch: BatchShape, who: str) -> None:
+    """Refuse, before anything is allocated, a batch whose KV cache (on the GPU and the host
+    together) and largest step's activations exceed this host's physical memory: both are sized
+    from the input (prompt lengths, max_position_embeddings), so a long prompt for a model claiming
+    10**9 positions is one line, not an allocation of tens of GB on the CPU path."""
+    spec = scheduler.context.spec
+    kv = kv_bytes(scheduler, batch, on_gpu=True) + kv_bytes(scheduler, batch, on_gpu=False)
+    steps = (max(step.micro_batches, key=lambda mb: mb.tokens) for step in batch.steps())
+    acts = max(activation_bytes(spec, mb.tokens, mb.sequences) for mb in steps)
+    host = physical_memory()
+    if kv + acts > host:
+        raise MemoryBudgetError(
+            f"{who} needs {gib(kv)} of KV cache and {gib(acts)} of activations, more than this host's "
+            f"{gib(host)} of memory; use shorter prompts, fewer new tokens, a smaller --batch-size "
+            "or --kv-budget"
+        )
 
 
 def host_memory(scheduler: Scheduler, batch: BatchShape) -> HostNeed:

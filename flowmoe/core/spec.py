@@ -323,8 +323,8 @@ class ModelSpec:
             if path.is_dir():
                 path = path / "config.json"
             config, where = read_json_object(path), str(path)
-        family = family_for_config(config, where)
         check_config(config, where)
+        family = family_for_config(config, where)
         try:
             return family.parse(config, name=_model_name(source))
         except KeyError as exc:

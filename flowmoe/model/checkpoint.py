@@ -49,6 +49,9 @@ FLOAT_DTYPES = {"F32", "F16", "BF16"}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+SIZE_SLACK = 8  # the spec's dtype (or --dtype) over fp8 or other narrower stored weights
+
+
 @define
 class Checkpoint:
     """A checkpoint folder opened for lazy reading; implements TensorSource."""
@@ -74,6 +77,7 @@ class Checkpoint:
         ckpt = cls(folder, spec, TORCH_DTYPES[spec.dtype], fp8=fp8)
         try:
             ckpt._locate(ckpt._weight_map())
+            ckpt._check_size()
             ckpt.validate()
         except BaseException:
             ckpt.close()
@@ -128,6 +132,17 @@ class Checkpoint:
                 self._handles[shard] = self._stack.enter_context(safe_open(str(shard), framework="pt"))
             except (SafetensorError, OSError) as exc:
                 raise CheckpointError(f"{shard}: not a readable safetensors file ({exc})") from exc
+
+    def _check_size(self) -> None:
+        """The weights config.json describes must be about what the shards hold, checked before the
+        tensor names of every layer and expert are listed (a config claiming 10**9 experts)."""
+        stored = sum(shard.stat().st_size for shard in set(self._where.values()))
+        claimed = self.spec.total_bytes
+        if claimed > SIZE_SLACK * stored + 2**26:
+            raise CheckpointError(
+                f"{self.folder / 'config.json'}: describes {claimed / 2**30:.3g} GiB of weights but the "
+                f"shards hold {stored / 2**30:.3g} GiB; check its sizes (layers, experts, hidden, vocab)"
+            )
 
     def _shards(self, weight_map: dict[str, Path] | None) -> list[Path]:
         if weight_map is not None:

@@ -20,7 +20,7 @@ from attrs import Factory, define, field
 
 from flowmoe.core.driver import NodeBudget, drive
 from flowmoe.core.executor import Action, Executor, Span, Worker
-from flowmoe.core.memory import MemoryNeed, gpu_memory
+from flowmoe.core.memory import MemoryNeed, check_batch_size, gpu_memory
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.routing_trace import RoutingTrace
@@ -156,6 +156,7 @@ class Runtime:
         longest = max(p for g in batch.prompts for p in g) + batch.gen
         who = f"scheduler {self.scheduler.name} with {sequences} sequences of up to {longest} tokens"
         need.check(self.scheduler.context.policy.gpu_memory, who)
+        check_batch_size(self.scheduler, batch, who)
         return need
 
     async def __call__(self, model: MoEModel, inputs: Sequence[StepInput]) -> list[torch.Tensor]:

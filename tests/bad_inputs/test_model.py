@@ -95,20 +95,36 @@ BAD_FIELDS = [
     ("num_hidden_layers", -2, "an integer from 1 to 4096, got -2"),
     ("num_hidden_layers", 2.7, "an integer from 1 to 4096, got 2.7"),
     ("num_hidden_layers", True, "an integer from 1 to 4096, got true"),
-    ("num_experts_per_tok", 0, "an integer ≥ 1, got 0"),
+    ("num_experts_per_tok", 0, "an integer from 1 to 65536, got 0"),
     ("num_experts_per_tok", 9, "an integer from 1 to the 8 experts, got 9"),
-    ("num_local_experts", 0, "an integer ≥ 1, got 0"),
+    ("num_local_experts", 0, "an integer from 1 to 65536, got 0"),
+    ("num_local_experts", 10**9, "an integer from 1 to 65536, got 1000000000"),  # hung listing its tensors
+    ("max_position_embeddings", 1e15, "an integer from 1 to 4294967296, got 1000000000000000.0"),
+    ("max_position_embeddings", 10**15, "an integer from 1 to 4294967296, got 1000000000000000"),
+    ("rms_norm_eps", 10**400, "a number > 0 and ≤ 1, got 1000"),  # past float's range: OverflowError
+    ("rms_norm_eps", 2, "a number > 0 and ≤ 1, got 2"),
+    ("hidden_size", 2**40, "an integer from 1 to 1048576, got 1099511627776"),
+    ("vocab_size", 2**30, "an integer from 1 to 16777216, got 1073741824"),
+    (
+        "rope_scaling",
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0},
+        '"rope_scaling.original_max_position_embeddings" must be an integer from 1 to 4294967296, got 0',
+    ),
+    ("architectures", 5, '"architectures" must be a list of strings, got 5'),
+    ("architectures", ["Qwen2MoeForCausalLM"], "name different model families (qwen2_moe, mixtral)"),
+    ("model_type", "qwen3_moe", "name different model families (mixtral, qwen3_moe)"),
+    ("model_type", ["mixtral"], '"model_type" must be a string, got ["mixtral"]'),
     ("rope_theta", -1, "a number > 0, got -1"),
-    ("sliding_window", -5, "an integer ≥ 0, got -5"),
-    ("num_attention_heads", 0, "an integer ≥ 1, got 0"),
+    ("sliding_window", -5, "an integer from 0 to 4294967296, got -5"),
+    ("num_attention_heads", 0, "an integer from 1 to 4096, got 0"),
     ("num_attention_heads", 6, '"num_key_value_heads" must divide "num_attention_heads" (6), got 4'),
-    ("hidden_size", "abc", 'an integer ≥ 1, got "abc"'),
+    ("hidden_size", "abc", 'an integer from 1 to 1048576, got "abc"'),
     ("hidden_size", 250, '"hidden_size" (250) must be a multiple of "num_attention_heads" (8)'),
-    ("vocab_size", 0, "an integer ≥ 1, got 0"),
-    ("intermediate_size", -1, "an integer ≥ 1, got -1"),
-    ("head_dim", 0, "an integer ≥ 1, got 0"),
-    ("max_position_embeddings", 0, "an integer ≥ 1, got 0"),
-    ("rms_norm_eps", 0, "a number > 0, got 0"),
+    ("vocab_size", 0, "an integer from 1 to 16777216, got 0"),
+    ("intermediate_size", -1, "an integer from 1 to 1048576, got -1"),
+    ("head_dim", 0, "an integer from 1 to 1048576, got 0"),
+    ("max_position_embeddings", 0, "an integer from 1 to 4294967296, got 0"),
+    ("rms_norm_eps", 0, "a number > 0 and ≤ 1, got 0"),
     ("tie_word_embeddings", "yes", 'true or false, got "yes"'),
     ("eos_token_id", "</s>", 'an integer or a list of integers, got "</s>"'),
     ("eos_token_id", [2, "x"], 'an integer or a list of integers, got [2, "x"]'),
@@ -135,7 +151,7 @@ def test_config_non_finite_number(tmp_path: Path, capsys: pytest.CaptureFixture)
     folder = _config_dir(tmp_path)
     (folder / "config.json").write_text(json.dumps({**BUILTIN_CONFIG, "rms_norm_eps": float("nan")}))
     assert "NaN" in (folder / "config.json").read_text()
-    assert '"rms_norm_eps" must be a number > 0, got NaN' in _fails(folder, tmp_path, capsys)
+    assert '"rms_norm_eps" must be a number > 0 and ≤ 1, got NaN' in _fails(folder, tmp_path, capsys)
 
 
 def test_every_family_and_preset_config_passes_the_table() -> None:

@@ -49,10 +49,21 @@ def family_named(name: str) -> Family:
 
 
 def family_for_config(config: dict[str, Any], where: str = "config") -> Family:
+    """The family `architectures` and `model_type` name; when both name a family they must name
+    the same one (a config naming two is refused, not settled by the registry's order)."""
     archs = config.get("architectures") or []
     model_type = config.get("model_type")
-    for family in FAMILIES:
-        if any(a in family.architectures for a in archs) or model_type in family.model_types:
-            return family
+    by_arch = [f for f in FAMILIES if any(a in f.architectures for a in archs)]
+    by_type = [f for f in FAMILIES if model_type in f.model_types]
+    if by_arch and by_type and by_type[0] not in by_arch:
+        raise ConfigError(
+            f'{where}: "architectures" ({", ".join(map(str, archs))}) and "model_type" ({model_type}) '
+            f"name different model families ({by_arch[0].name}, {by_type[0].name}); fix one of them"
+        )
+    if len(by_arch) > 1:
+        names = ", ".join(f.name for f in by_arch)
+        raise ConfigError(f'{where}: "architectures" names more than one model family ({names})')
+    for family in (*by_arch, *by_type):
+        return family
     found = ", ".join(archs) or model_type or "none given"
     raise ConfigError(f"{where}: unsupported architecture {found}; supported: {supported()}")

@@ -19,6 +19,15 @@ from flowmoe.core.errors import ConfigError
 Kind = Literal["int", "number", "bool", "str"]
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 MAX_LAYERS = 4096  # per-layer tables are built eagerly; Qwen3-235B-A22B's config.json has 94
+# Every size a config gives is bounded before anything is built from it (tables per expert, per
+# layer or per position), far beyond every published model (Kimi K2: 384 experts, 7168 hidden,
+# 163840 vocab) yet below what a host could hold; whether the weights fit is judged against the
+# checkpoint's shards (model/checkpoint.py) and the KV cache against the host's memory (jobs).
+MAX_WIDTH = 2**20  # hidden, intermediate and head sizes
+MAX_HEADS = 2**12
+MAX_EXPERTS = 2**16
+MAX_VOCAB = 2**24
+MAX_POSITIONS = 2**32  # positions (max_position_embeddings, windows, chunks)
 
 
 @frozen
@@ -47,7 +56,10 @@ class Field:
             return False
         if self.kind == "int" and not isinstance(value, int):
             return False
-        if not math.isfinite(value):
+        try:
+            if not math.isfinite(value):
+                return False
+        except OverflowError:  # an integer past float's range (10**400): no field takes it
             return False
         return (
             (self.at_least is None or value >= self.at_least)
@@ -75,38 +87,43 @@ class Field:
             f"> {_num(self.above)}" if self.above is not None else "",
             f"≤ {_num(self.at_most)}" if self.at_most is not None else "",
         ]
-        return " ".join([text, *(b for b in bounds if b)])
+        return " ".join([text, " and ".join(b for b in bounds if b)]).strip()
 
 
 def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
-COUNT = Field("int", at_least=1)
+COUNT = Field("int", at_least=1, at_most=MAX_WIDTH)
+HEADS = Field("int", at_least=1, at_most=MAX_HEADS)
+EXPERTS = Field("int", at_least=1, at_most=MAX_EXPERTS)
+POSITIONS = Field("int", at_least=1, at_most=MAX_POSITIONS)
 POSITIVE = Field("number", above=0)
 FLAG = Field("bool")
 
 FIELDS: dict[str, Field] = {
-    "vocab_size": COUNT,
+    "architectures": Field("str", many=True),
+    "model_type": Field("str"),
+    "vocab_size": Field("int", at_least=1, at_most=MAX_VOCAB),
     "hidden_size": COUNT,
     "num_hidden_layers": Field("int", at_least=1, at_most=MAX_LAYERS),
-    "num_attention_heads": COUNT,
-    "num_key_value_heads": COUNT,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": HEADS,
     "head_dim": COUNT,
-    "num_local_experts": COUNT,
-    "num_experts": COUNT,
-    "n_routed_experts": COUNT,
-    "num_experts_per_tok": COUNT,
+    "num_local_experts": EXPERTS,
+    "num_experts": EXPERTS,
+    "n_routed_experts": EXPERTS,
+    "num_experts_per_tok": EXPERTS,
     "intermediate_size": COUNT,
     "moe_intermediate_size": COUNT,
-    "shared_expert_intermediate_size": Field("int", at_least=0),
+    "shared_expert_intermediate_size": Field("int", at_least=0, at_most=MAX_WIDTH),
     "decoder_sparse_step": COUNT,
     "mlp_only_layers": Field("int", at_least=0, many=True),
     "layer_types": Field("str", choices=LAYER_TYPES, many=True),
-    "max_position_embeddings": COUNT,
-    "rms_norm_eps": POSITIVE,
+    "max_position_embeddings": POSITIONS,
+    "rms_norm_eps": Field("number", above=0, at_most=1),
     "rope_theta": POSITIVE,
-    "sliding_window": Field("int", at_least=0),
+    "sliding_window": Field("int", at_least=0, at_most=MAX_POSITIONS),
     "use_sliding_window": FLAG,
     "tie_word_embeddings": FLAG,
     "attention_bias": FLAG,
@@ -122,7 +139,7 @@ FIELDS: dict[str, Field] = {
     "moe_layers": Field("int", at_least=0, many=True),
     "intermediate_size_mlp": COUNT,
     "no_rope_layers": Field("int", at_least=0, at_most=1, many=True),
-    "attention_chunk_size": COUNT,
+    "attention_chunk_size": POSITIONS,
     "use_qk_norm": FLAG,
     "attn_temperature_tuning": FLAG,
     "attn_scale": Field("number", at_least=0),
@@ -136,9 +153,9 @@ FIELDS: dict[str, Field] = {
     "attention_multiplier": POSITIVE,
     "logits_scaling": POSITIVE,
     # ERNIE 4.5 MoE
-    "moe_num_experts": COUNT,
-    "moe_k": COUNT,
-    "moe_num_shared_experts": Field("int", at_least=0),
+    "moe_num_experts": EXPERTS,
+    "moe_k": EXPERTS,
+    "moe_num_shared_experts": Field("int", at_least=0, at_most=MAX_EXPERTS),
     "moe_layer_start_index": Field("int", at_least=0),
     "moe_layer_end_index": Field("int", at_least=-1),
     "moe_layer_interval": COUNT,
@@ -148,13 +165,13 @@ FIELDS: dict[str, Field] = {
     "kv_lora_rank": COUNT,
     "q_lora_rank": COUNT,
     "qk_nope_head_dim": COUNT,
-    "qk_rope_head_dim": Field("int", at_least=2),
+    "qk_rope_head_dim": Field("int", at_least=2, at_most=MAX_WIDTH),
     "v_head_dim": COUNT,
-    "n_group": COUNT,
-    "topk_group": COUNT,
+    "n_group": EXPERTS,
+    "topk_group": EXPERTS,
     "routed_scaling_factor": POSITIVE,
     "first_k_dense_replace": Field("int", at_least=0),
-    "n_shared_experts": Field("int", at_least=0),
+    "n_shared_experts": Field("int", at_least=0, at_most=MAX_EXPERTS),
     "rope_interleave": FLAG,
     "partial_rotary_factor": Field("number", above=0, at_most=1),
     "topk_method": Field("str"),
@@ -162,6 +179,8 @@ FIELDS: dict[str, Field] = {
 
 # inside `rope_parameters` (transformers 5) or `rope_scaling` (older)
 ROPE_FIELDS: dict[str, Field] = {
+    "architectures": Field("str", many=True),
+    "model_type": Field("str"),
     "rope_theta": POSITIVE,
     "rope_type": Field("str", choices=("default", "linear", "yarn", "llama3", "longrope")),
     "type": Field("str", choices=("default", "linear", "yarn", "llama3", "longrope")),
@@ -172,7 +191,7 @@ ROPE_FIELDS: dict[str, Field] = {
     "low_freq_factor": POSITIVE,
     "high_freq_factor": POSITIVE,
     "factor": POSITIVE,
-    "original_max_position_embeddings": Field("int", at_least=0),
+    "original_max_position_embeddings": POSITIONS,  # YaRN divides by it
     "beta_fast": POSITIVE,
     "beta_slow": POSITIVE,
     "truncate": FLAG,
