@@ -301,12 +301,17 @@ def figures(report: dict[str, float]) -> str:
 
 def job_from(args: argparse.Namespace, model: MoEModel, sampling: SamplingParams) -> JobSpec:
     from flowmoe.jobs.job import JobSpec
+    from flowmoe.jobs.provenance import model_identity
+    from flowmoe.model.builtin import ensure_builtin
 
     if any(not s for s in args.stop):
         raise FlowmoeError("--stop must not be empty")
     budget = kv_budget_tokens(args.kv_budget, model) if args.kv_budget else None
+    source = args.model or str(ensure_builtin())
+    produced_by = model_identity(source, args.dtype, args.layers) if Path(source).is_dir() else None
     return JobSpec(args.prompts, args.output, args.max_new_tokens, sampling, args.batch_size,
-                   args.micro_batches, budget, tuple(args.stop), args.chat)  # fmt: skip
+                   args.micro_batches, budget, tuple(args.stop), args.chat,
+                   produced_by, args.force)  # fmt: skip
 
 
 def kv_budget_tokens(text: str, model: MoEModel) -> int:

@@ -21,6 +21,7 @@ from flowmoe.jobs.batching import BatchLimits, Request, plan_batch
 from flowmoe.jobs.engine import Engine, JobRunner, Result, StepStats
 from flowmoe.jobs.joblog import JobLog
 from flowmoe.jobs.prompts import PromptLine, max_line_bytes, read_prompts
+from flowmoe.jobs.provenance import check_and_record
 from flowmoe.jobs.sampling import SamplingParams
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.tokenizer import StopStrings, TextCodec
@@ -39,6 +40,15 @@ class JobSpec:
     kv_budget: int | None = None  # KV tokens per micro-batch
     stop: tuple[str, ...] = ()  # stop strings
     chat: bool = False  # wrap each "prompt" as a user message of the chat template
+    produced_by: dict[str, Any] | None = None  # the model's identity (jobs/provenance.py); None: not recorded
+    force: bool = False  # resume even when the output's record names other settings
+
+    def settings(self) -> dict[str, Any]:
+        """Everything a result depends on, as the output's run record keeps it (jobs/provenance.py)."""
+        s = self.sampling
+        return {**(self.produced_by or {}), "--max-new-tokens": self.max_new_tokens,
+                "--temperature": s.temperature, "--top-p": s.top_p, "--top-k": s.top_k, "--seed": s.seed,
+                "--stop": list(self.stop), "--chat": self.chat}  # fmt: skip
 
     def limits(self, model: MoEModel) -> BatchLimits:
         return BatchLimits(
@@ -86,6 +96,8 @@ def build_requests(
             requests.append(request)
         except PromptFileError as exc:
             errors.append(f"{job.prompts}:{line.line}: {exc}")
+    if not requests:  # every line failed its length, KV or tokenizer check: nothing would run
+        raise PromptFileError(f"{job.prompts}: no prompt line can run; first problem: {errors[0]}")
     return requests, tuple(errors)
 
 
@@ -137,6 +149,8 @@ async def run_job(
     todo = [r for r in requests if r.id not in output.done]
     started, done = time.perf_counter(), 0
     try:
+        if job.produced_by is not None:
+            check_and_record(job.output, job.prompts, job.settings(), bool(output.done), job.force)
         log.info("job started", prompts=str(job.prompts), output=str(job.output), requests=len(todo),
                  skipped=len(requests) - len(todo), bad_lines=len(errors))  # fmt: skip
         check_memory(runner, todo, limits)

@@ -37,6 +37,7 @@ class PromptFile:
     errors: tuple[str, ...]  # one "FILE:LINE: what is wrong" per bad line
 
 
+LISTED_ERRORS = 100  # bad lines reported one by one; the rest are counted in one more line
 BYTES_PER_POSITION = 32  # an "input_ids" entry takes <= 8 bytes, a text token rarely > 16 (x2 as \u escapes)
 LINE_SLACK = 64 * 1024  # the id, the keys, a chat conversation's framing
 
@@ -64,6 +65,7 @@ def read_prompts(
     prompts: list[PromptLine] = []
     errors: list[str] = []
     seen: set[JobId] = set()
+    unlisted = 0  # bad lines past the first LISTED_ERRORS: counted, not kept
     try:
         with open_regular(path, PromptFileError) as handle:
             for number, (raw, whole) in enumerate(_lines(handle, max_line_bytes), start=1):
@@ -82,12 +84,16 @@ def read_prompts(
                     seen.add(prompt.id)
                     prompts.append(prompt)
                 except PromptFileError as exc:
-                    errors.append(f"{path}:{number}: {exc}")
+                    unlisted += len(errors) >= LISTED_ERRORS
+                    if len(errors) < LISTED_ERRORS:
+                        errors.append(f"{path}:{number}: {exc}")
     except OSError as exc:
         raise PromptFileError(f"{path}: cannot read the prompt file ({exc.strerror or exc})") from exc
     if not prompts:
         detail = f"; first problem: {errors[0]}" if errors else ""
         raise PromptFileError(f"{path}: no usable prompt lines{detail}")
+    if unlisted:
+        errors.append(f"{path}: {unlisted} more bad lines, not listed (the first {LISTED_ERRORS} are)")
     return PromptFile(tuple(prompts), tuple(errors))
 
 
