@@ -62,7 +62,9 @@ def _calibrate(args: argparse.Namespace) -> int:
             args.quick, args.dtype, lambda step: spinner.update(step), args.device, shapes
         )
     save_profile(spec, args.output, guard)
-    table = ui_table(f"calibration of {spec.name}", ("measurement", "value", "unit"), justify="right")
+    table = ui_table(
+        f"calibration of {spec.name}", ("measurement", "value", "unit"), "right", prose=("measurement",)
+    )
     for m in measurements:
         table.add_row(m.name, f"{m.value:.3g}", m.unit)
     table.caption = spec.source

@@ -19,7 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _presets(_args: argparse.Namespace) -> int:
-    presets = table("presets", ("name", "family", "layers", "hidden", "experts", "top-k", "params (B)"))
+    presets = table(
+        "presets", ("name", "family", "layers", "hidden", "experts", "top-k", "params\n(B)"), "right"
+    )
     for name in PRESETS:
         s = preset(name)
         params = s.total_bytes / s.dtype_bytes / 1e9
@@ -37,7 +39,7 @@ def _presets(_args: argparse.Namespace) -> int:
 
 
 def _schedulers(_args: argparse.Namespace) -> int:
-    schedulers = table("schedulers (--scheduler NAME)", ("name", "what it does"))
+    schedulers = table("schedulers (--scheduler NAME)", ("name", "what it does"), prose=("what it does",))
     for name, cls in available().items():
         schedulers.add_row(name, cls.summary)
     for name, error in broken().items():

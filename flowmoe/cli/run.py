@@ -359,8 +359,8 @@ def summary_table(report: JobReport, model: str, scheduler: str) -> Table:
     stats = report.stats
     columns = (
         "requests",
-        "skipped (done)",
-        "prompt tokens",
+        "skipped\n(done)",
+        "prompt\ntokens",
         "generated",
         "prefill s",
         "decode s",

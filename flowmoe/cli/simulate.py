@@ -22,7 +22,7 @@ from rich.table import Table
 from flowmoe.cli.args import BYTES, EXPERT_FORMAT_HELP, FRACTION, NON_NEGATIVE_INT, POSITIVE_INT
 from flowmoe.cli.option_flags import add_option_flags, check_taken, given_options, options_of
 from flowmoe.cli.plan import add_setup_flags, spec_from, workload_from
-from flowmoe.cli.ui import console, out
+from flowmoe.cli.ui import console, out, steps, table
 from flowmoe.cli.writes import add_force_flag, write_guard
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import hardware
@@ -146,10 +146,10 @@ def _report(args: argparse.Namespace, names: list[str]) -> int:
     for name in names:  # each one's options against the model: a page size against its experts, …
         check_options(options_of(name, given.options), setup.spec)
     results = []
-    with console.status("searching each scheduler's best policy") as status:
+    with steps("searching each scheduler's best policy", len(names)) as done:
         for name in names:
-            status.update(f"searching {name}'s best policy")
             results.append(best_policy(setup, name, given))
+            done(name)
     if args.realtime:
         import uvloop
 
@@ -164,6 +164,8 @@ def _report(args: argparse.Namespace, names: list[str]) -> int:
         print(json.dumps(results_json(setup, results)))
         return 0
     out.print(results_table(setup, results))
+    for line in policy_lines(results):
+        out.print(line, soft_wrap=True, highlight=False)
     for r in results:
         if r.error is not None:
             out.print(f"[yellow]{r.scheduler}[/] cannot run: {r.error}", soft_wrap=True)
@@ -177,13 +179,21 @@ def _report(args: argparse.Namespace, names: list[str]) -> int:
 
 
 def realtime_table(results: list[SimulationResult]) -> Table:
-    table = Table(title="the simulated steps on the real clock (real host stack, modelled device time)")
-    for column in ("scheduler", "steps", "simulated s", "real-clock s", "ratio", "host CPU s/step", "top"):
-        table.add_column(column, justify="right")
+    columns = (
+        "scheduler",
+        "steps",
+        "simulated\ns",
+        "real-clock\ns",
+        "ratio",
+        "host CPU\ns/step",
+        "top thread",
+    )
+    shown = table("the simulated steps on the real clock (real host stack, modelled device time)", columns,
+                  "right", prose=("top thread",))  # fmt: skip
     for r in results:
         if (rt := r.realtime) is not None:
             thread = max(rt.host_seconds, key=rt.host_seconds.__getitem__)
-            table.add_row(
+            shown.add_row(
                 r.scheduler,
                 str(rt.steps),
                 f"{rt.makespan_seconds:.3f}",
@@ -192,7 +202,7 @@ def realtime_table(results: list[SimulationResult]) -> Table:
                 f"{rt.host_seconds_per_step:.3f}",
                 f"{thread} {rt.host_seconds[thread]:.2f} s",
             )
-    return table
+    return shown
 
 
 def auto_scheduler(args: argparse.Namespace, model: MoEModel, codec: TextCodec | None,
@@ -216,6 +226,8 @@ def auto_scheduler(args: argparse.Namespace, model: MoEModel, codec: TextCodec |
     with console.status(f"simulating every scheduler on this job ({len(requests)} requests) on {hw.name}"):
         results = rank(model.spec, hw, work, list(available()), max(1, len(requests)), given)
     console.print(results_table(Setup(model.spec, hw, work, Policy()), results))
+    for line in policy_lines(results):
+        console.print(line, soft_wrap=True, highlight=False)
     best = choice(results)
     console.print(f"auto: running {best.scheduler} ({describe_policy(best.policy, best.scheduler)})")
     policy = evolve(best.policy, gpu_memory=given.gpu_memory)
@@ -229,37 +241,48 @@ def auto_scheduler(args: argparse.Namespace, model: MoEModel, codec: TextCodec |
 def results_table(setup: Setup, results: list[SimulationResult]) -> Table:
     work = setup.workload
     title = f"simulated: {setup.spec.name} on {setup.hardware.name}, {work.name} gen {work.gen_len}"
-    table = Table(title=title)
-    for column in ("scheduler", "tokens/s", "vs best", "prefill s", "decode s", "busiest lane", "bubbles s"):
-        table.add_column(column, justify="right")
-    table.add_column("policy ran", justify="left")
+    columns = (
+        "scheduler",
+        "tokens/s",
+        "vs best",
+        "prefill s",
+        "decode s",
+        "busiest lane",
+        "share",
+        "bubbles s",
+    )
+    shown = table(title, [c.replace(" ", "\n") for c in columns], "right")
     best = max((r.throughput for r in results), default=0.0)
     for r in sorted(results, key=lambda r: -r.throughput):
-        policy = describe_policy(r.policy, r.scheduler)
         if r.error is not None:
-            table.add_row(r.scheduler, "-", "-", "-", "-", "[yellow]cannot run, see below[/]", "-", policy)
+            shown.add_row(r.scheduler, "-", "-", "-", "-", "[yellow]cannot run[/]", "-", "-")
             continue
         busiest = max(r.lanes, key=lambda lane: lane.busy_seconds)
         versus = f"{r.throughput / best:.2f}" if best else "-"
-        table.add_row(r.scheduler, f"{r.throughput:.1f}", versus, f"{r.prefill_seconds:.1f}",
-                      f"{r.decode_seconds:.1f}", f"{busiest.lane} {r.utilisation(busiest):.0%}",
-                      f"{busiest.bubble_seconds:.2f}", policy)  # fmt: skip
-    table.caption = (
-        "busiest lane: its busy time / (prefill + decode); throughput = generated tokens / that time; "
-        "bubbles = time the busiest lane sat idle with its next node queued, waiting on dependencies; "
-        "policy ran = each scheduler's best that fits, with every given flag"
+        shown.add_row(r.scheduler, f"{r.throughput:.1f}", versus, f"{r.prefill_seconds:.1f}",
+                      f"{r.decode_seconds:.1f}", busiest.lane, f"{r.utilisation(busiest):.0%}",
+                      f"{busiest.bubble_seconds:.2f}")  # fmt: skip
+    shown.caption = (
+        "share: the busiest lane's busy time / (prefill + decode); tokens/s = generated tokens / that "
+        "time; bubbles = time the busiest lane sat idle with its next node queued, waiting on "
+        "dependencies; each scheduler ran its best policy that fits, with every given flag (below; "
+        "--json: every figure)"
     )
-    return table
+    return shown
+
+
+def policy_lines(results: list[SimulationResult]) -> list[str]:
+    """The policy each scheduler ran, a line each (too long for a table cell at 80 columns)."""
+    return [f"{r.scheduler}: {describe_policy(r.policy, r.scheduler)}" for r in results]
 
 
 def lanes_table(result: SimulationResult) -> Table:
-    table = Table(title=f"{result.scheduler}: lanes over the whole batch")
-    for column in ("lane", "busy s", "utilisation", "bubbles s"):
-        table.add_column(column, justify="right")
+    shown = table(f"{result.scheduler}: lanes over the whole batch", ("lane", "busy s", "utilisation",
+                  "bubbles s"), "right")  # fmt: skip
     for lane in result.lanes:
-        table.add_row(lane.lane, f"{lane.busy_seconds:.2f}", f"{result.utilisation(lane):.1%}",
+        shown.add_row(lane.lane, f"{lane.busy_seconds:.2f}", f"{result.utilisation(lane):.1%}",
                       f"{lane.bubble_seconds:.2f}")  # fmt: skip
-    return table
+    return shown
 
 
 def results_json(setup: Setup, results: list[SimulationResult]) -> dict[str, Any]:

@@ -4,18 +4,18 @@ the same figures `run`, `simulate` and `compare` report), and the critical path.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
 from flowmoe.cli.ui import NO_GPU, out
-from flowmoe.core.bounded_read import TRACE, read_bounded
+from flowmoe.cli.ui import table as ui_table
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.traces.chrome import EMULATED
 from flowmoe.traces.stats import RunStats
 from flowmoe.traces.summary import TraceSummary, summarize
+from flowmoe.traces.trace_file import read_trace
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,22 +29,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def load_trace(path: Path) -> dict[str, Any]:
-    """A Chrome trace in either of its formats: an object with traceEvents, or a bare event array."""
-    if path.is_dir() or not path.exists():  # a FIFO or a device is refused by read_bounded
+    """A Chrome trace in either of its formats: an object with traceEvents, or a bare event array,
+    read event by event (traces/trace_file.py), keeping what the summary reads."""
+    if path.is_dir() or not path.exists():  # a FIFO or a device is refused by read_trace
         raise FlowmoeError(f"{path}: {'a folder, not a trace file' if path.is_dir() else 'no such file'}")
-    try:
-        data = json.loads(read_bounded(path, TRACE, FlowmoeError).decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise FlowmoeError(f"{path}: not UTF-8 text ({exc.reason})") from exc
-    except json.JSONDecodeError as exc:
-        raise FlowmoeError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
-    except RecursionError as exc:
-        raise FlowmoeError(f"{path}: JSON nested too deep") from exc
-    except ValueError as exc:  # an integer of more digits than Python converts
-        raise FlowmoeError(f"{path}: not valid JSON ({exc})") from exc
-    if isinstance(data, list):
-        data = {"traceEvents": data}
-    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+    data = read_trace(path)
+    if not isinstance(data.get("traceEvents"), list):
         raise FlowmoeError(f"{path}: no traceEvents list; not a Chrome trace")
     return data
 
@@ -72,9 +62,8 @@ def summary_table(summary: TraceSummary) -> Table:
 
 def stats_table(name: str, stats: RunStats) -> Table:
     """The run statistics (traces/stats.py) as `run`, `trace summarize` and the CLI print them."""
-    table = Table(title=f"{name}: makespan {stats.makespan_seconds * 1e3:.3f} ms, {stats_line(stats)}")
-    for column in ("lane", "nodes", "MB moved", "busy ms", "busy share", "bubbles ms"):
-        table.add_column(column, justify="right")
+    title = f"{name}: makespan {stats.makespan_seconds * 1e3:.3f} ms, {stats_line(stats)}"
+    table = ui_table(title, ("lane", "nodes", "MB moved", "busy ms", "busy share", "bubbles ms"), "right")
     for lane in stats.lanes:
         busy, bubbles = f"{lane.busy_seconds * 1e3:.3f}", f"{lane.bubble_seconds * 1e3:.3f}"
         table.add_row(
