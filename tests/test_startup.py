@@ -16,11 +16,14 @@ print("TORCH" if "torch" in sys.modules else "NO-TORCH", code)
 """
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [["--version"], ["--help"], ["presets"], ["schedulers"], ["simulate", "--help"], ["run", "--help"]],
-    ids=lambda argv: " ".join(argv),
-)
+SMALL = ["--model", "olmoe-1b-7b", "--layers", "1", "--workload", "fixed:8:2", "--hardware", "t4"]
+COMMANDS = [
+    ["--version"], ["--help"], ["presets"], ["schedulers"], ["simulate", "--help"], ["run", "--help"],
+    ["plan", "--model", "mixtral-8x7b", "--hardware", "t4"], ["simulate", *SMALL, "--scheduler", "eager"],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=lambda argv: " ".join(argv))
 def test_commands_without_tensors_do_not_import_torch(argv: list[str]) -> None:
     done = subprocess.run(
         [sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, timeout=120, check=False
