@@ -8,7 +8,6 @@ from rich.markup import escape
 
 from flowmoe.cli.ui import out, table
 from flowmoe.core.presets import PRESETS, preset
-from flowmoe.schedulers.registry import available, broken
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,6 +38,8 @@ def _presets(_args: argparse.Namespace) -> int:
 
 
 def _schedulers(_args: argparse.Namespace) -> int:
+    from flowmoe.schedulers.registry import available, broken  # loads every plugin: not for presets
+
     schedulers = table("schedulers (--scheduler NAME)", ("name", "what it does"), prose=("what it does",))
     for name, cls in available().items():
         schedulers.add_row(name, cls.summary)
