@@ -8,6 +8,7 @@ summary per scheduler (process group).
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -58,10 +59,68 @@ def _group(names: dict[Any, str], pid: Any) -> str:
 
 
 def _number(event: dict[str, Any], key: str, index: int) -> float:
+    """A time of an event: a finite number (microseconds), a duration not negative; anything else
+    would print negative, NaN or infinite busy times, so it is an error naming the event."""
     value = event.get(key, 0.0 if key == "dur" else None)
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise FlowmoeError(f"event {index} ({event.get('name', '?')}): {key} is not a number")
-    return float(value)
+        raise FlowmoeError(f"event {index} ({_name_of(event)}): {key} is not a number")
+    number = _finite(value)
+    if number is None or (key == "dur" and number < 0):
+        what = "a negative duration" if number is not None else "not a finite number"
+        raise FlowmoeError(f"event {index} ({_name_of(event)}): {key} {_shown(value)} is {what}")
+    return number
+
+
+def _finite(value: Any) -> float | None:
+    """`value` as a finite float (ints past float's range are not), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _name_of(event: dict[str, Any]) -> str:
+    """An event's name as an error line shows it (at most 40 characters)."""
+    name = event.get("name", "?")
+    return _shown(name) if not isinstance(name, str) else name if len(name) <= 40 else name[:37] + "..."
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _key(event: dict[str, Any], field: str, index: int) -> int | str:
+    """An event's pid or tid: a number or a string (0 when absent), never a list or an object."""
+    value = event.get(field, 0)
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise FlowmoeError(
+            f"event {index} ({_name_of(event)}): {field} {_shown(value)} is not a number or a string"
+        )
+    return value
+
+
+def _meta_name(event: dict[str, Any], index: int) -> str:
+    """The name a process_name or thread_name event gives: args must be an object with a name."""
+    args = event.get("args")
+    if not isinstance(args, dict) or not isinstance(args.get("name"), str | int | float):
+        raise FlowmoeError(f'event {index} ({event.get("name")}): args must be an object with a "name"')
+    return str(args["name"])
+
+
+def _names(events: list[dict[str, Any]]) -> tuple[dict[Any, str], dict[tuple[Any, Any], str]]:
+    """Process names by pid and thread names by (pid, tid), from the metadata events."""
+    names: dict[Any, str] = {}
+    threads: dict[tuple[Any, Any], str] = {}
+    for index, e in enumerate(events):
+        if e.get("name") == "process_name":
+            names[_key(e, "pid", index)] = _meta_name(e, index)
+        elif e.get("name") == "thread_name":
+            threads[(_key(e, "pid", index), _key(e, "tid", index))] = _meta_name(e, index)
+    return names, threads
 
 
 def _int(value: Any, default: int) -> int:
@@ -71,23 +130,18 @@ def _int(value: Any, default: int) -> int:
 def records_by_group(data: dict[str, Any]) -> dict[str, list[SpanRecord]]:
     """X events grouped by trace group (the part of the process name before ': ')."""
     events = _events(data)
-    names = {
-        e.get("pid", 0): str(e.get("args", {}).get("name")) for e in events if e.get("name") == "process_name"
-    }
-    threads = {
-        (e.get("pid", 0), e.get("tid", 0)): str(e.get("args", {}).get("name"))
-        for e in events
-        if e.get("name") == "thread_name"
-    }
+    names, threads = _names(events)
     groups: dict[str, list[SpanRecord]] = defaultdict(list)
     for index, event in enumerate(events):
         if event.get("ph") != "X":
             continue
-        pid, tid = event.get("pid", 0), event.get("tid", 0)
+        pid, tid = _key(event, "pid", index), _key(event, "tid", index)
         group = _group(names, pid)
         raw_args = event.get("args")
         args = raw_args if isinstance(raw_args, dict) else {}
         start, dur = _number(event, "ts", index), _number(event, "dur", index)
+        if not math.isfinite(start + dur):
+            raise FlowmoeError(f"event {index} ({_name_of(event)}): ts + dur is not a finite time")
         deps = args.get("deps", ())
         groups[group].append(
             SpanRecord(
@@ -112,31 +166,41 @@ def records_by_group(data: dict[str, Any]) -> dict[str, list[SpanRecord]]:
 def windows_by_group(data: dict[str, Any]) -> dict[str, list[Window]]:
     """The step windows flowmoe wrote for each trace group (none for other traces)."""
     events = _events(data)
-    names = {
-        e.get("pid", 0): str(e.get("args", {}).get("name")) for e in events if e.get("name") == "process_name"
-    }
+    names, _threads = _names(events)
     out: dict[str, list[Window]] = {}
-    for event in events:
+    for index, event in enumerate(events):
         if event.get("ph") == "M" and event.get("name") == STEPS_EVENT:
             try:
-                out[_group(names, event.get("pid", 0))] = [_window(s) for s in event["args"]["steps"]]
-            except (KeyError, TypeError, ValueError) as exc:
+                out[_group(names, _key(event, "pid", index))] = [_window(s) for s in event["args"]["steps"]]
+            except (KeyError, TypeError, ValueError, OverflowError) as exc:
                 raise FlowmoeError(f"{STEPS_EVENT} event: malformed step windows ({exc!r})") from exc
     return out
 
 
 def _window(step: dict[str, Any]) -> Window:
+    """One step window: finite times, its end not before its start, weight and host time >= 0."""
     host = step.get("host_us")
-    return Window(float(step["start_us"]), float(step["end_us"]), float(step.get("weight", 1.0)),
-                  None if host is None else float(host))  # fmt: skip
+    window = Window(float(step["start_us"]), float(step["end_us"]), float(step.get("weight", 1.0)),
+                    None if host is None else float(host))  # fmt: skip
+    numbers = (window.start, window.end, window.weight, 0.0 if window.host_us is None else window.host_us)
+    if (
+        not all(map(math.isfinite, numbers))
+        or window.end < window.start
+        or window.weight < 0
+        or (window.host_us is not None and window.host_us < 0)
+    ):
+        raise ValueError(f"step {step!r:.80} is not a window of finite times, end >= start, weight >= 0")
+    return window
 
 
 def summarize(data: dict[str, Any]) -> list[TraceSummary]:
+    """One summary per trace group; a trace without a single complete ("X") event is an error, not
+    a table of nothing."""
     windows = windows_by_group(data)
-    return [
-        summarize_records(group, records, windows.get(group, ()))
-        for group, records in records_by_group(data).items()
-    ]
+    records = records_by_group(data)
+    if not records:
+        raise FlowmoeError('no complete ("ph": "X") events to summarise')
+    return [summarize_records(group, records, windows.get(group, ())) for group, records in records.items()]
 
 
 def summarize_records(

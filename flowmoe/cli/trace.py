@@ -7,6 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from attrs import evolve
+from rich.markup import escape
 from rich.table import Table
 
 from flowmoe.cli.ui import NO_GPU, out
@@ -48,8 +50,18 @@ def _summarize(args: argparse.Namespace) -> int:
     if any(e.get("name") == "process_labels" and EMULATED in str(e.get("args")) for e in data["traceEvents"]):
         out.print(NO_GPU, highlight=False)
     for summary in summaries:
-        out.print(summary_table(summary))
+        out.print(summary_table(plain(summary)))
     return 0
+
+
+def plain(summary: TraceSummary) -> TraceSummary:
+    """The summary with the names a trace gave (groups, lanes, ops) escaped, so a name such as
+    `[/x]` prints as itself, not as rich markup (or a markup error)."""
+    stats = evolve(
+        summary.stats, lanes=tuple(evolve(lane, lane=escape(lane.lane)) for lane in summary.stats.lanes)
+    )
+    path = tuple(evolve(record, op=escape(record.op)) for record in summary.critical_path)
+    return TraceSummary(escape(summary.group), stats, path)
 
 
 def summary_table(summary: TraceSummary) -> Table:
