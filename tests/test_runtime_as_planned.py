@@ -121,16 +121,17 @@ def test_klotski_homes_the_caches_of_its_first_layers_on_the_gpu(
     gpu_memory = {c.value for c in runtime.trace.counters if c.name == "gpu memory bytes"}
     assert gpu_memory == {w + 2 * layer_bytes for w in weights}
 
-    two_layers = 2 * 5 * 20 * model.spec.kv_bytes_per_token // model.spec.layers
-    assert runtime.check_memory(rectangle(5, 20)).kv_cache == 2 * two_layers  # GPU-homed, and working copies
+    two_layers = 2 * 5 * 20 * model.spec.kv_bytes_per_token // model.spec.layers  # homed on the GPU
+    slices = 2 * 5 * 19 * model.spec.kv_bytes_per_token // model.spec.layers  # two working copies, 19 tokens
+    assert runtime.check_memory(rectangle(5, 20, gen=1)).kv_cache == two_layers + slices
 
 
 def test_klotski_with_no_gpu_share_keeps_the_whole_cache_on_the_cpu(model: MoEModel) -> None:
     runtime = Runtime.create(model, "klotski", Policy(kv_gpu_share=0.0, weights_gpu_share=0.0), device="cpu")
     runtime.close()
     assert runtime.kv_gpu == frozenset() and runtime.cache_device == runtime.devices.cpu
-    whole = 4 * 16 * model.spec.kv_bytes_per_token
-    assert runtime.check_memory(rectangle(4, 16)).kv_cache == 2 * whole // model.spec.layers
+    slices = 2 * 4 * 15 * model.spec.kv_bytes_per_token // model.spec.layers  # two working copies
+    assert runtime.check_memory(rectangle(4, 16, gen=1)).kv_cache == slices
 
 
 def test_cache_homes_follow_the_runtimes_devices(model: MoEModel) -> None:
@@ -298,8 +299,10 @@ def test_flexgen_keeps_its_kv_gpu_share_of_every_cache_layer_on_the_gpu(
     weights = {c.value for c in runtime.trace.counters if c.name == "gpu weight bytes"}
     gpu_memory = {c.value for c in runtime.trace.counters if c.name == "gpu memory bytes"}
     assert gpu_memory == {w + gpu_kv for w in weights}
-    working = 2 * 5 * 20 * spec.kv_bytes_per_token // spec.layers  # two layers' working copies
-    assert runtime.check_memory(rectangle(5, 20)).kv_cache == 2 * 20 * spec.kv_bytes_per_token + working
+    working = 2 * 5 * 19 * spec.kv_bytes_per_token // spec.layers  # two slices of one layer, 19 tokens
+    assert (
+        runtime.check_memory(rectangle(5, 20, gen=1)).kv_cache == 2 * 20 * spec.kv_bytes_per_token + working
+    )
 
 
 @pytest.mark.parametrize("share", [0.0, 1.0])
@@ -313,8 +316,8 @@ def test_flexgen_with_no_or_all_of_the_cache_on_the_gpu_splits_nothing(model: Mo
         runtime.devices.gpu if share else runtime.devices.cpu
     }
     whole = 4 * 16 * model.spec.kv_bytes_per_token
-    working = 0 if share else 2 * whole // model.spec.layers
-    assert runtime.check_memory(rectangle(4, 16)).kv_cache == (whole if share else 0) + working
+    working = 0 if share else 2 * 4 * 15 * model.spec.kv_bytes_per_token // model.spec.layers  # two slices
+    assert runtime.check_memory(rectangle(4, 16, gen=1)).kv_cache == (whole if share else 0) + working
 
 
 def test_simulate_counts_the_sequences_flexgen_keeps_on_the_gpu() -> None:

@@ -194,9 +194,16 @@ class Scheduler(ABC):
 
     def kv_working_bytes(self, batch: BatchShape, step: StepShape) -> int:
         """The most GPU bytes the working copies of CPU-homed cache layers (KV_LOAD) take at once in
-        `step` of `batch`: two layers' caches of the whole batch (a plan that bounds them says less:
-        MoE-Gen's KV buffers). Counted only where some layer's cache is homed on the CPU."""
-        return 2 * batch.total_slots * self.context.spec.kv_bytes_per_token // self.context.spec.layers
+        `step` of `batch`: a micro-batch's slice of one layer being attended and the next one loading,
+        two slices of the largest (sequences x the longest context after the step, as the runtime
+        copies them); none where attention runs on the CPU beside the cache. A plan that keeps more
+        or other copies says so (MoE-Gen's KV buffers). Counted only where some layer's cache is
+        homed on the CPU."""
+        if self.context.policy.attention_on == "cpu":
+            return 0
+        spec = self.context.spec
+        longest = max(len(g) * (max(g) + step.step) for g in batch.prompts)  # step 0: the prompts
+        return 2 * longest * spec.kv_bytes_per_token // spec.layers
 
     def gpu_working_bytes(self, step: StepShape) -> int:
         """GPU buffers of the plan's own in `step` beyond its weights, weight buffers, KV cache and
