@@ -127,6 +127,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def __init__(self, **options: Any) -> None:
         extensions = [*options.pop("extensions", ()), Bounds]
         super().__init__(loader=NoFiles(), extensions=extensions, **options)
+        self.globals.pop("lipsum", None)  # `lipsum(4000000)` ran for minutes; no chat template uses it
 
     def compile_bounded(self, source: str) -> jinja2.Template:
         """`source` compiled with its loops and `~` routed through the budget, every filter
@@ -188,12 +189,33 @@ def _bounded_filter(function: Callable[..., Any]) -> Callable[..., Any]:
     def bounded(*args: Any, **kwargs: Any) -> Any:
         budget = _tick()
         _check_args(budget, [*args, *kwargs.values()])
+        if budget is not None:  # what a filter reads bounds what it builds (`[a]*1000|tojson`)
+            for arg in args:
+                budget.size(_deep_size(arg), "an input")
         if function.__name__ == "do_format" and args:
             _check_format(budget, args[0])
         return _checked(budget, function(*args, **kwargs))
 
     bounded.bounded = True  # type: ignore[attr-defined]  # a mark on the wrapper, read by getattr above
     return bounded
+
+
+def _deep_size(value: Any) -> int:
+    """Characters and items in `value` and everything it holds (strings, lists, tuples, dicts),
+    counted only up to just past MAX_CHARS: what serialising it (`tojson`, `string`, `join`) would
+    build at least, known before the filter runs."""
+    total, stack = 0, [value]
+    while stack and total <= MAX_CHARS:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, list | tuple):
+            total += len(item)
+            stack.extend(item[: MAX_CHARS + 1])
+        elif isinstance(item, dict):
+            total += len(item)
+            stack.extend(list(item.items())[: MAX_CHARS + 1])
+    return total
 
 
 @contextmanager

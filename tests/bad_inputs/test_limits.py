@@ -144,3 +144,27 @@ def test_config_claiming_more_weights_than_its_shards(
     )
     assert code == 2
     assert "of weights but the shards hold" in _error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{% set a='x'*4000000 %}{{ ([a]*1000)|tojson|length }}", "an input of"),  # 7.9 GB before
+        ("{% set a='x'*4000000 %}{{ [a, a]|join }}", "an input of"),
+        ("{% set a='x'*3000000 %}{{ {'k': a, 'l': a}|string }}", "an input of"),
+        ("{{ lipsum(4000000) }}", "'lipsum' is undefined"),  # ran for minutes
+    ],
+)
+def test_template_builders_are_bounded_before_they_run(tmp_path: Path, template: str, message: str) -> None:
+    import time
+
+    from flowmoe.core.errors import PromptFileError
+    from flowmoe.model.chat import ChatTemplate
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    chat = ChatTemplate.from_folder(tmp_path)
+    assert chat is not None
+    started = time.monotonic()
+    with pytest.raises(PromptFileError, match=message):
+        chat.render([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - started < 10

@@ -135,3 +135,26 @@ def test_many_bad_lines_are_summarised(tmp_path: Path, model: Path, capsys: pyte
     assert (
         f"{prompts}: {bad - LISTED_ERRORS} more bad lines, not listed (the first {LISTED_ERRORS} are)" in err
     )
+
+
+def test_a_long_log_is_resumed_keeping_only_ids(tmp_path: Path) -> None:
+    """Resuming reads the log as a stream: what stays in memory is the ids, not the lines (a
+    590 MB log is read at disk and parser speed, 20k lines stand in for it here)."""
+    import tracemalloc
+
+    from flowmoe.jobs.joblog import JobLog
+
+    out = tmp_path / "o.jsonl"
+    line = {"output_ids": list(range(200)), "text": "x" * 2000, "finish_reason": "length", "prompt_tokens": 1}
+    with out.open("w") as file:
+        for i in range(20_000):
+            file.write(json.dumps({"id": i, **line}) + "\n")
+    tracemalloc.start()
+    try:
+        log = JobLog.open(out)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    log.close()
+    assert log.done == set(range(20_000))
+    assert peak < out.stat().st_size / 10, (peak, out.stat().st_size)
