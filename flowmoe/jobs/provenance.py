@@ -73,7 +73,11 @@ def check_and_record(output: Path, prompts: Path, settings: Settings, has_result
                 "experiments: use a new --output, or --force to append anyway"
             )
     text = json.dumps({"format": RUN_FORMAT, "settings": dict(settings)}) + "\n"  # RUN_RECORD's marker first
-    guard.write(path, RUN_RECORD, lambda tmp: tmp.write_text(text))
+
+    def produce(tmp: Path) -> None:
+        tmp.write_text(text)
+
+    guard.write(path, RUN_RECORD, produce)
 
 
 def first_difference(recorded: Any, current: Settings) -> str | None:
