@@ -11,15 +11,34 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-console = Console(stderr=True)
-out = Console()
+
+class _Console(Console):
+    """A console that never cuts a table: one narrower than the table's least width (its names and
+    numbers whole) gets lines as long as the table needs (a terminal wraps them, a file keeps them)."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        tables = [o for o in objects if isinstance(o, Table)]
+        if tables and kwargs.get("width") is None:
+            roomy = self.options.update_width(1 << 16)  # measured unbounded: the table's own least width
+            need = max(self.measure(t, options=roomy).minimum for t in tables)
+            if need > self.width:  # rich caps print(width=) at the console's: widen the console itself
+                kept, self._width = self._width, need
+                try:
+                    return super().print(*objects, **kwargs)
+                finally:
+                    self._width = kept
+        return super().print(*objects, **kwargs)
+
+
+console = _Console(stderr=True)
+out = _Console()
 NO_GPU = "no GPU: the gpu.* lanes were emulated on the CPU (same names, CPU kernels)"
 
 

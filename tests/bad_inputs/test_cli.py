@@ -160,7 +160,7 @@ def test_tables_never_cut_names(
     assert main(["presets"]) == 0
     text = capsys.readouterr().out
     assert "…" not in text
-    cells = {cell.strip() for line in text.splitlines() for cell in re.split(r"[│┃]", line)}
+    cells = {cell.strip() for line in text.splitlines() for cell in re.split(r"[│┃]|\s{2,}", line)}
     assert set(registry.names()) | set(PRESETS) <= cells
 
 
