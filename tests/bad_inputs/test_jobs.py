@@ -360,9 +360,9 @@ def test_prompt_rendering_to_nothing_is_a_bad_line(tmp_path: Path, capsys: pytes
         assert _run(single, tmp_path / f"{name}.out", "--model", str(model)) == 0
         alone.update(_rows(tmp_path / f"{name}.out"))
     assert _rows(out) == alone
-    only = _prompts(tmp_path, chat("empty", ""), name="only.jsonl")
-    assert _run(only, tmp_path / "only.out", "--model", str(model)) == 0
-    assert re.search(f"{only}:1: .*{EMPTY}", capsys.readouterr().err.replace("\n", ""))
+    only = _prompts(tmp_path, chat("empty", ""), name="only.jsonl")  # no line can run: an error, exit 2
+    assert _run(only, tmp_path / "only.out", "--model", str(model)) == 2
+    assert re.search(f"{only}: no prompt line can run; first problem: {only}:1: .*{EMPTY}", _error(capsys))
 
 
 def test_tokenizer_larger_than_the_model_is_a_bad_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
