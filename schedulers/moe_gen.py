@@ -63,7 +63,7 @@ GPU (or the CPU) attends.
 Memory (`core.memory.gpu_memory` from its answers): one layer's offloaded
 experts (the expert buffer: the released config's 8 routed-expert module
 buffers), the KV buffers of the largest micro-batch at its longest context
-(`kv_working_bytes`, not two layers of the whole batch's cache), the
+(`kv_working_bytes`, not the default two slices of one layer), the
 post-attention activations of one layer for every micro-batch of the step
 (flowmoe's runtime keeps them until the next layer's combine) and the expert
 group's residual stream and top-k expert outputs (`gpu_working_bytes`), and
@@ -193,7 +193,7 @@ class MoEGenScheduler(Scheduler):
         return False
 
     def kv_working_bytes(self, batch: BatchShape, step: StepShape) -> int:
-        """The GPU KV buffers of `step` (not two layers of the whole batch's cache)."""
+        """The GPU KV buffers of `step`, KV_BUFFERS slices (not the default two)."""
         return self._kv_buffers(step)
 
     def _kv_buffers(self, step: StepShape) -> int:
