@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from flowmoe.core.bounded_read import open_regular
+from flowmoe.core.bounded_read import TRACE, open_regular
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.jsonfile import JsonProblem
 
@@ -30,6 +31,8 @@ _SPACE = " \t\r\n"
 def read_trace(path: Path) -> dict[str, Any]:
     """The trace at `path` as {"traceEvents": [kept events], other top-level keys}."""
     with open_regular(path, FlowmoeError) as handle:
+        if os.fstat(handle.fileno()).st_size > TRACE.limit:  # the documented bound of a trace file
+            raise FlowmoeError(f"{path}: larger than {TRACE} (the most {TRACE.kind} may hold); not read")
         try:
             return _Reader(handle).trace()
         except UnicodeDecodeError as exc:
