@@ -2,10 +2,11 @@
 
 The library is compiled with the host's C compiler (`$CC`, else `cc`) for the host's CPU
 (-march=native, OpenMP linked against the libgomp torch has loaded, so both share one pool of
-worker threads) into `$XDG_CACHE_HOME/flowmoe/` (default ~/.cache/flowmoe/), once per source,
-compiler and CPU. Without a compiler, on a non-x86 host or with FLOWMOE_CPU_KERNELS=0 there is no
-library and every caller takes torch's path. Each wrapper module declares its own functions'
-argument types on the library it gets from here.
+worker threads) into `$FLOWMOE_HOME` (else `$XDG_CACHE_HOME/flowmoe/`, default ~/.cache/flowmoe/),
+once per source, compiler and CPU. Without a compiler, on a non-x86 host or with FLOWMOE_CPU_KERNELS=0
+there is no library and every caller takes torch's (slower) path; a host where the kernels should
+build but cannot (no compiler, a failed compile, an unwritable cache) says so in one warning.
+Each wrapper module declares its own functions' argument types on the library it gets from here.
 """
 
 from __future__ import annotations
@@ -58,27 +59,50 @@ def _build(files: dict[str, bytes], compiler: str, target: Path) -> None:
         os.replace(out, target)
 
 
+def cache_folder() -> Path:
+    """Where the library is kept: `$FLOWMOE_HOME` (as the built-in model), else the XDG cache."""
+    home = os.environ.get("FLOWMOE_HOME")  # "" is unset
+    if home:
+        return Path(home)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flowmoe"
+
+
+FALLBACK = "the CPU kernels are off and torch's slower path computes CPU experts and attention"
+
+
+def _compiler() -> str | None:
+    """`$CC` (a name on PATH or a path), else `cc`, else `gcc`."""
+    return shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot be built here (logged once)."""
     if os.environ.get("FLOWMOE_CPU_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
-        log.info("cpu_kernels.unavailable", reason="no C compiler")
+        wanted = f"CC={os.environ['CC']!r}" if os.environ.get("CC") else "cc"
+        log.warning(
+            "cpu_kernels.unavailable",
+            reason=f"no C compiler found ({wanted}, gcc); install one or set CC to use the compiled kernels",
+            effect=FALLBACK,
+        )
         return None
     files = sources()
     parts = [name.encode() + b"\0" + text for name, text in files.items()]
     parts += [compiler.encode(), " ".join(FLAGS).encode(), _cpu_id().encode()]
     key = hashlib.sha256(b"\0".join(parts))
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flowmoe"
-    target = cache / f"kernels-{key.hexdigest()[:16]}.so"
+    target = cache_folder() / f"kernels-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():
             _build(files, compiler, target)
         return ctypes.CDLL(str(target))
     except subprocess.CalledProcessError as e:
-        log.warning("cpu_kernels.unavailable", reason=e.stderr.decode(errors="replace")[-500:])
+        detail = e.stderr.decode(errors="replace").strip()[-500:]
+        reason = f"{compiler} failed to build them: {detail}"
+        log.warning("cpu_kernels.unavailable", reason=reason, effect=FALLBACK)
     except OSError as e:
-        log.warning("cpu_kernels.unavailable", reason=str(e))
+        reason = f"cannot build or load them in {target.parent}: {e}"
+        log.warning("cpu_kernels.unavailable", reason=reason, effect=FALLBACK)
     return None

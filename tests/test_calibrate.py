@@ -60,6 +60,15 @@ def test_missing_field_and_bad_json(tmp_path: Path) -> None:
         hardware("v100")
 
 
+def test_presets_by_name_in_any_case() -> None:
+    """issue 27 item 9: `--hardware T4` is the t4 preset."""
+    assert hardware("T4") is PRESETS["t4"]
+    assert hardware("A100-80") is PRESETS["a100-80"]
+    assert hardware("MoE-Lightning-S1") is PRESETS["moe-lightning-s1"]
+    with pytest.raises(ConfigError, match="unknown hardware 'V100'"):
+        hardware("V100")
+
+
 def test_cost_uses_measured_rooflines_and_overheads() -> None:
     base = PRESETS["t4"]
     curve = ((1.0, 1e9), (100.0, 1e11))  # 1 GFLOP/s at 1 flop/B, 100 GFLOP/s at 100 flop/B
@@ -118,3 +127,17 @@ def test_calibrate_writes_a_profile_commands_take(
     ]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["results"][0]["throughput_tokens_per_second"] > 0
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_calibrate_without_cuda_refuses_the_gpu(
+    device: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--device cuda` (issue 27 item 9) asks for the GPU as auto does: refused, one line, without one."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["calibrate", "--device", device, "--output", str(tmp_path / "m.json")]) != 0
+    err = capsys.readouterr().err
+    assert "no GPU (CUDA)" in err and "Traceback" not in err
+    assert not (tmp_path / "m.json").exists()

@@ -54,3 +54,37 @@ def test_global_flag_given_before_holds() -> None:
     assert top.parse_args(["--log-json", "schedulers"]).log_json is True
     assert top.parse_args(["schedulers", "--log-json"]).log_json is True
     assert top.parse_args(["schedulers"]).log_json is False
+
+
+def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main([*argv, "--help"]) == 0
+    return " ".join(capsys.readouterr().out.split())  # lines joined: argparse wraps at COLUMNS
+
+
+def test_simulate_help_lists_the_hardware_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    """issue 27 item 9: the presets named where --hardware is explained, in simulate and plan."""
+    from flowmoe.core.hardware_presets import PRESETS
+
+    for command in ("simulate", "plan"):
+        text = _help([command], capsys)
+        for name in ("t4", "l4", "h100", "a100-80", "rtx4090", "fate-1080ti"):
+            assert name in text, (command, name)
+        assert len(PRESETS) > 6
+
+
+def test_reproduce_and_routing_flags_have_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """issue 27 item 9: reproduce's PAPER, simulate's --pregate-accuracy and --seed explained."""
+    subs = _subparsers(parser())
+    for command, dests in (("reproduce", ("paper",)), ("simulate", ("pregate_accuracy", "seed"))):
+        actions = {a.dest: a for a in subs[command]._actions}
+        for dest in dests:
+            assert actions[dest].help and len(actions[dest].help) > 20, (command, dest)
+    text = _help(["reproduce"], capsys)
+    assert "PAPER" in text and "moe-lightning" in text and "or all (default)" in text
+
+
+def test_calibrate_offers_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    subs = _subparsers(parser())
+    device = next(a for a in subs["calibrate"]._actions if a.dest == "device")
+    assert device.choices is not None and "cuda" in device.choices
+    assert subs["calibrate"].parse_args(["--device", "cuda"]).device == "cuda"

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import structlog
+import structlog.testing
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -176,7 +178,7 @@ def test_mixed_group_falls_back_per_expert() -> None:
 
 def test_without_a_compiler_torch_computes_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A failed build leaves the kernels off (one log line) and every caller on torch's path."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("FLOWMOE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     monkeypatch.setattr(native.shutil, "which", lambda name: "/bin/false" if name == "false" else None)
     assert native.library.__wrapped__() is None
@@ -190,12 +192,39 @@ def test_without_a_compiler_torch_computes_it(monkeypatch: pytest.MonkeyPatch, t
     assert rel_err(out, _reference(x, ffn, moe)) <= TOLERANCE[torch.float32]
 
 
+def test_missing_compiler_is_one_clear_warning(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """CC naming a program that is not there, and no cc/gcc on PATH: one warning that names the
+    compiler and the slower fallback, no traceback, nothing written (issue 27 item 9)."""
+    monkeypatch.setenv("FLOWMOE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv("FLOWMOE_CPU_KERNELS", raising=False)
+    with structlog.testing.capture_logs() as logs:
+        assert native.library.__wrapped__() is None
+    assert [entry["log_level"] for entry in logs] == ["warning"]
+    assert "no C compiler found" in logs[0]["reason"] and "no-such-cc" in logs[0]["reason"]
+    assert "torch's slower path" in logs[0]["effect"]
+    assert not any(tmp_path.iterdir())
+
+
+def test_kernel_cache_folder_follows_flowmoe_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("FLOWMOE_HOME", str(tmp_path / "home"))
+    assert native.cache_folder() == tmp_path / "home"
+    monkeypatch.setenv("FLOWMOE_HOME", "")  # empty is unset, as for the built-in model
+    assert native.cache_folder() == tmp_path / "xdg" / "flowmoe"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert native.cache_folder() == Path.home() / ".cache" / "flowmoe"
+
+
 @compiled
 def test_build_is_cached_per_source_and_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("FLOWMOE_HOME", str(tmp_path / "home"))  # FLOWMOE_HOME moves it (issue 27 item 9)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert native.library.__wrapped__() is not None
-    built = list((tmp_path / "flowmoe").glob("kernels-*.so"))
-    assert len(built) == 1 and list(tmp_path.rglob("*")) == [tmp_path / "flowmoe", built[0]]
+    built = list((tmp_path / "home").glob("kernels-*.so"))
+    assert len(built) == 1 and list(tmp_path.rglob("*")) == [tmp_path / "home", built[0]]
     stamp = built[0].stat().st_mtime_ns
     assert native.library.__wrapped__() is not None  # found, not rebuilt
     assert built[0].stat().st_mtime_ns == stamp

@@ -24,9 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     calibrate.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
     calibrate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     calibrate.add_argument(
-        "--device", choices=("auto", "cpu"), default="auto",
-        help="auto: this machine's GPU (refused without one); cpu: a profile of CPU-only runs (gpu.* lanes "
-        "on the CPU), for simulating runs on this machine",
+        "--device", choices=("auto", "cuda", "cpu"), default="auto",
+        help="auto or cuda: this machine's GPU (refused without one); cpu: a profile of CPU-only runs "
+        "(gpu.* lanes on the CPU), for simulating runs on this machine",
     )  # fmt: skip
     calibrate.add_argument(
         "--model", help="measure the matmul and attention shapes of this preset or checkpoint"
@@ -44,7 +44,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from flowmoe.study.calibrate import Shapes, calibrate
 
-    if args.device == "auto" and not torch.cuda.is_available():
+    if args.device in ("auto", "cuda") and not torch.cuda.is_available():
         raise FlowmoeError(
             "calibrate: this machine has no GPU (CUDA) to measure; `--device cpu` writes a profile of "
             "CPU-only runs (gpu.* lanes on the CPU, host copies free) for simulating runs here"

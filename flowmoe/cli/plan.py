@@ -45,9 +45,12 @@ def add_setup_flags(parser: argparse.ArgumentParser) -> None:
         "--layers", type=POSITIVE_INT, help="cut the model to its first LAYERS layers (%(type)s)"
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    from flowmoe.core.hardware_presets import PRESETS as HARDWARE  # torch-free, ~15 ms
+
     parser.add_argument(
-        "--hardware", default="t4", help="hardware preset or a profile from `flowmoe calibrate`"
-    )
+        "--hardware", default="t4",
+        help=f"hardware preset (any case: {', '.join(HARDWARE)}) or a profile JSON from `flowmoe calibrate`",
+    )  # fmt: skip
     parser.add_argument("--workload", default="mtbench", help=f"{', '.join(WORKLOADS)} or fixed:PROMPT:GEN")
     parser.add_argument(
         "--gen-len", type=POSITIVE_INT, help="generation length (%(type)s; default: the workload's)"

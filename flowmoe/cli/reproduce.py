@@ -29,8 +29,9 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("reproduce", help="the source papers' published numbers, simulated side by side")
     parser.add_argument(
-        "paper", nargs="?", default="all", choices=(*PAPERS, "all"), help="a paper's settings, or all"
-    )
+        "paper", nargs="?", default="all", choices=(*PAPERS, "all"), metavar="PAPER",
+        help=f"the paper whose settings are simulated: {', '.join(PAPERS)}, or all (default)",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="one small setting per paper")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--plot", type=Path, help="paper vs simulated bars per setting (.png, .svg or .pdf)")

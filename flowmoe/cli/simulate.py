@@ -82,8 +82,11 @@ def _flags(parser: argparse.ArgumentParser) -> None:
     )
     routing.add_argument("--skew", type=float, default=0.5, help="Zipf exponent of expert popularity")
     routing.add_argument("--correlation", type=float, default=0.3, help="layer-to-layer routing correlation")
-    routing.add_argument("--pregate-accuracy", type=float, default=0.9)
-    routing.add_argument("--seed", type=int, default=0)
+    routing.add_argument(
+        "--pregate-accuracy", type=FRACTION, default=0.9,
+        help="chance a pre-gate prediction keeps each true expert (pre-gated schedulers' prefetch; %(type)s)",
+    )  # fmt: skip
+    routing.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing (an integer)")
     parser.add_argument(
         "--decode-samples", type=NON_NEGATIVE_INT, default=4, help="decode steps simulated (0: all)"
     )

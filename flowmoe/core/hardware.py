@@ -162,12 +162,12 @@ class HardwareSpec:
 
 
 def hardware(name_or_path: str | Path) -> HardwareSpec:
-    """A preset by name, or a profile JSON written by `flowmoe calibrate`."""
+    """A preset by name (any case: T4 is t4), or a profile JSON written by `flowmoe calibrate`."""
     from flowmoe.core.hardware_presets import PRESETS
 
     key = str(name_or_path)
-    if key in PRESETS:
-        return PRESETS[key]
+    if key.lower() in PRESETS:
+        return PRESETS[key.lower()]
     path = Path(key)
     if path.exists():  # a file, or something else in its place for the reader to name
         return load_profile(path)
