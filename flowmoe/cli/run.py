@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import structlog
 from rich.markup import escape
 from rich.progress import Progress, ProgressColumn, Task, TaskID, TextColumn
 from rich.table import Table
@@ -51,6 +52,8 @@ if TYPE_CHECKING:  # these run tensors: imported by the functions that run (`flo
     from flowmoe.model.moe_model import MoEModel
     from flowmoe.runtime.runner import Runtime
 
+log = structlog.get_logger(__name__)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="generate completions for a JSONL prompt file")
@@ -92,13 +95,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_policy_flags(run)
     add_ray_flags(run)
     mode = run.add_mutually_exclusive_group()
-    mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
-    mode.add_argument("--temperature", type=FloatRange(0.0), default=0.0, help="0: greedy (%(type)s)")
-    run.add_argument(
-        "--top-p", type=FloatRange(0.0, 1.0, low_open=True), default=1.0,
-        help="sample from the most likely tokens holding this much probability (%(type)s)",
+    from_checkpoint = "the checkpoint's generation_config.json where it samples, else"
+    mode.add_argument(
+        "--greedy", action="store_true",
+        help="greedy decoding (the default, unless the checkpoint's generation_config.json samples)",
     )  # fmt: skip
-    run.add_argument("--top-k", type=NON_NEGATIVE_INT, default=0, help="0: no top-k cut (%(type)s)")
+    mode.add_argument(
+        "--temperature", type=FloatRange(0.0), help=f"0: greedy (%(type)s; default: {from_checkpoint} 0)"
+    )
+    run.add_argument(
+        "--top-p", type=FloatRange(0.0, 1.0, low_open=True),
+        help=f"sample from the most likely tokens holding this much probability (%(type)s; default: "
+        f"{from_checkpoint} 1)",
+    )  # fmt: skip
+    run.add_argument(
+        "--top-k", type=NON_NEGATIVE_INT, help=f"0: no top-k cut (%(type)s; default: {from_checkpoint} 0)"
+    )
     run.add_argument("--seed", type=int, default=0, help="sampling seed (an integer)")
     run.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
     run.add_argument("--chat", action="store_true", help="render each prompt with the chat template")
@@ -169,7 +181,6 @@ def _run(args: argparse.Namespace) -> int:
 
     from flowmoe.jobs.job import Progress as JobProgress
     from flowmoe.jobs.job import run_job
-    from flowmoe.jobs.sampling import SamplingParams
     from flowmoe.model.builtin import ensure_builtin
     from flowmoe.model.loading import keep_fp8_experts
     from flowmoe.runtime.runner import Runtime
@@ -182,7 +193,7 @@ def _run(args: argparse.Namespace) -> int:
                                ("--record-routing", args.record_routing, ROUTING_RECORD)],
                         Named("the lock sidecar of --output", holder_file(args.output)))  # fmt: skip
     check_output(args.output, guard)  # so does an --output that is not ours, or in use
-    sampling = SamplingParams(0.0 if args.greedy else args.temperature, args.top_p, args.top_k, args.seed)
+    sampling = sampling_from(args)
     policy = policy_from(args)
     if args.ray:  # one job over many replicas (flowmoe/cluster)
         return run_on_ray(args, sampling, policy, guard)
@@ -297,6 +308,25 @@ def save_records(args: argparse.Namespace, runtime: Runtime, guard: Guard) -> li
 def figures(report: dict[str, float]) -> str:
     """A scheduler's report: counts as integers, rates to three digits."""
     return ", ".join(f"{k} {int(v)}" if float(v).is_integer() else f"{k} {v:.3g}" for k, v in report.items())
+
+
+def sampling_from(args: argparse.Namespace) -> SamplingParams:
+    """--temperature, --top-p and --top-k, each not given taken from the checkpoint's
+    generation_config.json (transformers' reading of it), else greedy; --greedy overrides all."""
+    from flowmoe.core.generation_config import FILE, read_generation_config
+    from flowmoe.jobs.sampling import SamplingParams
+
+    folder = Path(args.model) if args.model and Path(args.model).is_dir() else None
+    generation = read_generation_config(folder) if folder else None
+    temperature, top_p, top_k = generation.sampling() if generation else (0.0, 1.0, 0)
+    given = (args.temperature, args.top_p, args.top_k)
+    if folder and generation and generation.do_sample and None in given and not args.greedy:
+        log.info("sampling defaults", source=str(folder / FILE), temperature=temperature, top_p=top_p,
+                 top_k=top_k)  # fmt: skip
+    temperature = 0.0 if args.greedy else temperature if args.temperature is None else args.temperature
+    top_p = top_p if args.top_p is None else args.top_p
+    top_k = top_k if args.top_k is None else args.top_k
+    return SamplingParams(temperature, top_p, top_k, args.seed)
 
 
 def job_from(args: argparse.Namespace, model: MoEModel, sampling: SamplingParams) -> JobSpec:

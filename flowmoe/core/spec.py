@@ -326,13 +326,28 @@ class ModelSpec:
         check_config(config, where)
         family = family_for_config(config, where)
         try:
-            return family.parse(config, name=_model_name(source))
+            spec = family.parse(config, name=_model_name(source))
         except KeyError as exc:
             raise ConfigError(f"{where}: missing field {exc.args[0]!r} for family {family.name}") from exc
+        return spec if isinstance(source, dict) else _with_generation_eos(spec, Path(where).parent)
+
+
+def _with_generation_eos(spec: ModelSpec, folder: Path) -> ModelSpec:
+    """The eos ids of generation_config.json beside config.json added to config.json's (any of them
+    ends a sequence); ids outside the vocabulary dropped, as config.json's are."""
+    from flowmoe.core.generation_config import read_generation_config
+
+    generation = read_generation_config(folder)
+    extra = [e for e in generation.eos_token_ids if e < spec.vocab] if generation else []
+    new = tuple(e for e in dict.fromkeys(extra) if e not in spec.eos_token_ids)
+    return evolve(spec, eos_token_ids=spec.eos_token_ids + new) if new else spec
 
 
 def _model_name(source: str | Path | dict[str, Any]) -> str:
     if isinstance(source, dict):
         return str(source.get("_name_or_path") or source.get("model_type") or "model")
-    path = Path(source)
-    return path.name if path.is_dir() else path.parent.name
+    folder = Path(source) if Path(source).is_dir() else Path(source).parent
+    repo = folder.parent.parent.name  # a Hugging Face cache snapshot: models--org--name/snapshots/<commit>
+    if folder.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.split("--")[-1]
+    return folder.name
