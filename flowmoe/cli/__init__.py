@@ -141,6 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if unknown:
                 getattr(args, "parser", top).error(f"unrecognized arguments: {' '.join(unknown)}")
             configure_logging(args.log_json, args.verbose)
+            if isinstance(getattr(args, "model", None), str):  # org/name: the local Hugging Face cache's copy
+                from flowmoe.core.hf_cache import resolve_model
+
+                args.model = resolve_model(args.model)
             _log_command(args)
             with gate.armed():
                 return args.handler(args)
