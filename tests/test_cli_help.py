@@ -72,6 +72,17 @@ def test_simulate_help_lists_the_hardware_presets(capsys: pytest.CaptureFixture[
         assert len(PRESETS) > 6
 
 
+def test_help_never_cuts_a_name_at_its_hyphens(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flowmoe.core.hardware_presets import PRESETS
+
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["simulate", "--help"]) == 0
+    words = set(capsys.readouterr().out.replace(",", " ").replace(")", " ").split())
+    assert set(PRESETS) <= words  # each preset whole on one line
+
+
 def test_reproduce_and_routing_flags_have_help(capsys: pytest.CaptureFixture[str]) -> None:
     """issue 27 item 9: reproduce's PAPER, simulate's --pregate-accuracy and --seed explained."""
     subs = _subparsers(parser())

@@ -25,6 +25,12 @@ class HelpFormatter(argparse.HelpFormatter):
             return action.help
         return f"{text} (default: %(default)s)".strip()
 
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        """Wrapped at spaces only: a name such as moe-lightning-s6 is never cut at its hyphens."""
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
 
 def _shows_default(action: argparse.Action) -> bool:
     default = action.default
