@@ -96,7 +96,7 @@ from attrs import evolve
 
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.hardware import HardwareSpec
-from flowmoe.core.memory import activation_bytes, gpu_memory, host_need, resident_bytes
+from flowmoe.core.memory import gpu_memory, host_need, resident_bytes, step_activation_bytes
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.policy import Place, Policy
 from flowmoe.core.scheduling import (
@@ -216,9 +216,8 @@ class MoEGenScheduler(Scheduler):
         spec, budget = self.context.spec, self.context.policy.gpu_memory
         if budget is None:
             return expert_groups(spec, step, None)
-        largest = max(step.micro_batches, key=lambda mb: mb.tokens)
         fixed = (resident_bytes(spec, self.residency()) + self.weight_buffer_bytes() + self._extra_bytes(step)
-                 + activation_bytes(spec, largest.tokens, largest.sequences))  # fmt: skip
+                 + step_activation_bytes(spec, step))  # fmt: skip
         return expert_groups(spec, step, budget - fixed)
 
     def gpu_working_bytes(self, step: StepShape) -> int:

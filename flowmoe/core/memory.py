@@ -18,7 +18,7 @@ from attrs import frozen
 from flowmoe.core.errors import MemoryBudgetError
 from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.policy import ExpertFormat
-from flowmoe.core.scheduling import BatchShape, Residency, Scheduler, fp8_expert_bytes
+from flowmoe.core.scheduling import BatchShape, Residency, Scheduler, StepShape, fp8_expert_bytes
 from flowmoe.core.spec import ModelSpec
 
 
@@ -69,6 +69,12 @@ def activation_bytes(spec: ModelSpec, tokens: int, sequences: int) -> int:
     return tokens * per_token * spec.dtype_bytes + sequences * spec.vocab * 4
 
 
+def step_activation_bytes(spec: ModelSpec, step: StepShape) -> int:
+    """`activation_bytes` of the step's micro-batch with the most tokens (one micro-batch at a time)."""
+    largest = max(step.micro_batches, key=lambda mb: mb.tokens)
+    return activation_bytes(spec, largest.tokens, largest.sequences)
+
+
 def kv_bytes(scheduler: Scheduler, batch: BatchShape, on_gpu: bool) -> int:
     """The KV cache bytes of `batch` homed on the GPU (`on_gpu`) or the host: every sequence of the
     scheduler's GPU-homed layers (`kv_gpu_layers`), and in each other layer the whole sequences it
@@ -95,12 +101,9 @@ def gpu_memory(scheduler: Scheduler, batch: BatchShape) -> MemoryNeed:
     copies = len(scheduler.kv_gpu_layers()) < spec.layers  # some cache layer is homed on the host
     needs = []
     for step in batch.steps():
-        largest = max(step.micro_batches, key=lambda mb: mb.tokens)
         kv = home + (scheduler.kv_working_bytes(batch, step) if copies else 0)
         buffers = scheduler.weight_buffer_bytes() + scheduler.gpu_working_bytes(step)
-        needs.append(
-            MemoryNeed(weights, buffers, kv, activation_bytes(spec, largest.tokens, largest.sequences))
-        )
+        needs.append(MemoryNeed(weights, buffers, kv, step_activation_bytes(spec, step)))
     return max(needs, key=lambda need: need.total)
 
 
@@ -115,9 +118,8 @@ def check_batch_size(scheduler: Scheduler, batch: BatchShape, who: str) -> None:
     from the input (prompt lengths, max_position_embeddings), so a long prompt for a model claiming
     10**9 positions is one line, not an allocation of tens of GB on the CPU path."""
     spec = scheduler.context.spec
-    kv = kv_bytes(scheduler, batch, on_gpu=True) + kv_bytes(scheduler, batch, on_gpu=False)
-    steps = (max(step.micro_batches, key=lambda mb: mb.tokens) for step in batch.steps())
-    acts = max(activation_bytes(spec, mb.tokens, mb.sequences) for mb in steps)
+    kv = batch.total_slots * spec.kv_bytes_per_token  # wherever each part of it lives
+    acts = max(step_activation_bytes(spec, step) for step in batch.steps())
     host = physical_memory()
     if kv + acts > host:
         raise MemoryBudgetError(

@@ -42,23 +42,23 @@ from flowmoe.runtime.actions import StepState
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
 from flowmoe.runtime.pinned import pin_layers, unpin
 from flowmoe.schedulers.registry import checked_plan, create
+from flowmoe.schedulers.shared_options import MAX_PAGES_PER_EXPERT
 from flowmoe.traces.trace import CounterSample, Trace
 
 NODES_PER_WEIGHT = 16  # compute, copy and evict nodes one expert (or dense part) may need per micro-batch
-PAGES_PER_WEIGHT = 256  # page copies one expert (or dense part) may be split into
 
 
 def node_budget(spec: ModelSpec, scheduler: str, micro_batches: int) -> NodeBudget:
     """At most every weight of every layer touched by every micro-batch, each copied in at most
-    PAGES_PER_WEIGHT pages: far above what any built-in scheduler plans (cgopipe at
+    MAX_PAGES_PER_EXPERT pages: far above what any built-in scheduler plans (cgopipe at
     Mixtral-8x7B, 4 micro-batches: ~6,150 nodes against ~313,000), far below a plan gone wild."""
     weights = spec.layers * micro_batches * (spec.moe.experts + 1)
     refusal = (
         f"scheduler {scheduler} plans too many nodes for one step of this model: each {spec.expert_bytes} B "
-        f"expert may be copied in at most {PAGES_PER_WEIGHT} pages, so where it pages weights a --page-size "
-        f"of at least {-(-spec.expert_bytes // PAGES_PER_WEIGHT)} B"
+        f"expert may be copied in at most {MAX_PAGES_PER_EXPERT} pages, so where it pages weights a "
+        f"--page-size of at least {-(-spec.expert_bytes // MAX_PAGES_PER_EXPERT)} B"
     )
-    return NodeBudget(weights * (NODES_PER_WEIGHT + PAGES_PER_WEIGHT) + 64, refusal)
+    return NodeBudget(weights * (NODES_PER_WEIGHT + MAX_PAGES_PER_EXPERT) + 64, refusal)
 
 
 def step_shape(step: int, inputs: Sequence[StepInput]) -> StepShape:
