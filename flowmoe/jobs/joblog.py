@@ -182,32 +182,29 @@ def _sidecar_line(fd: int) -> bytes | None:
     return line if not line or HOLDER_LINE.fullmatch(line) else None
 
 
-def _sidecar_holds(holder: Path, line: bytes) -> bool:
-    """The sidecar is still the one this process wrote (not a file put in its place since)."""
+def _read_sidecar(holder: Path) -> bytes | None:
+    """The holder line of the sidecar at `holder`, read without following a link or waiting on a FIFO
+    (None: it cannot be read, or holds no holder line)."""
     try:
         fd = os.open(holder, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return False
+        return None
     try:
-        return _sidecar_line(fd) == line
+        return _sidecar_line(fd)
     except OSError:
-        return False
+        return None
     finally:
         os.close(fd)
+
+
+def _sidecar_holds(holder: Path, line: bytes) -> bool:
+    """The sidecar is still the one this process wrote (not a file put in its place since)."""
+    return _read_sidecar(holder) == line
 
 
 def _holder_of(path: Path) -> str:
-    """The holder line of a sidecar a run wrote, read without following a link or waiting on a FIFO."""
-    try:
-        fd = os.open(holder_file(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return "holder unknown"
-    try:
-        line = _sidecar_line(fd)
-    except OSError:
-        line = None
-    finally:
-        os.close(fd)
+    """The holder line of a sidecar a run wrote, for the refusal that names it."""
+    line = _read_sidecar(holder_file(path))
     return line.decode(errors="replace").strip() if line else "holder unknown"
 
 
