@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: flowmoe installed beside the machine's own CUDA torch (a venv that
+# sees the system's packages), then bench/gpu.py (its rows synced to $OUT as each finishes), then the
+# test suite with CUDA visible. Each part has its own time limit so one that runs long leaves the
+# others their share; everything worth keeping lands in $OUT (at most 8 files come back).
+#
+#   BENCH_ARGS="--budgets t4" BENCH_S=330 TESTS_S=150 bash bench/gpu_call.sh
+#
+# Packages the image lacks (structlog, pytest-asyncio) travel as wheels in .whl/ (see
+# /work/.library/device/README.md); the machine reaches no registry.
+set -u
+OUT=${OUT:-/tmp/flowmoe-gpu-out}
+BENCH_S=${BENCH_S:-330}
+TESTS_S=${TESTS_S:-150}
+BENCH_ARGS=${BENCH_ARGS:-}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    lscpu | grep -E "Model name|^CPU\(s\)"
+    python3 --version
+} >"$OUT/machine.txt" 2>&1
+python3 -m venv --system-site-packages /tmp/fm || exit 2
+. /tmp/fm/bin/activate
+if compgen -G ".whl/*.whl" >/dev/null; then
+    pip install -q --no-index --no-deps .whl/*.whl || exit 2
+fi
+pip install -q --no-index --no-deps --no-build-isolation -e . >>"$OUT/machine.txt" 2>&1 || exit 2
+python -c "import torch, flowmoe; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
+    | tee -a "$OUT/machine.txt"
+
+timeout "$BENCH_S" python bench/gpu.py --hardware h200 --out "$OUT/gpu.jsonl" \
+    --trace-dir /tmp/gpu-traces $BENCH_ARGS 2>&1 | tee "$OUT/bench.log"
+for trace in /tmp/gpu-traces/t4-cgopipe.json /tmp/gpu-traces/t4-on-demand.json; do
+    [ -f "$trace" ] && gzip -c "$trace" >"$OUT/$(basename "$trace").gz"
+done
+
+timeout "$TESTS_S" python -m pytest -q -n 12 -p no:cacheprovider --timeout 120 \
+    --ignore tests/test_lint.py tests 2>&1 | tail -n 80 >"$OUT/tests.txt"
+tail -n 5 "$OUT/tests.txt"
