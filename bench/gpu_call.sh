@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: flowmoe installed beside the machine's own CUDA torch (a venv that
-# sees the system's packages), then bench/gpu.py (its rows synced to $OUT as each finishes), then the
-# test suite with CUDA visible. Each part has its own time limit so one that runs long leaves the
+# sees the system's packages), then the test suite with CUDA visible, then bench/gpu.py (its rows synced to
+# $OUT as each finishes). Each part has its own time limit so one that runs long leaves the
 # others their share; everything worth keeping lands in $OUT (at most 8 files come back).
 #
 #   BENCH_ARGS="--budgets t4" BENCH_S=330 TESTS_S=150 bash bench/gpu_call.sh
@@ -30,12 +30,12 @@ pip install -q --no-index --no-deps --no-build-isolation -e . >>"$OUT/machine.tx
 python -c "import torch, flowmoe; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
     | tee -a "$OUT/machine.txt"
 
+timeout "$TESTS_S" python -m pytest -q -n 12 -p no:cacheprovider --timeout 120 \
+    --ignore tests/test_lint.py tests 2>&1 | tail -n 80 >"$OUT/tests.txt"
+tail -n 5 "$OUT/tests.txt"
+
 timeout "$BENCH_S" python bench/gpu.py --hardware h200 --out "$OUT/gpu.jsonl" \
     --trace-dir /tmp/gpu-traces $BENCH_ARGS 2>&1 | tee "$OUT/bench.log"
 for trace in /tmp/gpu-traces/t4-cgopipe.json /tmp/gpu-traces/t4-on-demand.json; do
     [ -f "$trace" ] && gzip -c "$trace" >"$OUT/$(basename "$trace").gz"
 done
-
-timeout "$TESTS_S" python -m pytest -q -n 12 -p no:cacheprovider --timeout 120 \
-    --ignore tests/test_lint.py tests 2>&1 | tail -n 80 >"$OUT/tests.txt"
-tail -n 5 "$OUT/tests.txt"
