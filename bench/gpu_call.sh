@@ -31,8 +31,8 @@ python -c "import torch, flowmoe; print('torch', torch.__version__, 'cuda', torc
     | tee -a "$OUT/machine.txt"
 
 timeout "$TESTS_S" python -m pytest -q -n 12 -p no:cacheprovider --timeout 120 \
-    --ignore tests/test_lint.py tests 2>&1 | tail -n 80 >"$OUT/tests.txt"
-tail -n 5 "$OUT/tests.txt"
+    -rfE --ignore tests/test_lint.py tests >"$OUT/tests.txt" 2>&1
+tail -n 25 "$OUT/tests.txt"
 
 timeout "$BENCH_S" python bench/gpu.py --hardware h200 --out "$OUT/gpu.jsonl" \
     --trace-dir /tmp/gpu-traces $BENCH_ARGS 2>&1 | tee "$OUT/bench.log"
