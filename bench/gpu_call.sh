@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine: flowmoe installed beside the machine's own CUDA torch (a venv that
-# sees the system's packages), then the test suite with CUDA visible, then bench/gpu.py (its rows synced to
+# One call on a lent GPU machine: flowmoe installed (editable, no dependencies) into the machine's
+# own Python beside its CUDA torch, then the test suite with CUDA visible, then bench/gpu.py (its rows synced to
 # $OUT as each finishes). Each part has its own time limit so one that runs long leaves the
 # others their share; everything worth keeping lands in $OUT (at most 8 files come back).
 #
@@ -21,20 +21,18 @@ mkdir -p "$OUT"
     lscpu | grep -E "Model name|^CPU\(s\)"
     python3 --version
 } >"$OUT/machine.txt" 2>&1
-python3 -m venv --system-site-packages /tmp/fm || exit 2
-. /tmp/fm/bin/activate
 if compgen -G ".whl/*.whl" >/dev/null; then
-    pip install -q --no-index --no-deps .whl/*.whl || exit 2
+    python3 -m pip install -q --no-index --no-deps .whl/*.whl || exit 2
 fi
-pip install -q --no-index --no-deps --no-build-isolation -e . >>"$OUT/machine.txt" 2>&1 || exit 2
-python -c "import torch, flowmoe; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$OUT/machine.txt" 2>&1 || exit 2
+python3 -c "import torch, flowmoe; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
     | tee -a "$OUT/machine.txt"
 
-timeout "$TESTS_S" python -m pytest -q -n 12 -p no:cacheprovider --timeout 120 \
+timeout "$TESTS_S" python3 -m pytest -q -n 12 -p no:cacheprovider --timeout 120 \
     -rfE --ignore tests/test_lint.py tests >"$OUT/tests.txt" 2>&1
 tail -n 25 "$OUT/tests.txt"
 
-timeout "$BENCH_S" python bench/gpu.py --hardware h200 --out "$OUT/gpu.jsonl" \
+timeout "$BENCH_S" python3 bench/gpu.py --hardware h200 --out "$OUT/gpu.jsonl" \
     --trace-dir /tmp/gpu-traces $BENCH_ARGS 2>&1 | tee "$OUT/bench.log"
 for trace in /tmp/gpu-traces/t4-cgopipe.json /tmp/gpu-traces/t4-on-demand.json; do
     [ -f "$trace" ] && gzip -c "$trace" >"$OUT/$(basename "$trace").gz"
