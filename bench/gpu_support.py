@@ -3,6 +3,7 @@ Accelerate offload baseline, the rows written as they finish and the RESULTS.md 
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -28,7 +29,7 @@ from flowmoe.model.random_weights import RandomSource
 from flowmoe.model.tensor_map import Shape, TensorMap
 from flowmoe.study.simulate import Setup, Simulation, batch_steps
 
-SECTION = "## CUDA path (bench/gpu.py)"
+SECTION = "## CUDA path: the last GPU run (bench/gpu.py)"
 PERIOD = 1_048_573  # a prime: the length of the random block every tensor is read from
 STRIDE = 257  # values from one row of a tensor to the next in that block
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
@@ -162,17 +163,45 @@ def link_peaks(device: str, tiny: bool) -> dict[str, float]:
     }
 
 
+# shares of the budget offered to Accelerate's device map, largest first: its auto map fills
+# max_memory with weights and leaves generate() no room (at 16 GiB, 32 prompts' fp32 prefill logits
+# alone are ~0.8 GiB), so a user lowers max_memory until generate runs; the row says which share ran
+ACCELERATE_SHARES = (0.9, 0.8, 0.7, 0.6, 0.5)
+
+
 def accelerate_baseline(spec: ModelSpec, requests: list, new_tokens: int, device: str, budget: int) -> dict:
     """transformers + accelerate as `from_pretrained(device_map="auto", max_memory=...)` sets a model
     up (an auto device map under the same GPU budget, the rest offloaded to the CPU and streamed in
     by accelerate's hooks), built from the config in memory with the same tiled random weights
-    rather than through a checkpoint on disk; same prompts, greedy. Needs accelerate."""
+    rather than through a checkpoint on disk; same prompts, greedy. The device map is offered the
+    largest of ACCELERATE_SHARES of the budget under which generate() runs out of no memory, as a
+    user would lower max_memory. Needs accelerate."""
     try:
-        from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
-        from accelerate.utils import set_module_tensor_to_device
-        from transformers import AutoConfig, AutoModelForCausalLM
+        import accelerate  # noqa: F401
+        import transformers  # noqa: F401
     except ImportError as exc:
         return {"status": f"skipped: {exc.name} is not installed"}
+    tried = []
+    for share in ACCELERATE_SHARES if device == "cuda" else (1.0,):
+        try:
+            return {**accelerate_generate(spec, requests, new_tokens, device, int(share * budget)),
+                    "max_memory_share": share}  # fmt: skip
+        except torch.cuda.OutOfMemoryError:
+            tried.append(f"{share:.0%}")
+            gc.collect()
+            torch.cuda.empty_cache()
+    shares = ", ".join(tried)
+    return {"status": "error", "error": f"CUDA out of memory with max_memory at {shares} of the budget"}
+
+
+def accelerate_generate(
+    spec: ModelSpec, requests: list, new_tokens: int, device: str, max_memory: int
+) -> dict:
+    """One Accelerate offload run with `max_memory` bytes of GPU for its device map."""
+    from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     dtype = TORCH_DTYPES[spec.dtype]
     config = AutoConfig.for_model("mixtral", **{**spec_config(spec), "dtype": spec.dtype})
     with init_empty_weights():
@@ -182,7 +211,7 @@ def accelerate_baseline(spec: ModelSpec, requests: list, new_tokens: int, device
         set_module_tensor_to_device(model, name, "cpu", value=source.get(name, tuple(param.shape)))
     model.eval()
     setup_s = time.perf_counter() - started
-    memory: dict[int | str, int] = {0: budget} if device == "cuda" else {}
+    memory: dict[int | str, int] = {0: max_memory} if device == "cuda" else {}
     device_map = infer_auto_device_map(
         model, max_memory={**memory, "cpu": 2**40}, no_split_module_classes=model._no_split_modules
     )
@@ -235,7 +264,7 @@ def write_results(path: Path, meta: dict, peaks: dict, rows: list[dict]) -> None
     ]
     for r in rows:
         if r.get("status") != "ok":
-            why = r.get("error") or r.get("status", "")
+            why = (r.get("error") or r.get("status", "")).split(". ")[0]  # the first sentence
             lines.append(
                 f"| {r['budget']} | {r['scheduler']} | | | | | {why} | | | {r.get('tokens_match_cpu', '')} |"
             )
