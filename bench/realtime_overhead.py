@@ -38,10 +38,13 @@ import json
 import os
 import platform
 import time
+from collections import Counter
 from pathlib import Path
+from statistics import median
 from typing import Any
 
-from attrs import evolve
+from attrs import asdict, evolve
+from launch_stats import H200_TRACE, LaunchStats, read_trace_gz, readback_us, trace_steps
 from rich.console import Console
 from rich.table import Table
 
@@ -54,8 +57,10 @@ from flowmoe.core.presets import preset
 from flowmoe.core.synthetic_routing import RoutingModel
 from flowmoe.core.workloads import workload
 from flowmoe.study.best_policy import Given, best_policy
-from flowmoe.study.realtime import NO_LAUNCH, LaunchCosts, meta_model, realtime_run
+from flowmoe.study.realtime import NO_LAUNCH, NODE_SECONDS, OP_SECONDS, LaunchCosts, meta_model, realtime_run
+from flowmoe.study.sim_report import RealtimeRun
 from flowmoe.study.simulate import Setup, Simulation
+from flowmoe.traces.chrome import chrome_trace
 
 console = Console()
 OUT = Path(__file__).with_suffix(".json")
@@ -130,8 +135,31 @@ def counted_ops(path: Path = COUNTS) -> dict[Op, float]:
     return ops
 
 
-def h200_rows(steps: int) -> list[dict[str, Any]]:
-    """The H200 run's setting on the real clock, with the measured launch costs and without."""
+def own_costs(run: RealtimeRun) -> tuple[float, float]:
+    """What the real clock itself spends, on this machine, on the events a launch charge stands for:
+    its lane threads' host seconds per GPU node (the least over its GPU lanes), and its median from a
+    gate's end to the first expert FFN queued (bench/launch_stats.py on its own trace)."""
+    nodes = Counter(str(s.node.lane) for s in run.trace.spans if s.node.lane.on_gpu)
+    per_node = min(run.host_seconds[lane] / count for lane, count in nodes.items())
+    return per_node, median(readback_us(trace_steps(chrome_trace([run.trace]), decode_only=False))) / 1e6
+
+
+def h200_costs(h200: LaunchStats, own: tuple[float, float], ops: dict[Op, float]) -> dict[str, LaunchCosts]:
+    """The launch costs compared: the span fit alone (before), with the worker's gaps, waits, evicts
+    and read-backs net of what the real clock runs for real (`own`), and all of them in full."""
+    spans = evolve(NO_LAUNCH, op_seconds=OP_SECONDS, node_seconds=NODE_SECONDS, ops=ops)
+    full = evolve(spans, node_gap_seconds=h200.node_gap_us / 1e6,
+                  wait_seconds=max(0.0, h200.wait_gap_us) / 1e6, evict_seconds=h200.evict_span_us / 1e6,
+                  readback_seconds=h200.readback_us / 1e6)  # fmt: skip
+    per_node, readback = own
+    net = evolve(full, node_gap_seconds=max(0.0, full.node_gap_seconds - per_node),
+                 readback_seconds=max(0.0, full.readback_seconds - readback))  # fmt: skip
+    return {"net of the real clock's own": net, "all in full (upper bound)": full,
+            "spans only (before)": spans}  # fmt: skip
+
+
+def h200_rows(steps: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The H200 run's setting on the real clock: without launch costs, then with each set compared."""
     spec = preset("mixtral-8x7b", layers=12)
     setup = Setup(spec, hardware("h200"), workload("fixed:128:16"), Policy(), RoutingModel(0.5, 0.3))
     given = Given(32, 4, "gpu", None, 0.25, None, parse_bytes("16GiB"))
@@ -141,16 +169,27 @@ def h200_rows(steps: int) -> list[dict[str, Any]]:
     decode = simulation.steps[-steps:]
     model = meta_model(spec)
     cost = RooflineCost(setup.hardware, spec)
-    rows = []
-    for label, launch in (("launch costs", LaunchCosts(ops=counted_ops())), ("host stack only", NO_LAUNCH)):
+    h200 = LaunchStats.of(trace_steps(read_trace_gz(H200_TRACE)))
+
+    def row(label: str, launch: LaunchCosts) -> tuple[dict[str, Any], RealtimeRun]:
         run = realtime_run(simulation, "cgopipe", decode, model=model, launch=launch)
-        host = run.to_json()
         charged = launch.charge([s.node for s in run.trace.spans]) / run.steps
         lanes = {k: v / run.steps for k, v in run.host_seconds.items()}
         link = sum(cost(s.node) for s in run.trace.spans if s.node.lane == Lane.GPU_H2D) / run.steps
-        rows.append({"label": label, "charged_s_per_step": charged, "lanes_s_per_step": lanes,
-                     "link_s_per_step": link, **host})  # fmt: skip
-    return rows
+        return {"label": label, "charged_s_per_step": charged, "lanes_s_per_step": lanes,
+                "link_s_per_step": link, "launch": costs_json(launch), **run.to_json()}, run  # fmt: skip
+
+    first, alone = row("host stack only", NO_LAUNCH)
+    own = own_costs(alone)
+    rows = [row(label, launch)[0] for label, launch in h200_costs(h200, own, counted_ops()).items()]
+    sources = {"h200_trace": str(H200_TRACE.name), "h200": h200.to_json(),
+               "own_host_s_per_gpu_node": own[0], "own_gate_to_expert_queued_s": own[1]}  # fmt: skip
+    return [*rows, first], sources
+
+
+def costs_json(launch: LaunchCosts) -> dict[str, float]:
+    """The per-event charges of `launch` (seconds; per-operation counts apart)."""
+    return {k: v for k, v in asdict(launch).items() if isinstance(v, float)}
 
 
 def table(label: str, rows: list[dict[str, Any]]) -> Table:
@@ -185,7 +224,7 @@ def table(label: str, rows: list[dict[str, Any]]) -> Table:
 
 def h200_main(label: str, steps: int, out: Path) -> None:
     started = time.time()
-    rows = h200_rows(steps)
+    rows, sources = h200_rows(steps)
     t = Table(title=f"H200 run's setting on the real clock ({label}), {machine()}")
     for column in ("launches", "host s/decode step", "of it charged", "vs measured 0.79 s", "link s/step",
                    "host / link", "real-clock s/step", "busiest host thread"):  # fmt: skip
@@ -199,11 +238,18 @@ def h200_main(label: str, steps: int, out: Path) -> None:
                   f"{top} {lanes[top]:.3f} s")  # fmt: skip
     console.print(t)
     console.print(f"measured on the H200: host {H200_HOST_MEASURED} s/step, link {H200_LINK_MEASURED} s/step")
+    console.print(
+        f"per event, from {sources['h200_trace']}: {sources['h200']}; the real clock's own here: "
+        f"{sources['own_host_s_per_gpu_node'] * 1e6:.1f} us host per GPU node, "
+        f"{sources['own_gate_to_expert_queued_s'] * 1e6:.1f} us gate end to first expert queued"
+    )
+    for r in rows:
+        console.print(f"{r['label']}: " + ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in r["launch"].items()))
     data = json.loads(out.read_text()) if out.exists() else {}
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
     measured = {"host_s_per_step": H200_HOST_MEASURED, "link_s": H200_LINK_MEASURED}
     data[f"h200:{label}"] = {"machine": machine(), "date": date, "steps_per_row": steps, "rows": rows,
-                             "measured": measured}  # fmt: skip
+                             "measured": measured, "per_event": sources}  # fmt: skip
     out.write_text(json.dumps(data, indent=1) + "\n")
 
 

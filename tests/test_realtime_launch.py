@@ -10,7 +10,7 @@ from attrs import evolve
 from flowmoe.core.executor import Executor, Span
 from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.devices.realclock import RealClockWorker
-from flowmoe.study.realtime import H200_OPS, NO_LAUNCH, LaunchCosts, realtime_run
+from flowmoe.study.realtime import H200_OPS, NO_LAUNCH, LaunchCosts, cross_lane_waits, realtime_run
 from tests.test_realtime import simulation
 
 COPY = TaskNode(0, Op.PAGE_COPY, Lane.GPU_H2D, layer=0, mb=0)
@@ -76,3 +76,38 @@ def test_realtime_run_charges_its_host() -> None:
     assert charge > 0
     gpu_lanes = sum(v for k, v in run.host_seconds.items() if k.startswith("gpu."))
     assert gpu_lanes >= charge  # the lane threads' CPU time holds the charge
+
+
+def test_each_cross_lane_producer_charges_one_wait_on_the_consumers_lane() -> None:
+    """A stream.wait_event per producer on another GPU lane; none for a producer on the same lane or
+    on a host lane (ordered by the executor)."""
+    costs = LaunchCosts(op_seconds=0.0, node_seconds=0.0, ops={}, node_gap_seconds=1e-5, wait_seconds=1e-3,
+                        evict_seconds=0.0, readback_seconds=0.0)  # fmt: skip
+    copies = [TaskNode(10 + i, Op.PAGE_COPY, Lane.GPU_H2D, layer=0, mb=0) for i in range(3)]
+    host = TaskNode(20, Op.CPU_ATTN, Lane.CPU_COMPUTE, layer=0, mb=0)
+    ffn = TaskNode(21, Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer=0, mb=0, deps=(10, 11, 12, 20, 22))
+    same = TaskNode(22, Op.GPU_ATTN, Lane.GPU_COMPUTE, layer=0, mb=0)
+    lanes = {n.id: n.lane for n in (*copies, host, ffn, same)}
+    assert cross_lane_waits(ffn, lanes) == 3
+    assert costs(ffn, 3) == pytest.approx(1e-5 + 3e-3)
+    assert costs.charge([*copies, host, same, ffn]) == pytest.approx(5 * 1e-5 + 3e-3)  # 5 GPU nodes, 3 waits
+    worker = RealClockWorker(lambda node: 0.0, host=lambda node: costs(node, cross_lane_waits(node, lanes)))
+    worker.start(same, None, lambda *a: None)
+    worker.start(ffn, None, lambda *a: None)
+    worker.close()
+    assert worker.charged_seconds() == {"gpu.compute": pytest.approx(2e-5 + 3e-3)}  # the consumer's lane
+
+
+def test_evicts_and_read_backs_are_charged_where_they_run() -> None:
+    """An EVICT pays its record_stream on its lane; each routing read-back burns on the thread that
+    answers it (the event loop's), and the run's charge counts one per gate."""
+    sim = simulation()
+    none = realtime_run(sim, "cgopipe", launch=NO_LAUNCH)
+    costs = LaunchCosts(op_seconds=0.0, node_seconds=0.0, ops={}, node_gap_seconds=0.0, wait_seconds=0.0,
+                        evict_seconds=2e-4, readback_seconds=3e-3)  # fmt: skip
+    run = realtime_run(sim, "cgopipe", launch=costs)
+    nodes = [s.node for s in run.trace.spans]
+    evicts, gates = sum(n.op == Op.EVICT for n in nodes), sum(n.op == Op.GATE for n in nodes)
+    assert evicts > 0 and gates > 0
+    assert costs.charge(nodes) == pytest.approx(2e-4 * evicts + 3e-3 * gates)
+    assert run.host_seconds["main"] - none.host_seconds["main"] >= 0.5 * 3e-3 * gates

@@ -33,7 +33,7 @@ from flowmoe.core.executor import Action
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import StepShape
 from flowmoe.core.spec import ModelSpec
-from flowmoe.devices.realclock import RealClockWorker
+from flowmoe.devices.realclock import RealClockWorker, burn
 from flowmoe.model.checkpoint import TORCH_DTYPES
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.tensor_map import Shape, TensorMap
@@ -48,6 +48,7 @@ T = TypeVar("T")
 Runner = Callable[[Coroutine[Any, Any, T]], T]
 
 BOOKKEEPING = frozenset({Op.PAGE_COPY, Op.EVICT})  # actions that run for real, on meta weights
+ROUTED = frozenset({Op.GATE, Op.PREGATE})  # nodes whose routing the driver reads back
 # GPU nodes that look their weights up where they are resident (NotResident when a plan forgot a copy)
 USES_EXPERT = frozenset({Op.EXPERT_FFN})
 USES_LAYER = frozenset({Op.PRE_ATTN, Op.GPU_ATTN, Op.POST_ATTN, Op.GATE, Op.PREGATE, Op.SHARED_FFN})
@@ -76,29 +77,72 @@ H200_OPS: Mapping[Op, float] = {
 }  # fmt: skip
 
 
+# The CUDA worker's work around the spans above, read from the same trace by bench/launch_stats.py
+# (t4-cgopipe-trace.json.gz, its 15 decode steps; `python bench/realtime_overhead.py --h200` measures
+# it again): medians of a node's gap between launch-bound gpu.compute spans (the executor's hand-off,
+# the next node off the lane's queue, two pooled events taken and recorded), of one more
+# `stream.wait_event` (the gap before an expert FFN with one producer on gpu.h2d, less a node's gap),
+# of an EVICT's span (`record_stream` on each tensor, its bookkeeping), and of a gate's end to its first
+# expert FFN queued (the routing read-back: the counts' event waited for, `.tolist()`, the rows sliced
+# by expert; the scheduler planning the layer's experts). Where the real clock runs part of an event
+# for real, that part as it measures on the machine the real clock runs on is left out (never below
+# zero): a node's gap less the real clock's own host time per GPU node of its lanes, a read-back less
+# its own gate-to-first-expert time, both measured by the same bench without launch costs. The
+# defaults below are that bench's "net" figures (bench/realtime_overhead.json, key "h200:item4", run on
+# HEAD 0288ae2 on the 2-vCPU VM): H200 medians node gap 19.53 us (2,745 gaps), one more wait 5.75 us
+# (3,848 gaps at 25.28 us), evict span 46.71 us (72 per step), gate end to first expert queued 310.21 us
+# (48 per step); the real clock's own host per GPU node there 47.9 us and its own gate-to-expert 301.5 us.
+NODE_GAP_SECONDS = 0.0  # 19.53 us less the real clock's own 47.9 us per GPU node
+WAIT_SECONDS = 5.75e-6
+EVICT_SECONDS = 46.71e-6  # its bookkeeping (a dict pop, counters) runs here too: a few us counted twice
+READBACK_SECONDS = 8.7e-6  # 310.21 us less the real clock's own 301.5 us (load-dependent: 0 in a 1-step run)
+
+
 @frozen
 class LaunchCosts:
-    """The host seconds a CUDA run's launch thread spends on a GPU node: `op_seconds` per torch
-    operation it dispatches (`ops`: operations per node by kind), plus `node_seconds` for a compute
-    node's action (PAGE_COPY and EVICT run their real bookkeeping here: only their operations are
-    charged). Host-lane nodes are charged nothing (their modelled duration holds their thread)."""
+    """The host seconds a CUDA run spends around a node that the real clock does not run. On a GPU
+    node's lane thread: `op_seconds` per torch operation it dispatches (`ops`: operations per node by
+    kind), `node_seconds` for a compute node's action (PAGE_COPY and EVICT run their real bookkeeping
+    here: only their operations are charged), `node_gap_seconds` for the worker's calls between two
+    nodes, `wait_seconds` per producer on another GPU lane (a `stream.wait_event`), `evict_seconds`
+    per EVICT. On the thread that answers a routing request: `readback_seconds`. Host-lane nodes are
+    charged nothing (their modelled duration holds their thread)."""
 
     op_seconds: float = OP_SECONDS
     node_seconds: float = NODE_SECONDS
     ops: Mapping[Op, float] = field(factory=lambda: dict(H200_OPS))
+    node_gap_seconds: float = NODE_GAP_SECONDS
+    wait_seconds: float = WAIT_SECONDS
+    evict_seconds: float = EVICT_SECONDS
+    readback_seconds: float = READBACK_SECONDS
 
-    def __call__(self, node: TaskNode) -> float:
+    def __call__(self, node: TaskNode, waits: int = 0) -> float:
+        """A GPU node's charge on its lane thread, `waits`: its producers on other GPU lanes."""
         if not node.lane.on_gpu:
             return 0.0
         own = 0.0 if node.op in BOOKKEEPING else self.node_seconds
-        return own + self.op_seconds * self.ops.get(node.op, 0.0)
+        evict = self.evict_seconds if node.op == Op.EVICT else 0.0
+        ops = self.op_seconds * self.ops.get(node.op, 0.0)
+        return own + ops + self.node_gap_seconds + self.wait_seconds * waits + evict
 
     def charge(self, nodes: Sequence[TaskNode]) -> float:
-        """The modelled host seconds of `nodes` (a run's: the sum its lane threads were charged)."""
-        return sum(self(node) for node in nodes)
+        """The modelled host seconds of `nodes` (a run's: the sum its threads were charged), a
+        read-back per gate and pre-gate among them."""
+        lanes = {node.id: node.lane for node in nodes}
+        reads = sum(node.op in ROUTED for node in nodes)
+        launches = sum(self(node, cross_lane_waits(node, lanes)) for node in nodes)
+        return launches + self.readback_seconds * reads
 
 
-NO_LAUNCH = LaunchCosts(0.0, 0.0, {})  # the real clock without launch costs (the host stack alone)
+def cross_lane_waits(node: TaskNode, lanes: Mapping[int, Lane]) -> int:
+    """How many of `node`'s producers ran on another GPU lane (`lanes`: node id -> lane): the CUDA
+    worker's `stream.wait_event` calls for it (producers on host lanes are ordered by the executor)."""
+    others = (lanes.get(dep) for dep in node.deps)
+    return sum(1 for lane in others if lane is not None and lane.on_gpu and lane != node.lane)
+
+
+# the real clock without launch costs (the host stack alone)
+NO_LAUNCH = LaunchCosts(0.0, 0.0, {}, 0.0, 0.0, 0.0, 0.0)
 
 
 class MetaSource:
@@ -142,11 +186,14 @@ def realtime_run(
     devices = Devices(META, META)
     weights = DeviceWeights(model, devices)
     weights.setup(scheduler.residency(), scheduler.weight_buffer_bytes())
-    worker = RealClockWorker(cost, host=LaunchCosts() if launch is None else launch)
+    launch = LaunchCosts() if launch is None else launch
+    lanes: dict[int, Lane] = {}  # node id -> lane, as the driver submits them: whose waits cross lanes
+    worker = RealClockWorker(cost, host=lambda node: launch(node, cross_lane_waits(node, lanes)))
     runtime = Runtime(model, scheduler, devices, weights, dict.fromkeys(Lane, worker), None, Trace(name=name))
     state = StepState.create(model, [], devices, weights)
 
     def action_for(node: TaskNode) -> Action:
+        lanes[node.id] = node.lane
         if node.op in BOOKKEEPING:
             return state.action(node)
         if node.lane.on_gpu and node.op in USES_EXPERT:
@@ -158,6 +205,7 @@ def realtime_run(
     def answer_for(step: int) -> Callable[[RoutingRequest], ExpertCounts]:
         def answer(request: RoutingRequest) -> ExpertCounts:
             worker.sync(request.after)  # the gate's counts read back to the host wait for the gate
+            burn(launch.readback_seconds)  # the read-back's own host work, on the answering thread
             return routing.answer(step, request)
 
         return answer
@@ -165,14 +213,15 @@ def realtime_run(
     async def run() -> tuple[float, float]:
         wall = main = 0.0
         for step in steps:
-            lanes, waited = sum(worker.host_seconds().values()), worker.sync_cpu_seconds
+            lanes.clear()
+            busy, waited = sum(worker.host_seconds().values()), worker.sync_cpu_seconds
             cpu, start = time.thread_time(), time.perf_counter()
             await runtime.run_plan(step, action_for, answer_for(step.step))
             worker.synchronize()  # the step's device synchronize
             wall += time.perf_counter() - start
             main_step = time.thread_time() - cpu - (worker.sync_cpu_seconds - waited)
             main += main_step
-            host = main_step + sum(worker.host_seconds().values()) - lanes
+            host = main_step + sum(worker.host_seconds().values()) - busy
             if runtime.trace.steps:
                 runtime.trace.steps[-1] = evolve(runtime.trace.steps[-1], host_seconds=host)
         return wall, main
