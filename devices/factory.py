@@ -34,6 +34,8 @@ def make_workers(
     if gpu.type != "cuda":
         inline = InlineWorker(plan.intra_op)
         return dict.fromkeys(Lane, inline), None
+    if gpu.index is None:  # "cuda": the current device, named (streams and events need its index)
+        gpu = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
     events = EventBook(gpu)
     host = ThreadPoolWorker(plan.intra_op, before=events.wait_host)
     streams = CudaStreamWorker(gpu, events)

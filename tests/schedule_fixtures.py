@@ -97,8 +97,10 @@ def generate(model: MoEModel, runner, micro_batches: int = 2, new_tokens: int = 
     return sorted(asyncio.run(go()), key=lambda r: r.id), logits
 
 
-def run_scheduler(model: MoEModel, name: str, policy: Policy | None = None):
-    runtime = Runtime.create(model, name, policy or Policy(micro_batch_size=3, micro_batches=2))
+def run_scheduler(model: MoEModel, name: str, policy: Policy | None = None, device: str = "auto"):
+    """`name`'s tokens and logits on the built-in prompts (`device`: "auto" takes CUDA where visible;
+    "cpu" emulates the GPU on the CPU, for budgets no real GPU can be held to)."""
+    runtime = Runtime.create(model, name, policy or Policy(micro_batch_size=3, micro_batches=2), device)
     try:
         return generate(model, runtime), runtime
     finally:

@@ -66,13 +66,15 @@ def test_runtime_equals_eager_with_the_same_deferral_and_reports_its_deviation(m
     same, same_logits = generate(model, eager_with(Deferral(1, deferring)))
     _, exact_logits = generate(model, eager_with(Deferral(0, frozenset())))
     assert [r.output_ids for r in results] == [r.output_ids for r in same]
-    worst = 0.0
+    rounding = deviation = 0.0
     for ours, ref, plain in zip(logits, same_logits, exact_logits, strict=True):
         for a, b, c in zip(ours, ref, plain, strict=True):
             assert rel_err(a, b) <= 1e-5
-            worst = max(worst, float((a - c).abs().max()))
-    # the deviation from the exact model is there whenever a layer defers into the next one
-    assert (worst > 0) == bool(deferring), worst
+            rounding = max(rounding, rel_err(a, b))  # 0 on the CPU; CUDA's GEMMs round otherwise
+            deviation = max(deviation, rel_err(a, c))
+    # the deviation from the exact model is there (well above the device's rounding) whenever a layer
+    # defers into the next one
+    assert (deviation > 10 * rounding) == bool(deferring), (deviation, rounding)
 
 
 def test_deferral_changes_no_layer_that_cannot_defer() -> None:
