@@ -6,8 +6,12 @@
 #
 #   BENCH_ARGS="--budgets t4" BENCH_S=330 TESTS_S=150 bash bench/gpu_call.sh
 #
-# Packages the image lacks (structlog, pytest-asyncio) travel as wheels in .whl/ (see
-# /work/.library/device/README.md); the machine reaches no registry.
+# Packages the image lacks travel as wheels in .whl/ (the machine reaches no registry; its Python
+# is 3.12). Fetch them here first, with the versions of this checkout's venv:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 -d .whl structlog pytest-asyncio import-linter grimp
+# Run it from a snapshot of the commit being measured (git archive HEAD into an ignored folder,
+# .whl copied in, that folder carried), so edits in progress in the checkout do not travel.
 set -u
 OUT=${OUT:-/tmp/flowmoe-gpu-out}
 BENCH_S=${BENCH_S:-330}
