@@ -25,7 +25,7 @@ from torch import cuda
 
 from flowmoe.core.executor import Action, Finish, Span
 from flowmoe.core.plan import Lane, TaskNode
-from flowmoe.devices.threadpool import LaneThreads
+from flowmoe.devices.threadpool import LaneThreads, run_action
 
 Entry = tuple["cuda.Event", "cuda.Event", "cuda.Stream"]
 NVTX = os.environ.get("FLOWMOE_NVTX") == "1"  # name each node in Nsight Systems (costs µs per node)
@@ -151,11 +151,7 @@ class CudaStreamWorker:
                 if self._nvtx:
                     cuda.nvtx.range_push(node.label)
                 try:
-                    if torch.autograd._profiler_enabled():
-                        with torch.profiler.record_function(node.label):
-                            action()
-                    else:
-                        action()
+                    run_action(node, action)
                 finally:
                     if self._nvtx:
                         cuda.nvtx.range_pop()

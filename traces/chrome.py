@@ -2,19 +2,22 @@
 
 A process per device (per scheduler in a comparison), a named thread per lane,
 an `X` event per node with its args, flow arrows for cross-lane dependencies,
-and `C` counter tracks.
+and `C` counter tracks. With --trace-kernels, a thread under each GPU lane per stream it ran on,
+holding the kernels and copies that really ran there (category "device"; args: the node that
+launched each, its lane and stream).
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from flowmoe.core.plan import Lane
 from flowmoe.core.write_guard import DEFAULT_GUARD, Guard, OutputKind
-from flowmoe.traces.summary import STEPS_EVENT
-from flowmoe.traces.trace import Trace
+from flowmoe.traces.summary import KERNEL_CAT, STEPS_EVENT
+from flowmoe.traces.trace import KernelSlice, Trace
 
 DEVICES = ("gpu", "cpu", "disk")
 EMULATED = "emulated on the CPU"  # the gpu process's label (Perfetto shows it) when there was no GPU
@@ -57,6 +60,21 @@ def chrome_trace(traces: list[Trace]) -> dict[str, Any]:
         for lane in LANES:
             events.append({"ph": "M", "name": "thread_name", "pid": pid_of[lane.device], "tid": _tid(lane),
                            "args": {"name": str(lane)}})  # fmt: skip
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": pid_of[lane.device],
+                           "tid": _tid(lane), "args": {"sort_index": _SORT * _tid(lane)}})  # fmt: skip
+        tracks = _kernel_tracks(trace.kernels)
+        for tid, sort_index, name in tracks.values():
+            events.append({"ph": "M", "name": "thread_name", "pid": pid_of["gpu"], "tid": tid,
+                           "args": {"name": name}})  # fmt: skip
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": pid_of["gpu"], "tid": tid,
+                           "args": {"sort_index": sort_index}})  # fmt: skip
+        for kernel in trace.kernels:
+            start, end = _ns(kernel.start - origin), _ns(kernel.end - origin)
+            kernel_args = {"kind": kernel.kind, "lane": None if kernel.lane is None else str(kernel.lane),
+                           "node": kernel.node, "stream": kernel.stream}  # fmt: skip
+            events.append({"name": kernel.name, "cat": KERNEL_CAT, "ph": "X", "ts": _us(start),
+                           "dur": _us(end - start), "pid": pid_of["gpu"],
+                           "tid": tracks[(kernel.lane, kernel.stream)][0], "args": kernel_args})  # fmt: skip
         by_id = {s.node.id: s for s in trace.spans}
         for span in trace.spans:
             node = span.node
@@ -99,6 +117,31 @@ def chrome_trace(traces: list[Trace]) -> dict[str, Any]:
 
 def _tid(lane: Lane) -> int:
     return 1 + LANES.index(lane)
+
+
+_SORT = 100  # a lane's sort index is _SORT * its tid; its kernel tracks follow it
+_KERNEL_TIDS = 100  # the kernel tracks' tids start here, past the lanes'
+
+
+def _kernel_tracks(kernels: list[KernelSlice]) -> dict[tuple[Lane | None, int], tuple[int, int, str]]:
+    """A track per (lane, stream) the kernels ran on: its tid, its sort index (right under its
+    lane; streams no node launched on last) and its name."""
+
+    def order(item: tuple[tuple[Lane | None, int], str]) -> tuple[int, int]:
+        (lane, stream), _kind = item
+        return (_tid(lane) if lane is not None else len(LANES) + 1, stream)
+
+    keys = sorted({(k.lane, k.stream): k.kind for k in kernels}.items(), key=order)
+    streams = Counter(lane for (lane, _), _kind in keys)
+    tracks = {}
+    for i, ((lane, stream), kind) in enumerate(keys):
+        what = "ops (CPU)" if kind == "cpu_op" else "kernels"
+        if lane is None:
+            name, under = f"stream {stream} {what} (no node)", len(LANES) + 1
+        else:
+            name, under = f"{lane} {what}" + (f" (stream {stream})" if streams[lane] > 1 else ""), _tid(lane)
+        tracks[(lane, stream)] = (_KERNEL_TIDS + i, _SORT * under + 1 + i, name)
+    return tracks
 
 
 def write_chrome(path: str | Path, traces: list[Trace], guard: Guard = DEFAULT_GUARD) -> Path:

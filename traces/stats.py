@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Protocol, TypeVar
 
 from attrs import frozen
 
@@ -129,10 +130,18 @@ def _bubbles_us(spans: Sequence[SpanRecord]) -> float:
     return total
 
 
-def split(records: Sequence[SpanRecord], windows: Sequence[Window]) -> list[list[SpanRecord]]:
+class Timed(Protocol):
+    @property
+    def start(self) -> float: ...
+
+
+T = TypeVar("T", bound=Timed)
+
+
+def split(records: Sequence[T], windows: Sequence[Window]) -> list[list[T]]:
     """Each record into the last window starting at or before it (the first, for earlier ones)."""
     starts = [w.start for w in windows]
-    parts: list[list[SpanRecord]] = [[] for _ in windows]
+    parts: list[list[T]] = [[] for _ in windows]
     for record in records:
         parts[max(0, bisect.bisect_right(starts, record.start) - 1)].append(record)
     return parts

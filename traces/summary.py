@@ -1,4 +1,5 @@
-"""Trace analysis: the run statistics (traces/stats.py) of each trace group, and the critical path.
+"""Trace analysis: the run statistics (traces/stats.py) of each trace group, the critical path and,
+where the trace holds kernel tracks (--trace-kernels), what the device did (traces/device_stats.py).
 
 Works on the Chrome JSON flowmoe writes, and on any Chrome trace (events without a pid or tid
 fall in process 0, thread 0), so a saved trace can be summarised; a comparison trace gives one
@@ -15,9 +16,11 @@ from typing import Any
 from attrs import frozen
 
 from flowmoe.core.errors import FlowmoeError
+from flowmoe.traces.device_stats import DeviceStats, KernelRecord, device_stats
 from flowmoe.traces.stats import LaneStats, RunStats, SpanRecord, Window, run_stats
 
 STEPS_EVENT = "flowmoe_steps"  # metadata event: a trace group's step windows
+KERNEL_CAT = "device"  # the category of a kernel track's slices (not nodes: what the device ran)
 
 
 @frozen
@@ -25,6 +28,7 @@ class TraceSummary:
     group: str
     stats: RunStats
     critical_path: tuple[SpanRecord, ...]
+    device: DeviceStats | None = None  # where the trace holds kernel tracks
 
     @property
     def makespan_us(self) -> float:
@@ -133,7 +137,7 @@ def records_by_group(data: dict[str, Any]) -> dict[str, list[SpanRecord]]:
     names, threads = _names(events)
     groups: dict[str, list[SpanRecord]] = defaultdict(list)
     for index, event in enumerate(events):
-        if event.get("ph") != "X":
+        if event.get("ph") != "X" or event.get("cat") == KERNEL_CAT:
             continue
         pid, tid = _key(event, "pid", index), _key(event, "tid", index)
         group = _group(names, pid)
@@ -158,6 +162,29 @@ def records_by_group(data: dict[str, Any]) -> dict[str, list[SpanRecord]]:
                 layer=_int(args.get("layer"), -1),
                 expert=_int(args.get("expert"), -1),
                 nbytes=_int(args.get("bytes"), 0),
+            )
+        )
+    return dict(groups)
+
+
+def kernels_by_group(data: dict[str, Any]) -> dict[str, list[KernelRecord]]:
+    """The slices of the kernel tracks (category KERNEL_CAT), by trace group."""
+    events = _events(data)
+    names, _threads = _names(events)
+    groups: dict[str, list[KernelRecord]] = defaultdict(list)
+    for index, event in enumerate(events):
+        if event.get("ph") != "X" or event.get("cat") != KERNEL_CAT:
+            continue
+        raw_args = event.get("args")
+        args = raw_args if isinstance(raw_args, dict) else {}
+        lane, node = args.get("lane"), args.get("node")
+        start, dur = _number(event, "ts", index), _number(event, "dur", index)
+        groups[_group(names, _key(event, "pid", index))].append(
+            KernelRecord(
+                None if lane is None else str(lane),
+                node if isinstance(node, int) else None,
+                start,
+                start + dur,
             )
         )
     return dict(groups)
@@ -198,20 +225,30 @@ def summarize(data: dict[str, Any]) -> list[TraceSummary]:
     a table of nothing."""
     windows = windows_by_group(data)
     records = records_by_group(data)
+    kernels = kernels_by_group(data)
     if not records:
         raise FlowmoeError('no complete ("ph": "X") events to summarise')
-    return [summarize_records(group, records, windows.get(group, ())) for group, records in records.items()]
+    return [
+        summarize_records(group, records, windows.get(group, ()), kernels.get(group))
+        for group, records in records.items()
+    ]
 
 
 def summarize_records(
-    group: str, records: list[SpanRecord], windows: list[Window] | tuple = ()
+    group: str,
+    records: list[SpanRecord],
+    windows: list[Window] | tuple = (),
+    kernels: list[KernelRecord] | None = None,
 ) -> TraceSummary:
+    """`kernels`: the group's kernel tracks, where the trace holds them."""
     if not records:
         return TraceSummary(group, run_stats([], windows), ())
     by_lane: dict[str, list[SpanRecord]] = defaultdict(list)
     for record in sorted(records, key=lambda r: r.start):
         by_lane[record.lane].append(record)
-    return TraceSummary(group, run_stats(records, windows), critical_path(records, by_lane))
+    stats = run_stats(records, windows)
+    device = device_stats(stats, records, kernels, windows) if kernels else None
+    return TraceSummary(group, stats, critical_path(records, by_lane), device)
 
 
 def critical_path(records: list[SpanRecord], by_lane: dict[str, list[SpanRecord]]) -> tuple[SpanRecord, ...]:

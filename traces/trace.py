@@ -1,11 +1,13 @@
-"""A run's trace: spans of what ran where, counters (memory in use, pages resident, KV bytes) and
-the window of each step (what the run statistics weigh and divide by)."""
+"""A run's trace: spans of what ran where, counters (memory in use, pages resident, KV bytes), the
+window of each step (what the run statistics weigh and divide by) and, with --trace-kernels, the
+kernels and copies that really ran (traces/profiler.py)."""
 
 from __future__ import annotations
 
 from attrs import define, field, frozen
 
 from flowmoe.core.executor import Span
+from flowmoe.core.plan import Lane
 
 
 @frozen(slots=True)
@@ -28,6 +30,22 @@ class StepWindow:
     host_seconds: float | None = None
 
 
+@frozen(slots=True)
+class KernelSlice:
+    """One kernel, copy or memset the device ran (on a CPU-only run: one top-level CPU operation of a
+    node on an emulated GPU lane), on the run's clock. `lane`: the GPU lane whose stream ran it (None:
+    a stream no node launched on); `stream`: the CUDA stream (the host thread on the CPU); `node`: the
+    id of the node that launched it, where known."""
+
+    name: str
+    kind: str  # "kernel" | "memcpy" | "memset" | "cpu_op"
+    start: float  # seconds on the run's clock
+    end: float
+    lane: Lane | None
+    stream: int
+    node: int | None = None
+
+
 @define
 class Trace:
     """Everything one run (or one scheduler of a comparison) recorded."""
@@ -37,6 +55,7 @@ class Trace:
     counters: list[CounterSample] = field(factory=list)
     steps: list[StepWindow] = field(factory=list)
     gpu_emulated: bool = False  # no GPU: the gpu.* lanes ran on the CPU (the lanes keep their names)
+    kernels: list[KernelSlice] = field(factory=list)  # with --trace-kernels: what the device ran
 
     def extend(
         self,
@@ -57,6 +76,9 @@ class Trace:
     @property
     def origin(self) -> float:
         starts = (
-            [s.start for s in self.spans] + [c.time for c in self.counters] + [w.start for w in self.steps]
+            [s.start for s in self.spans]
+            + [c.time for c in self.counters]
+            + [w.start for w in self.steps]
+            + [k.start for k in self.kernels]
         )
         return min(starts) if starts else 0.0

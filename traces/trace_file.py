@@ -2,7 +2,8 @@
 
 A trace of millions of events is parsed one event at a time from 1 MiB blocks (the standard JSON
 decoder's `raw_decode` on a sliding window), and each event is kept only as far as the summary
-reads it: complete ("X") events with their times, ids and placement, metadata ("M") events whole,
+reads it: complete ("X") events with their times, ids and placement (a kernel track's slices
+without their names, which can be long and the summary does not read), metadata ("M") events whole,
 every other phase (counters, instants, flows) dropped. Either format of the Chrome trace is read:
 an object holding `traceEvents`, or a bare array of events. A malformed text is one JsonProblem.
 """
@@ -19,11 +20,13 @@ from typing import Any, BinaryIO
 from flowmoe.core.bounded_read import TRACE, open_regular
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.jsonfile import JsonProblem
+from flowmoe.traces.summary import KERNEL_CAT
 
 BLOCK = 1 << 20
 MAX_VALUE = 64 << 20  # the longest single event (or other top-level value) a trace may hold
 EVENT_KEYS = ("name", "ph", "pid", "tid", "ts", "dur", "cat")
-SPAN_ARGS = ("id", "op", "queued_us", "deps", "layer", "expert", "bytes")  # what a summary reads
+# what a summary reads of a span's args (lane and node: of a kernel track's slice)
+SPAN_ARGS = ("id", "op", "queued_us", "deps", "layer", "expert", "bytes", "lane", "node")
 _DECODER = json.JSONDecoder()
 _SPACE = " \t\r\n"
 
@@ -51,6 +54,8 @@ def kept(event: Any) -> dict[str, Any] | None:
     if phase != "X":
         return None
     slim = {key: event[key] for key in EVENT_KEYS if key in event}
+    if slim.get("cat") == KERNEL_CAT:
+        slim.pop("name", None)
     args = event.get("args")
     if isinstance(args, dict):
         slim["args"] = {key: args[key] for key in SPAN_ARGS if key in args}

@@ -52,6 +52,8 @@ def run_on_ray(args: argparse.Namespace, sampling: SamplingParams, policy: Polic
 
     if args.record_routing:
         raise ConfigError("--record-routing is not available with --ray; record it in a single-process run")
+    if args.trace_kernels:
+        raise ConfigError("--trace-kernels is not available with --ray; profile a single-process run")
     try:
         from flowmoe.cluster.model_spec import model_spec
         from flowmoe.cluster.ray_job import alive_nodes, run_on_cluster, session

@@ -27,11 +27,11 @@ from flowmoe.cli.args import (
 from flowmoe.cli.option_flags import add_option_flags, cautions, check_taken, given_options, options_of
 from flowmoe.cli.ray_run import add_ray_flags, run_on_ray
 from flowmoe.cli.simulate import auto_scheduler
-from flowmoe.cli.trace import stats_table
+from flowmoe.cli.trace import device_table, stats_table
 from flowmoe.cli.ui import NO_GPU, console, progress, table
 from flowmoe.cli.writes import add_force_flag, write_guard
 from flowmoe.core.cost import RooflineCost
-from flowmoe.core.errors import FlowmoeError
+from flowmoe.core.errors import ConfigError, FlowmoeError
 from flowmoe.core.hardware import hardware
 from flowmoe.core.options import check_options
 from flowmoe.core.policy import EXPERT_FORMATS, Policy, parse_bytes
@@ -43,7 +43,7 @@ from flowmoe.jobs.joblog import check_output, holder_file
 from flowmoe.model.tokenizer import TextCodec
 from flowmoe.schedulers.registry import available
 from flowmoe.schedulers.registry import load as load_scheduler
-from flowmoe.study.sim_report import trace_stats
+from flowmoe.study.sim_report import trace_device_stats, trace_stats
 from flowmoe.traces.chrome import CHROME_TRACE, write_chrome
 
 if TYPE_CHECKING:  # these run tensors: imported by the functions that run (`flowmoe --help` needs no torch)
@@ -67,6 +67,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--scheduler", default="eager", help="scheduler plugin (see `flowmoe schedulers`), or auto"
     )
     run.add_argument("--trace", type=OUTPUT_FILE, help="write a Chrome trace (open it in Perfetto)")
+    run.add_argument(
+        "--trace-kernels",
+        action="store_true",
+        help="with --trace: run under torch.profiler and add the kernels and copies that really ran (on "
+        "a CPU-only run, the CPU operations) as tracks under each GPU lane; slows the run down",
+    )
     run.add_argument(
         "--json",
         action="store_true",
@@ -184,6 +190,7 @@ def _run(args: argparse.Namespace) -> int:
     from flowmoe.model.builtin import ensure_builtin
     from flowmoe.model.loading import keep_fp8_experts
     from flowmoe.runtime.runner import Runtime
+    from flowmoe.traces.profiler import kernels_into
 
     if args.scheduler != "auto":
         load_scheduler(args.scheduler)  # an unknown or broken plugin fails before the model loads
@@ -193,6 +200,8 @@ def _run(args: argparse.Namespace) -> int:
                                ("--record-routing", args.record_routing, ROUTING_RECORD)],
                         Named("the lock sidecar of --output", holder_file(args.output)))  # fmt: skip
     check_output(args.output, guard)  # so does an --output that is not ours, or in use
+    if args.trace_kernels and not args.trace:
+        raise ConfigError("--trace-kernels adds tracks to the trace: give --trace FILE as well")
     sampling = sampling_from(args)
     policy = policy_from(args)
     if args.ray:  # one job over many replicas (flowmoe/cluster)
@@ -232,7 +241,8 @@ def _run(args: argparse.Namespace) -> int:
                 finished=lambda _r: bar.advance(task),
                 generated=token_counter(bar, task),
             )
-            report = uvloop.run(run_job(job, model, codec, runtime, hooks))
+            with kernels_into(runtime.trace, runtime.devices.cuda, args.trace_kernels):
+                report = uvloop.run(run_job(job, model, codec, runtime, hooks))
     except BaseException:  # interrupted or failed: what ran is still written, then the error goes on
         runtime.close()
         for failure in save_records(args, runtime, guard):
@@ -250,6 +260,8 @@ def _run(args: argparse.Namespace) -> int:
         console.print(f"{args.scheduler}: {figures(scheduler_report)}")
     if runtime.trace.spans:  # kept with --trace: the run statistics, as `flowmoe trace summarize` gives them
         console.print(stats_table(args.scheduler, trace_stats(runtime.trace)))
+    if runtime.trace.kernels:  # --trace-kernels: what the device did inside the GPU lanes' spans
+        console.print(device_table(args.scheduler, trace_device_stats(runtime.trace)))
     if args.json:
         print(json.dumps(run_json(report, args.scheduler, runtime, scheduler_report)))
     for failure in failures:  # the job's results are in --output; only a record could not be written
@@ -299,8 +311,9 @@ def save_records(args: argparse.Namespace, runtime: Runtime, guard: Guard) -> li
         except FlowmoeError as exc:
             failures.append(str(exc))
         else:
+            kernels = f", {len(runtime.trace.kernels)} kernels" if args.trace_kernels else ""
             console.print(
-                f"trace: {args.trace} ({len(runtime.trace.spans)} nodes; open in https://ui.perfetto.dev)"
+                f"trace: {args.trace} ({len(runtime.trace.spans)} nodes{kernels}; open in https://ui.perfetto.dev)"
             )
     return failures
 

@@ -1,5 +1,7 @@
 """`flowmoe trace summarize TRACE.json`: the run statistics of each trace group (traces/stats.py:
-the same figures `run`, `simulate` and `compare` report), and the critical path."""
+the same figures `run`, `simulate` and `compare` report), the critical path and, where the trace has
+kernel tracks (--trace-kernels), each GPU lane's device-busy time and the launch-bound nodes
+(traces/device_stats.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from flowmoe.cli.ui import NO_GPU, out
 from flowmoe.cli.ui import table as ui_table
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.traces.chrome import EMULATED
+from flowmoe.traces.device_stats import LAUNCH_BOUND, DeviceStats
 from flowmoe.traces.stats import RunStats
 from flowmoe.traces.summary import TraceSummary, summarize
 from flowmoe.traces.trace_file import read_trace
@@ -24,7 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     trace = sub.add_parser("trace", help="work with Chrome traces written by --trace")
     verbs = trace.add_subparsers(dest="verb", required=True)
     summary = verbs.add_parser(
-        "summarize", help="per-lane bytes, busy share, bubbles, overlap, cache figures, critical path"
+        "summarize",
+        help="per-lane bytes, busy share, bubbles, overlap, cache figures, critical path; device-busy "
+        "time and launch-bound nodes where the trace has kernel tracks (--trace-kernels)",
     )
     summary.add_argument("path", type=Path)
     summary.set_defaults(handler=_summarize)
@@ -49,9 +54,50 @@ def _summarize(args: argparse.Namespace) -> int:
         raise FlowmoeError(f"{args.path}: {exc}") from exc
     if any(e.get("name") == "process_labels" and EMULATED in str(e.get("args")) for e in data["traceEvents"]):
         out.print(NO_GPU, highlight=False)
+    if any(s.device is None and any(lane.lane.startswith("gpu") for lane in s.lanes) for s in summaries):
+        out.print(SPANS_NOTE, highlight=False)
     for summary in summaries:
-        out.print(summary_table(plain(summary)))
+        shown = plain(summary)
+        out.print(summary_table(shown))
+        if shown.device is not None:
+            out.print(device_table(shown.group, shown.device))
+            if shown.device.launch_bound:
+                out.print(launch_bound_table(shown.device))
     return 0
+
+
+SPANS_NOTE = (
+    "GPU spans are launch-to-completion intervals (a node's begin event to its end event on its "
+    "stream), not device-busy time: the device idles inside them while the host launches the next "
+    "kernel; run with --trace-kernels for the kernels that ran"
+)
+
+
+def device_table(name: str, device: DeviceStats) -> Table:
+    """Each GPU lane's span-busy and device-busy time (its kernels' union) and launch gap."""
+    title = (
+        f"{name}: the device, from its kernels: {device.bound_nodes} of {device.gpu_nodes} GPU nodes "
+        f"launch-bound (span >= {LAUNCH_BOUND:g}x its kernels)"
+    )
+    columns = ("lane", "span busy ms", "device busy ms", "device share", "gap ms", "gap share")
+    table = ui_table(title, columns, "right")
+    for lane in device.lanes:
+        table.add_row(
+            lane.lane, f"{lane.span_busy_seconds * 1e3:.3f}", f"{lane.device_busy_seconds * 1e3:.3f}",
+            f"{lane.device_share:.1%}", f"{lane.gap_seconds * 1e3:.3f}", f"{lane.gap_share:.1%}",
+        )  # fmt: skip
+    return table
+
+
+def launch_bound_table(device: DeviceStats) -> Table:
+    """The launch-bound nodes that wasted the most time (span less its kernels' busy time)."""
+    table = ui_table("launch-bound nodes, most wasted first", ("node", "lane", "span us", "kernels us",
+                                                               "wasted us"), "right")  # fmt: skip
+    for node in device.launch_bound:
+        table.add_row(
+            node.label, node.lane, f"{node.span_us:.1f}", f"{node.kernel_us:.1f}", f"{node.wasted_us:.1f}"
+        )
+    return table
 
 
 def plain(summary: TraceSummary) -> TraceSummary:
@@ -61,7 +107,16 @@ def plain(summary: TraceSummary) -> TraceSummary:
         summary.stats, lanes=tuple(evolve(lane, lane=escape(lane.lane)) for lane in summary.stats.lanes)
     )
     path = tuple(evolve(record, op=escape(record.op)) for record in summary.critical_path)
-    return TraceSummary(escape(summary.group), stats, path)
+    device = summary.device
+    if device is not None:
+        device = evolve(
+            device,
+            lanes=tuple(evolve(lane, lane=escape(lane.lane)) for lane in device.lanes),
+            launch_bound=tuple(
+                evolve(n, label=escape(n.label), lane=escape(n.lane)) for n in device.launch_bound
+            ),
+        )
+    return TraceSummary(escape(summary.group), stats, path, device)
 
 
 def summary_table(summary: TraceSummary) -> Table:

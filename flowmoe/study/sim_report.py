@@ -17,6 +17,7 @@ from flowmoe.core.memory import MemoryNeed
 from flowmoe.core.policy import Policy
 from flowmoe.core.scheduling import StepShape
 from flowmoe.schedulers.registry import load
+from flowmoe.traces.device_stats import DeviceStats, KernelRecord, device_stats
 from flowmoe.traces.stats import LaneStats, RunStats, SpanRecord, Window, run_stats
 from flowmoe.traces.trace import StepWindow, Trace
 
@@ -135,11 +136,27 @@ def records(spans: Sequence[Span]) -> list[SpanRecord]:
 
 def trace_stats(trace: Trace) -> RunStats:
     """The run statistics of a trace, as `flowmoe trace summarize` computes them from its file."""
-    windows = [
+    return run_stats(records(trace.spans), _windows(trace))
+
+
+def _windows(trace: Trace) -> list[Window]:
+    """The trace's step windows as the statistics read them (microseconds)."""
+    return [
         Window(w.start * 1e6, w.end * 1e6, w.weight, None if w.host_seconds is None else w.host_seconds * 1e6)
         for w in trace.steps
     ]
-    return run_stats(records(trace.spans), windows)
+
+
+def trace_device_stats(trace: Trace) -> DeviceStats:
+    """What the device did inside the GPU lanes' spans, from the trace's kernels (--trace-kernels), as
+    `flowmoe trace summarize` computes it from its file."""
+    windows = _windows(trace)
+    kernels = [
+        KernelRecord(None if k.lane is None else str(k.lane), k.node, k.start * 1e6, k.end * 1e6)
+        for k in trace.kernels
+    ]
+    spans = records(trace.spans)
+    return device_stats(run_stats(spans, windows), spans, kernels, windows)
 
 
 def batch_trace(name: str, runs: Sequence[StepRun], at: Sequence[int], count: int) -> Trace:
