@@ -26,6 +26,8 @@ scheduler kept resident. Split a long run over calls with --budgets / --schedule
     python bench/gpu.py --device cpu --tiny   # a dry run of every code path on the CPU (toy widths,
                                               # budgets where every scheduler fits and pages)
     python bench/gpu.py --device cpu --tiny --fail-scheduler klotski   # isolation: one row fails
+    python bench/gpu.py --trace-kernels       # traces gain the kernels that ran, rows the device-busy
+                                              # time of each GPU lane (docs/traces.md)
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.lru_cache import LRUCacheOptions
 from flowmoe.schedulers.registry import create, load
+from flowmoe.study.sim_report import trace_device_stats
 from flowmoe.traces.chrome import chrome_trace, write_chrome
+from flowmoe.traces.profiler import kernels_into
 from flowmoe.traces.summary import records_by_group, summarize_records
 
 # every registered scheduler but eager (everything resident: it cannot run under these budgets);
@@ -173,6 +177,20 @@ def run_in(
     return results, stats, phases
 
 
+def device_metrics(runtime: Runtime) -> dict[str, Any]:
+    """With --trace-kernels, each GPU lane's device-busy time (its kernels' union) against its span-busy
+    time, its launch gap's share, and the launch-bound nodes (traces/device_stats.py)."""
+    if not runtime.trace.kernels:
+        return {}
+    device = trace_device_stats(runtime.trace)
+    lanes = {
+        lane.lane: {"span_busy_s": lane.span_busy_seconds, "device_busy_s": lane.device_busy_seconds,
+                    "launch_gap_share": lane.gap_share}
+        for lane in device.lanes
+    }  # fmt: skip
+    return {"device_lanes": lanes, "launch_bound_nodes": device.bound_nodes, "gpu_nodes": device.gpu_nodes}
+
+
 def decode_metrics(runtime: Runtime, phases: Phases, pinned_peak: float) -> dict[str, Any]:
     spans = [s for prefill, a, b in phases if not prefill for s in runtime.trace.spans[a:b]]
     if not spans:
@@ -270,6 +288,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(its first decode step): the isolation check")  # fmt: skip
     parser.add_argument("--no-accelerate", action="store_true")
     parser.add_argument("--trace-dir", type=Path, default=Path("bench/gpu-traces"))
+    parser.add_argument("--trace-kernels", action="store_true", help="each scheduler's run under "
+                        "torch.profiler: its trace gains the kernels and copies that ran, its row the GPU "
+                        "lanes' device-busy time (slows the runs down)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/gpu.jsonl"), help="rows, one JSON per line")
     return parser.parse_args(argv)
 
@@ -359,7 +380,8 @@ def measure(
     if policy is None:
         return {"status": f"does not fit: needs {need.describe()}"}
     with Runtime.create(model, name, policy, args.device, cost) as runtime:
-        _, stats, phases = run_in(runtime, model, requests, limits, fail=name == args.fail_scheduler)
+        with kernels_into(runtime.trace, runtime.devices.cuda, args.trace_kernels):
+            _, stats, phases = run_in(runtime, model, requests, limits, fail=name == args.fail_scheduler)
         peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
     write_chrome(args.trace_dir / f"{budget_name}-{name}.json", [runtime.trace])
     row = {
@@ -371,6 +393,7 @@ def measure(
         "accounted_bytes": need.total,  # flowmoe's accounting of what the run keeps alive
         "peak_allocated_bytes": peak,
         **decode_metrics(runtime, phases, peaks["h2d_pinned"]),
+        **device_metrics(runtime),
     }
     try:
         predicted = predict(model.spec, args.hardware, name, policy, batch)
