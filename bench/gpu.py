@@ -52,6 +52,7 @@ from gpu_support import (
     fast_model,
     link_peaks,
     predict,
+    read_rows,
     write_results,
 )
 from rich.console import Console
@@ -292,11 +293,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "torch.profiler: its trace gains the kernels and copies that ran, its row the GPU "
                         "lanes' device-busy time (slows the runs down)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/gpu.jsonl"), help="rows, one JSON per line")
+    parser.add_argument("--results-from", type=Path, metavar="JSONL", help="run nothing: write the results "
+                        "section from the rows a run on the GPU machine left (its --out)")  # fmt: skip
+    parser.add_argument("--results", type=Path, default=Path("bench/RESULTS.md"), help="the file whose "
+                        "section 'CUDA path: the last GPU run' the rows replace")  # fmt: skip
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.results_from is not None:
+        meta, peaks, rows = rows_of(read_rows(args.results_from))
+        show(rows, meta)
+        write_results(args.results, meta, peaks, rows)
+        return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/gpu.py needs a CUDA device (or --device cpu --tiny for a dry run)")
     rows = run(args)
@@ -358,8 +368,18 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             log.add("row", rows[-1])
     show(rows, meta)
     if not args.tiny:
-        write_results(Path("bench/RESULTS.md"), meta, peaks, rows)
+        write_results(args.results, meta, peaks, rows)
     return rows
+
+
+def rows_of(records: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, float], list[dict[str, Any]]]:
+    """The meta, link peaks and result rows of a --out file (JSON Lines, each with its "kind")."""
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        kinds.setdefault(record.pop("kind"), []).append(record)
+    if not kinds.get("meta") or not kinds.get("peaks"):
+        raise SystemExit("the rows file holds no meta or peaks line: not a bench/gpu.py --out file")
+    return kinds["meta"][0], kinds["peaks"][0], kinds.get("row", [])
 
 
 def measure(

@@ -59,3 +59,19 @@ def test_dry_run_isolates_a_failure_and_writes_rows_as_they_finish(tmp_path: Pat
     tokens = {r["scheduler"]: r for r in read(out) if r["kind"] == "tokens"}
     assert sorted(tokens) == schedulers and all(r["match"] is True for r in tokens.values())
     assert "InjectedFailure" in output and "on-demand" in output  # the table, printed at the end
+
+
+def test_rows_from_a_gpu_run_become_the_results_section(tmp_path: Path) -> None:
+    """--results-from: the rows a GPU machine sent back (the H200 run kept in bench/gpu-runs) are
+    written as RESULTS.md's section, the file's other sections kept, without running anything."""
+    rows = ROOT / "bench/gpu-runs/2026-11-27-h200-isolated/gpu.jsonl"
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\n## Another section\n\nkept\n")
+    command = [sys.executable, "bench/gpu.py", "--results-from", str(rows), "--results", str(results)]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
+    text = results.read_text()
+    assert "## Another section\n\nkept" in text
+    section = text.split("## CUDA path: the last GPU run (bench/gpu.py)")[1]
+    assert "NVIDIA H200" in section
+    measured = {line.split(" | ")[1] for line in section.splitlines() if line.startswith("| t4 |")}
+    assert measured == set(builtin()) - {"eager"} | {"accelerate-offload"}
