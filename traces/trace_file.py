@@ -5,12 +5,15 @@ decoder's `raw_decode` on a sliding window), and each event is kept only as far 
 reads it: complete ("X") events with their times, ids and placement (a kernel track's slices
 without their names, which can be long and the summary does not read), metadata ("M") events whole,
 every other phase (counters, instants, flows) dropped. Either format of the Chrome trace is read:
-an object holding `traceEvents`, or a bare array of events. A malformed text is one JsonProblem.
+an object holding `traceEvents`, or a bare array of events, as text or gzipped (`.json.gz`, as GPU
+runs send traces back and Perfetto opens them), decompressed as it is read and held to the same
+bound. A malformed text is one JsonProblem.
 """
 
 from __future__ import annotations
 
 import codecs
+import gzip
 import json
 import os
 from collections.abc import Iterator
@@ -29,6 +32,7 @@ EVENT_KEYS = ("name", "ph", "pid", "tid", "ts", "dur", "cat")
 SPAN_ARGS = ("id", "op", "queued_us", "deps", "layer", "expert", "bytes", "lane", "node")
 _DECODER = json.JSONDecoder()
 _SPACE = " \t\r\n"
+_GZIP = b"\x1f\x8b"  # the magic number every gzip member starts with
 
 
 def read_trace(path: Path) -> dict[str, Any]:
@@ -36,12 +40,17 @@ def read_trace(path: Path) -> dict[str, Any]:
     with open_regular(path, FlowmoeError) as handle:
         if os.fstat(handle.fileno()).st_size > TRACE.limit:  # the documented bound of a trace file
             raise FlowmoeError(f"{path}: larger than {TRACE} (the most {TRACE.kind} may hold); not read")
+        packed = handle.read(2) == _GZIP
+        handle.seek(0)  # a regular file (open_regular): seekable
+        stream: BinaryIO = gzip.GzipFile(fileobj=handle) if packed else handle  # type: ignore[assignment]
         try:
-            return _Reader(handle).trace()
+            return _Reader(stream).trace()
         except UnicodeDecodeError as exc:
             raise FlowmoeError(f"{path}: not UTF-8 text ({exc.reason})") from exc
         except JsonProblem as exc:
             raise FlowmoeError(f"{path}: {exc}") from exc
+        except (gzip.BadGzipFile, EOFError) as exc:  # a damaged or cut gzip stream
+            raise FlowmoeError(f"{path}: not a readable gzip file ({exc})") from exc
 
 
 def kept(event: Any) -> dict[str, Any] | None:
@@ -67,6 +76,7 @@ class _Reader:
         self.handle = handle
         self.decoder = codecs.getincrementaldecoder("utf-8")()
         self.text, self.pos, self.eof = "", 0, False
+        self.read = 0  # bytes of text read so far
 
     def trace(self) -> dict[str, Any]:
         first = self._peek()
@@ -156,6 +166,9 @@ class _Reader:
             return False
         raw = self.handle.read(size)
         self.eof = not raw
+        self.read += len(raw)
+        if self.read > TRACE.limit:  # a gzipped trace unpacking past the bound of a trace's text
+            raise JsonProblem(f"more than {TRACE} of text; not read")
         self.text = self.text[self.pos :] + self.decoder.decode(raw, final=self.eof)
         self.pos = 0
         return not self.eof

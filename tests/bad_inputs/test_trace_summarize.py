@@ -5,6 +5,7 @@ event in memory that does not grow with its text."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import tracemalloc
 from pathlib import Path
@@ -73,6 +74,9 @@ TEXTS = [
     (b'{"otherData": {}}', "no traceEvents list"),
     (b"\xff\xfe", "not UTF-8 text"),
     (b"", "no traceEvents list"),
+    (gzip.compress(b'{"traceEvents": []}')[:-6], "not a readable gzip file"),  # cut short
+    (b"\x1f\x8b" + b"\x00" * 20, "not a readable gzip file"),
+    (gzip.compress(b"[" * 100_000), "nested too deeply"),  # the same checks behind the gzip
 ]
 
 
@@ -85,6 +89,18 @@ def test_malformed_text_is_one_error(
     assert main(["trace", "summarize", str(trace)]) == 2
     error = _error(capsys)
     assert error.startswith(f"flowmoe: error: {trace}: ") and message in error, error
+
+
+def test_a_gzipped_trace_reads_as_its_text(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """GPU runs send their traces back gzipped (Perfetto opens them so): summarize reads them too."""
+    text = json.dumps({"traceEvents": [_span(dur=7), _span(ts=10, dur=3, args={"id": 2})]}).encode()
+    plain, packed = tmp_path / "t.json", tmp_path / "t.json.gz"
+    plain.write_bytes(text)
+    packed.write_bytes(gzip.compress(text))
+    assert main(["trace", "summarize", str(plain)]) == 0
+    expected = capsys.readouterr().out
+    assert main(["trace", "summarize", str(packed)]) == 0
+    assert capsys.readouterr().out == expected
 
 
 @pytest.mark.parametrize("name", ["[red]x[/red]: run [/oops]", "[/x]", "[bold]gpu[/bold]"])
