@@ -159,7 +159,8 @@ def test_cgopipe_runs_cpu_attention_two_ahead_and_loads_each_hidden_state_before
                 chunks.append((before.node.layer, before.node.mb))
                 assert before.end <= item.start + 1e-12
         assert chunks == [(layer - 1, j) for j in range(4)]
-        assert len(spans_of(spans, Op.PAGE_COPY, layer)) == pages_per_layer
+        copies = spans_of(spans, Op.PAGE_COPY, layer)  # each chunk's pages of one expert: one node
+        assert sum(s.node.pages for s in copies) == pages_per_layer and len(copies) == 4
     assert not spans_of(spans, Op.GPU_ATTN) and len(spans_of(spans, Op.CPU_ATTN)) == 16
 
 
@@ -503,7 +504,7 @@ def test_lru_cache_gives_each_of_the_first_n_layers_its_own_lru_set() -> None:
     options = LRUCacheOptions(expert_cache_slots=4, cache_ways=2)
     cache = scheduler("lru-cache", spec, Policy(micro_batch_size=2, micro_batches=2, options=(options,)))
     spans = simulate(cache, [decode_step(2, 2, 4, step=s) for s in range(2)], trace, T4)
-    assert cache.report() == {"hits": 9.0, "misses": 7.0, "hit_rate": 9 / 16}
+    assert cache.report() == {"hits": 9.0, "misses": 7.0, "hit_rate": 9 / 16, "expert_cache_slots": 4.0}
     ffns = spans_of(spans, Op.EXPERT_FFN)
     assert sum(s.node.lane is Lane.CPU_COMPUTE for s in ffns) == 7
     assert sum(s.node.lane is Lane.GPU_COMPUTE for s in ffns) == 9

@@ -8,6 +8,7 @@ from attrs import frozen
 
 from flowmoe.core.errors import PlanError
 from flowmoe.core.executor import Action, Executor
+from flowmoe.core.page_runs import page_runs
 from flowmoe.core.plan import ExpertCounts, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import PlanStream
 
@@ -36,7 +37,9 @@ async def drive(
     (the gate's real output, or a routing trace). A plan that emits more nodes than
     `budget` allows is refused (PlanError) before they pile up in memory. Any
     failure or cancellation stops every lane from starting new work and waits for
-    in-flight nodes before it propagates, so what ran is fully recorded."""
+    in-flight nodes before it propagates, so what ran is fully recorded. Runs of pages the plan
+    emits back to back go as one node each (`page_runs`), in a real run and a simulated one alike."""
+    plan = page_runs(plan)
     reply: ExpertCounts | None = None
     left = budget.limit if budget is not None else -1
     try:

@@ -280,7 +280,7 @@ class NodeFactory:
         rows = 0 if rowless else (mb.sequences if op is Op.LM_HEAD and mb else tokens if tokens is not None
                                   else mb.tokens if mb else 0)  # fmt: skip
         return TaskNode(next(self._ids), op, lane, layer, index, expert, clean, n_bytes, flops, part, parts,
-                        rows, pageable, sync, tuple(more), tuple(serves))  # fmt: skip
+                        1, rows, pageable, sync, tuple(more), tuple(serves))  # fmt: skip
 
     def _cost(
         self, op: Op, layer: int, mb: MicroBatchShape | None, expert: int, tokens: int | None

@@ -22,6 +22,7 @@ from flowmoe.core.scheduling import Residency
 from flowmoe.model.fp8 import FP8Expert
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.weights import AttentionWeights, FFNWeights, LayerWeights
+from flowmoe.runtime.paged_copy import HostSpan, copy_run, land
 
 
 class NotResident(FlowmoeError):
@@ -68,6 +69,12 @@ class Devices:
     @property
     def cuda(self) -> bool:
         return self.gpu.type == "cuda"
+
+    @property
+    def copies(self) -> bool:
+        """Whether weights on the GPU are copies on another device (without CUDA the "GPU" is the
+        host, and a resident weight is the host tensor itself)."""
+        return self.gpu != self.cpu
 
     @classmethod
     def detect(cls, want: str = "auto") -> Devices:
@@ -126,16 +133,13 @@ def _check_fp8(model: MoEModel) -> None:
             )
 
 
-def _copy_page(sources: list[torch.Tensor], targets: list[torch.Tensor], part: int, parts: int) -> None:
-    """Copy page `part` of `parts` equal slices of the concatenated elements of `sources`."""
-    total = sum(t.numel() for t in sources)
-    lo, hi = total * part // parts, total * (part + 1) // parts
-    offset = 0
-    for src, dst in zip(sources, targets, strict=True):
-        a, b = max(lo - offset, 0), min(hi - offset, src.numel())
-        if a < b:
-            dst.view(-1)[a:b].copy_(src.view(-1)[a:b], non_blocking=True)
-        offset += src.numel()
+@define
+class _Arriving:
+    """A paged expert partly copied: its weights on the GPU (views of `flat`), the pages in so far."""
+
+    weights: FFNWeights | FP8Expert
+    flat: torch.Tensor | None  # uint8 [bytes] on the GPU (`land`); None: the "GPU" is the host
+    pages: set[int] = field(factory=set)
 
 
 @define
@@ -150,7 +154,8 @@ class DeviceWeights:
     devices: Devices
     _dense: dict[int, LayerWeights] = field(factory=dict)
     _experts: dict[tuple[int, int], FFNWeights] = field(factory=dict)
-    _partial: dict[tuple[int, int], tuple[FFNWeights | FP8Expert, set[int]]] = field(factory=dict)
+    _partial: dict[tuple[int, int], _Arriving] = field(factory=dict)
+    _spans: dict[tuple[int, int], HostSpan] = field(factory=dict)  # (layer, expert) -> its host bytes, once
     limit: int | None = None  # bytes of layer weights allowed on the GPU (set by setup)
     embed: torch.Tensor | None = None
     head: tuple[torch.Tensor, torch.Tensor] | None = None  # final norm, lm head
@@ -184,9 +189,10 @@ class DeviceWeights:
             self.load(layer, expert)
         self.limit = self._bytes + buffer_bytes
 
-    def load(self, layer: int, expert: int, part: int = -1, parts: int = 1) -> None:
+    def load(self, layer: int, expert: int, part: int = -1, parts: int = 1, pages: int = 1) -> None:
         """PAGE_COPY: expert -1 is the layer's dense part (attention, router, shared/dense MLP).
-        With `part` >= 0 an expert arrives in `parts` pages and is resident after the last one.
+        With `part` >= 0 an expert arrives in `parts` pages, `pages` of them from `part` on in this
+        call (one copy operation: runtime/paged_copy.py), and is resident after the last one.
         Copies are enqueued (asynchronous on CUDA), so holding the lock over them is short."""
         source = self.model.weights.layers[layer]
         key = (layer, expert)
@@ -203,7 +209,7 @@ class DeviceWeights:
             elif part < 0:
                 self._experts[key] = self._expert_to(source, expert)
             else:
-                self._load_page(layer, expert, part, parts)
+                self._load_pages(layer, expert, part, parts, pages)
 
     def _expert_to(self, lw: LayerWeights, expert: int) -> FFNWeights:
         """A whole expert onto the GPU: as it is, or its FP8 copy, dequantized on the GPU (on the copy
@@ -212,27 +218,26 @@ class DeviceWeights:
             return _ffn_to(self.devices, lw.experts[expert])
         return lw.fp8_experts[expert].to(self.devices.gpu).to_ffn(lw.experts[expert].gate_up.dtype)
 
-    def _load_page(self, layer: int, expert: int, part: int, parts: int) -> None:
+    def _load_pages(self, layer: int, expert: int, part: int, parts: int, pages: int) -> None:
         key = (layer, expert)
         lw = self.model.weights.layers[layer]
-        fp8 = self.expert_format == "fp8"
-        ffn = lw.fp8_experts[expert] if fp8 else lw.experts[expert]
-        if key not in self._partial:
-            target: FFNWeights | FP8Expert
-            if not self.devices.cuda:
-                target = ffn  # the "GPU" is the CPU: the resident copy is the tensor itself
-            elif isinstance(ffn, FP8Expert):  # FP8 pages land in an FP8 buffer
-                target = ffn.empty_like(self.devices.gpu)
-            else:
-                gpu = self.devices.gpu
-                target = ffn.mapped(lambda t: torch.empty_like(t, device=gpu))
-            self._partial[key] = (target, set())
-        target, done = self._partial[key]
-        if self.devices.cuda:
-            _copy_page(ffn.tensors(), target.tensors(), part, parts)
-        done.add(part)
-        if len(done) == parts:
-            dtype = lw.experts[expert].gate_up.dtype
+        ffn = lw.fp8_experts[expert] if self.expert_format == "fp8" else lw.experts[expert]
+        arriving = self._partial.get(key)
+        if arriving is None:  # its first page: FP8 pages land in an FP8 buffer
+            if self.devices.copies:
+                span = self._spans.get(key)
+                if span is None:
+                    span = self._spans[key] = HostSpan.of(ffn.tensors())
+                flat, landed = land(ffn, span, self.devices.gpu)
+                arriving = _Arriving(landed, flat)
+            else:  # the "GPU" is the host: the resident copy is the tensor itself
+                arriving = _Arriving(ffn, None)
+            self._partial[key] = arriving
+        if arriving.flat is not None:
+            copy_run(self._spans[key], arriving.flat, part, parts, pages)
+        arriving.pages.update(range(part, part + pages))
+        if len(arriving.pages) == parts:
+            target, dtype = arriving.weights, lw.experts[expert].gate_up.dtype
             self._experts[key] = target.to_ffn(dtype) if isinstance(target, FP8Expert) else target
             del self._partial[key]
 
@@ -268,7 +273,7 @@ class DeviceWeights:
                 ffn = self._experts.pop((layer, expert), None)
                 partial = self._partial.pop((layer, expert), None)
                 dropped = ffn is not None or partial is not None
-                tensors = [*(ffn.tensors() if ffn else []), *(partial[0].tensors() if partial else [])]
+                tensors = [*(ffn.tensors() if ffn else []), *(partial.weights.tensors() if partial else [])]
             if dropped:
                 self._bytes -= self._size(layer, expert)
         if self.devices.cuda:
@@ -294,6 +299,7 @@ class DeviceWeights:
             self._dense.clear()
             self._experts.clear()
             self._partial.clear()
+            self._spans.clear()
             self.embed = self.head = None
             self._bytes = 0
         if self._release is not None:
