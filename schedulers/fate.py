@@ -113,7 +113,8 @@ class FateScheduler(Scheduler):
         predicted = self.hits + self.misses
         return {"prediction_hits": float(self.hits), "prediction_misses": float(self.misses),
                 "prediction_hit_rate": self.hits / predicted if predicted else 0.0,
-                "cache_hits": float(self.cache_hits)}  # fmt: skip
+                "cache_hits": float(self.cache_hits),
+                "expert_cache_slots": float(sum(self.quota.values()))}  # fmt: skip
 
     def _next_moe(self, layer: int) -> int | None:
         spec = self.context.spec

@@ -132,7 +132,8 @@ class HybriMoEScheduler(Scheduler):
     def report(self) -> dict[str, float]:
         lookups = self.hits + self.misses
         return {"hits": float(self.hits), "misses": float(self.misses),
-                "hit_rate": self.hits / lookups if lookups else 0.0}  # fmt: skip
+                "hit_rate": self.hits / lookups if lookups else 0.0,
+                "expert_cache_slots": float(sum(self.quota.values()))}  # fmt: skip
 
     def split(
         self, layer: int, mb: MicroBatchShape, counts: dict[int, int], cached: set[int]

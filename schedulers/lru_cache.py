@@ -144,7 +144,8 @@ class LRUCacheScheduler(Scheduler):
     def report(self) -> dict[str, float]:
         lookups = self.hits + self.misses
         return {"hits": float(self.hits), "misses": float(self.misses),
-                "hit_rate": self.hits / lookups if lookups else 0.0}  # fmt: skip
+                "hit_rate": self.hits / lookups if lookups else 0.0,
+                "expert_cache_slots": float(len(self.covered) * self.ways)}  # fmt: skip
 
     def plan(self, step: StepShape) -> PlanStream:
         f, spec = self.context.factory, self.context.spec

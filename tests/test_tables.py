@@ -79,7 +79,7 @@ def test_compare_every_scheduler(tables: list[Table], capsys: pytest.CaptureFixt
 
 def test_simulate_one_scheduler(tables: list[Table]) -> None:
     assert main(["simulate", *SMALL, "--scheduler", "hybrimoe"]) == 0
-    assert len(tables) == 2  # the results and the lanes
+    assert len(tables) == 3  # the results, the latency and plan's choices, and the lanes
     for table in tables:
         assert_legible(table)
 

@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # these run tensors (torch): imported where a run needs them
 def register(sub: argparse._SubParsersAction) -> None:
     simulate = sub.add_parser("simulate", help="simulate schedulers on a workload batch at paper scale")
     _flags(simulate)
-    simulate.add_argument("--scheduler", default="all", help="a scheduler name, or all")
+    simulate.add_argument("-s", "--scheduler", default="all", help="a scheduler name, or all")
     simulate.add_argument("--trace", type=Path, help="write the simulated steps as a Chrome trace")
     simulate.add_argument("--json", action="store_true", help="print the results as one JSON object")
     add_force_flag(simulate)
@@ -66,7 +66,7 @@ def _flags(parser: argparse.ArgumentParser) -> None:
     policy = parser.add_argument_group(
         "policy: each flag given is honoured; the fields not given come from each scheduler's best plan"
     )
-    policy.add_argument("--batch-size", type=POSITIVE_INT, help="N sequences in the batch")
+    policy.add_argument("-b", "--batch-size", type=POSITIVE_INT, help="N sequences in the batch")
     policy.add_argument("--micro-batches", type=POSITIVE_INT, help="micro-batches per batch")
     policy.add_argument("--attention-on", choices=("gpu", "cpu"))
     policy.add_argument("--ffn-on", choices=("gpu", "cpu"))
@@ -164,9 +164,10 @@ def _report(args: argparse.Namespace, names: list[str]) -> int:
     if args.trace and traces:
         write_chrome(args.trace, traces, guard)
     if args.json:
-        print(json.dumps(results_json(setup, results)))
+        print(json.dumps(results_json(setup, results, given)))
         return 0
     out.print(results_table(setup, results))
+    out.print(choices_table(setup, results, given))
     for line in policy_lines(results):
         out.print(line, soft_wrap=True, highlight=False)
     for r in results:
@@ -213,10 +214,11 @@ def auto_scheduler(args: argparse.Namespace, model: MoEModel, codec: TextCodec |
     """`run --scheduler auto`: rank every scheduler on this job's workload (prompt lengths, max new
     tokens) and hardware (--hardware, or a quick CPU-only calibration of this machine), print the
     ranking, and give the best one with its policy and the job at that policy's batch."""
-    from flowmoe.jobs.job import build_requests
+    from flowmoe.jobs.job import read_work
 
-    requests, _errors = build_requests(job, model, codec, job.limits(model))
-    work = job_workload([len(r.input_ids) for r in requests], job.max_new_tokens)
+    requests = read_work(job, model, codec, job.limits(model)).requests
+    new_tokens = max((r.new_tokens(job.max_new_tokens) for r in requests), default=job.max_new_tokens)
+    work = job_workload([len(r.input_ids) for r in requests], new_tokens)
     if args.hardware:
         hw = hardware(args.hardware)
     else:
@@ -228,7 +230,9 @@ def auto_scheduler(args: argparse.Namespace, model: MoEModel, codec: TextCodec |
     given = Given(gpu_memory=memory, expert_format=args.expert_format)
     with console.status(f"simulating every scheduler on this job ({len(requests)} requests) on {hw.name}"):
         results = rank(model.spec, hw, work, list(available()), max(1, len(requests)), given)
-    console.print(results_table(Setup(model.spec, hw, work, Policy()), results))
+    setup = Setup(model.spec, hw, work, Policy())
+    console.print(results_table(setup, results))
+    console.print(choices_table(setup, results, given))
     for line in policy_lines(results):
         console.print(line, soft_wrap=True, highlight=False)
     best = choice(results)
@@ -274,6 +278,72 @@ def results_table(setup: Setup, results: list[SimulationResult]) -> Table:
     return shown
 
 
+# The policy fields a search chooses where no flag gives them, and the flag that pins each
+# (docs/simulator.md); the GPU experts also follow --expert-cache-slots where a scheduler has a cache.
+PINNED_BY = {
+    "batch_size": "--batch-size", "micro_batches": "--micro-batches", "attention_on": "--attention-on",
+    "ffn_on": "--ffn-on", "weights_gpu_share": "--weights-gpu-share", "kv_gpu_share": "--kv-gpu-share",
+}  # fmt: skip
+
+
+def searched(given: Given) -> list[str]:
+    """The fields of `PINNED_BY` the search chose: those no flag gave (the GPU experts count as given
+    with --expert-cache-slots)."""
+    slots = given.options.get("expert_cache_slots") is not None
+    return [f for f in PINNED_BY if getattr(given, f) is None and not (f == "weights_gpu_share" and slots)]
+
+
+def choices_table(setup: Setup, results: list[SimulationResult], given: Given) -> Table:
+    """Per scheduler, its per-token decode latency (mean, p50, p90) and what its plan chose that a
+    user may not expect: N and its micro-batches, where attention and the experts run, how many
+    experts the GPU holds per MoE layer (an expert cache's slots, else those resident) and the KV
+    cache's share on the GPU; a value the search chose (no flag gave it) is marked *."""
+    title = "per-token decode latency (s) and what each plan chose (*: the search chose it)"
+    columns = ("scheduler", "s/token mean", "p50", "p90", "N", "μxn", "attn", "ffn", "GPU experts /layer",
+               "KV on GPU")  # fmt: skip
+    shown = table(title, [c.replace(" ", "\n") for c in columns], "right")
+    for r in sorted(results, key=lambda r: -r.throughput):
+        if r.error is None:
+            shown.add_row(r.scheduler, *_latency(r), *_chosen(r, given))
+    shown.caption = (
+        "s/token: a decode step's time (each sequence gets a token per step); attn, ffn: where decode "
+        "ran attention and the routed experts (x% cpu: that share of their tokens on the CPU); GPU "
+        f"experts of the {setup.spec.moe.experts} per MoE layer: an expert cache's slots, else those "
+        "resident. Pin each with its flag: --batch-size, --micro-batches, --attention-on, --ffn-on, "
+        "--weights-gpu-share or --expert-cache-slots, --kv-gpu-share (docs/simulator.md)"
+    )
+    return shown
+
+
+def _where(cpu: float | None, planned: str) -> str:
+    """Where decode ran it: gpu, cpu, or the CPU's share of its rows (the policy's placement where
+    none ran)."""
+    if cpu is None:
+        return planned
+    return "gpu" if cpu == 0 else "cpu" if cpu == 1 else f"{cpu:.0%} cpu"
+
+
+def _latency(r: SimulationResult) -> tuple[str, str, str]:
+    t = r.token_latency
+    return ("-", "-", "-") if t is None else (f"{t.mean:.3f}", f"{t.p50:.3f}", f"{t.p90:.3f}")
+
+
+def _chosen(r: SimulationResult, given: Given) -> tuple[str, ...]:
+    """The plan's N, μ x micro-batches, placements, GPU experts per layer and KV share, each marked *
+    where the search chose it."""
+    p, chosen = r.policy, searched(given)
+
+    def mark(field: str, text: str) -> str:
+        return f"{text}*" if field in chosen else text
+
+    held = "-" if r.experts_per_layer is None else f"{r.experts_per_layer:.1f}"
+    micro = f"{p.micro_batch_size}x{p.micro_batches}"
+    return (mark("batch_size", str(p.batch_size)), mark("micro_batches", micro),
+            mark("attention_on", _where(r.cpu_attention, p.attention_on)),
+            mark("ffn_on", _where(r.cpu_experts, p.ffn_on)), mark("weights_gpu_share", held),
+            mark("kv_gpu_share", f"{p.kv_gpu_share:.0%}"))  # fmt: skip
+
+
 def policy_lines(results: list[SimulationResult]) -> list[str]:
     """The policy each scheduler ran, a line each (too long for a table cell at 80 columns)."""
     return [f"{r.scheduler}: {describe_policy(r.policy, r.scheduler)}" for r in results]
@@ -288,9 +358,12 @@ def lanes_table(result: SimulationResult) -> Table:
     return shown
 
 
-def results_json(setup: Setup, results: list[SimulationResult]) -> dict[str, Any]:
+def results_json(setup: Setup, results: list[SimulationResult], given: Given | None = None) -> dict[str, Any]:
+    """Every figure of every result; with `given`, each says which policy fields the search chose
+    (`chosen_by_search`, the flags that pin them in `pinned_by`)."""
+    chosen = {} if given is None else {"chosen_by_search": searched(given), "pinned_by": PINNED_BY}
     return {
         "model": setup.spec.name, "hardware": setup.hardware.name, "workload": setup.workload.name,
-        "gen_len": setup.workload.gen_len, "decode_samples": setup.decode_samples,
+        "gen_len": setup.workload.gen_len, "decode_samples": setup.decode_samples, **chosen,
         "results": [{**r.to_json(), "policy_text": describe_policy(r.policy, r.scheduler)} for r in results],
     }  # fmt: skip

@@ -7,6 +7,7 @@ batch's prefill + decode.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from attrs import asdict, frozen
 
 from flowmoe.core.executor import Span
 from flowmoe.core.memory import MemoryNeed
+from flowmoe.core.plan import Lane, Op
 from flowmoe.core.policy import Policy
 from flowmoe.core.scheduling import StepShape
 from flowmoe.schedulers.registry import load
@@ -61,6 +63,31 @@ class RealtimeRun:
 
 
 @frozen
+class TokenLatency:
+    """Per-token decode latency: seconds per generated token of one sequence, the time of a decode
+    step (each step gives every sequence of the batch one token), as batch-1 papers report it. The
+    mean and the 50th and 90th percentiles over the batch's decode steps, those not simulated
+    interpolated as the decode time is (`interpolate`)."""
+
+    mean: float
+    p50: float
+    p90: float
+
+    @classmethod
+    def of(cls, steps: Sequence[float]) -> TokenLatency | None:
+        """Over the decode steps' times (seconds); None without a decode step."""
+        if not steps:
+            return None
+        if len(steps) == 1:
+            return cls(steps[0], steps[0], steps[0])
+        deciles = statistics.quantiles(steps, n=10, method="inclusive")
+        return cls(statistics.fmean(steps), statistics.median(steps), deciles[8])
+
+    def to_json(self) -> dict[str, float]:
+        return {"mean": self.mean, "p50": self.p50, "p90": self.p90}
+
+
+@frozen
 class SimulationResult:
     scheduler: str
     policy: Policy
@@ -76,6 +103,12 @@ class SimulationResult:
     simulated_seconds: float = 0.0  # the simulated steps back to back on the virtual clock
     error: str | None = None  # why it could not run (memory), instead of figures
     realtime: RealtimeRun | None = None
+    token_latency: TokenLatency | None = None  # per-token decode latency (None: no decode step ran)
+    gpu_experts: int | None = None  # experts the GPU holds: an expert cache's slots, else those resident
+    experts_per_layer: float | None = None  # gpu_experts per MoE layer
+    report: tuple[tuple[str, float], ...] = ()  # the scheduler's own figures (`Scheduler.report`)
+    cpu_attention: float | None = None  # share of decode attention rows run on the CPU (`on_cpu`)
+    cpu_experts: float | None = None  # share of decode routed-expert rows run on the CPU
 
     @property
     def lanes(self) -> tuple[LaneStats, ...]:
@@ -110,8 +143,20 @@ class SimulationResult:
             "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
             "throughput_tokens_per_second": self.throughput, "simulated_steps": self.simulated_steps,
             "gpu_memory_bytes": self.memory.total, "lanes": lanes, "stats": stats,
-            "makespan_seconds": self.simulated_seconds, **realtime,
+            "makespan_seconds": self.simulated_seconds,
+            "token_latency_seconds": self.token_latency.to_json() if self.token_latency else None,
+            "gpu_experts": self.gpu_experts, "gpu_experts_per_layer": self.experts_per_layer,
+            "scheduler_report": dict(self.report), "decode_attention_cpu_share": self.cpu_attention,
+            "decode_experts_cpu_share": self.cpu_experts, **realtime,
         }  # fmt: skip
+
+
+def on_cpu(spans: Sequence[Span], ops: frozenset[Op]) -> float | None:
+    """The share of the rows (tokens) of the nodes of `ops` that ran on the CPU: where a plan ran its
+    attention (CPU_ATTN / GPU_ATTN) or its routed experts (EXPERT_FFN); None where none ran."""
+    rows = [(s.node.rows or 1, s.node.lane is Lane.CPU_COMPUTE) for s in spans if s.node.op in ops]
+    total = sum(r for r, _ in rows)
+    return sum(r for r, cpu in rows if cpu) / total if total else None
 
 
 def records(spans: Sequence[Span]) -> list[SpanRecord]:
@@ -176,15 +221,21 @@ def step_weights(at: Sequence[int], count: int) -> list[float]:
 
 def interpolate(values: Sequence[float], at: Sequence[int], count: int) -> float:
     """Sum over 0..count-1 of the piecewise-linear interpolation of `values` known at ascending `at`."""
+    return sum(interpolated(values, at, count))
+
+
+def interpolated(values: Sequence[float], at: Sequence[int], count: int) -> list[float]:
+    """The piecewise-linear interpolation of `values` known at ascending `at`, at 0..count-1 (flat
+    outside them); empty without values."""
     if not values:
-        return 0.0
-    total = 0.0
+        return []
+    each = []
     for i in range(count):
         right = next((k for k, a in enumerate(at) if a >= i), len(at) - 1)
         left = right - 1 if at[right] > i and right > 0 else right
         if at[right] == at[left]:
-            total += values[right]
+            each.append(values[right])
         else:
             w = (i - at[left]) / (at[right] - at[left])
-            total += values[left] * (1 - w) + values[right] * w
-    return total
+            each.append(values[left] * (1 - w) + values[right] * w)
+    return each

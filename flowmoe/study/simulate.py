@@ -38,7 +38,18 @@ from flowmoe.core.synthetic_routing import RoutingModel, SyntheticRouting, obser
 from flowmoe.core.workloads import Workload
 from flowmoe.devices.sim import SimWorker, run_virtual
 from flowmoe.schedulers.registry import create
-from flowmoe.study.sim_report import SimulationResult, StepRun, batch_trace, interpolate, trace_stats
+from flowmoe.study.sim_report import (
+    SimulationResult,
+    StepRun,
+    TokenLatency,
+    batch_trace,
+    interpolated,
+    on_cpu,
+    trace_stats,
+)
+
+ATTENTION = frozenset({Op.CPU_ATTN, Op.GPU_ATTN})
+EXPERTS = frozenset({Op.EXPERT_FFN})
 
 
 def run_steps(
@@ -209,10 +220,17 @@ class Simulation:
         prefill, decode = runs[0], runs[1:]
         indices = [s.step.step - 1 for s in decode]
         trace = batch_trace(name, runs, indices, self.decode_count)
-        decode_s = interpolate([r.seconds for r in decode], indices, self.decode_count)
-        return evolve(base, prefill_seconds=prefill.seconds, decode_seconds=decode_s,
+        steps = interpolated([r.seconds for r in decode], indices, self.decode_count)
+        decoded = [span for run in decode for span in run.spans]
+        report = scheduler.report()
+        held = round(report.get("expert_cache_slots", len(scheduler.residency().experts)))
+        moe = sum(self.setup.spec.is_moe_layer(layer) for layer in range(self.setup.spec.layers))
+        return evolve(base, prefill_seconds=prefill.seconds, decode_seconds=sum(steps),
                       stats=trace_stats(trace), trace=trace, simulated_steps=len(runs),
-                      simulated_seconds=sum(r.seconds for r in runs))  # fmt: skip
+                      simulated_seconds=sum(r.seconds for r in runs), token_latency=TokenLatency.of(steps),
+                      gpu_experts=held, experts_per_layer=held / moe if moe else None,
+                      report=tuple(sorted(report.items())), cpu_attention=on_cpu(decoded, ATTENTION),
+                      cpu_experts=on_cpu(decoded, EXPERTS))  # fmt: skip
 
     def batch(self) -> BatchShape:
         """The batch as the memory check sees it: the engine sizes each micro-batch's cache for its
