@@ -120,7 +120,7 @@ def _pregate(s: StepState, n: TaskNode) -> None:
 def _page_copy(s: StepState, n: TaskNode) -> None:
     """One page: part of an expert (or a dense part), or whole experts (`n.experts`)."""
     for expert in n.experts or (n.expert,):
-        s.weights.device.load(n.layer, expert, n.part, n.parts)
+        s.weights.device.load(n.layer, expert, n.part, n.parts, n.pages)
 
 
 def _evict(s: StepState, n: TaskNode) -> None:
