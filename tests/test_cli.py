@@ -46,7 +46,7 @@ def test_run_checkpoint_with_ids(tmp_path: Path, mixtral_folder: Path) -> None:
     [
         (["--scheduler", "nope"], "unknown scheduler 'nope'; available:"),
         (["--model", "no-such-model"], "neither a checkpoint folder nor a preset"),
-        (["--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1, got '0'"),
+        (["--max-new-tokens", "0"], "argument -n/--max-new-tokens: must be an integer >= 1, got '0'"),
         (["--top-p", "0"], "argument --top-p: must be a number in (0, 1], got '0'"),
     ],
 )

@@ -99,3 +99,32 @@ def test_calibrate_offers_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     device = next(a for a in subs["calibrate"]._actions if a.dest == "device")
     assert device.choices is not None and "cuda" in device.choices
     assert subs["calibrate"].parse_args(["--device", "cuda"]).device == "cuda"
+
+
+SHORT_FLAGS = {  # the common options' short forms, the same letter for the same option in every command
+    "-m": "--model", "-p": "--prompts", "-o": "--output", "-n": "--max-new-tokens", "-s": "--scheduler",
+    "-b": "--batch-size",
+}  # fmt: skip
+
+
+def test_short_flags_mean_the_same_everywhere(capsys: pytest.CaptureFixture[str]) -> None:
+    """issue 27 item 8: -m, -p, -o, -n, -s and -b, each shown in --help beside its long flag."""
+    subs = _subparsers(parser())
+    for name, sub in subs.items():
+        for action in sub._actions:
+            short = [s for s in action.option_strings if len(s) == 2 and s not in ("-h", "-v")]
+            assert all(SHORT_FLAGS.get(s) in action.option_strings for s in short), (name, short)
+    run = subs["run"].parse_args(["-m", "M", "-p", "P", "-o", "O", "-n", "5", "-s", "fiddler", "-b", "4"])
+    assert (
+        run.model,
+        str(run.prompts),
+        str(run.output),
+        run.max_new_tokens,
+        run.scheduler,
+        run.batch_size,
+    ) == ("M", "P", "O", 5, "fiddler", 4)
+    assert subs["simulate"].parse_args(["-m", "mixtral-8x7b", "-s", "eager", "-b", "8"]).batch_size == 8
+    assert subs["calibrate"].parse_args(["-m", "M", "-o", "hw.json"]).model == "M"
+    text = _help(["run"], capsys)
+    for short, long in SHORT_FLAGS.items():
+        assert f"{short} {long[2:].upper().replace('-', '_')}, {long}" in text

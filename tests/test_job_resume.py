@@ -11,22 +11,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-import torch
 
 from flowmoe.cli import main
 from flowmoe.cli.run import kv_budget_tokens
 from flowmoe.core.errors import FlowmoeError
-from flowmoe.core.scheduling import BatchShape
-from flowmoe.jobs.engine import StepInput
 from flowmoe.jobs.job import JobSpec, run_job
 from flowmoe.model.builtin import ensure_builtin
 from flowmoe.model.loading import load_model
-from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.tokenizer import TextCodec
+from tests.helpers import Successor
 
 WORDS = ("the", "experts", "of", "a", "mixture", "route", "each", "token", "to", "two", "feed")  # fmt: skip
 BAD_LINES = {  # line number -> (text, what the report says)
@@ -140,24 +136,6 @@ def test_kv_budget_and_stop_strings_in_a_job(tmp_path: Path) -> None:
     lines = [{"id": "abc", "prompt": "a"}, {"id": "digits", "prompt": "0"},
              {"id": "long", "prompt": "x" * 40}, {"id": "upper", "prompt": "K"}]  # fmt: skip
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    caches: list[int] = []
-
-    class Successor:  # a JobRunner: the cache on the CPU, no GPU budget to check
-        cache_device = torch.device("cpu")
-
-        def check_memory(self, batch: BatchShape) -> None:
-            return None
-
-        async def __call__(self, m: MoEModel, inputs: Sequence[StepInput]) -> list[torch.Tensor]:
-            out = []
-            for step in inputs:
-                caches.append(step.cache.keys[0].shape[0] * step.cache.capacity)
-                last = step.ids[step.layout.last_rows]  # [B]
-                logits = torch.zeros(len(last), m.spec.vocab)  # [B, vocab]
-                logits[torch.arange(len(last)), last + 1] = 1.0
-                out.append(logits)
-            return out
-
     successor = Successor()
 
     budget = kv_budget_tokens("30", model)
@@ -171,7 +149,7 @@ def test_kv_budget_and_stop_strings_in_a_job(tmp_path: Path) -> None:
     assert (rows["upper"]["text"], rows["upper"]["finish_reason"]) == ("LMNOPQ", "length")
     assert "long" not in rows and len(report.bad_lines) == 1
     assert report.bad_lines[0].startswith(f"{prompts}:3: request 'long': 40 prompt + 6 new tokens exceed")
-    assert caches and max(caches) <= 30
+    assert successor.caches and max(successor.caches) <= 30
 
 
 def test_kv_budget_flag() -> None:

@@ -28,7 +28,7 @@ def test_greedy_is_argmax() -> None:
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
     greedy = SamplingParams()
     assert greedy.greedy and greedy.generator("x") is None
-    assert sample_rows(logits, greedy, [None] * 6) == logits.argmax(-1).tolist()
+    assert sample_rows(logits, [greedy] * 6, [None] * 6) == logits.argmax(-1).tolist()
     assert sample(logits[2], greedy, None) == int(logits[2].argmax())
 
 

@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "calibrate", help="measure this machine's flop/s and bandwidths into a profile"
     )
     calibrate.add_argument(
-        "--output", type=OUTPUT_FILE, default=Path("hardware.json"), help="profile JSON to write"
+        "-o", "--output", type=OUTPUT_FILE, default=Path("hardware.json"), help="profile JSON to write"
     )
     calibrate.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
     calibrate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(gpu.* lanes on the CPU), for simulating runs on this machine",
     )  # fmt: skip
     calibrate.add_argument(
-        "--model", help="measure the matmul and attention shapes of this preset or checkpoint"
+        "-m", "--model", help="measure the matmul and attention shapes of this preset or checkpoint"
     )
     calibrate.add_argument(
         "--threads", type=POSITIVE_INT, help="torch threads per op, as the runs' --cpu-threads (%(type)s)"

@@ -40,7 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_setup_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help=f"preset ({', '.join(PRESETS)}) or checkpoint folder")
+    parser.add_argument(
+        "-m", "--model", required=True, help=f"preset ({', '.join(PRESETS)}) or checkpoint folder"
+    )
     parser.add_argument(
         "--layers", type=POSITIVE_INT, help="cut the model to its first LAYERS layers (%(type)s)"
     )

@@ -39,6 +39,7 @@ from flowmoe.core.routing_trace import ROUTING_RECORD, RoutingTrace
 from flowmoe.core.synthetic_routing import observed_popularity
 from flowmoe.core.threads import plan_threads, usable_cores
 from flowmoe.core.write_guard import Guard, Named
+from flowmoe.jobs.formats import NATIVE, OPENAI, detect, layout
 from flowmoe.jobs.joblog import check_output, holder_file
 from flowmoe.model.tokenizer import TextCodec
 from flowmoe.schedulers.registry import available
@@ -57,14 +58,27 @@ log = structlog.get_logger(__name__)
 
 def register(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="generate completions for a JSONL prompt file")
-    run.add_argument("--model", help="checkpoint folder or preset (default: the built-in tiny model)")
     run.add_argument(
-        "--prompts", required=True, type=Path, help="JSONL: {id, prompt}, {id, input_ids} or {id, messages}"
-    )
-    run.add_argument("--output", required=True, type=Path, help="JSONL results, appended and resumable")
-    run.add_argument("--max-new-tokens", type=POSITIVE_INT, default=32, help="per request (%(type)s)")
+        "-m", "--model", help="checkpoint folder, org/name in the Hugging Face cache, or preset (default: "
+        "the built-in tiny model)",
+    )  # fmt: skip
     run.add_argument(
-        "--scheduler", default="eager", help="scheduler plugin (see `flowmoe schedulers`), or auto"
+        "-p", "--prompts", required=True, type=Path,
+        help="JSONL: {id, prompt}, {id, input_ids} or {id, messages}; or an OpenAI batch (see --format)",
+    )  # fmt: skip
+    run.add_argument("-o", "--output", required=True, type=Path, help="JSONL results, appended and resumable")
+    run.add_argument(
+        "--format", choices=(NATIVE, OPENAI),
+        help=f"of --prompts and --output: {NATIVE}'s own, or {OPENAI}'s batch format ({{custom_id, method, "
+        f"url, body}} in, {{id, custom_id, response, error}} out); default: {OPENAI} when the first line has "
+        f"a custom_id and no id, else {NATIVE}",
+    )  # fmt: skip
+    run.add_argument(
+        "-n", "--max-new-tokens", type=POSITIVE_INT, default=32,
+        help="per request (%(type)s; an OpenAI batch request's max_tokens overrides it)",
+    )  # fmt: skip
+    run.add_argument(
+        "-s", "--scheduler", default="eager", help="scheduler plugin (see `flowmoe schedulers`), or auto"
     )
     run.add_argument("--trace", type=OUTPUT_FILE, help="write a Chrome trace (open it in Perfetto)")
     run.add_argument(
@@ -89,6 +103,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a --record-routing trace: its expert popularity places experts (fiddler, cgopipe, klotski)",
     )
     run.add_argument(
+        "-b",
         "--batch-size",
         type=POSITIVE_INT,
         default=16,
@@ -199,12 +214,15 @@ def _run(args: argparse.Namespace) -> int:
     guard = write_guard(args, [("--output", args.output, None), ("--trace", args.trace, CHROME_TRACE),
                                ("--record-routing", args.record_routing, ROUTING_RECORD)],
                         Named("the lock sidecar of --output", holder_file(args.output)))  # fmt: skip
-    check_output(args.output, guard)  # so does an --output that is not ours, or in use
+    args.format = args.format or detect(args.prompts)
+    check_output(args.output, guard, layout(args.format))  # so does an --output not ours, or in use
     if args.trace_kernels and not args.trace:
         raise ConfigError("--trace-kernels adds tracks to the trace: give --trace FILE as well")
     sampling = sampling_from(args)
     policy = policy_from(args)
     if args.ray:  # one job over many replicas (flowmoe/cluster)
+        if args.format == OPENAI:
+            raise ConfigError("an OpenAI batch runs in a single process; --ray takes flowmoe prompt files")
         return run_on_ray(args, sampling, policy, guard)
     if args.replicas:
         raise FlowmoeError("--replicas needs --ray ADDRESS (--ray local: this machine's CPUs)")
@@ -250,8 +268,9 @@ def _run(args: argparse.Namespace) -> int:
         raise
     runtime.close()
     failures = save_records(args, runtime, guard)
-    for error in report.bad_lines:
-        console.print(f"[yellow]skipped[/] {escape(error)}", soft_wrap=True)
+    for error in report.bad_lines:  # an OpenAI batch answers each with an error line in --output
+        console.print(f"[yellow]{'error line' if args.format == OPENAI else 'skipped'}[/] {escape(error)}",
+                      soft_wrap=True)  # fmt: skip
     console.print(summary_table(report, source, args.scheduler))
     if runtime.trace.gpu_emulated:
         console.print(NO_GPU, highlight=False)
@@ -354,7 +373,16 @@ def job_from(args: argparse.Namespace, model: MoEModel, sampling: SamplingParams
     produced_by = model_identity(source, args.dtype, args.layers) if Path(source).is_dir() else None
     return JobSpec(args.prompts, args.output, args.max_new_tokens, sampling, args.batch_size,
                    args.micro_batches, budget, tuple(args.stop), args.chat,
-                   produced_by, args.force)  # fmt: skip
+                   produced_by, args.force, args.format, model_names(source))  # fmt: skip
+
+
+def model_names(source: str) -> tuple[str, ...]:
+    """The names an OpenAI batch request's "model" may give for this run's model: a cached
+    snapshot's org/name (which the responses give), the checkpoint folder's name, --model itself."""
+    from flowmoe.core.hf_cache import repo_id_of
+
+    repo = repo_id_of(Path(source))
+    return tuple(dict.fromkeys(n for n in (repo, Path(source).name, source) if n))
 
 
 def kv_budget_tokens(text: str, model: MoEModel) -> int:

@@ -59,3 +59,12 @@ def _commit(folder: Path, revision: str) -> str:
         if re.fullmatch(r"[0-9a-f]{7,64}", text):
             return text
     return revision
+
+
+def repo_id_of(folder: Path) -> str | None:
+    """The org/name of a cached snapshot folder (`<cache>/models--org--name/snapshots/<commit>`),
+    None for any other folder (the inverse of `resolve_model`)."""
+    repo = folder.parent.parent.name
+    if folder.parent.name != "snapshots" or not repo.startswith("models--"):
+        return None
+    return repo[len("models--") :].replace("--", "/", 1)  # "models--gpt2": a repo without an org

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from attrs import evolve, field, frozen
 
 from flowmoe.core.errors import ConfigError
+from flowmoe.core.hf_cache import repo_id_of
 from flowmoe.core.jsonfile import read_json_object
 
 QKNorm = Literal["none", "head", "full", "l2"]  # l2: weightless, rope layers only (Llama 4)
@@ -347,7 +348,5 @@ def _model_name(source: str | Path | dict[str, Any]) -> str:
     if isinstance(source, dict):
         return str(source.get("_name_or_path") or source.get("model_type") or "model")
     folder = Path(source) if Path(source).is_dir() else Path(source).parent
-    repo = folder.parent.parent.name  # a Hugging Face cache snapshot: models--org--name/snapshots/<commit>
-    if folder.parent.name == "snapshots" and repo.startswith("models--"):
-        return repo.split("--")[-1]
-    return folder.name
+    repo = repo_id_of(folder)  # a Hugging Face cache snapshot's name, not its commit
+    return repo.split("/")[-1] if repo else folder.name

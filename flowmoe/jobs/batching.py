@@ -14,10 +14,14 @@ holds (`refill_slots`), and a drained micro-batch is planned anew.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from attrs import field, frozen
 
 from flowmoe.core.errors import ConfigError
+
+if TYPE_CHECKING:  # sampling.py runs tensors; a request only carries its settings
+    from flowmoe.jobs.sampling import SamplingParams
 
 JobId = str | int  # a request id exactly as the prompt file gave it: 7 and "7" are different ids
 
@@ -27,6 +31,14 @@ class Request:
     id: JobId
     input_ids: tuple[int, ...]
     index: int = 0  # position in the job: ties between equal lengths keep the job's order
+    # a request's own settings (an OpenAI batch body's max_tokens, sampling, stop); None: the job's
+    max_new_tokens: int | None = None
+    sampling: SamplingParams | None = None
+    stop: tuple[str, ...] | None = None
+
+    def new_tokens(self, default: int) -> int:
+        """The most tokens it generates: its own max_new_tokens, else the job's `default`."""
+        return default if self.max_new_tokens is None else self.max_new_tokens
 
 
 @frozen
@@ -47,7 +59,7 @@ class BatchLimits:
 
     def need(self, request: Request) -> int:
         """KV tokens one sequence of this request fills: its prompt and every new token."""
-        return len(request.input_ids) + self.max_new_tokens
+        return len(request.input_ids) + request.new_tokens(self.max_new_tokens)
 
     def slots_for(self, capacity: int) -> int:
         """How many sequences of `capacity` tokens a micro-batch may hold."""
@@ -60,7 +72,8 @@ class BatchLimits:
         need = self.need(request)
         if not request.input_ids:
             return f"request {request.id!r}: the prompt has no tokens"
-        prompt = f"request {request.id!r}: {len(request.input_ids)} prompt + {self.max_new_tokens} new tokens"
+        new = request.new_tokens(self.max_new_tokens)
+        prompt = f"request {request.id!r}: {len(request.input_ids)} prompt + {new} new tokens"
         if self.max_length is not None and need > self.max_length:
             return f"{prompt} exceed the model's {self.max_length} positions"
         if self.kv_budget is not None and need > self.kv_budget:
@@ -71,7 +84,7 @@ class BatchLimits:
 @frozen
 class MicroBatchPlan:
     requests: tuple[Request, ...]
-    capacity: int  # KV tokens per slot: the longest prompt + max_new_tokens
+    capacity: int  # KV tokens per slot: the longest prompt and its new tokens
 
     @property
     def tokens(self) -> int:

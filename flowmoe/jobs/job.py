@@ -2,13 +2,16 @@
 
 Requests already in the output are skipped, so re-running the same command
 continues an interrupted job; a bad prompt line (or one the model cannot take)
-is reported with its line number and the rest of the job runs.
+is reported with its line number and the rest of the job runs. The prompt file is
+flowmoe's own (jobs/prompts.py) or an OpenAI batch (jobs/openai_batch.py), whose
+requests that cannot run are answered with an error line each.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +22,10 @@ from flowmoe.core.errors import ConfigError, PromptFileError
 from flowmoe.core.scheduling import BatchShape
 from flowmoe.jobs.batching import BatchLimits, Request, plan_batch
 from flowmoe.jobs.engine import Engine, JobRunner, Result, StepStats
-from flowmoe.jobs.joblog import JobLog
-from flowmoe.jobs.prompts import PromptLine, max_line_bytes, read_prompts
+from flowmoe.jobs.formats import NATIVE, OPENAI, layout
+from flowmoe.jobs.joblog import JobLog, LogLayout
+from flowmoe.jobs.openai_batch import Responses, batch_requests, error_line
+from flowmoe.jobs.prompts import PromptLine, in_vocab, max_line_bytes, read_prompts
 from flowmoe.jobs.provenance import check_and_record
 from flowmoe.jobs.sampling import SamplingParams
 from flowmoe.model.moe_model import MoEModel
@@ -42,13 +47,21 @@ class JobSpec:
     chat: bool = False  # wrap each "prompt" as a user message of the chat template
     produced_by: dict[str, Any] | None = None  # the model's identity (jobs/provenance.py); None: not recorded
     force: bool = False  # resume even when the output's record names other settings
+    format: str = NATIVE  # of the prompt file and the output: NATIVE or OPENAI
+    model_names: tuple[str, ...] = ()  # an OpenAI batch request's "model" is one; responses give the first
 
     def settings(self) -> dict[str, Any]:
         """Everything a result depends on, as the output's run record keeps it (jobs/provenance.py)."""
         s = self.sampling
+        batch = {"--format": self.format} if self.format != NATIVE else {}  # records before it read as native
         return {**(self.produced_by or {}), "--max-new-tokens": self.max_new_tokens,
                 "--temperature": s.temperature, "--top-p": s.top_p, "--top-k": s.top_k, "--seed": s.seed,
-                "--stop": list(self.stop), "--chat": self.chat}  # fmt: skip
+                "--stop": list(self.stop), "--chat": self.chat, **batch}  # fmt: skip
+
+    @property
+    def layout(self) -> LogLayout:
+        """What each line of the output holds."""
+        return layout(self.format)
 
     def limits(self, model: MoEModel) -> BatchLimits:
         return BatchLimits(
@@ -66,6 +79,33 @@ class JobReport:
     skipped: int
     bad_lines: tuple[str, ...]
     stats: StepStats
+
+
+@frozen
+class Work:
+    """A job's prompt file read: what runs, and how its output lines are made."""
+
+    requests: list[Request]
+    errors: tuple[str, ...]  # "FILE:LINE: what is wrong" per line that does not run
+    answered: tuple[dict[str, Any], ...]  # output lines of requests answered with an error (OpenAI batch)
+    line: Callable[[Result], dict[str, Any]]  # a result's output line
+
+
+def read_work(job: JobSpec, model: MoEModel, codec: TextCodec | None, limits: BatchLimits) -> Work:
+    """The job's requests in its format, with the errors of the lines that do not run."""
+    if job.format != OPENAI:
+        requests, errors = build_requests(job, model, codec, limits)
+        return Work(requests, errors, (), partial(record, codec=codec))
+    if codec is None:
+        raise ConfigError("an OpenAI batch needs a tokenizer.json beside the model (its responses are text)")
+    if job.chat:
+        raise ConfigError(
+            "--chat is for flowmoe prompt files; an OpenAI batch request's url says if it is chat"
+        )
+    batch = batch_requests(job.prompts, model, codec, limits, job.sampling, job.model_names)
+    errors = tuple(f"{job.prompts}:{a.line}: request {a.custom_id!r}: {a.message}" for a in batch.answered)
+    responses = Responses(batch.urls, job.model_names[0] if job.model_names else "", codec)
+    return Work(list(batch.requests), errors, tuple(map(error_line, batch.answered)), responses.response)
 
 
 @define
@@ -89,7 +129,7 @@ def build_requests(
     requests, errors = [], list(prompt_file.errors)
     for index, line in enumerate(prompt_file.prompts):
         try:
-            request = Request(line.id, _in_vocab(_input_ids(line, codec, job.chat), vocab), index)
+            request = Request(line.id, in_vocab(_input_ids(line, codec, job.chat), vocab), index)
             problem = limits.problem(request)
             if problem is not None:
                 raise PromptFileError(problem)
@@ -99,16 +139,6 @@ def build_requests(
     if not requests:  # every line failed its length, KV or tokenizer check: nothing would run
         raise PromptFileError(f"{job.prompts}: no prompt line can run; first problem: {errors[0]}")
     return requests, tuple(errors)
-
-
-def _in_vocab(ids: tuple[int, ...], vocab: int) -> tuple[int, ...]:
-    """Tokenised text, range-checked like "input_ids" lines (a tokenizer may know more tokens)."""
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise PromptFileError(
-            f"the tokenizer gives id {bad}, not a token id in [0, {vocab}) (the model's vocab_size)"
-        )
-    return ids
 
 
 def _input_ids(line: PromptLine, codec: TextCodec | None, chat: bool) -> tuple[int, ...]:
@@ -141,11 +171,13 @@ async def run_job(
     if job.stop and codec is None:
         raise ConfigError("--stop needs a tokenizer.json beside the model to decode the output")
     limits = job.limits(model)
-    requests, errors = build_requests(job, model, codec, limits)
+    work = read_work(job, model, codec, limits)
+    requests, errors = work.requests, work.errors
     for error in errors:
-        log.warning("bad prompt line skipped", error=error)
+        log.warning("bad prompt line skipped" if not work.answered else "request answered with an error",
+                    error=error)  # fmt: skip
     engine = make_engine(job, model, codec, runner, progress)
-    output = JobLog.open(job.output, job.prompts)
+    output = JobLog.open(job.output, job.prompts, layout=job.layout)
     todo = [r for r in requests if r.id not in output.done]
     started, done = time.perf_counter(), 0
     try:
@@ -154,9 +186,12 @@ async def run_job(
         log.info("job started", prompts=str(job.prompts), output=str(job.output), requests=len(todo),
                  skipped=len(requests) - len(todo), bad_lines=len(errors))  # fmt: skip
         check_memory(runner, todo, limits)
+        for line in work.answered:
+            if line[job.layout.request_id] not in output.done:
+                output.append(line)
         progress.started(len(todo))
         async for result in engine.generate(todo, limits):
-            output.append(record(result, codec))
+            output.append(work.line(result))
             done += 1
             progress.finished(result)
     finally:
@@ -183,6 +218,7 @@ def make_engine(
         runner.cache_device,
         stop_strings=StopStrings(codec, job.stop) if job.stop and codec else None,
         on_step=progress.generated,
+        codec=codec,
     )
 
 
@@ -190,7 +226,8 @@ def first_batch(todo: list[Request], limits: BatchLimits) -> BatchShape:
     """The first (largest) batch the engine plans of `todo`, as the memory check sees it."""
     batch, _ = plan_batch(todo, limits)
     prompts = (tuple(len(r.input_ids) for r in mb.requests) for mb in batch.micro_batches)
-    return BatchShape(tuple(p for p in prompts if p), limits.max_new_tokens)
+    new = (r.new_tokens(limits.max_new_tokens) for mb in batch.micro_batches for r in mb.requests)
+    return BatchShape(tuple(p for p in prompts if p), max(new, default=limits.max_new_tokens))
 
 
 def check_memory(runner: JobRunner, todo: list[Request], limits: BatchLimits) -> None:

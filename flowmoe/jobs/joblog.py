@@ -20,11 +20,11 @@ import os
 import re
 import socket
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from attrs import define, field
+from attrs import define, field, frozen
 
 from flowmoe.core.bounded_read import SIDECAR
 from flowmoe.core.errors import FlowmoeError
@@ -32,7 +32,21 @@ from flowmoe.core.write_guard import Guard, Named, Target
 from flowmoe.jobs.batching import JobId
 
 LINE_START = b'{"id": '  # every line `append` writes starts so (json.dumps keeps the key order)
-RESULT_KEYS = {"id": (str, int), "output_ids": (list,), "finish_reason": (str,)}
+
+
+@frozen
+class LogLayout:
+    """What every line of a results log holds: its keys' JSON types, and which key is the request's
+    id (a resume skips the requests whose ids the log holds)."""
+
+    name: str  # as the refusal of a file that is not such a log names it
+    keys: Mapping[str, tuple[type, ...]]
+    request_id: str
+
+
+RESULTS = LogLayout(
+    "flowmoe results log", {"id": (str, int), "output_ids": (list,), "finish_reason": (str,)}, "id"
+)
 LINE_BOUND = 64 * 2**20  # the longest line a results log may hold (a result is far shorter)
 HOLDER_START = "pid "  # how the sidecar a run writes begins
 HOLDER_LINE = re.compile(rb"pid \d+ on host [^\n]*\n")  # the whole of a sidecar a run wrote
@@ -41,6 +55,7 @@ HOLDER_LINE = re.compile(rb"pid \d+ on host [^\n]*\n")  # the whole of a sidecar
 @define
 class JobLog:
     path: Path
+    layout: LogLayout = RESULTS
     done: set[JobId] = field(factory=set)  # ids as given: 7 and "7" are different requests
     _fd: int | None = None
     _size: int = 0  # bytes of whole lines in the file
@@ -48,11 +63,17 @@ class JobLog:
     _holder_line: bytes = b""  # what this process wrote there: the sidecar is removed only if it holds it
 
     @classmethod
-    def open(cls, path: str | Path, prompts: str | Path | None = None, guard: Guard | None = None) -> JobLog:
-        """Lock, check and recover the log at `path` (created if missing). The write guard refuses
-        a path that is not a regular file or is a file the job reads: `prompts` (the job's prompt
-        file), or whatever a front end's `guard` names."""
-        log = cls(Path(path))
+    def open(
+        cls,
+        path: str | Path,
+        prompts: str | Path | None = None,
+        guard: Guard | None = None,
+        layout: LogLayout = RESULTS,
+    ) -> JobLog:
+        """Lock, check and recover the log at `path` (created if missing), whose lines hold
+        `layout`. The write guard refuses a path that is not a regular file or is a file the job
+        reads: `prompts` (the job's prompt file), or whatever a front end's `guard` names."""
+        log = cls(Path(path), layout)
         (guard or output_guard(log.path, prompts)).check(log.path, None)
         log._fd = _open_for_append(log.path)
         try:
@@ -77,7 +98,7 @@ class JobLog:
     def _recover(self) -> None:
         """Read the ids done; every whole line must be a result before a torn tail is cut."""
         assert self._fd is not None
-        self.done, self._size, complete = _results(self._fd, self.path)
+        self.done, self._size, complete = _results(self._fd, self.path, self.layout)
         if complete:  # a whole result that lacks only its newline: completed, not cut
             os.write(self._fd, b"\n")
             self._size = os.fstat(self._fd).st_size
@@ -102,7 +123,7 @@ class JobLog:
                 "written so far are kept, re-run the same command to resume"
             ) from exc
         self._size += len(line)
-        self.done.add(record["id"])
+        self.done.add(record[self.layout.request_id])
 
     def _undo(self) -> None:
         """Cut a partly written line (best effort: the next open cuts a torn tail anyway)."""
@@ -126,7 +147,7 @@ def output_guard(path: Path, prompts: str | Path | None) -> Guard:
     return Guard(reads, (Target("--output", path, None),))
 
 
-def check_output(path: str | Path, guard: Guard) -> None:
+def check_output(path: str | Path, guard: Guard, layout: LogLayout = RESULTS) -> None:
     """The checks `JobLog.open` makes, without creating, locking or changing anything: a front end
     calls it to fail before it spends minutes loading a model."""
     path = Path(path)
@@ -140,7 +161,7 @@ def check_output(path: str | Path, guard: Guard) -> None:
     try:
         _check_regular(fd, path)
         _lock_or_refuse(fd, path)
-        _results(fd, path)
+        _results(fd, path, layout)
     except OSError as exc:
         raise _cannot_use(path, exc) from exc
     finally:
@@ -260,7 +281,7 @@ def _fsync_folder(folder: Path) -> None:
             os.close(fd)
 
 
-def _lines(fd: int, path: Path) -> Iterator[bytes]:
+def _lines(fd: int, path: Path, layout: LogLayout) -> Iterator[bytes]:
     """The file's lines with their newlines, read in blocks (the last one may lack its newline);
     a line longer than LINE_BOUND is no result flowmoe wrote."""
     pending, offset = bytearray(), 0
@@ -273,24 +294,24 @@ def _lines(fd: int, path: Path) -> Iterator[bytes]:
             start = end + 1
         del pending[:start]
         if len(pending) > LINE_BOUND:
-            raise _not_a_log(f"{path}", f"a line longer than {LINE_BOUND // 2**20} MiB")
+            raise _not_a_log(f"{path}", layout, f"a line longer than {LINE_BOUND // 2**20} MiB")
     if pending:
         yield bytes(pending)
 
 
-def _results(fd: int, path: Path) -> tuple[set[JobId], int, bool]:
+def _results(fd: int, path: Path, layout: LogLayout) -> tuple[set[JobId], int, bool]:
     """The ids of a log's results, the length of its whole lines, and whether its last line is a
     whole result that lacks only its newline; an error unless every whole line is a result flowmoe
     wrote and what follows the last one is a result or flowmoe's own half-written line."""
     done: set[JobId] = set()
     size, number = 0, 0
-    for number, line in enumerate(_lines(fd, path), start=1):
+    for number, line in enumerate(_lines(fd, path, layout), start=1):
         if not line.endswith(b"\n"):
             if _torn(line):
                 return done, size, False
-            done.add(_result_id(line, f"{path}:{number}", last=True))
+            done.add(_result_id(line, f"{path}:{number}", layout, last=True))
             return done, size, True
-        done.add(_result_id(line, f"{path}:{number}"))
+        done.add(_result_id(line, f"{path}:{number}", layout))
         size += len(line)
     return done, size, False
 
@@ -321,24 +342,23 @@ def _torn(tail: bytes) -> bool:
     return False
 
 
-def _result_id(line: bytes, where: str, last: bool = False) -> JobId:
-    """The id of one existing output line, which must be a result flowmoe wrote."""
+def _result_id(line: bytes, where: str, layout: LogLayout, last: bool = False) -> JobId:
+    """The request id of one existing output line, which must be a line of `layout` flowmoe wrote."""
     try:
         row = json.loads(line.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         why = "its last line is neither a result nor the start of one" if last else "not a JSON result line"
-        raise _not_a_log(where, why) from exc
+        raise _not_a_log(where, layout, why) from exc
     if not isinstance(row, dict):
-        raise _not_a_log(where, f"a JSON {type(row).__name__}, not a result object")
-    for key, types in RESULT_KEYS.items():
+        raise _not_a_log(where, layout, f"a JSON {type(row).__name__}, not a result object")
+    for key, types in layout.keys.items():
         value = row.get(key)
         if not isinstance(value, types) or isinstance(value, bool):
-            raise _not_a_log(where, f'"{key}" is {json.dumps(value)[:40]}')
-    return row["id"]
+            raise _not_a_log(where, layout, f'"{key}" is {json.dumps(value)[:40]}')
+    return row[layout.request_id]
 
 
-def _not_a_log(where: str, why: str) -> FlowmoeError:
+def _not_a_log(where: str, layout: LogLayout, why: str) -> FlowmoeError:
     return FlowmoeError(
-        f"{where}: existing file is not a flowmoe results log ({why}); it is left as it is, "
-        "choose another --output"
+        f"{where}: existing file is not a {layout.name} ({why}); it is left as it is, choose another --output"
     )

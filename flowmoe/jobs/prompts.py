@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -58,43 +60,66 @@ def read_prompts(
     """Read a prompt file line by line as bytes: a line that is too long (`max_line_bytes`), not
     UTF-8, too deeply nested or otherwise not a prompt is reported and the others are read."""
     path = Path(path)
-    if path.is_dir():
-        raise PromptFileError(f"{path}: is a folder, not a prompt file")
-    if not path.exists():
-        raise PromptFileError(f"{path}: prompt file not found")
     prompts: list[PromptLine] = []
     errors: list[str] = []
     seen: set[JobId] = set()
     unlisted = 0  # bad lines past the first LISTED_ERRORS: counted, not kept
-    try:
-        with open_regular(path, PromptFileError) as handle:
-            for number, (raw, whole) in enumerate(_lines(handle, max_line_bytes), start=1):
-                try:
-                    if not whole:
-                        raise PromptFileError(
-                            f"line longer than {max_line_bytes} bytes (the bound for this model)"
-                        )
-                    if number == 1 and raw.startswith(BOM):
-                        raw = raw[len(BOM) :]
-                    prompt = _prompt_line(raw, number, vocab, can_tokenize, can_chat)
-                    if prompt is None:
-                        continue
-                    if prompt.id in seen:
-                        raise PromptFileError(f"duplicate id {prompt.id!r}")
-                    seen.add(prompt.id)
-                    prompts.append(prompt)
-                except PromptFileError as exc:
-                    unlisted += len(errors) >= LISTED_ERRORS
-                    if len(errors) < LISTED_ERRORS:
-                        errors.append(f"{path}:{number}: {exc}")
-    except OSError as exc:
-        raise PromptFileError(f"{path}: cannot read the prompt file ({exc.strerror or exc})") from exc
+    with json_lines(path, max_line_bytes) as lines:
+        for number, line in lines:
+            try:
+                prompt = _parse(line(), number, vocab, can_tokenize, can_chat)
+                if prompt.id in seen:
+                    raise PromptFileError(f"duplicate id {prompt.id!r}")
+                seen.add(prompt.id)
+                prompts.append(prompt)
+            except PromptFileError as exc:
+                unlisted += len(errors) >= LISTED_ERRORS
+                if len(errors) < LISTED_ERRORS:
+                    errors.append(f"{path}:{number}: {exc}")
     if not prompts:
         detail = f"; first problem: {errors[0]}" if errors else ""
         raise PromptFileError(f"{path}: no usable prompt lines{detail}")
     if unlisted:
         errors.append(f"{path}: {unlisted} more bad lines, not listed (the first {LISTED_ERRORS} are)")
     return PromptFile(tuple(prompts), tuple(errors))
+
+
+@contextmanager
+def json_lines(path: Path, max_line_bytes: int | None) -> Iterator[Iterator[tuple[int, Callable[[], Any]]]]:
+    """(line number, its JSON value's reader) for each line of a request file that is not blank,
+    read as bytes within `max_line_bytes`; the reader raises PromptFileError for a line that is too
+    long, not UTF-8, not JSON, too deeply nested or not Unicode, so the caller reports it and goes on."""
+    if path.is_dir():
+        raise PromptFileError(f"{path}: is a folder, not a prompt file")
+    if not path.exists():
+        raise PromptFileError(f"{path}: prompt file not found")
+    try:
+        with open_regular(path, PromptFileError) as handle:
+            yield _values(handle, max_line_bytes)
+    except OSError as exc:
+        raise PromptFileError(f"{path}: cannot read the prompt file ({exc.strerror or exc})") from exc
+
+
+def _values(handle: BinaryIO, max_line_bytes: int | None) -> Iterator[tuple[int, Callable[[], Any]]]:
+    for number, (raw, whole) in enumerate(_lines(handle, max_line_bytes), start=1):
+        if number == 1 and raw.startswith(BOM):
+            raw = raw[len(BOM) :]
+        if whole and _blank(raw):
+            continue
+        yield number, partial(_value, raw, whole, max_line_bytes)
+
+
+def _blank(raw: bytes) -> bool:
+    try:
+        return not raw.decode("utf-8").strip()
+    except UnicodeDecodeError:  # reported when the line is read
+        return False
+
+
+def _value(raw: bytes, whole: bool, max_line_bytes: int | None) -> Any:
+    if not whole:
+        raise PromptFileError(f"line longer than {max_line_bytes} bytes (the bound for this model)")
+    return _load(_decode(raw))
 
 
 def _lines(handle: BinaryIO, max_line_bytes: int | None) -> Iterator[tuple[bytes, bool]]:
@@ -108,14 +133,6 @@ def _lines(handle: BinaryIO, max_line_bytes: int | None) -> Iterator[tuple[bytes
         while raw and not raw.endswith(b"\n"):
             raw = handle.readline(1 << 20)
         yield b"", False
-
-
-def _prompt_line(
-    raw: bytes, number: int, vocab: int, can_tokenize: bool, can_chat: bool
-) -> PromptLine | None:
-    """One line's prompt, None for a blank line."""
-    text = _decode(raw)
-    return _parse(_load(text), number, vocab, can_tokenize, can_chat) if text.strip() else None
 
 
 def _decode(raw: bytes) -> str:
@@ -175,6 +192,15 @@ def _ids(value: Any, vocab: int) -> tuple[int, ...]:
     if bad:
         raise PromptFileError(f'"input_ids" holds {bad[0]!r}, not a token id in [0, {vocab})')
     return tuple(value)
+
+
+def in_vocab(ids: tuple[int, ...], vocab: int, source: str = "the tokenizer gives") -> tuple[int, ...]:
+    """Token ids (a tokenizer's, or a request's `source`), range-checked like "input_ids" lines (a
+    tokenizer may know more tokens than the model)."""
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise PromptFileError(f"{source} id {bad}, not a token id in [0, {vocab}) (the model's vocab_size)")
+    return ids
 
 
 def _messages(value: Any, can_chat: bool) -> tuple[dict[str, str], ...]:

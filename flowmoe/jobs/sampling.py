@@ -41,12 +41,12 @@ class SamplingParams:
 
 
 def sample_rows(
-    logits: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator | None]
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
 ) -> list[int]:
-    """logits: [B, vocab] float32, one generator per row -> B next-token ids."""
-    if params.greedy:
+    """logits: [B, vocab] float32, one SamplingParams and one generator per row -> B next-token ids."""
+    if all(p.greedy for p in params):
         return torch.argmax(logits, dim=-1).tolist()
-    return [sample(row, params, g) for row, g in zip(logits, generators, strict=True)]
+    return [sample(row, p, g) for row, p, g in zip(logits, params, generators, strict=True)]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
