@@ -20,6 +20,7 @@ denominator, so the output is scaled by sigmoid(logsumexp - sink).
 from __future__ import annotations
 
 import torch
+from attrs import frozen
 
 from flowmoe.kernels import cpu_attention
 from flowmoe.kernels.layout import TokenLayout
@@ -38,46 +39,89 @@ def attend(
     tokens -> [T, heads * D]. `chunk`: a query sees only keys of its own chunk of positions.
     Sequences with one new token (decode) are attended together, one call per run of
     consecutive cache slots; the others (a prefill, alone or sharing the step with decodes) one by one."""
-    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, H * D]
+    tokens, heads, dim = q.shape
+    kv_heads = keys.shape[1]
     decoding = [i for i, count in enumerate(layout.counts) if count == 1]
+    out = None
     if decoding and cpu_attention.fits(q, keys, values):  # each query sees one range of keys: no mask
+        out = q.new_empty(tokens, heads * dim)  # [T, H * D]
         sequences = []  # (q / out row, cache slot, first and past-the-last key)
         for i in decoding:
             past = layout.past[i]
             lowest = _first_visible(past, window, chunk)
             sequences.append((layout.starts[i], layout.slots[i], lowest, past + 1))
-        cpu_attention.decode(q, keys, values, sequences, out, sinks, q.shape[2] ** -0.5)
+        cpu_attention.decode(q, keys, values, sequences, out, sinks, dim**-0.5)
         decoding = []
-    for run in _slot_runs([layout.slots[i] for i in decoding]):
-        members = [decoding[j] for j in run]
-        rows = [layout.starts[i] for i in members]
-        pasts = [layout.past[i] for i in members]
-        first = layout.slots[members[0]]
-        together = q[rows[0] : rows[-1] + 1] if rows == list(range(rows[0], rows[-1] + 1)) else q[rows]
-        out_rows = _attend_group(
-            together[:, None],  # [b, 1, H, D]
-            keys[first : first + len(members)],
-            values[first : first + len(members)],
-            pasts,
-            window,
-            sinks,
-            chunk,
-        )  # [b, 1, H * D]
-        out[rows] = out_rows[:, 0]
+    group = heads // kv_heads
+    key = ("decode runs", tuple(decoding), window, chunk, group, q.dtype, q.device)
+    runs: list[_Run] = layout.derived(key, lambda: _decode_runs(layout, decoding, group, window, chunk, q))
+    for run in runs:
+        whole = isinstance(run.rows, slice) and run.rows == slice(0, tokens)  # the step's every row, in order
+        qg = (q if whole else q[run.rows]).reshape(run.count, kv_heads, group, dim)  # [b, kvh, g, D]
+        k, v = (_reach(t, run.first, run.count, run.lowest, run.length) for t in (keys, values))
+        out_rows = _attend_group(qg, k, v, run.mask, 1, sinks).reshape(run.count, heads * dim)  # [b, H * D]
+        if whole:  # no copy into `out`
+            return out_rows
+        if out is None:
+            out = q.new_empty(tokens, heads * dim)  # [T, H * D]
+        out[run.rows] = out_rows
+    if out is None:
+        out = q.new_empty(tokens, heads * dim)  # [T, H * D]
     for i in range(len(layout.counts)):
         if layout.counts[i] == 1:
             continue
         slot, start, count, past = layout.slots[i], layout.starts[i], layout.counts[i], layout.past[i]
-        out[start : start + count] = _attend_group(
-            q[start : start + count][None],  # [1, n, H, D]
-            keys[slot : slot + 1],
-            values[slot : slot + 1],
-            [past],
-            window,
-            sinks,
-            chunk,
-        )[0]
+        qg = q[start : start + count][None].permute(0, 2, 1, 3).reshape(1, kv_heads, group * count, dim)
+        lowest = _first_visible(past, window, chunk)
+        mask = _additive_mask([past], count, group, lowest, window, chunk, q)  # [1, 1, g * n, L'] or None
+        k, v = (_reach(t, slot, 1, lowest, past + count) for t in (keys, values))
+        out_group = _attend_group(qg, k, v, mask, count, sinks)  # [1, kvh, g * n, D]
+        out[start : start + count] = (
+            out_group.reshape(heads, count, dim).transpose(0, 1).reshape(count, heads * dim)
+        )
     return out
+
+
+@frozen
+class _Run:
+    """Decoding sequences in consecutive cache slots, attended in one call."""
+
+    rows: slice | torch.Tensor  # their query rows in q
+    first: int  # the first one's cache slot
+    count: int  # b
+    lowest: int  # the first key position any of them sees
+    length: int  # past the last key position any of them sees
+    mask: torch.Tensor | None  # [b, 1, g, L'] additive, or None where each sees every key lowest..length-1
+
+
+def _decode_runs(
+    layout: TokenLayout,
+    decoding: list[int],
+    group: int,
+    window: int | None,
+    chunk: int | None,
+    like: torch.Tensor,
+) -> list[_Run]:
+    """The step's decoding sequences (indices into the layout) as runs of consecutive cache slots, each
+    with its mask (the same for every layer of the step with this window and chunk)."""
+    runs = []
+    for run in _slot_runs([layout.slots[i] for i in decoding]):
+        members = [decoding[j] for j in run]
+        starts = [layout.starts[i] for i in members]
+        pasts = [layout.past[i] for i in members]
+        contiguous = starts == list(range(starts[0], starts[-1] + 1))
+        rows = slice(starts[0], starts[-1] + 1) if contiguous else torch.tensor(starts, device=like.device)
+        lowest = _first_visible(min(pasts), window, chunk)
+        mask = _additive_mask(pasts, 1, group, lowest, window, chunk, like)
+        runs.append(_Run(rows, layout.slots[members[0]], len(members), lowest, max(pasts) + 1, mask))
+    return runs
+
+
+def _reach(cache: torch.Tensor, first: int, count: int, lowest: int, length: int) -> torch.Tensor:
+    """cache [slots, kvh, C, D] -> the view [count, kvh, length - lowest, D]: slots first.., keys lowest.."""
+    if first or count != cache.shape[0]:
+        cache = cache.narrow(0, first, count)
+    return cache.narrow(2, lowest, length - lowest)
 
 
 def _slot_runs(slots: list[int]) -> list[list[int]]:
@@ -113,40 +157,50 @@ def _first_visible(first: int, window: int | None, chunk: int | None) -> int:
     return lowest
 
 
-def _attend_group(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+def _additive_mask(
     past: list[int],
+    n: int,
+    group: int,
+    lowest: int,
     window: int | None,
-    sinks: torch.Tensor | None,
     chunk: int | None,
+    like: torch.Tensor,
+) -> torch.Tensor | None:
+    """Of b sequences of n new tokens each after past[i] cached ones, keys from `lowest` on: the mask
+    [b, 1, g * n, L'] (0 visible, -inf hidden; head-major rows, `like`'s dtype and device) added to the
+    scores of their g query heads per KV head, or None where every query sees every key."""
+    if n == 1 and min(past) == max(past):  # every query sees keys lowest..length-1, all of them
+        return None
+    batch, length = len(past), max(past) + n
+    q_pos = torch.tensor(past, device=like.device)[:, None] + torch.arange(n, device=like.device)  # [b, n]
+    allowed = _mask(q_pos, length, window, chunk)[..., lowest:]  # [b, n, L']
+    mask = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
+    mask = mask[:, None, None].expand(batch, 1, group, n, mask.shape[-1])  # [b, 1, g, n, L']
+    return mask.reshape(batch, 1, group * n, mask.shape[-1])
+
+
+def _attend_group(
+    qg: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    n: int,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """q: [b, n, H, D] (b sequences of n new tokens each, after past[i] cached ones), keys/values:
-    [b, kvh, C, D] their cache slots -> [b, n, H * D]."""
-    batch, n, heads, dim = q.shape
-    kv_heads = keys.shape[1]
-    group = heads // kv_heads
-    length = max(past) + n
-    lowest = _first_visible(min(past), window, chunk)
-    k, v = keys[:, :, lowest:length], values[:, :, lowest:length]  # [b, kvh, L', D] views
-    qg = q.permute(0, 2, 1, 3).reshape(batch, kv_heads, group * n, dim)  # [b, kvh, g * n, D]: head-major rows
-    mask = None
-    if n > 1 or min(past) != max(past):  # else every query sees keys lowest..length-1, all of them
-        q_pos = torch.tensor(past, device=q.device)[:, None] + torch.arange(n, device=q.device)  # [b, n]
-        allowed = _mask(q_pos, length, window, chunk)[..., lowest:]  # [b, n, L']
-        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
-            ~allowed, float("-inf")
-        )
-        mask = mask[:, None, None].expand(batch, 1, group, n, mask.shape[-1])  # [b, 1, g, n, L']
-        mask = mask.reshape(batch, 1, group * n, mask.shape[-1])
-    fused = q.device.type == "cpu" and (q.dtype == torch.float32 or n > 1)
+    """qg: [b, kvh, g * n, D] (b sequences of n new tokens each, a KV group's g query heads stacked
+    head-major against their KV head), k/v: [b, kvh, L', D] the keys they may see, mask: additive
+    [b, 1, g * n, L'] or None -> [b, kvh, g * n, D]."""
+    kv_heads, rows, dim = qg.shape[1], qg.shape[2], qg.shape[3]
+    fused = qg.device.type == "cpu" and (qg.dtype == torch.float32 or n > 1)
     products = _flash if fused else _flash_math
     out, lse = products(qg, k, v, mask, dim**-0.5, sinks is not None)  # [b, kvh, g * n, D], [b, kvh, g * n]
     if lse is not None and sinks is not None:  # lse comes back only when there are sinks
-        sink = sinks.reshape(kv_heads, group, 1).expand(kv_heads, group, n).reshape(kv_heads, group * n)
-        out = (out.float() * torch.sigmoid(lse - sink.float())[..., None]).to(q.dtype)
-    return out.reshape(batch, heads, n, dim).transpose(1, 2).reshape(batch, n, heads * dim)
+        group = rows // n
+        sink = sinks.reshape(kv_heads, group, 1).expand(kv_heads, group, n).reshape(kv_heads, rows)
+        out = (out.float() * torch.sigmoid(lse - sink.float())[..., None]).to(qg.dtype)
+    return out
 
 
 def _flash(

@@ -17,6 +17,7 @@ from attrs import define, field, frozen
 
 from flowmoe.kernels.host_memory import huge_zeros
 from flowmoe.kernels.layout import TokenLayout
+from flowmoe.kernels.no_copy import on
 
 
 @frozen
@@ -127,9 +128,9 @@ def write_rows(
 ) -> None:
     """k, v: [N, kv_heads, head_dim] written into keys/values at (slots[i], positions[i]) ([N] each),
     moved to the cache's device first."""
-    positions, slots = positions.to(keys.device), slots.to(keys.device)
-    keys[slots, :, positions] = k.to(keys.device)
-    values[slots, :, positions] = v.to(values.device)
+    positions, slots = on(positions, keys.device), on(slots, keys.device)
+    keys[slots, :, positions] = on(k, keys.device)
+    values[slots, :, positions] = on(v, values.device)
 
 
 def store_kv(cache: KVCache, layer: int, layout: TokenLayout, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -152,6 +153,6 @@ def read_kv(
     keys: torch.Tensor, values: torch.Tensor, layout: TokenLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This step's k, v back out of a cache layer: [T, kv_heads, head_dim] each."""
-    positions = layout.positions.to(keys.device)
-    slots = layout.token_slots.to(keys.device)
+    positions = on(layout.positions, keys.device)
+    slots = on(layout.token_slots, keys.device)
     return keys[slots, :, positions], values[slots, :, positions]

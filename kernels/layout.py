@@ -9,6 +9,8 @@ past[i] tokens cached before this step.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 from attrs import field, frozen
@@ -23,6 +25,9 @@ class TokenLayout:
     positions: torch.Tensor = field(init=False)  # [T] int64, position of each token in its sequence
     token_slots: torch.Tensor = field(init=False)  # [T] int64, cache slot of each token
     slot_index: torch.Tensor = field(init=False)  # [B] int64, cache slot of each sequence
+    last_rows: torch.Tensor = field(init=False)  # [B] int64, the row of each sequence's last token
+    # what the layers of a step derive from the layout alike (attention masks), built once per step
+    _derived: dict[Hashable, Any] = field(init=False, factory=dict, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         starts, total = [], 0
@@ -35,6 +40,17 @@ class TokenLayout:
         object.__setattr__(self, "positions", torch.tensor(positions, dtype=torch.int64))
         object.__setattr__(self, "token_slots", torch.tensor(token_slots, dtype=torch.int64))
         object.__setattr__(self, "slot_index", torch.tensor(self.slots, dtype=torch.int64))
+        last = [
+            s + c - 1 for s, c in zip(starts, self.counts, strict=True)
+        ]  # the tokens that predict the next
+        object.__setattr__(self, "last_rows", torch.tensor(last, dtype=torch.int64))
+
+    def derived(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """What `build` derives from this layout (tensors on this layout's device), built by the first
+        layer that asks for `key` and shared by the step's others; a racing second build is harmless."""
+        if key not in self._derived:
+            self._derived.setdefault(key, build())
+        return self._derived[key]
 
     @property
     def tokens(self) -> int:
@@ -44,16 +60,12 @@ class TokenLayout:
     def is_decode(self) -> bool:
         return all(c == 1 for c in self.counts)
 
-    @property
-    def last_rows(self) -> torch.Tensor:
-        """[B] int64: the row of each sequence's last token (the one that predicts the next)."""
-        return torch.tensor([s + c - 1 for s, c in zip(self.starts, self.counts, strict=True)])
-
     def to(self, device: torch.device) -> TokenLayout:
         """The same layout with its index tensors on `device` (copied without blocking the host
         where the source is page-locked), so kernels on that device upload nothing per layer."""
         moved = copy.copy(self)
-        for name in ("positions", "token_slots", "slot_index"):
+        object.__setattr__(moved, "_derived", {})  # derived on the other device anew
+        for name in ("positions", "token_slots", "slot_index", "last_rows"):
             tensor = getattr(self, name)
             if device.type == "cuda":
                 tensor = tensor.pin_memory()

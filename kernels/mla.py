@@ -18,7 +18,7 @@ from flowmoe.kernels.kv_cache import write_kv
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.kernels.linear import linear
 from flowmoe.kernels.norm import rms_norm
-from flowmoe.kernels.rope import apply_rope
+from flowmoe.kernels.rope import Rotary
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -35,11 +35,10 @@ def mla_project(
     kv_norm: torch.Tensor,
     mla: MLASpec,
     heads: int,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    rotary: Rotary,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: [T, hidden] (normed), down: [(q LoRA rank or H * qk_head_dim) + r + R, hidden], cos/sin [T, R]
+    """x: [T, hidden] (normed), down: [(q LoRA rank or H * qk_head_dim) + r + R, hidden], rotary of R dims
     -> q [T, H, qk_head_dim] (RoPE part rotated), latent [T, 1, r] (normed), k_pe [T, 1, R] (rotated)."""
     tokens = x.shape[0]
     q_width = mla.q_lora_rank or heads * mla.qk_head_dim
@@ -52,9 +51,9 @@ def mla_project(
     k_pe = k_pe.reshape(tokens, 1, mla.qk_rope_head_dim)
     if mla.rope_interleave:
         q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
-    q = torch.cat((q_nope, apply_rope(q_pe, cos, sin)), dim=-1)
+    q = torch.cat((q_nope, rotary(q_pe)), dim=-1)
     latent = rms_norm(latent, kv_norm, eps).reshape(tokens, 1, mla.kv_lora_rank)
-    return q, latent, apply_rope(k_pe, cos, sin)
+    return q, latent, rotary(k_pe)
 
 
 def mla_attend(

@@ -8,10 +8,14 @@ import torch.nn.functional as F
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., dim], weight: [dim] -> [..., dim] in x's dtype."""
-    dtype = x.dtype
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    return weight * _normed(x, eps)
+
+
+def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) over the last dim computed in float32, cast back to x's dtype:
+    F.rms_norm without a weight is that (its composite upcasts half precision and casts back: the
+    same floats, tests/test_step_ops.py), dispatched as one operation instead of seven."""
+    return F.rms_norm(x, x.shape[-1:], None, eps)
 
 
 def norm_of_kind(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str = "rms") -> torch.Tensor:
@@ -23,5 +27,4 @@ def norm_of_kind(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str = 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Weightless RMS normalisation over the last dim (Llama 4's QK-norm): [..., dim] -> same."""
-    x32 = x.to(torch.float32)
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return _normed(x, eps)

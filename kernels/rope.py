@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from attrs import frozen
 
 from flowmoe.core.spec import RopeSpec
 
@@ -68,23 +69,34 @@ def longrope_scaling(rope: RopeSpec, lengths: torch.Tensor) -> torch.Tensor:
     return torch.where(beyond, rope.long_mscale, rope.short_mscale).to(torch.float32)
 
 
-def cos_sin(
-    inv_freq: torch.Tensor, scaling: float | torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [T] int64 -> cos, sin: [T, head_dim] (`scaling`: a number or [T, 1])."""
-    freqs = positions[:, None].to(torch.float32) * inv_freq[None, :].to(positions.device)  # [T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+@frozen
+class Rotary:
+    """A step's rotary embedding, shaped once for every layer that applies it: cos and sin [T, 1, R]
+    broadcast over the heads (R: the rotated dims, head_dim or fewer for a partial rope), sin with its
+    first half negated, so rotate-half's (-x2, x1) * sin is (x2, x1) * signed_sin: the same floats
+    (a negation is exact) from one roll instead of two slices, a negation and a cat per use."""
 
+    cos: torch.Tensor  # [T, 1, R]
+    signed_sin: torch.Tensor  # [T, 1, R]
 
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D], cos/sin: [T, R] with R < D -> [T, heads, D], the first R dimensions rotated."""
-    rotary = cos.shape[-1]
-    return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+    @classmethod
+    def at(
+        cls,
+        inv_freq: torch.Tensor,
+        scaling: float | torch.Tensor,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> Rotary:
+        """positions: [T] int64 (`scaling`: a number or [T, 1])."""
+        freqs = positions[:, None].to(torch.float32) * inv_freq[None, :].to(positions.device)  # [T, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, R]
+        cos, sin = (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)  # [T, R] each
+        half = sin.shape[-1] // 2
+        return cls(cos[:, None], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None])
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D], cos/sin: [T, D] -> [T, heads, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] -> [T, heads, D], its first R dimensions rotated (rotate-half convention)."""
+        rotary = self.cos.shape[-1]
+        if rotary < x.shape[-1]:
+            return torch.cat((self(x[..., :rotary]), x[..., rotary:]), dim=-1)
+        return x * self.cos + x.roll(rotary // 2, dims=-1) * self.signed_sin

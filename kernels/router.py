@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
 from attrs import frozen
@@ -17,11 +19,30 @@ class Routing:
     indices: torch.Tensor  # [T, k] int64 expert of each (token, slot)
     weights: torch.Tensor  # [T, k] combine weight of each (token, slot)
     experts: tuple[int, ...]  # experts with at least one token, ascending
-    tokens: dict[int, torch.Tensor]  # expert -> [n_e] int64 token rows
-    scales: dict[int, torch.Tensor]  # expert -> [n_e] combine weights
+    tokens: dict[int, torch.Tensor]  # expert -> [n_e] int64 token rows (a view of `rows`)
+    scales: dict[int, torch.Tensor]  # expert -> [n_e] combine weights (a view of `sorted_scales`)
+    rows: torch.Tensor  # [T * k] every expert's token rows, experts ascending
+    sorted_scales: torch.Tensor  # [T * k] their combine weights
+    starts: dict[int, int]  # expert -> where its rows begin in `rows`
 
     def counts(self) -> dict[int, int]:
         return {e: int(self.tokens[e].numel()) for e in self.experts}
+
+    def rows_of(self, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token rows and combine weights of `experts` in that order, [sum n_e] each: where they
+        follow one another in the sorted whole (a layer's routed experts ascending, or a run of them),
+        a view of it, else one cat each."""
+        start = self.starts[experts[0]]
+        end = start
+        for expert in experts:
+            if self.starts[expert] != end:
+                return torch.cat([self.tokens[e] for e in experts]), torch.cat(
+                    [self.scales[e] for e in experts]
+                )
+            end += len(self.tokens[expert])
+        if start == 0 and end == len(self.rows):
+            return self.rows, self.sorted_scales
+        return self.rows[start:end], self.sorted_scales[start:end]
 
 
 def route(
@@ -53,7 +74,7 @@ def choose(
     if moe.router == "topk_softmax":
         top, indices = torch.topk(logits, moe.top_k, dim=-1)  # [T, k]
         return indices, torch.softmax(top, dim=-1)
-    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]: the same as of logits.float()
     weights, indices = torch.topk(probs, moe.top_k, dim=-1)  # [T, k]
     if moe.norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -103,19 +124,17 @@ def sort_by_expert(
     flat = indices.reshape(-1)  # [T * k]
     order = torch.argsort(flat, stable=True)  # [T * k]
     rows = order // indices.shape[1]  # [T * k] token row of each sorted pair
-    return rows, weights.reshape(-1)[order], torch.bincount(flat, minlength=num_experts)
+    return rows, weights.take(order), torch.bincount(flat, minlength=num_experts)
 
 
 def split_by_expert(
     indices: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor, counts: list[int]
 ) -> Routing:
-    """The host half: slice the sorted rows and scales by the counts read back (views, no kernel)."""
-    tokens: dict[int, torch.Tensor] = {}
-    expert_scales: dict[int, torch.Tensor] = {}
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            tokens[expert] = rows[start : start + count]
-            expert_scales[expert] = scales[start : start + count]
-        start += count
-    return Routing(indices, weights, tuple(tokens), tokens, expert_scales)
+    """The host half: the sorted rows and scales split by the counts read back (views, no kernel;
+    one split of each for every expert)."""
+    experts = tuple(e for e, count in enumerate(counts) if count)
+    sizes = [counts[e] for e in experts]  # an expert without tokens takes no rows
+    starts = dict(zip(experts, accumulate(sizes, initial=0), strict=False))
+    tokens = dict(zip(experts, rows.split(sizes), strict=True))
+    return Routing(indices, weights, experts, tokens, dict(zip(experts, scales.split(sizes), strict=True)),
+                   rows, scales, starts)  # fmt: skip

@@ -21,19 +21,12 @@ from flowmoe.kernels.kv_cache import Homes, KVCache, write_kv
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.kernels.linear import linear
 from flowmoe.kernels.mla import mla_attend, mla_project
+from flowmoe.kernels.no_copy import on
 from flowmoe.kernels.norm import l2_norm, norm_of_kind, rms_norm
 from flowmoe.kernels.query_scale import scale_queries
-from flowmoe.kernels.rope import (
-    apply_partial_rope,
-    apply_rope,
-    cos_sin,
-    inverse_frequencies,
-    longrope_scaling,
-)
+from flowmoe.kernels.rope import Rotary, inverse_frequencies, longrope_scaling
 from flowmoe.kernels.router import Routing, route
 from flowmoe.model.weights import FFNWeights, LayerWeights, ModelWeights
-
-Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 @frozen
@@ -83,19 +76,19 @@ class MoEModel:
         multiplier = self.spec.embedding_multiplier
         return hidden * multiplier if multiplier != 1.0 else hidden
 
-    def rope(self, layout: TokenLayout, device: torch.device | str = "cpu") -> Rope:
-        """cos, sin: [T, head_dim] for this step's token positions (shared by all layers)."""
+    def rope(self, layout: TokenLayout, device: torch.device | str = "cpu") -> Rotary:
+        """The rotary embedding of this step's token positions (shared by all layers)."""
         positions = layout.positions.to(device)
         scaling: float | torch.Tensor = self.rope_scaling
         if self.spec.rope.kind == "longrope":
             lengths = torch.tensor(layout.advanced()).repeat_interleave(torch.tensor(layout.counts))  # [T]
             scaling = longrope_scaling(self.spec.rope, lengths.to(device))  # [T, 1]
-        return cos_sin(self.inv_freq, scaling, positions, self.dtype)
+        return Rotary.at(self.inv_freq, scaling, positions, self.dtype)
 
     def pre_attention(
-        self, layer: int, hidden: torch.Tensor, rope: Rope, lw: LayerWeights | None = None
+        self, layer: int, hidden: torch.Tensor, rope: Rotary, lw: LayerWeights | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden: [T, hidden] -> q [T, H, D], k [T, KVH, D], v [T, KVH, D].
+        """hidden: [T, hidden] -> q [T, H, D], k [T, KVH, D], v [T, KVH, D] (strided views).
 
         `lw`: the layer's weights where they are resident (default: the model's own)."""
         a, w = self.spec.attention, (lw or self.weights.layers[layer]).attn
@@ -103,31 +96,32 @@ class MoEModel:
         if a.mla is not None:  # -> q [T, H, qk_head_dim], latent [T, 1, r], RoPE key [T, 1, R]
             eps = self.spec.norm_eps
             assert w.kv_a_norm is not None, "multi-head latent attention has a latent norm"
-            return mla_project(x, w.qkv, w.q_a_norm, w.q_b, w.kv_a_norm, a.mla, a.heads, *rope, eps)
+            return mla_project(x, w.qkv, w.q_a_norm, w.q_b, w.kv_a_norm, a.mla, a.heads, rope, eps)
         qkv = linear(x, w.qkv, w.qkv_bias)  # [T, (H + 2 KVH) * D]
-        q, k, v = qkv.split([a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], dim=-1)
-        if a.qk_norm == "full":
+        if a.qk_norm == "full":  # over each projection's whole width, before clipping
             assert w.q_norm is not None and w.k_norm is not None, "qk_norm has q and k norms"
-            q = rms_norm(q, w.q_norm, self.spec.norm_eps)
-            k = rms_norm(k, w.k_norm, self.spec.norm_eps)
+            q, k, v = qkv.split(
+                [a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], dim=-1
+            )
+            q, k = rms_norm(q, w.q_norm, self.spec.norm_eps), rms_norm(k, w.k_norm, self.spec.norm_eps)
+            qkv = torch.cat((q, k, v), dim=-1)
         if a.clip_qkv is not None:
-            q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
-        tokens = hidden.shape[0]
-        q = q.reshape(tokens, a.heads, a.head_dim)
-        k = k.reshape(tokens, a.kv_heads, a.head_dim)
-        v = v.reshape(tokens, a.kv_heads, a.head_dim)
+            qkv = qkv.clamp(-a.clip_qkv, a.clip_qkv)
+        heads = qkv.view(hidden.shape[0], a.heads + 2 * a.kv_heads, a.head_dim)  # [T, H + 2 KVH, D]
+        qk, v = heads.split([a.heads + a.kv_heads, a.kv_heads], dim=1)  # q and k together: [T, H + KVH, D]
         if a.qk_norm == "head":
             assert w.q_norm is not None and w.k_norm is not None, "qk_norm has q and k norms"
-            q = rms_norm(q, w.q_norm, self.spec.norm_eps)
-            k = rms_norm(k, w.k_norm, self.spec.norm_eps)
-        if not a.uses_rope(layer):
-            return q, k, v
-        if a.qk_norm == "l2":  # on rope layers only; a rotation keeps the norm, so before rope is the same
-            q, k = l2_norm(q, self.spec.norm_eps), l2_norm(k, self.spec.norm_eps)
-        cos, sin = rope
-        if a.rotary_dim:
-            return apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin), v
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+            q, k = qk.split([a.heads, a.kv_heads], dim=1)
+            eps = self.spec.norm_eps
+            qk = torch.cat((rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)), dim=1)
+        if a.uses_rope(layer):
+            if (
+                a.qk_norm == "l2"
+            ):  # on rope layers only; a rotation keeps the norm, so before rope is the same
+                qk = l2_norm(qk, self.spec.norm_eps)
+            qk = rope(qk)
+        q, k = qk.split([a.heads, a.kv_heads], dim=1)
+        return q, k, v
 
     def attention(
         self,
@@ -149,7 +143,7 @@ class MoEModel:
         write_kv(keys, values, layout, k, v)
         sinks = (lw or self.weights.layers[layer]).attn.sinks
         a = self.spec.attention
-        q = scale_queries(q.to(keys.device), a, layer, layout.positions)
+        q = scale_queries(on(q, keys.device), a, layer, layout.positions)
         return attend(q, keys, values, layout, a.window(layer), sinks, a.chunk(layer))
 
     def post_attention(
@@ -178,10 +172,9 @@ class MoEModel:
         hidden] on x's device (the routing may live on another device when experts run on the CPU)."""
         if not ffns:
             return {}
-        counts = [routing.tokens[e].numel() for e in ffns]
-        rows = torch.cat([routing.tokens[e] for e in ffns]).to(x.device)  # [sum n_e]
-        scales = torch.cat([routing.scales[e] for e in ffns]).to(x.device)[:, None]  # [sum n_e, 1]
-        outs = self.scaled_experts(x[rows], scales, counts, list(ffns.values()))  # every row in one gather
+        counts = [len(routing.tokens[e]) for e in ffns]
+        rows, scales = (on(t, x.device) for t in routing.rows_of(list(ffns)))  # [sum n_e] each
+        outs = self.scaled_experts(x[rows], scales[:, None], counts, list(ffns.values()))  # one gather
         return dict(zip(ffns, outs, strict=True))
 
     def scaled_experts(
@@ -193,9 +186,10 @@ class MoEModel:
         if self.spec.moe.scale_input:  # Llama 4 scales the expert's input, the others its output
             gathered = gathered * scales.to(gathered.dtype)
         weights = [(f.gate_up, f.down, f.gate_up_bias, f.down_bias) for f in ffns]
-        outs = swiglu_ffn_group(list(gathered.split(counts)), weights, self.spec.moe)
+        alone = len(counts) == 1  # one expert (a GPU node's own): no split and cat around it
+        outs = swiglu_ffn_group([gathered] if alone else list(gathered.split(counts)), weights, self.spec.moe)
         if not self.spec.moe.scale_input:  # float32 scales give a float32 product
-            outs = list((torch.cat(outs) * scales).split(counts))
+            outs = [outs[0] * scales] if alone else list((torch.cat(outs) * scales).split(counts))
         return outs
 
     def shared(self, layer: int, x: torch.Tensor, lw: LayerWeights | None = None) -> torch.Tensor:
@@ -237,13 +231,13 @@ class MoEModel:
         """The outputs of `experts` (ascending) added into their tokens' rows -> [T, hidden] like `like`.
         One index_add_ over the outputs in that order: the CPU's adds each entry in index order, so
         every row sums its experts in ascending order as one call per expert would, with one
-        dispatch (and one OpenMP region) per layer instead of one per expert."""
+        dispatch (and one OpenMP region) per layer instead of one per expert (the dtype cast too)."""
         moe = torch.zeros_like(like)
         if not experts:
             return moe
-        rows = torch.cat([routing.tokens[e].to(moe.device) for e in experts])  # [sum n_e]
-        values = torch.cat([outputs[e].to(moe.dtype) for e in experts])  # [sum n_e, hidden]
-        return moe.index_add_(0, rows, values)
+        rows = on(routing.rows_of(experts)[0], moe.device)  # [sum n_e]
+        values = torch.cat([outputs[e] for e in experts])  # [sum n_e, hidden]
+        return moe.index_add_(0, rows, values if values.dtype == moe.dtype else values.to(moe.dtype))
 
     def deferred_experts(self, routing: Routing, defer: int) -> frozenset[int]:
         """Expert Deferral's choice (kt-kernel's `select_deferred_experts`): the experts no token
@@ -273,7 +267,7 @@ class MoEModel:
         hidden: torch.Tensor,
         cache: KVCache,
         layout: TokenLayout,
-        rope: Rope,
+        rope: Rotary,
         defer: int = 0,
         carry: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -308,7 +302,7 @@ class MoEModel:
         for layer in range(self.spec.layers):
             defer = deferral.at(layer) if deferral is not None else 0
             hidden, carry = self.forward_layer(layer, hidden, cache, layout, rope, defer, carry)
-        return self.logits(hidden if all_rows else hidden[layout.last_rows.to(hidden.device)])
+        return self.logits(hidden if all_rows else hidden[on(layout.last_rows, hidden.device)])
 
     # ---- diagnostics (off the normal path)
 

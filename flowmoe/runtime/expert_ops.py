@@ -17,6 +17,7 @@ import torch
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.executor import Action
 from flowmoe.core.plan import Op, TaskNode
+from flowmoe.kernels.no_copy import on
 from flowmoe.runtime.activations import Key
 
 if TYPE_CHECKING:
@@ -62,9 +63,9 @@ def _expert_batch(s: StepState, n: TaskNode) -> None:
     routed = {key: r for key, r in routings.items() if n.expert in r.tokens}  # those routed to it, in order
     inputs = [s.acts.expert_input(key, n.lane) for key in routed]  # [T_mb, hidden] each
     gathered = torch.cat(
-        [x[r.tokens[n.expert].to(x.device)] for x, r in zip(inputs, routed.values(), strict=True)]
+        [x[on(r.tokens[n.expert], x.device)] for x, r in zip(inputs, routed.values(), strict=True)]
     )
-    scales = torch.cat([r.scales[n.expert] for r in routed.values()]).to(gathered.device)[:, None]  # [N, 1]
+    scales = on(torch.cat([r.scales[n.expert] for r in routed.values()]), gathered.device)[:, None]  # [N, 1]
     rows = n.rows or len(gathered)  # [N, hidden] in chunks of `rows`
     outs = [s.model.scaled_experts(chunk, weight, [len(chunk)], [ffn])[0]
             for chunk, weight in zip(gathered.split(rows), scales.split(rows), strict=True)]  # fmt: skip
@@ -95,7 +96,7 @@ def _combine(s: StepState, n: TaskNode) -> None:
     routing = s.routings.decided(key) if s.routings.gated(key) else None
     later = s.outputs.elsewhere(key)  # Expert Deferral: a later layer's combine adds these
     own = s.outputs.own(key)
-    outputs = {e: t.to(s.devices.gpu) for e, t in own.items()} if s.cuda else own  # a CPU expert's: host
+    outputs = {e: on(t, s.devices.gpu) for e, t in own.items()}  # a CPU expert's comes from the host
     if routing is not None and set(outputs) != set(routing.experts) - later:
         missing = sorted(set(routing.experts) - later - set(outputs))
         raise FlowmoeError(f"combine of layer {n.layer} mb {n.mb}: experts {missing} never ran")
@@ -119,7 +120,7 @@ def _carry(
     (None where it adds none), and the tensors that die with it (their input's host copy too)."""
     total, dead = None, []
     for source, experts, outputs in s.outputs.carried(key):
-        moved = {e: t.to(s.devices.gpu) for e, t in outputs.items()}
+        moved = {e: on(t, s.devices.gpu) for e, t in outputs.items()}
         part = s.model.routed_sum(like, s.routings.decided(source), moved, experts)
         total = part if total is None else total + part
         dead += [*outputs.values(), *moved.values(), s.acts.x_cpu.pop(source, None)]

@@ -10,7 +10,8 @@ from attrs import define, field
 from flowmoe.core.plan import Lane
 from flowmoe.jobs.engine import StepInput
 from flowmoe.kernels.layout import TokenLayout
-from flowmoe.model.moe_model import MoEModel, Rope
+from flowmoe.kernels.rope import Rotary
+from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.device_weights import Devices
 
 
@@ -24,7 +25,7 @@ class LaneInputs:
     steps: dict[int, StepInput]
     kv_gpu: frozenset[int] = frozenset()
     _layouts: dict[tuple[int, Lane], TokenLayout] = field(factory=dict)
-    _ropes: dict[tuple[int, Lane], Rope] = field(factory=dict)
+    _ropes: dict[tuple[int, Lane], Rotary] = field(factory=dict)
 
     def __getitem__(self, mb: int) -> StepInput:
         return self.steps[mb]
@@ -44,8 +45,8 @@ class LaneInputs:
             self._layouts[key] = layout
         return layout
 
-    def rope(self, mb: int, lane: Lane) -> Rope:
-        """The micro-batch's rotary cos and sin where `lane` computes."""
+    def rope(self, mb: int, lane: Lane) -> Rotary:
+        """The micro-batch's rotary embedding where `lane` computes."""
         key = (mb, lane)
         rope = self._ropes.get(key)
         if rope is None:

@@ -15,13 +15,14 @@ import torch
 from flowmoe.core.executor import Action
 from flowmoe.core.plan import Op, TaskNode
 from flowmoe.kernels.kv_cache import read_kv, store_kv
+from flowmoe.kernels.no_copy import on
 
 if TYPE_CHECKING:
     from flowmoe.runtime.actions import StepState
 
 
 def _embed(s: StepState, n: TaskNode) -> None:
-    ids = s.inputs[n.mb].ids.to(s.devices.gpu, non_blocking=True)
+    ids = on(s.inputs[n.mb].ids, s.devices.gpu, non_blocking=True)
     s.acts.hidden[n.mb] = s.model.embed(ids, s.weights.device.embed)
 
 
@@ -128,7 +129,7 @@ def _evict(s: StepState, n: TaskNode) -> None:
 
 
 def _lm_head(s: StepState, n: TaskNode) -> None:
-    rows = s.inputs[n.mb].layout.last_rows.to(s.devices.gpu)
+    rows = on(s.inputs.layout(n.mb, n.lane).last_rows, s.devices.gpu)  # uploaded with the lane's layout
     ends = s.weights.device.head
     assert ends is not None, "the device weights were released (Runtime.close)"
     norm, head = ends
