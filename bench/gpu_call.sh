@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: flowmoe installed (editable, no dependencies) into the machine's
-# own Python beside its CUDA torch, then the test suite with CUDA visible, then bench/gpu.py (its rows synced to
-# $OUT as each finishes). Each part has its own time limit so one that runs long leaves the
-# others their share; everything worth keeping lands in $OUT (at most 8 files come back).
+# own Python beside its CUDA torch, then the parts named in $PARTS: the test suite with CUDA
+# visible, bench/gpu.py (its rows synced to $OUT as each finishes), a --trace-kernels run of the
+# built-in model. Each part has its own time limit so one that runs long leaves the others their share; everything worth keeping lands in $OUT (at most 8 files come back).
 #
 #   BENCH_ARGS="--budgets t4" BENCH_S=330 TESTS_S=150 bash bench/gpu_call.sh
+#   PARTS="bench kernels tests" BENCH_ARGS="--schedulers cgopipe --budgets t4" bash bench/gpu_call.sh
 #
 # Packages the image lacks travel as wheels in .whl/ (the machine reaches no registry; its Python
 # is 3.12). Fetch them here first, with the versions of this checkout's venv:
@@ -16,7 +17,9 @@ set -u
 OUT=${OUT:-/tmp/flowmoe-gpu-out}
 BENCH_S=${BENCH_S:-330}
 TESTS_S=${TESTS_S:-150}
+KERNELS_S=${KERNELS_S:-60}
 BENCH_ARGS=${BENCH_ARGS:-}
+PARTS=${PARTS:-tests bench}  # in this order; also: kernels
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 {
@@ -32,12 +35,29 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$OUT
 python3 -c "import torch, flowmoe; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
     | tee -a "$OUT/machine.txt"
 
-timeout "$TESTS_S" python3 -m pytest -q -n 12 -p no:cacheprovider --timeout 120 \
-    -rfE --ignore tests/test_lint.py tests >"$OUT/tests.txt" 2>&1
-tail -n 25 "$OUT/tests.txt"
+tests() {
+    timeout "$TESTS_S" python3 -m pytest -q -n 12 -p no:cacheprovider --timeout 120 \
+        -rfE --ignore tests/test_lint.py tests >"$OUT/tests.txt" 2>&1
+    tail -n 25 "$OUT/tests.txt"
+}
 
-timeout "$BENCH_S" python3 bench/gpu.py --hardware h200 --out "$OUT/gpu.jsonl" \
-    --trace-dir /tmp/gpu-traces $BENCH_ARGS 2>&1 | tee "$OUT/bench.log"
-for trace in /tmp/gpu-traces/t4-cgopipe.json /tmp/gpu-traces/t4-on-demand.json; do
-    [ -f "$trace" ] && gzip -c "$trace" >"$OUT/$(basename "$trace").gz"
+bench() {
+    timeout "$BENCH_S" python3 bench/gpu.py --hardware h200 --out "$OUT/gpu.jsonl" \
+        --trace-dir /tmp/gpu-traces $BENCH_ARGS 2>&1 | tee "$OUT/bench.log"
+    for trace in /tmp/gpu-traces/t4-cgopipe.json /tmp/gpu-traces/t4-on-demand.json; do
+        [ -f "$trace" ] && gzip -c "$trace" >"$OUT/$(basename "$trace").gz"
+    done
+}
+
+kernels() {  # the built-in model under --trace-kernels: do CUDA's kernels land on their nodes?
+    timeout "$KERNELS_S" python3 -m flowmoe.cli run --device cuda --scheduler cgopipe --max-new-tokens 3 \
+        --prompts examples/prompts.jsonl --output /tmp/k.jsonl --micro-batches 2 --trace /tmp/k.json \
+        --trace-kernels >"$OUT/kernels.txt" 2>&1
+    python3 -m flowmoe.cli trace summarize /tmp/k.json >>"$OUT/kernels.txt" 2>&1
+    [ -f /tmp/k.json ] && gzip -c /tmp/k.json >"$OUT/kernels-trace.json.gz"
+    tail -n 30 "$OUT/kernels.txt"
+}
+
+for part in $PARTS; do
+    "$part"
 done
