@@ -18,7 +18,7 @@ from flowmoe.core.errors import CheckpointError, ConfigError, FlowmoeError
 from flowmoe.core.policy import Policy
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.model.checkpoint import Checkpoint
-from flowmoe.model.loading import keep_fp8_experts, load_model
+from flowmoe.model.loading import load_model, pack_experts
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.lru_cache import LRUCacheOptions
@@ -252,10 +252,11 @@ def _escaped(text: str) -> str:
 
 def test_fp8_copy_prices_a_byte_per_weight_plus_scales_and_a_dequantization() -> None:
     from flowmoe.core.cost import RooflineCost
+    from flowmoe.core.expert_formats import fp8_expert_bytes
     from flowmoe.core.hardware import hardware
     from flowmoe.core.plan import Lane, Op
     from flowmoe.core.presets import preset
-    from flowmoe.core.scheduling import NodeFactory, fp8_expert_bytes
+    from flowmoe.core.scheduling import NodeFactory
 
     spec = preset("mixtral-8x7b", layers=2, dtype="bfloat16")  # expert [14336, 4096] x 2 + [4096, 14336]
     params = 3 * 4096 * 14336
@@ -319,10 +320,10 @@ SMALL_CACHE = (LRUCacheOptions(expert_cache_slots=4, cache_ways=2),)
 def test_fp8_experts_cross_and_dequantize_to_eager_tokens(
     mixtral_fp8: MoEModel, mixtral_fp8_folder: Path, eager_reference, name: str, policy: Policy
 ) -> None:
-    keep_fp8_experts(mixtral_fp8, mixtral_fp8_folder)
+    pack_experts(mixtral_fp8, mixtral_fp8_folder, "fp8")
     lw = mixtral_fp8.weights.layers[0]
-    assert lw.fp8_experts[0].gate.values.dtype == torch.float8_e4m3fn
-    assert lw.fp8_experts[0].nbytes < lw.experts[0].nbytes / 3  # float32 model: a quarter, plus scales
+    assert lw.packed[0].gate_up[0].values.dtype == torch.float8_e4m3fn and not lw.experts  # only FP8 kept
+    assert lw.packed[0].nbytes < lw.packed[0].ffn_nbytes / 3  # float32 model: a quarter, plus scales
     (results, logits), runtime = run_scheduler(mixtral_fp8, name, policy)
     assert runtime.weights.expert_format == "fp8"
     ref_results, ref_logits = eager_reference
@@ -335,11 +336,11 @@ def test_fp8_experts_cross_and_dequantize_to_eager_tokens(
 def test_fp8_expert_format_needs_an_fp8_checkpoint(mixtral_folder: Path) -> None:
     model = load_model(mixtral_folder)
     with pytest.raises(ConfigError, match='has no quantization_config of quant_method "fp8"'):
-        keep_fp8_experts(model, mixtral_folder)
-    with pytest.raises(FlowmoeError, match="the experts of layer 0 have no FP8 copies"):
+        pack_experts(model, mixtral_folder, "fp8")
+    with pytest.raises(FlowmoeError, match="expert format fp8: the experts of layer 0 are not packed"):
         Runtime.create(model, "eager", Policy(expert_format="fp8"))
-    with pytest.raises(ConfigError, match="expert format must be one of native, fp8"):
-        Policy(expert_format="int4")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="expert format must be one of native, fp8, int8, int4, hqq4"):
+        Policy(expert_format="int3")  # type: ignore[arg-type]
 
 
 def test_cli_run_and_simulate_take_the_expert_format(
@@ -371,9 +372,9 @@ def test_cli_run_and_simulate_take_the_expert_format(
 
 
 def test_hrm_planner_streams_fp8_experts(capsys: pytest.CaptureFixture) -> None:
+    from flowmoe.core.expert_formats import fp8_expert_bytes
     from flowmoe.core.hrm import Phase, layer_ops
     from flowmoe.core.presets import preset
-    from flowmoe.core.scheduling import fp8_expert_bytes
 
     spec = preset("mixtral-8x7b", dtype="bfloat16")
     phase, policy = Phase(64, 16, 1, 512), Policy(16, 4, weights_gpu_share=0.25)
@@ -409,10 +410,10 @@ def test_fp8_copies_are_pinned_with_their_layer(mixtral_fp8_folder: Path) -> Non
     from flowmoe.runtime.pinned import pin_layers
 
     model = load_model(mixtral_fp8_folder)
-    keep_fp8_experts(model, mixtral_fp8_folder)
-    before = [t.clone() for x in model.weights.layers[1].fp8_experts for t in x.tensors()]
+    pack_experts(model, mixtral_fp8_folder, "fp8")
+    before = [t.clone() for x in model.weights.layers[1].packed for t in x.tensors()]
     arenas = pin_layers(model, register=lambda arena: None)
-    after = [t for x in model.weights.layers[1].fp8_experts for t in x.tensors()]
+    after = [t for x in model.weights.layers[1].packed for t in x.tensors()]
     assert all(a.arena is arenas[1] for a in after)
     assert all(
         a.dtype == b.dtype and torch.equal(a.float(), b.float()) for a, b in zip(after, before, strict=True)

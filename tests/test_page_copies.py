@@ -17,8 +17,9 @@ from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.scheduling import NodeFactory, PlanStream, Residency
 from flowmoe.model.arena import ALIGN
-from flowmoe.model.fp8 import FP8Expert, FP8Weight
+from flowmoe.model.fp8 import FP8Weight
 from flowmoe.model.loading import load_model
+from flowmoe.model.quantized import QuantizedExpert
 from flowmoe.model.weights import FFNWeights
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
 from flowmoe.runtime.paged_copy import HostSpan, copy_run, land
@@ -115,13 +116,14 @@ def _packed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return views
 
 
-def _experts() -> list[FFNWeights | FP8Expert]:
+def _experts() -> list[FFNWeights | QuantizedExpert]:
     g = torch.Generator().manual_seed(0)
     gate_up, down, bias = (torch.randn(s, generator=g).bfloat16() for s in ((22, 16), (16, 11), (22,)))
     native = FFNWeights(*_packed([gate_up, down, bias]))
     fp8 = [torch.randn(s, generator=g).to(torch.float8_e4m3fn) for s in ((11, 16), (11, 16), (16, 11))]
     tensors = _packed([t for v in fp8 for t in (v, torch.rand(1, 1, generator=g) + 0.5)])
-    return [native, FP8Expert(*(FP8Weight(tensors[i], tensors[i + 1], (128, 128)) for i in (0, 2, 4)))]
+    gate, up, down = (FP8Weight(tensors[i], tensors[i + 1], (128, 128)) for i in (0, 2, 4))
+    return [native, QuantizedExpert((gate, up), down, torch.bfloat16)]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,9 @@ TOKENS_OR_SIZE = TokensOrSize()
 
 
 EXPERT_FORMAT_HELP = (
-    "how offloaded experts cross the link: native (the model's dtype) or fp8 (an FP8 checkpoint's "
-    "e4m3 values and block scales, dequantized on the GPU after the copy: half the bytes of bf16)"
+    "how experts are kept in host memory and cross the link, dequantized on the GPU after the copy "
+    "(on the CPU per call): native (the model's dtype); fp8 (an FP8 checkpoint's e4m3 values and block "
+    "scales: half the bytes of bf16); or quantized as a bf16/fp16/fp32 model loads: int8 (per channel, "
+    "~1 byte per weight), int4 (groups of 128, round to nearest, ~0.53 bytes per weight) or hqq4 (HQQ, "
+    "groups of 64, ~0.56 bytes per weight); a quantized run reports the logits' error it introduced"
 )

@@ -6,9 +6,10 @@ import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
+from attrs import evolve
 from rich.markup import escape
 from rich.progress import Progress, ProgressColumn, Task, TaskID, TextColumn
 from rich.table import Table
@@ -51,6 +52,7 @@ if TYPE_CHECKING:  # these run tensors: imported by the functions that run (`flo
     from flowmoe.jobs.job import JobReport, JobSpec
     from flowmoe.jobs.sampling import SamplingParams
     from flowmoe.model.moe_model import MoEModel
+    from flowmoe.model.quant_error import QuantError
     from flowmoe.runtime.runner import Runtime
 
 log = structlog.get_logger(__name__)
@@ -203,7 +205,6 @@ def _run(args: argparse.Namespace) -> int:
     from flowmoe.jobs.job import Progress as JobProgress
     from flowmoe.jobs.job import run_job
     from flowmoe.model.builtin import ensure_builtin
-    from flowmoe.model.loading import keep_fp8_experts
     from flowmoe.runtime.runner import Runtime
     from flowmoe.traces.profiler import kernels_into
 
@@ -229,14 +230,15 @@ def _run(args: argparse.Namespace) -> int:
     plan_threads(usable_cores(), args.cpu_threads)  # more threads than cores fail before the model loads
     source = args.model or str(ensure_builtin())
     model = load_with_progress(source, args.dtype, args.layers)
-    if policy.expert_format == "fp8":
-        keep_fp8_experts(model, source)
     if args.scheduler != "auto":  # its options against the model: a page size against its experts, …
         check_options(policy.options_for(load_scheduler(args.scheduler).Options), model.spec)
     for line in cautions(given):  # e.g. --defer-experts: KTransformers' Expert Deferral changes outputs
         console.print(f"[yellow]{escape(line)}[/]", soft_wrap=True)
     codec = TextCodec.from_folder(source) if Path(source).is_dir() else None
     job = job_from(args, model, sampling)
+    quantization = pack_for_run(args, model, source, codec, job)
+    measured = quantization.as_json() if quantization else None
+    job = evolve(job, expert_format=policy.expert_format, quantization=measured)
     if args.scheduler == "auto":  # every scheduler simulated on this job; the best runs, its policy too
         args.scheduler, policy, job = auto_scheduler(args, model, codec, job)
     cost = RooflineCost(hardware(args.hardware), model.spec) if args.hardware else None
@@ -272,6 +274,8 @@ def _run(args: argparse.Namespace) -> int:
         console.print(f"[yellow]{'error line' if args.format == OPENAI else 'skipped'}[/] {escape(error)}",
                       soft_wrap=True)  # fmt: skip
     console.print(summary_table(report, source, args.scheduler))
+    if quantization is not None:  # a quantized run says so, with the error it introduced
+        console.print(f"[yellow]{escape(quantization.line())}[/]", soft_wrap=True)
     if runtime.trace.gpu_emulated:
         console.print(NO_GPU, highlight=False)
     scheduler_report = runtime.scheduler.report()
@@ -282,15 +286,22 @@ def _run(args: argparse.Namespace) -> int:
     if runtime.trace.kernels:  # --trace-kernels: what the device did inside the GPU lanes' spans
         console.print(device_table(args.scheduler, trace_device_stats(runtime.trace)))
     if args.json:
-        print(json.dumps(run_json(report, args.scheduler, runtime, scheduler_report)))
+        print(json.dumps(run_json(report, args.scheduler, runtime, scheduler_report, job.quantization)))
     for failure in failures:  # the job's results are in --output; only a record could not be written
         console.print(f"flowmoe: error: {failure}", soft_wrap=True, highlight=False, markup=False)
     return 2 if failures else 0
 
 
-def run_json(report: JobReport, scheduler: str, runtime: Runtime, scheduler_report: dict[str, float]) -> dict:
-    """`run --json`: the job's counts and timings, the scheduler's own figures, and the run statistics
-    with the definitions `simulate`, `compare` and `trace summarize` use (traces/stats.py)."""
+def run_json(
+    report: JobReport,
+    scheduler: str,
+    runtime: Runtime,
+    scheduler_report: dict[str, float],
+    quantization: dict[str, Any] | None = None,
+) -> dict:
+    """`run --json`: the job's counts and timings, the scheduler's own figures, the run statistics
+    with the definitions `simulate`, `compare` and `trace summarize` use (traces/stats.py), and the
+    error quantized experts introduced (model/quant_error.py; None where none were quantized)."""
     stats = report.stats
     return {
         "scheduler": scheduler,
@@ -305,7 +316,25 @@ def run_json(report: JobReport, scheduler: str, runtime: Runtime, scheduler_repo
         "tokens_per_second": stats.tokens_per_second,
         "scheduler_report": scheduler_report or None,
         "stats": trace_stats(runtime.trace).to_json() if runtime.trace.spans else None,
+        "quantization": quantization,
     }
+
+
+def pack_for_run(
+    args: argparse.Namespace, model: MoEModel, source: str, codec: TextCodec | None, job: JobSpec
+) -> QuantError | None:
+    """--expert-format other than native: the model's experts packed (model/loading.py), and where
+    they are quantized on load, the error that introduced on the job's first prompts."""
+    from flowmoe.jobs.job import read_work
+    from flowmoe.model.quant_error import pack_measured
+    from flowmoe.runtime.device_weights import Devices
+
+    form = args.expert_format
+    if form == "native":
+        return None
+    limits = job.limits(model)
+    first = read_work(job, model, codec, limits).requests[: limits.micro_batch_size] if form != "fp8" else []
+    return pack_measured(model, source, form, [r.input_ids for r in first], Devices.detect(args.device).gpu)
 
 
 def routing_profile(path: Path, model: MoEModel) -> tuple[tuple[float, ...], ...]:

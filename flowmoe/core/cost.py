@@ -3,8 +3,8 @@
 GPU compute takes max(flops / (peak x GEMM efficiency at the node's rows), bytes / sustained
 memory bandwidth); CPU compute takes max(flops / sustained flop/s, bytes / sustained GEMM or
 attention bandwidth). Copies take bytes / the pinned or, for a node the scheduler marks
-`pageable`, the pageable bandwidth; an FP8 expert's copy (Policy.expert_format) adds its
-dequantization on the GPU. Every node adds its lane's launch cost, and a node the
+`pageable`, the pageable bandwidth; a packed expert's copy (Policy.expert_format: fp8, int8,
+int4, hqq4) adds its dequantization on the GPU. Every node adds its lane's launch cost, and a node the
 scheduler marks `sync` (the host waits on it) adds the synchronisation cost. A node stands for
 several kernels (`KERNELS`): the host issues each, so a GPU node takes at least its kernels x the
 host's dispatch time (the GPU runs ahead of the host only while kernels outlast their issue), and a
@@ -114,8 +114,9 @@ class RooflineCost:
         return fixed + copy + self.dequant_seconds(node)
 
     def dequant_seconds(self, node: TaskNode) -> float:
-        """A copy with flops is an FP8 expert dequantized on the GPU as it arrives, on the copy's own
-        stream: one multiply per weight, reading the FP8 page and writing the weights' dtype."""
+        """A copy with flops is a packed expert dequantized on the GPU as it arrives, on the copy's own
+        stream: a memory-bound pass, reading the packed page and writing the weights' dtype, at one
+        flop per weight (the unpacking and zero of int4 add a few more, far under the GPU's flop/s)."""
         if node.flops == 0 or node.lane is not Lane.GPU_H2D:
             return 0.0
         return self.compute_seconds("gpu", node.flops, node.bytes + node.flops * self.dtype_bytes)

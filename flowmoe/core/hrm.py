@@ -27,10 +27,10 @@ from typing import Literal
 from attrs import frozen
 
 from flowmoe.core.cost import RooflineCost
+from flowmoe.core.expert_formats import packed_expert_bytes
 from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.plan import Lane, Op
 from flowmoe.core.policy import Policy
-from flowmoe.core.scheduling import fp8_expert_bytes
 from flowmoe.core.spec import ModelSpec
 
 Place = Literal["gpu", "cpu"]
@@ -190,7 +190,8 @@ def layer_ops(spec: ModelSpec, phase: Phase, policy: Policy, moe: bool = True) -
     expert_bytes = 3 * h * spec.moe.intermediate * b
     hit = experts_hit(spec, t)
     flops = n * 6 * t * spec.moe.top_k * h * spec.moe.intermediate
-    crossing = fp8_expert_bytes(spec) if policy.expert_format == "fp8" else expert_bytes  # on the link
+    form = policy.expert_format
+    crossing = expert_bytes if form == "native" else packed_expert_bytes(spec, form)  # on the link
     streamed = (1 - policy.weights_gpu_share) * spec.moe.experts * crossing
     reads = n * (hit * expert_bytes + 2 * t * spec.moe.top_k * h * b)
     link = streamed if policy.ffn_on == "gpu" else 0.0

@@ -16,9 +16,10 @@ import os
 from attrs import frozen
 
 from flowmoe.core.errors import MemoryBudgetError
+from flowmoe.core.expert_formats import fp8_expert_bytes, packed_expert_bytes
 from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.policy import ExpertFormat
-from flowmoe.core.scheduling import BatchShape, Residency, Scheduler, StepShape, fp8_expert_bytes
+from flowmoe.core.scheduling import BatchShape, Residency, Scheduler, StepShape
 from flowmoe.core.spec import ModelSpec
 
 
@@ -130,11 +131,13 @@ def check_batch_size(scheduler: Scheduler, batch: BatchShape, who: str) -> None:
 
 
 def host_memory(scheduler: Scheduler, batch: BatchShape) -> HostNeed:
-    """The host memory a run of `batch` needs with `scheduler`: the weights the GPU does not keep (as
-    FP8 where the policy homes experts so) and the KV cache homed on the host."""
+    """The host memory a run of `batch` needs with `scheduler`: the weights the GPU does not keep (the
+    experts packed where the policy's expert format packs them) and the KV cache homed on the host."""
     spec = scheduler.context.spec
-    fp8 = fp8_expert_bytes(spec) if scheduler.context.policy.expert_format == "fp8" else None
-    return host_need(spec, scheduler.residency(), kv_bytes(scheduler, batch, on_gpu=False), expert_bytes=fp8)
+    form = scheduler.context.policy.expert_format
+    packed = packed_expert_bytes(spec, form) if form != "native" else None
+    kv_on_host = kv_bytes(scheduler, batch, on_gpu=False)
+    return host_need(spec, scheduler.residency(), kv_on_host, expert_bytes=packed)
 
 
 @frozen
@@ -173,7 +176,7 @@ def host_need(
     spec: ModelSpec, residency: Residency, kv_on_host: int, buffers: int = 0, expert_bytes: int | None = None
 ) -> HostNeed:
     """Host memory of a run: weights the GPU does not keep, the CPU-side KV cache, buffers.
-    `expert_bytes`: an expert's host bytes when kept in another format than the model's (FP8)."""
+    `expert_bytes`: an expert's host bytes when kept in another format than the model's (packed)."""
     weights = spec.total_bytes - resident_bytes(spec, residency)
     if expert_bytes is not None:
         homed = sum(spec.moe.experts for layer in range(spec.layers) if spec.is_moe_layer(layer))

@@ -10,8 +10,10 @@ from attrs import evolve, field, frozen
 from flowmoe.core.errors import ConfigError
 
 Place = Literal["gpu", "cpu"]
-ExpertFormat = Literal["native", "fp8"]
-EXPERT_FORMATS: tuple[ExpertFormat, ...] = ("native", "fp8")
+ExpertFormat = Literal["native", "fp8", "int8", "int4", "hqq4"]
+EXPERT_FORMATS: tuple[ExpertFormat, ...] = ("native", "fp8", "int8", "int4", "hqq4")
+# formats a model in its own dtype is quantized to as it loads (flowmoe/model/quantize.py)
+QUANTIZED_ON_LOAD: tuple[ExpertFormat, ...] = ("int8", "int4", "hqq4")
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
          "gb": 10**9, "tb": 10**12, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}  # fmt: skip
@@ -68,8 +70,10 @@ class Policy:
     kv_gpu_share: float = field(default=1.0)  # share of the KV cache kept on the GPU
     gpu_memory: int | None = None  # bytes; None = unlimited
     cpu_threads: int | None = None
-    # how host-side experts cross the link: "native" in the model's dtype, or "fp8" (an FP8
-    # checkpoint's e4m3 values + block scales, dequantized on the GPU after the copy)
+    # how experts are kept in host memory and cross the link: "native" in the model's dtype, "fp8"
+    # (an FP8 checkpoint's e4m3 values + block scales), or quantized as the model loads: "int8" (per
+    # channel), "int4" (groups of 128), "hqq4" (HQQ, groups of 64); dequantized on the GPU after the
+    # copy (core/expert_formats.py, model/quantized.py)
     expert_format: ExpertFormat = "native"
     # the schedulers' own knobs: each scheduler's options class (its `Options`) says what they are
     options: tuple[Any, ...] = field(default=(), converter=canonical_options)

@@ -20,11 +20,11 @@ from typing import Any
 from attrs import evolve, frozen
 
 from flowmoe.core.errors import ConfigError
+from flowmoe.core.expert_formats import packed_expert_bytes
 from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.hrm import Hierarchy, Phase, StepTimes, layer_ops, step_times
 from flowmoe.core.memory import activation_bytes
 from flowmoe.core.policy import ExpertFormat, Place, Policy
-from flowmoe.core.scheduling import fp8_expert_bytes
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.workloads import Workload
 
@@ -75,8 +75,7 @@ def memory_use(spec: ModelSpec, policy: Policy, prompt: int, gen: int, gpus: int
     tp_size times: fastmoe/backend/optimizer.py, gpu_home_p)."""
     n, mu, b = policy.batch_size, policy.micro_batch_size, spec.dtype_bytes
     experts = sum(spec.layer_expert_bytes(layer) for layer in range(spec.layers))
-    fp8 = policy.expert_format == "fp8"  # experts homed as FP8 values and block scales
-    host_experts = experts // spec.expert_bytes * fp8_expert_bytes(spec) if fp8 else experts
+    host_experts = experts // spec.expert_bytes * packed_expert_bytes(spec, policy.expert_format)  # as homed
     layer_experts = max(spec.layer_expert_bytes(layer) for layer in range(spec.layers))
     dense = sum(spec.layer_dense_bytes(layer) for layer in range(spec.layers)) + spec.embedding_bytes
     kv = n * (prompt + gen) * spec.kv_bytes_per_token

@@ -17,6 +17,7 @@ from typing import ClassVar, TypeVar
 
 from attrs import define, field, frozen
 
+from flowmoe.core.expert_formats import packed_expert_bytes
 from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.options import NoOptions
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
@@ -28,16 +29,6 @@ PlanStream = Generator[TaskNode | RoutingRequest, ExpertCounts | None, None]
 R = TypeVar("R")
 # part of a plan, run with `yield from`, that returns an R (node ids, a layer's routing, ...)
 SubPlan = Generator[TaskNode | RoutingRequest, ExpertCounts | None, R]
-FP8_BLOCK = (128, 128)  # weight_block_size of the DeepSeek-V3, Kimi K2 and Qwen3-FP8 releases
-
-
-def fp8_expert_bytes(spec: ModelSpec, block: tuple[int, int] = FP8_BLOCK) -> int:
-    """One routed expert as an FP8 checkpoint stores it: a byte per weight of its three projections
-    (gate and up [I, hidden], down [hidden, I]), a float32 scale per block of each (the edge
-    blocks partial), and its biases, if any, in the model's dtype."""
-    h, i = spec.hidden, spec.moe.intermediate
-    scales = 2 * -(-i // block[0]) * -(-h // block[1]) + -(-h // block[0]) * -(-i // block[1])
-    return 3 * h * i + 4 * scales + (spec.expert_params - 3 * h * i) * spec.dtype_bytes
 
 
 @frozen
@@ -289,9 +280,9 @@ class NodeFactory:
         s, a, b = self.spec, self.spec.attention, self.spec.dtype_bytes
         t = mb.tokens if mb else 0
         q, kv, out = a.q_width, a.kv_width, a.out_width
-        if op in (Op.PAGE_COPY, Op.W_STAGE) and expert >= 0 and self.expert_format == "fp8":
-            fp8 = fp8_expert_bytes(s)  # a copy's flops: the multiply per weight of its dequantization
-            return (fp8, 3 * s.hidden * s.moe.intermediate) if op is Op.PAGE_COPY else (2 * fp8, 0)
+        if op in (Op.PAGE_COPY, Op.W_STAGE) and expert >= 0 and self.expert_format != "native":
+            packed = packed_expert_bytes(s, self.expert_format)  # a copy's flops: a dequantized weight each
+            return (packed, 3 * s.hidden * s.moe.intermediate) if op is Op.PAGE_COPY else (2 * packed, 0)
         if op in (Op.PAGE_COPY, Op.EVICT):
             return (s.expert_bytes if expert >= 0 else s.layer_dense_bytes(layer)), 0
         if op is Op.DISK_LOAD:  # a whole layer's weights

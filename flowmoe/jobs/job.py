@@ -49,14 +49,17 @@ class JobSpec:
     force: bool = False  # resume even when the output's record names other settings
     format: str = NATIVE  # of the prompt file and the output: NATIVE or OPENAI
     model_names: tuple[str, ...] = ()  # an OpenAI batch request's "model" is one; responses give the first
+    expert_format: str = "native"  # how the experts are kept (Policy.expert_format); recorded
+    quantization: dict[str, Any] | None = None  # the error quantize-on-load introduced (model/quant_error.py)
 
     def settings(self) -> dict[str, Any]:
         """Everything a result depends on, as the output's run record keeps it (jobs/provenance.py)."""
         s = self.sampling
         batch = {"--format": self.format} if self.format != NATIVE else {}  # records before it read as native
+        packed = {"--expert-format": self.expert_format} if self.expert_format != "native" else {}  # so too
         return {**(self.produced_by or {}), "--max-new-tokens": self.max_new_tokens,
                 "--temperature": s.temperature, "--top-p": s.top_p, "--top-k": s.top_k, "--seed": s.seed,
-                "--stop": list(self.stop), "--chat": self.chat, **batch}  # fmt: skip
+                "--stop": list(self.stop), "--chat": self.chat, **batch, **packed}  # fmt: skip
 
     @property
     def layout(self) -> LogLayout:
@@ -182,7 +185,8 @@ async def run_job(
     started, done = time.perf_counter(), 0
     try:
         if job.produced_by is not None:
-            check_and_record(job.output, job.prompts, job.settings(), bool(output.done), job.force)
+            notes = {"quantization": job.quantization} if job.quantization else {}
+            check_and_record(job.output, job.prompts, job.settings(), bool(output.done), job.force, notes)
         log.info("job started", prompts=str(job.prompts), output=str(job.output), requests=len(todo),
                  skipped=len(requests) - len(todo), bad_lines=len(errors))  # fmt: skip
         check_memory(runner, todo, limits)

@@ -57,9 +57,17 @@ def _file_hash(path: Path) -> str | None:
     return hashlib.sha256(read_bounded(path, CONFIG)).hexdigest()[:16]
 
 
-def check_and_record(output: Path, prompts: Path, settings: Settings, has_results: bool, force: bool) -> None:
+def check_and_record(
+    output: Path,
+    prompts: Path,
+    settings: Settings,
+    has_results: bool,
+    force: bool,
+    notes: Settings | None = None,
+) -> None:
     """Refuse a resume of `output` (it `has_results`) made with other `settings` than its record's
-    (unless `force`), then write this run's record."""
+    (unless `force`), then write this run's record, with `notes` beside the settings (what this run
+    measured of itself, e.g. the error its quantized experts introduced: never compared)."""
     path = record_file(output)
     guard = Guard((Named("the prompt file", prompts),), (Target("--output", output, None),), force)
     if has_results and not force and (path.exists() or path.is_symlink()):
@@ -72,7 +80,8 @@ def check_and_record(output: Path, prompts: Path, settings: Settings, has_result
                 f"--output {output}: its results were produced with {difference}; resuming would mix two "
                 "experiments: use a new --output, or --force to append anyway"
             )
-    text = json.dumps({"format": RUN_FORMAT, "settings": dict(settings)}) + "\n"  # RUN_RECORD's marker first
+    record = {"format": RUN_FORMAT, "settings": dict(settings), **(notes or {})}  # RUN_RECORD's marker first
+    text = json.dumps(record) + "\n"
 
     def produce(tmp: Path) -> None:
         tmp.write_text(text)

@@ -52,8 +52,7 @@ def layer_arena(lw: LayerWeights) -> torch.Tensor:
     for ffn in _ffns(lw):
         slots += [(ffn, f.name, getattr(ffn, f.name)) for f in fields(FFNWeights)]
     slots += [(lw.attn, f.name, getattr(lw.attn, f.name)) for f in fields(AttentionWeights)]
-    fp8 = [w for x in lw.fp8_experts for w in x.weights()]  # expert format fp8: the copies that cross
-    slots += [(w, name, getattr(w, name)) for w in fp8 for name in ("values", "scale_inv")]
+    slots += [(owner, name, getattr(owner, name)) for x in lw.packed for owner, name in x.slots()]
     slots += [
         (lw, name, getattr(lw, name)) for name in ("router", "router_bias", "shared_gate", "selection_bias")
     ]

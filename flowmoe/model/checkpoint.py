@@ -34,13 +34,13 @@ from flowmoe.core.spec import ModelSpec
 from flowmoe.model.fp8 import (
     FP8_DTYPE,
     SCALE_DTYPES,
-    FP8Expert,
     FP8Format,
     FP8Weight,
     dequantize,
     fp8_experts,
     scale_name,
 )
+from flowmoe.model.quantized import QuantizedExpert
 from flowmoe.model.shard_header import TensorInfo, read_header
 from flowmoe.model.tensor_map import Shape, TensorMap
 
@@ -178,8 +178,8 @@ class Checkpoint:
         scale_inv = self._handles[self._where[scales]].get_tensor(scales).float()
         return FP8Weight(values, scale_inv, self.fp8.block)
 
-    def fp8_experts(self, layer: int) -> list[FP8Expert]:
-        return fp8_experts(self, TensorMap.for_spec(self.spec), layer)
+    def fp8_experts(self, layer: int) -> list[QuantizedExpert]:
+        return fp8_experts(self, TensorMap.for_spec(self.spec), layer, self.dtype)
 
     # ---- validation
 

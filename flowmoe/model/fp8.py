@@ -10,9 +10,9 @@ has a [5, 56] grid). A fused expert tensor `<module>.gate_up_proj` [E, R, C] has
 read from each tensor's stored dtype; the modules listed in `modules_to_not_convert` must not be.
 
 The loader dequantizes each FP8 tensor into the model's dtype (`dequantize`). Under the policy's
-`expert_format: "fp8"` the routed experts are also kept as stored (`FP8Expert`, read by
-`fp8_experts`): a PAGE_COPY moves those bytes and dequantizes them on the GPU, to the same values
-(flowmoe/runtime/device_weights.py).
+`expert_format: "fp8"` the routed experts are kept as stored instead (`QuantizedExpert`s of
+`FP8Weight`s, read by `fp8_experts`; model/quantized.py): a PAGE_COPY moves those bytes and
+dequantizes them on the GPU, to the same values (flowmoe/runtime/device_weights.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch
 from attrs import define, frozen
 
 from flowmoe.core.errors import CheckpointError
+from flowmoe.model.quantized import PackedWeight, QuantizedExpert
 from flowmoe.model.tensor_map import TensorMap
-from flowmoe.model.weights import FFNWeights
 
 FP8_DTYPE = "F8_E4M3"  # the safetensors name of torch.float8_e4m3fn
 SCALE_DTYPES = ("F32", "BF16", "F16")
@@ -101,63 +101,21 @@ def dequantize(
 
 
 @define
-class FP8Weight:
+class FP8Weight(PackedWeight):
     """One quantized projection as the checkpoint stores it."""
+
+    TENSORS = ("values", "scale_inv")
 
     values: torch.Tensor  # [R, C] float8_e4m3fn
     scale_inv: torch.Tensor  # [ceil(R / bm), ceil(C / bn)] float32
     block: tuple[int, int]
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.values.shape[0], self.values.shape[1]
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # -> [R, C]
         return dequantize(self.values, self.scale_inv, self.block, dtype)
-
-
-@define
-class FP8Expert:
-    """A routed expert kept in FP8 in host memory: a byte per weight plus its block scales, which
-    is what crosses the link under `expert_format: "fp8"`; dequantized where it lands."""
-
-    gate: FP8Weight  # [I, hidden]
-    up: FP8Weight  # [I, hidden]
-    down: FP8Weight  # [hidden, I]
-
-    def weights(self) -> tuple[FP8Weight, FP8Weight, FP8Weight]:
-        return self.gate, self.up, self.down
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for w in self.weights() for t in (w.values, w.scale_inv)]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
-    def to(self, device: torch.device) -> FP8Expert:
-        """On `device` (the same tensors where they already are), copied asynchronously."""
-
-        def moved(w: FP8Weight) -> FP8Weight:
-            return FP8Weight(
-                w.values.to(device, non_blocking=True), w.scale_inv.to(device, non_blocking=True), w.block
-            )
-
-        return FP8Expert(*(moved(w) for w in self.weights()))
-
-    def empty_like(self, device: torch.device) -> FP8Expert:
-        """A buffer of the same shapes on `device`, for its pages to land in."""
-
-        def blank(w: FP8Weight) -> FP8Weight:
-            return FP8Weight(
-                torch.empty_like(w.values, device=device),
-                torch.empty_like(w.scale_inv, device=device),
-                w.block,
-            )
-
-        return FP8Expert(*(blank(w) for w in self.weights()))
-
-    def to_ffn(self, dtype: torch.dtype) -> FFNWeights:
-        """The expert in flowmoe's layout, on the device its tensors are on: gate_up [2I, hidden]
-        (gate rows first), down [hidden, I]; the same values the loader's dequantization gives."""
-        gate_up = torch.cat([self.gate.dequantize(dtype), self.up.dequantize(dtype)])
-        return FFNWeights(gate_up, self.down.dequantize(dtype))
 
 
 class FP8Source(Protocol):
@@ -168,9 +126,11 @@ class FP8Source(Protocol):
     def fp8_weight(self, name: str) -> FP8Weight | None: ...
 
 
-def fp8_experts(source: FP8Source, tensor_map: TensorMap, layer: int) -> list[FP8Expert]:
-    """Layer `layer`'s routed experts as stored, each projection F8_E4M3 with its scales; the
-    releases' per-expert layout (`experts.{e}.gate_proj.weight`) only."""
+def fp8_experts(
+    source: FP8Source, tensor_map: TensorMap, layer: int, dtype: torch.dtype
+) -> list[QuantizedExpert]:
+    """Layer `layer`'s routed experts as stored, each projection F8_E4M3 with its scales, standing
+    for the model's `dtype`; the releases' per-expert layout (`experts.{e}.gate_proj.weight`) only."""
     layout = tensor_map.moe_layout(layer, source.has)
     if layout.fused:
         raise CheckpointError(
@@ -189,5 +149,6 @@ def fp8_experts(source: FP8Source, tensor_map: TensorMap, layer: int) -> list[FP
                     f"expert format fp8 needs FP8 experts, but tensor {name} is not F8_E4M3"
                 )
             weights.append(weight)
-        experts.append(FP8Expert(*weights))
+        gate, up, down = weights
+        experts.append(QuantizedExpert((gate, up), down, dtype))
     return experts

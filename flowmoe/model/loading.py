@@ -5,11 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from flowmoe.core.errors import ConfigError
+from flowmoe.core.policy import ExpertFormat
 from flowmoe.core.presets import PRESETS, preset
 from flowmoe.model.arena import layer_arena, top_arena
 from flowmoe.model.checkpoint import Checkpoint
 from flowmoe.model.moe_model import MoEModel
+from flowmoe.model.quantize import quantize_expert
+from flowmoe.model.quantized import QuantizedExpert
 from flowmoe.model.random_weights import RandomSource
 from flowmoe.model.tensor_map import TensorMap, TensorSource
 
@@ -37,9 +42,35 @@ def load_model(
     raise ConfigError(f"{source}: neither a checkpoint folder nor a preset (presets: {', '.join(PRESETS)})")
 
 
-def keep_fp8_experts(model: MoEModel, folder: str | Path) -> None:
-    """Expert format fp8: every MoE layer of `model` (loaded from `folder`) also keeps its routed
-    experts as the FP8 checkpoint stores them, the copies that cross the link."""
+def pack_experts(
+    model: MoEModel, source: str | Path, expert_format: ExpertFormat, device: torch.device | None = None
+) -> None:
+    """Keep every MoE layer's routed experts packed in `expert_format` (model/quantized.py), and
+    only so: fp8 as the FP8 checkpoint `source` stores them; int8, int4 and hqq4 quantized from the
+    experts `model` loaded from `source` in its own dtype (a checkpoint or a preset), on `device`
+    (default: the CPU). Each layer is packed into its host buffer again (model/arena.py)."""
+    if expert_format == "native":
+        return
+    if expert_format == "fp8":
+        packs = _fp8_experts(model, source)
+    else:
+        _check_quantizable(source, expert_format)
+        if any(lw.packed for lw in model.weights.layers):
+            raise ConfigError(f"--expert-format {expert_format}: the model's experts are packed already")
+        where = device or torch.device("cpu")
+        packs = {
+            layer: [quantize_expert(ffn, expert_format, where) for ffn in lw.experts]
+            for layer, lw in enumerate(model.weights.layers)
+            if lw.router is not None
+        }
+    for layer, packed in packs.items():
+        lw = model.weights.layers[layer]
+        lw.packed, lw.experts = packed, []
+        layer_arena(lw)
+
+
+def _fp8_experts(model: MoEModel, folder: str | Path) -> dict[int, list[QuantizedExpert]]:
+    """Each MoE layer's routed experts as the FP8 checkpoint at `folder` stores them."""
     path = Path(folder)
     if not path.is_dir():
         raise ConfigError(f"--expert-format fp8 needs an FP8 checkpoint folder, and {folder} is not one")
@@ -50,12 +81,25 @@ def keep_fp8_experts(model: MoEModel, folder: str | Path) -> None:
                 f"--expert-format fp8 needs an FP8 checkpoint; {path / 'config.json'} has no "
                 'quantization_config of quant_method "fp8"'
             )
-        for layer, lw in enumerate(model.weights.layers):
-            if lw.experts:
-                lw.fp8_experts = ckpt.fp8_experts(layer)
-                layer_arena(lw)  # packed again with its FP8 copies
+        layers = model.weights.layers
+        return {layer: ckpt.fp8_experts(layer) for layer, lw in enumerate(layers) if lw.router is not None}
     finally:
         ckpt.close()
+
+
+def _check_quantizable(source: str | Path, expert_format: ExpertFormat) -> None:
+    """Quantize-on-load takes weights in the model's own dtype: not an FP8 checkpoint's."""
+    path = Path(source)
+    if not path.is_dir():  # a preset: random weights in its dtype
+        return
+    ckpt = Checkpoint.open(path)
+    fp8 = ckpt.fp8 is not None
+    ckpt.close()
+    if fp8:
+        raise ConfigError(
+            f"--expert-format {expert_format} quantizes a checkpoint in bfloat16, float16 or float32 as it "
+            f"loads, and {path} is an FP8 checkpoint: run it with --expert-format fp8 (or native)"
+        )
 
 
 def _assemble(source: TensorSource, spec, progress: Progress | None) -> MoEModel:

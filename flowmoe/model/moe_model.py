@@ -279,8 +279,8 @@ class MoEModel:
         if not self.spec.is_moe_layer(layer):
             return self.combine(hidden, None, {}, self.shared(layer, x), carry=carry), None
         routing = self.gate(layer, x)
-        experts = self.weights.layers[layer].experts
-        outputs = self.routed_experts(x, routing, {e: experts[e] for e in routing.experts})
+        lw = self.weights.layers[layer]
+        outputs = self.routed_experts(x, routing, {e: lw.expert(e) for e in routing.experts})
         shared = self.shared(layer, x) if self.spec.moe.has_shared else None
         later = self.deferred_experts(routing, defer)
         out = self.combine(hidden, routing, outputs, shared, later, carry)

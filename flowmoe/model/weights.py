@@ -14,7 +14,7 @@ import torch
 from attrs import define, field
 
 if TYPE_CHECKING:
-    from flowmoe.model.fp8 import FP8Expert
+    from flowmoe.model.quantized import QuantizedExpert
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -78,12 +78,22 @@ class LayerWeights:
     attn: AttentionWeights
     router: torch.Tensor | None = None  # [E, hidden]; None on a dense layer
     router_bias: torch.Tensor | None = None  # [E]
-    experts: list[FFNWeights] = field(factory=list)
+    experts: list[FFNWeights] = field(factory=list)  # empty where the experts are kept `packed`
     shared: FFNWeights | None = None
     shared_gate: torch.Tensor | None = None  # [1, hidden]
     dense: FFNWeights | None = None
-    fp8_experts: list[FP8Expert] = field(factory=list)  # expert format fp8: the experts as stored
+    # a packed expert format (fp8, int8, int4, hqq4: model/quantized.py): the routed experts as kept
+    packed: list[QuantizedExpert] = field(factory=list)
     selection_bias: torch.Tensor | None = None  # [1, E] added to the scores for the choice only
+
+    def expert(self, expert: int) -> FFNWeights:
+        """Routed expert `expert` in the model's dtype: as loaded, or dequantized (in torch, for this
+        call) from its packed copy where only that is kept."""
+        return self.experts[expert] if self.experts else self.packed[expert].to_ffn()
+
+    def expert_nbytes(self, expert: int) -> int:
+        """Bytes of routed expert `expert` in the model's dtype (as the GPU holds it)."""
+        return self.experts[expert].nbytes if self.experts else self.packed[expert].ffn_nbytes
 
     @property
     def dense_nbytes(self) -> int:

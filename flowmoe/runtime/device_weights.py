@@ -19,8 +19,8 @@ from flowmoe.core.errors import FlowmoeError, MemoryBudgetError
 from flowmoe.core.memory import gib
 from flowmoe.core.policy import ExpertFormat
 from flowmoe.core.scheduling import Residency
-from flowmoe.model.fp8 import FP8Expert
 from flowmoe.model.moe_model import MoEModel
+from flowmoe.model.quantized import QuantizedExpert
 from flowmoe.model.weights import AttentionWeights, FFNWeights, LayerWeights
 from flowmoe.runtime.paged_copy import HostSpan, copy_run, land
 
@@ -124,12 +124,12 @@ def _layer_tensors(lw: LayerWeights) -> list[torch.Tensor]:
     return [t for t in (*attn, *router, *ffns) if t is not None]
 
 
-def _check_fp8(model: MoEModel) -> None:
+def _check_packed(model: MoEModel, expert_format: ExpertFormat) -> None:
     for layer, lw in enumerate(model.weights.layers):
-        if len(lw.fp8_experts) != len(lw.experts):
+        if lw.router is not None and len(lw.packed) != model.spec.moe.experts:
             raise FlowmoeError(
-                f"expert format fp8: the experts of layer {layer} have no FP8 copies (load an FP8 "
-                "checkpoint with keep_fp8_experts)"
+                f"expert format {expert_format}: the experts of layer {layer} are not packed (load the "
+                "model with flowmoe.model.loading.pack_experts)"
             )
 
 
@@ -137,7 +137,7 @@ def _check_fp8(model: MoEModel) -> None:
 class _Arriving:
     """A paged expert partly copied: its weights on the GPU (views of `flat`), the pages in so far."""
 
-    weights: FFNWeights | FP8Expert
+    weights: FFNWeights | QuantizedExpert
     flat: torch.Tensor | None  # uint8 [bytes] on the GPU (`land`); None: the "GPU" is the host
     pages: set[int] = field(factory=set)
 
@@ -162,7 +162,7 @@ class DeviceWeights:
     _bytes: int = 0  # bytes of every dense part, expert and partly copied expert held
     _sizes: dict[tuple[int, int], int] = field(factory=dict)  # (layer, expert or -1) -> bytes
     _lock: threading.Lock = field(factory=threading.Lock)
-    # "fp8": an expert crosses as its FP8 checkpoint copy (LayerWeights.fp8_experts), dequantized on arrival
+    # other than "native": an expert crosses packed (LayerWeights.packed), dequantized on arrival
     expert_format: ExpertFormat = "native"
     _release: Callable[[], None] | None = None  # its entry in the process's ledger (set by setup)
 
@@ -172,11 +172,11 @@ class DeviceWeights:
         it is counted in the process's ledger first, refused where the runtimes not closed leave no
         room for it under `budget`."""
         w = self.model.weights
-        if self.expert_format == "fp8":
-            _check_fp8(self.model)
+        if self.expert_format != "native":
+            _check_packed(self.model, self.expert_format)
         for layer, lw in enumerate(w.layers):
             self._sizes[(layer, -1)] = lw.dense_nbytes
-            self._sizes.update({(layer, e): ffn.nbytes for e, ffn in enumerate(lw.experts)})
+            self._sizes.update({(layer, e): lw.expert_nbytes(e) for e in range(len(lw.experts or lw.packed))})
         resident = sum(self._size(layer, -1) for layer in residency.dense)
         resident += sum(self._size(layer, expert) for layer, expert in residency.experts)
         ends = w.embed.nbytes + w.final_norm.nbytes + w.lm_head.nbytes
@@ -212,18 +212,18 @@ class DeviceWeights:
                 self._load_pages(layer, expert, part, parts, pages)
 
     def _expert_to(self, lw: LayerWeights, expert: int) -> FFNWeights:
-        """A whole expert onto the GPU: as it is, or its FP8 copy, dequantized on the GPU (on the copy
-        lane's stream, after the copy) into the model's dtype."""
-        if self.expert_format != "fp8":
-            return _ffn_to(self.devices, lw.experts[expert])
-        return lw.fp8_experts[expert].to(self.devices.gpu).to_ffn(lw.experts[expert].gate_up.dtype)
+        """A whole expert onto the GPU: in the model's dtype, or packed and dequantized on the GPU (on
+        the copy lane's stream, after the copy) into the model's dtype."""
+        if self.expert_format == "native":
+            return _ffn_to(self.devices, lw.expert(expert))
+        return lw.packed[expert].to(self.devices.gpu).to_ffn()
 
     def _load_pages(self, layer: int, expert: int, part: int, parts: int, pages: int) -> None:
         key = (layer, expert)
         lw = self.model.weights.layers[layer]
-        ffn = lw.fp8_experts[expert] if self.expert_format == "fp8" else lw.experts[expert]
+        ffn = lw.experts[expert] if self.expert_format == "native" else lw.packed[expert]
         arriving = self._partial.get(key)
-        if arriving is None:  # its first page: FP8 pages land in an FP8 buffer
+        if arriving is None:  # its first page: packed pages land in a packed buffer
             if self.devices.copies:
                 span = self._spans.get(key)
                 if span is None:
@@ -237,8 +237,8 @@ class DeviceWeights:
             copy_run(self._spans[key], arriving.flat, part, parts, pages)
         arriving.pages.update(range(part, part + pages))
         if len(arriving.pages) == parts:
-            target, dtype = arriving.weights, lw.experts[expert].gate_up.dtype
-            self._experts[key] = target.to_ffn(dtype) if isinstance(target, FP8Expert) else target
+            target = arriving.weights
+            self._experts[key] = target.to_ffn() if isinstance(target, QuantizedExpert) else target
             del self._partial[key]
 
     def _size(self, layer: int, expert: int) -> int:
@@ -246,7 +246,7 @@ class DeviceWeights:
         if size is None:  # setup not run (a bare DeviceWeights): measure once
             source = self.model.weights.layers[layer]
             size = self._sizes[(layer, expert)] = (
-                source.experts[expert].nbytes if expert >= 0 else source.dense_nbytes
+                source.expert_nbytes(expert) if expert >= 0 else source.dense_nbytes
             )
         return size
 

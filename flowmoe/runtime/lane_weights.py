@@ -30,7 +30,7 @@ class LaneWeights:
         another expert's of its layer where running it now is safe (None where it is not: on CUDA its
         copy may still be in flight; not resident)."""
         if node.lane is Lane.CPU_COMPUTE:
-            return self.model.weights.layers[node.layer].experts[expert]
+            return self.model.weights.layers[node.layer].expert(expert)  # packed: dequantized here
         if expert == node.expert:
             return self.device.expert(node.layer, expert)
         if self.cuda:

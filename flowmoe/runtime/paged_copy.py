@@ -12,14 +12,15 @@ arrived, with nothing left to assemble.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import torch
 from attrs import define, field
 
 from flowmoe.core.errors import FlowmoeError
-from flowmoe.model.fp8 import FP8Expert, FP8Weight
+from flowmoe.model.quantized import QuantizedExpert
 from flowmoe.model.weights import FFNWeights
 
-Paged = FFNWeights | FP8Expert
+Paged = FFNWeights | QuantizedExpert  # a packed expert's pages carry its packed bytes
 
 
 @define
@@ -89,7 +90,7 @@ def _rebuilt(weights: Paged, tensors: list[torch.Tensor]) -> Paged:
     given = iter(tensors)
     if isinstance(weights, FFNWeights):
         return weights.mapped(lambda _: next(given))
-    return FP8Expert(*(FP8Weight(next(given), next(given), w.block) for w in weights.weights()))
+    return weights.rebuilt(given)
 
 
 def copy_run(span: HostSpan, flat: torch.Tensor, part: int, parts: int, pages: int) -> None:

@@ -1,0 +1,60 @@
+"""Bytes of one routed expert in each expert format (Policy.expert_format): what it holds in host
+memory and moves over the link. The GPU holds it dequantized, in the model's dtype, whatever the
+format. flowmoe/model/quantized.py holds the layouts these count; every figure is the layout's own
+arithmetic, no measurement.
+
+An expert is gate and up [I, hidden] and down [hidden, I] (nn.Linear's [out, in]), plus its biases,
+if any, kept in the model's dtype in every format.
+
+* native: the model's dtype.
+* fp8: a byte per weight and a float32 scale per 128 x 128 block (the FP8 releases' layout).
+* int8: a byte per weight and a float32 scale per row (output channel): ~1.0 byte per weight.
+* int4: half a byte per weight and a float16 scale and zero per group of 128 columns of a row:
+  0.5 + 4 / 128 = 0.531 bytes per weight (~3.8x fewer than bfloat16).
+* hqq4: int4's layout at group 64, Klotski's weight group size (klotski.txt §Compression: "4 bits,
+  using a group size of 64"): 0.5 + 4 / 64 = 0.5625 bytes per weight.
+"""
+
+from __future__ import annotations
+
+from flowmoe.core.policy import ExpertFormat
+from flowmoe.core.spec import ModelSpec
+
+FP8_BLOCK = (128, 128)  # weight_block_size of the DeepSeek-V3, Kimi K2 and Qwen3-FP8 releases
+INT4_GROUP = 128  # columns per scale and zero of `int4`
+HQQ4_GROUP = 64  # of `hqq4`: Klotski's weight group size
+INT4_GROUPS: dict[ExpertFormat, int] = {"int4": INT4_GROUP, "hqq4": HQQ4_GROUP}
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _projections(spec: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """(rows, columns) of gate, up and down."""
+    h, i = spec.hidden, spec.moe.intermediate
+    return (i, h), (i, h), (h, i)
+
+
+def _biases(spec: ModelSpec) -> int:
+    """Bytes of an expert's biases, if any, in the model's dtype."""
+    return (spec.expert_params - 3 * spec.hidden * spec.moe.intermediate) * spec.dtype_bytes
+
+
+def fp8_expert_bytes(spec: ModelSpec, block: tuple[int, int] = FP8_BLOCK) -> int:
+    """One routed expert as an FP8 checkpoint stores it: a byte per weight of its three projections,
+    a float32 scale per block of each (the edge blocks partial), and its biases."""
+    scales = sum(_ceil(r, block[0]) * _ceil(c, block[1]) for r, c in _projections(spec))
+    return 3 * spec.hidden * spec.moe.intermediate + 4 * scales + _biases(spec)
+
+
+def packed_expert_bytes(spec: ModelSpec, expert_format: ExpertFormat) -> int:
+    """One routed expert's bytes in host memory and on the link in `expert_format`."""
+    if expert_format == "native":
+        return spec.expert_bytes
+    if expert_format == "fp8":
+        return fp8_expert_bytes(spec)
+    if expert_format == "int8":  # int8 values, a float32 scale per row
+        return sum(r * c + 4 * r for r, c in _projections(spec)) + _biases(spec)
+    group = INT4_GROUPS[expert_format]  # two values per byte, a float16 scale and zero per group
+    return sum(r * _ceil(c, 2) + 4 * r * _ceil(c, group) for r, c in _projections(spec)) + _biases(spec)

@@ -1,0 +1,111 @@
+"""Quantize-on-load: a routed expert in the model's dtype -> a `QuantizedExpert` of expert format
+int8, int4 or hqq4 (the layouts: model/quantized.py; their bytes: core/expert_formats.py). Each
+projection ([out, in]) is quantized row by row, so gate and up are quantized as the one gate_up
+matrix, with the same values as one by one.
+
+* int8: per output channel, symmetric: scale = max |w| of the row / 127, q = round(w / scale).
+* int4: per group of 128 columns of a row, asymmetric, round to nearest: scale = (max - min) / 15,
+  zero = -min / scale, q = clamp(round(w / scale + zero), 0, 15); scale and zero kept as float16,
+  q computed with the float16 values, so that (q - zero) x scale is the dequantization.
+* hqq4: int4's min-max scale at group 64, with the zero of each group chosen by Half-Quadratic
+  Quantization (Badri & Shaji, "Half-Quadratic Quantization of Large Machine Learning Models", 2023;
+  the reference code is mobiusml/hqq, hqq/core/optimize.py, `optimize_weights_proximal`): minimise
+  the l_p norm (p = 0.7) of w - dequantize(quantize(w)) by alternating a generalised soft-threshold
+  of the error (its proximal step, at a penalty beta that grows by kappa each iteration) with the
+  zero's closed-form update (the mean over the group), from beta 10, kappa 1.01, for at most 20
+  iterations, stopping once the mean |error| stops decreasing: HQQ's own constants. This is our own
+  implementation; it keeps the zero of the lowest error (HQQ's returns the last one), and it stores
+  scale and zero as float16 without HQQ's optional 8-bit quantization of them ("a zero scale group
+  size of 128" in Klotski's setting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from attrs import evolve
+
+from flowmoe.core.expert_formats import INT4_GROUPS
+from flowmoe.core.policy import ExpertFormat
+from flowmoe.model.quantized import Int4Weight, Int8Weight, PackedWeight, QuantizedExpert, pack_int4
+from flowmoe.model.weights import FFNWeights
+
+INT4_MAX = 15
+INT8_MAX = 127
+SMALLEST_SCALE = 2.0**-24  # float16's smallest positive value: a constant group still has a scale
+# HQQ's solver (mobiusml/hqq, hqq/core/optimize.py, the opt_params defaults)
+HQQ_LP_NORM = 0.7
+HQQ_BETA = 10.0
+HQQ_KAPPA = 1.01
+HQQ_ITERS = 20
+
+GroupFit = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # [R, G, g] -> scale, zero [R, G]
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """weight [R, C] -> int8 values [R, C] and a float32 scale per row [R, 1]."""
+    w = weight.float()  # [R, C]
+    scale = (w.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp_min(SMALLEST_SCALE)  # [R, 1]
+    return Int8Weight(torch.round(w / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale)
+
+
+def min_max(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """groups [R, G, g] -> (scale, zero) [R, G] each: the group's range over 16 levels."""
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [R, G]
+    scale = ((high - low) / INT4_MAX).clamp_min(SMALLEST_SCALE)
+    return scale, -low / scale
+
+
+def hqq(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """groups [R, G, g] -> (scale, zero) [R, G]: min-max's scale, HQQ's zero (module docstring)."""
+    scale, zero = min_max(groups)
+    s, z = scale.unsqueeze(-1), zero.unsqueeze(-1)  # [R, G, 1]
+    beta, best, best_zero = HQQ_BETA, float("inf"), z
+    for _ in range(HQQ_ITERS):
+        q = torch.round(groups / s + z).clamp(0, INT4_MAX)  # [R, G, g]
+        error = groups - (q - z) * s
+        current = float(error.abs().mean())
+        if current >= best:
+            break
+        best, best_zero = current, z
+        magnitude = error.abs()  # the l_p proximal step: shrink |e| by |e|^(p - 1) / beta
+        shrunk = torch.sign(error) * torch.relu(magnitude - magnitude.pow(HQQ_LP_NORM - 1) / beta)
+        z = (q - (groups - shrunk) / s).mean(dim=-1, keepdim=True)
+        beta *= HQQ_KAPPA
+    return scale, best_zero.squeeze(-1)
+
+
+def quantize_int4(weight: torch.Tensor, group: int, fit: GroupFit = min_max) -> Int4Weight:
+    """weight [R, C] -> int4 values two per byte, a float16 scale and zero per `group` columns of a
+    row (the last group partial), chosen by `fit`."""
+    w = weight.float()  # [R, C]
+    rows, cols = w.shape
+    full = cols // group * group
+    parts = [fit(w[:, :full].reshape(rows, -1, group))] if full else []  # [R, C // group, group]
+    if cols > full:
+        parts.append(fit(w[:, full:].reshape(rows, 1, cols - full)))  # the partial group
+    scale = torch.cat([p[0] for p in parts], dim=1).clamp_min(SMALLEST_SCALE).half()  # [R, G]
+    zero = torch.cat([p[1] for p in parts], dim=1).half()  # [R, G]
+    wide_scale = scale.float().repeat_interleave(group, dim=1)[:, :cols]  # [R, C]
+    wide_zero = zero.float().repeat_interleave(group, dim=1)[:, :cols]  # [R, C]
+    q = torch.round(w / wide_scale + wide_zero).clamp(0, INT4_MAX)  # [R, C]
+    return Int4Weight(pack_int4(q), scale, zero, group, cols)
+
+
+def quantize_weight(weight: torch.Tensor, expert_format: ExpertFormat) -> PackedWeight:
+    """One projection [R, C] in `expert_format` (int8, int4 or hqq4)."""
+    if expert_format == "int8":
+        return quantize_int8(weight)
+    return quantize_int4(weight, INT4_GROUPS[expert_format], hqq if expert_format == "hqq4" else min_max)
+
+
+def quantize_expert(ffn: FFNWeights, expert_format: ExpertFormat, device: torch.device) -> QuantizedExpert:
+    """A routed expert quantized to `expert_format`, computed on `device` (HQQ's iterations are
+    elementwise passes over the weights: a GPU runs them as HQQ's reference does), kept where `ffn`
+    is; its biases kept as they are."""
+    home = ffn.gate_up.device
+    gate_up = quantize_weight(ffn.gate_up.to(device), expert_format)
+    down = quantize_weight(ffn.down.to(device), expert_format)
+    packed = QuantizedExpert((gate_up,), down, ffn.gate_up.dtype).mapped(lambda t: t.to(home))  # synchronous
+    return evolve(packed, gate_up_bias=ffn.gate_up_bias, down_bias=ffn.down_bias)

@@ -1,0 +1,161 @@
+"""Routed experts kept quantized in host memory: what crosses the link under a packed expert format
+(Policy.expert_format other than "native"), dequantized into the model's dtype where it lands.
+
+A `QuantizedExpert` holds its projections as `PackedWeight`s, each a few tensors (packed values,
+scales, zeros) and a rule to dequantize them, plus its biases, if any, in the model's dtype. Under a
+packed format a layer keeps only these in host memory (`LayerWeights.packed`); every use of an expert
+dequantizes it: on the GPU after its copy (flowmoe/runtime/device_weights.py), on the CPU per call
+(`LayerWeights.expert`: torch, not the C kernels, which read the model's dtype only).
+
+The formats (`quantize.py` makes the quantize-on-load ones):
+
+* `fp8`: an FP8 checkpoint's e4m3 values and block scales as stored (model/fp8.py, `FP8Weight`).
+* `int8`: per output channel (row), symmetric: `Int8Weight`, a byte per weight and a float32
+  scale per row.
+* `int4`, `hqq4`: group-wise along the input (columns), asymmetric: `Int4Weight`, two 4-bit values
+  per byte and a float16 scale and zero per group of a row; `int4` rounds to nearest at group 128,
+  `hqq4` chooses the zeros by HQQ's half-quadratic solver at group 64.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import ClassVar, Self
+
+import torch
+from attrs import define, evolve
+
+from flowmoe.model.weights import FFNWeights
+
+
+@define
+class PackedWeight(ABC):
+    """One projection [R, C] (nn.Linear's [out, in]) as its format stores it: the tensors named in
+    `TENSORS`, in that order, and how they dequantize."""
+
+    TENSORS: ClassVar[tuple[str, ...]]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.TENSORS]
+
+    def rebuilt(self, given: Iterator[torch.Tensor]) -> Self:
+        """This weight with the next tensors of `given` in place of its own (`tensors()` order)."""
+        return evolve(self, **{name: next(given) for name in self.TENSORS})
+
+    @property
+    @abstractmethod
+    def shape(self) -> tuple[int, int]:
+        """[R, C]: the projection's rows and columns."""
+
+    @abstractmethod
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """[R, C] in `dtype`, on the device the tensors are on, computed in float32."""
+
+
+@define
+class Int8Weight(PackedWeight):
+    TENSORS = ("values", "scale")
+
+    values: torch.Tensor  # [R, C] int8 in [-127, 127]
+    scale: torch.Tensor  # [R, 1] float32: the row's max |w| / 127
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.values.shape[0], self.values.shape[1]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # -> [R, C]
+        return (self.values.float() * self.scale).to(dtype)
+
+
+@define
+class Int4Weight(PackedWeight):
+    TENSORS = ("packed", "scale", "zero")
+
+    packed: torch.Tensor  # [R, ceil(C / 2)] uint8: column 2j in the low nibble, 2j + 1 in the high
+    scale: torch.Tensor  # [R, ceil(C / group)] float16
+    zero: torch.Tensor  # [R, ceil(C / group)] float16: w = (q - zero) x scale
+    group: int  # columns one scale and zero cover (the last group partial)
+    columns: int  # C (an odd C leaves the last high nibble unused)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.columns
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # -> [R, C]
+        q = unpack_int4(self.packed, self.columns).float()  # [R, C]
+        scale = self.scale.float().repeat_interleave(self.group, dim=-1)[:, : self.columns]  # [R, C]
+        zero = self.zero.float().repeat_interleave(self.group, dim=-1)[:, : self.columns]  # [R, C]
+        return ((q - zero) * scale).to(dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [R, C] integers in [0, 15] -> uint8 [R, ceil(C / 2)], two per byte (column 2j low)."""
+    rows, cols = q.shape
+    padded = torch.zeros(rows, cols + cols % 2, dtype=torch.uint8, device=q.device)  # [R, 2 ceil(C/2)]
+    padded[:, :cols] = q.to(torch.uint8)
+    return padded[:, 0::2] | (padded[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    """uint8 [R, ceil(C / 2)] -> uint8 [R, C] in [0, 15]."""
+    pairs = torch.stack((packed & 0x0F, packed >> 4), dim=-1)  # [R, ceil(C / 2), 2]
+    return pairs.reshape(packed.shape[0], -1)[:, :columns]
+
+
+@define
+class QuantizedExpert:
+    """A routed expert kept packed: gate and up (stacked into gate_up where it is used) and down,
+    each one or more `PackedWeight`s by rows, the biases unquantized; `dtype` is the model's, the
+    one it dequantizes to."""
+
+    gate_up: tuple[PackedWeight, ...]  # row blocks of [2I, hidden], gate rows first
+    down: PackedWeight  # [hidden, I]
+    dtype: torch.dtype
+    gate_up_bias: torch.Tensor | None = None  # [2I] in `dtype`
+    down_bias: torch.Tensor | None = None  # [hidden] in `dtype`
+
+    def weights(self) -> tuple[PackedWeight, ...]:
+        return (*self.gate_up, self.down)
+
+    def slots(self) -> list[tuple[object, str]]:
+        """(owner, attribute) of each tensor, in `tensors()` order (model/arena.py packs them so)."""
+        own = [(self, name) for name in ("gate_up_bias", "down_bias") if getattr(self, name) is not None]
+        return [*((w, name) for w in self.weights() for name in w.TENSORS), *own]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(owner, name) for owner, name in self.slots()]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held packed: what crosses the link."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    @property
+    def ffn_nbytes(self) -> int:
+        """Bytes of the expert dequantized (as the GPU holds it)."""
+        weights = sum(rows * cols for rows, cols in (w.shape for w in self.weights()))
+        biases = sum(t.numel() for t in (self.gate_up_bias, self.down_bias) if t is not None)
+        return (weights + biases) * self.dtype.itemsize
+
+    def mapped(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedExpert:
+        """The same expert with `fn` applied to each of its tensors."""
+        return self.rebuilt(iter([fn(t) for t in self.tensors()]))
+
+    def rebuilt(self, given: Iterator[torch.Tensor]) -> QuantizedExpert:
+        """This expert with the tensors of `given` in place of its own (`tensors()` order)."""
+        gate_up = tuple(w.rebuilt(given) for w in self.gate_up)
+        down = self.down.rebuilt(given)
+        biases = [None if t is None else next(given) for t in (self.gate_up_bias, self.down_bias)]
+        return QuantizedExpert(gate_up, down, self.dtype, *biases)
+
+    def to(self, device: torch.device) -> QuantizedExpert:
+        """On `device` (the same tensors where they already are), copied asynchronously."""
+        return self.mapped(lambda t: t.to(device, non_blocking=True))
+
+    def to_ffn(self) -> FFNWeights:
+        """The expert in flowmoe's layout, in the model's dtype, on the device its tensors are on:
+        gate_up [2I, hidden] (gate rows first), down [hidden, I]."""
+        blocks = [w.dequantize(self.dtype) for w in self.gate_up]
+        gate_up = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        return FFNWeights(gate_up, self.down.dequantize(self.dtype), self.gate_up_bias, self.down_bias)
