@@ -133,7 +133,8 @@ def test_traces_images_and_profiles_get_the_users_umask(tmp_path: Path, umask: i
     old = os.umask(umask)
     try:
         trace = write_chrome(tmp_path / "t.json", [Trace(spans=[])])
-        image = plot_roofline(preset("mixtral-8x7b"), hardware("t4"), Policy(), 512, tmp_path / "r.png")
+        image = tmp_path / "r.png"
+        plot_roofline(preset("mixtral-8x7b"), hardware("t4"), Policy(), 512, image)
         profile = save_profile(hardware("t4"), tmp_path / "hw.json")
     finally:
         os.umask(old)

@@ -13,6 +13,7 @@ from flowmoe.cli.args import EXPERT_FORMAT_HELP, OUTPUT_FILE, POSITIVE_INT
 from flowmoe.cli.ui import out
 from flowmoe.cli.ui import table as ui_table
 from flowmoe.cli.writes import add_force_flag, write_guard
+from flowmoe.core.figure import PLOT, check_suffix
 from flowmoe.core.hardware import HardwareSpec, hardware
 from flowmoe.core.hrm import balance_point
 from flowmoe.core.memory import fitting_expert_format, gib
@@ -21,7 +22,6 @@ from flowmoe.core.policy_search import CPU_USABLE, GPU_USABLE, Candidate, PlanRe
 from flowmoe.core.presets import PRESETS, preset
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.workloads import WORKLOADS, Workload, workload
-from flowmoe.study.roofline_plot import PLOT
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -76,6 +76,8 @@ def workload_from(args: argparse.Namespace) -> Workload:
 
 def _plan(args: argparse.Namespace) -> int:
     guard = write_guard(args, [("--plot", args.plot, PLOT)])
+    if args.plot:
+        check_suffix(args.plot, "--plot")
     spec, hw, work = spec_from(args), hardware(args.hardware), workload_from(args)
     attention: tuple[Place, ...] = (args.attention_on,) if args.attention_on else ("gpu", "cpu")
     ffn: tuple[Place, ...] = (args.ffn_on,) if args.ffn_on else ("gpu", "cpu")

@@ -3,8 +3,8 @@
 One table per setting (paper vs simulated per system, their ratio, the lane that bounds the run,
 the policy run), the speedups between systems, whether the ranking holds, and a summary against
 the targets (ranking equal in every setting; speedups within ±25% median and 2x worst; absolute
-tokens/s within ±35% median). `--json` prints it all as one object, `--plot` draws paper vs
-simulated bars per setting.
+tokens/s within ±35% median). `--json` prints it all as one object, `--plot` draws each figure's
+ratio simulated / paper, paper by paper, against the targets.
 """
 
 from __future__ import annotations
@@ -18,12 +18,9 @@ from rich.table import Table
 
 from flowmoe.cli.ui import out, steps, table
 from flowmoe.cli.writes import add_force_flag, write_guard
-from flowmoe.core.errors import ConfigError
+from flowmoe.core.figure import PLOT, check_suffix
 from flowmoe.study.reproduce import PAPERS, settings
 from flowmoe.study.reproduce.run import MISSES_EXPLAINED, run_setting, summary
-from flowmoe.study.roofline_plot import PLOT
-
-PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,15 +31,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="one small setting per paper")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    parser.add_argument("--plot", type=Path, help="paper vs simulated bars per setting (.png, .svg or .pdf)")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        help="a dot plot of each figure's ratio simulated / paper, per paper (.png, .svg or .pdf)",
+    )
     add_force_flag(parser)
     parser.set_defaults(handler=_reproduce)
 
 
 def _reproduce(args: argparse.Namespace) -> int:
-    if args.plot is not None and args.plot.suffix not in PLOT_SUFFIXES:
-        raise ConfigError(f"--plot {args.plot}: use a .png, .svg or .pdf file name")
     guard = write_guard(args, [("--plot", args.plot, PLOT)])
+    if args.plot is not None:
+        check_suffix(args.plot, "--plot")
     chosen = settings(args.paper, args.quick)
     results = []
     with steps("reproducing", len(chosen)) as done:

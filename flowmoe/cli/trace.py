@@ -1,11 +1,13 @@
 """`flowmoe trace summarize TRACE.json`: the run statistics of each trace group (traces/stats.py:
 the same figures `run`, `simulate` and `compare` report), the critical path and, where the trace has
 kernel tracks (--trace-kernels), each GPU lane's device-busy time and the launch-bound nodes
-(traces/device_stats.py)."""
+(traces/device_stats.py). `flowmoe trace plot TRACE... -o FIG`: the runs' lanes over time as a figure
+(traces/plot.py)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +15,16 @@ from attrs import evolve
 from rich.markup import escape
 from rich.table import Table
 
+from flowmoe.cli.args import OUTPUT_FILE
 from flowmoe.cli.ui import NO_GPU, out
 from flowmoe.cli.ui import table as ui_table
+from flowmoe.cli.writes import add_force_flag, write_guard
 from flowmoe.core.errors import FlowmoeError
+from flowmoe.core.figure import PLOT, check_suffix
+from flowmoe.core.write_guard import Named
 from flowmoe.traces.chrome import EMULATED
 from flowmoe.traces.device_stats import LAUNCH_BOUND, DeviceStats
+from flowmoe.traces.plot import panels, plot_trace
 from flowmoe.traces.stats import RunStats
 from flowmoe.traces.summary import TraceSummary, summarize
 from flowmoe.traces.trace_file import read_trace
@@ -33,6 +40,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     summary.add_argument("path", type=Path)
     summary.set_defaults(handler=_summarize)
+    plot = verbs.add_parser(
+        "plot",
+        help="draw a run's lanes over time, nodes coloured by operation (.png, .svg or .pdf); two traces "
+        "(or a comparison trace) stacked on one time axis",
+    )
+    plot.add_argument("paths", nargs="+", type=Path, metavar="TRACE", help="a trace (.json or .json.gz)")
+    plot.add_argument(
+        "-o", "--output", type=OUTPUT_FILE, required=True, help="the figure (.png, .svg or .pdf)"
+    )
+    window = plot.add_mutually_exclusive_group()
+    window.add_argument(
+        "--steps", type=_steps, metavar="A:B",
+        help="draw steps A to B-1 of each run (counted from 0; A: or :B leaves that side open)",
+    )  # fmt: skip
+    window.add_argument(
+        "--window", type=_window_ms, metavar="START_MS:END_MS",
+        help="draw this time window, in ms from each run's first node (either side may be left open)",
+    )  # fmt: skip
+    add_force_flag(plot)
+    plot.set_defaults(handler=_plot)
 
 
 def load_trace(path: Path) -> dict[str, Any]:
@@ -44,6 +71,49 @@ def load_trace(path: Path) -> dict[str, Any]:
     if not isinstance(data.get("traceEvents"), list):
         raise FlowmoeError(f"{path}: no traceEvents list; not a Chrome trace")
     return data
+
+
+def _plot(args: argparse.Namespace) -> int:
+    guard = write_guard(
+        args, [("--output", args.output, PLOT)], *(Named("a trace to plot", p) for p in args.paths)
+    )
+    check_suffix(args.output, "--output")
+    traces = [(_run_name(path), load_trace(path)) for path in args.paths]
+    plot_trace(panels(traces, args.steps, args.window), args.output, guard)
+    out.print(f"plot: {escape(str(args.output))}", highlight=False)
+    return 0
+
+
+def _run_name(path: Path) -> str:
+    """A trace file's name less .json and .gz: the title of its run."""
+    name = path.name
+    for suffix in (".gz", ".json"):
+        name = name.removesuffix(suffix)
+    return name or path.name
+
+
+def _bounds(text: str, number: type) -> tuple[Any, Any]:
+    first, colon, stop = text.partition(":")
+    if not colon:
+        raise argparse.ArgumentTypeError(f"{text!r}: give A:B (either side may be left out)")
+    try:
+        low = number(first) if first.strip() else None
+        high = number(stop) if stop.strip() else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: A and B must be {number.__name__}s") from None
+    if any(v is not None and (v < 0 or not math.isfinite(v)) for v in (low, high)):
+        raise argparse.ArgumentTypeError(f"{text!r}: A and B must be finite and >= 0")
+    if low is not None and high is not None and high <= low:
+        raise argparse.ArgumentTypeError(f"{text!r}: B must be past A")
+    return low, high
+
+
+def _steps(text: str) -> tuple[int | None, int | None]:
+    return _bounds(text, int)
+
+
+def _window_ms(text: str) -> tuple[float | None, float | None]:
+    return _bounds(text, float)
 
 
 def _summarize(args: argparse.Namespace) -> int:

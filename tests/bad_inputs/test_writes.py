@@ -75,6 +75,8 @@ WRITERS: dict[str, Writer] = {
                            str(model), "--output", t], ".json", "not a hardware profile flowmoe wrote"),
     "reproduce --plot": (lambda tmp, model, t: ["reproduce", "fiddler", "--quick", "--plot", t], ".png",
                          "not a plot flowmoe wrote"),
+    "trace plot --output": (lambda tmp, model, t: ["trace", "plot", str(_existing_trace(tmp)), "--output", t],
+                            ".png", "not a plot flowmoe wrote"),
 }  # fmt: skip
 
 
@@ -216,6 +218,8 @@ CLASHES: dict[str, Clash] = {
         save_profile(hardware("t4"), tmp / "hw.json"),
         _run(tmp, "--model", str(model), "--hardware", str(tmp / "hw.json"), "--trace", "{}"),
         "is the --hardware profile"),
+    "trace plot --output = the trace": lambda tmp, model, p: (
+        _existing_trace(tmp), ["trace", "plot", str(tmp / "t.json"), "--output", "{}"], "is a trace to plot"),
 }  # fmt: skip
 
 
