@@ -184,12 +184,16 @@ def accelerate_baseline(spec: ModelSpec, requests: list, new_tokens: int, device
     tried = []
     for share in ACCELERATE_SHARES if device == "cuda" else (1.0,):
         try:
-            return {**accelerate_generate(spec, requests, new_tokens, device, int(share * budget)),
-                    "max_memory_share": share}  # fmt: skip
+            row = accelerate_generate(spec, requests, new_tokens, device, int(share * budget))
         except torch.cuda.OutOfMemoryError:
-            tried.append(f"{share:.0%}")
-            gc.collect()
-            torch.cuda.empty_cache()
+            row = None
+        if row is not None:
+            return {**row, "max_memory_share": share}
+        # out of the except block, the failed attempt's frames (and the model they hold on the GPU)
+        # are gone: freed here, not held into the next attempt (the H200 run's five OOMs)
+        tried.append(f"{share:.0%}")
+        gc.collect()
+        torch.cuda.empty_cache()
     shares = ", ".join(tried)
     return {"status": "error", "error": f"CUDA out of memory with max_memory at {shares} of the budget"}
 

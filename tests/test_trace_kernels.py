@@ -8,13 +8,22 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from flowmoe.cli import main
 from flowmoe.cli.trace import SPANS_NOTE
 from flowmoe.core.executor import Span
 from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.traces.chrome import chrome_trace, validate_chrome
-from flowmoe.traces.profiler import ANNOTATION, CLOCK_MARK, CPU_OP, Clock, ProfEvent, kernel_slices
+from flowmoe.traces.profiler import (
+    ANNOTATION,
+    CLOCK_MARK,
+    CPU_OP,
+    Clock,
+    ProfEvent,
+    activity_of,
+    kernel_slices,
+)
 from flowmoe.traces.summary import KERNEL_CAT, summarize
 from flowmoe.traces.trace import KernelSlice, Trace
 from flowmoe.traces.trace_file import kept
@@ -225,3 +234,35 @@ def test_trace_kernels_needs_trace(tmp_path: Path, capsys: pytest.CaptureFixture
     argv = ["run", "--prompts", str(PROMPTS), "--output", str(tmp_path / "o.jsonl"), "--trace-kernels"]
     assert main(argv) == 2
     assert "give --trace FILE as well" in _flat(capsys.readouterr().err)
+
+
+class _Torch211Event:
+    """torch 2.11's profiler event, as the H200 run met it: no `activity_type` (`is_user_annotation`
+    present where `annotated` is given)."""
+
+    def __init__(self, name: str, device: str, annotated: bool | None = None) -> None:
+        self._name, self._device = name, device
+        if annotated is not None:
+            self.is_user_annotation = lambda: annotated
+
+    def name(self) -> str:
+        return self._name
+
+    def device_type(self) -> object:
+        return getattr(torch.autograd.DeviceType, self._device)
+
+
+@pytest.mark.parametrize(
+    ("event", "activity"),
+    [
+        (_Torch211Event("void gemv_kernel<float>(...)", "CUDA"), "kernel"),
+        (_Torch211Event("Memcpy HtoD (Pinned -> Device)", "CUDA"), "gpu_memcpy"),
+        (_Torch211Event("Memset (Device)", "CUDA"), "gpu_memset"),
+        (_Torch211Event("expert_ffn L0 mb0 e1", "CPU", annotated=True), ANNOTATION),
+        (_Torch211Event("aten::mm", "CPU", annotated=False), CPU_OP),
+        (_Torch211Event("pre_attn L1 mb0", "CPU"), ANNOTATION),
+        (_Torch211Event("aten::addmm", "CPU"), CPU_OP),
+    ],
+)
+def test_events_without_an_activity_type_are_told_apart(event: _Torch211Event, activity: str) -> None:
+    assert activity_of(event) == activity

@@ -140,11 +140,29 @@ def kernels_into(trace: Trace, cuda: bool, on: bool) -> AbstractContextManager[o
 def prof_events(events: Iterable[Any]) -> Iterable[ProfEvent]:
     """The profiler's events (torch's _KinetoEvent) the merge reads."""
     for e in events:
-        activity = e.activity_type()
+        activity = activity_of(e)
         if activity in READ:
             start = e.start_ns()
             yield ProfEvent(e.name(), activity, start, start + e.duration_ns(), e.device_resource_id(),
                             e.correlation_id(), e.linked_correlation_id())  # fmt: skip
+
+
+def activity_of(event: Any) -> str:
+    """A profiler event's activity type: torch's own where its events say (`activity_type`, torch
+    2.12 on); on torch 2.11, whose events lack it (seen on the H200 run), told from the device it ran
+    on and its name: a device event is a memcpy or memset by its name ("Memcpy HtoD ...", "Memset
+    ..."), else a kernel; a host event is an annotation (a record_function range) where torch says so,
+    or where its name has no operator namespace ("aten::add"), else an operation."""
+    own = getattr(event, "activity_type", None)
+    if own is not None:
+        return str(own())
+    if event.device_type() != torch.autograd.DeviceType.CPU:
+        copies = {"Memcpy": "gpu_memcpy", "Memset": "gpu_memset"}
+        return copies.get(event.name().split(" ", 1)[0], "kernel")
+    annotation = getattr(event, "is_user_annotation", None)
+    if annotation is not None:
+        return ANNOTATION if annotation() else CPU_OP
+    return CPU_OP if "::" in event.name() else ANNOTATION
 
 
 @frozen(slots=True)
