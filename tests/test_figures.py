@@ -293,8 +293,9 @@ def test_a_time_window_clips_every_bar(tmp_path: Path) -> None:
     trace = read_trace(_hand_made(tmp_path / "k.json"))
     (panel,) = panels([("k", trace)], window_ms=(5.0, 12.0))
     assert (panel.first, panel.last) == (5000.0, 12000.0)
-    assert all(5000.0 <= b.start < b.end <= 12000.0 for b in panel.bars)
-    assert {b.op for b in panel.bars} == {"gpu_attn", "expert_ffn", "page_copy", KERNELS}
+    assert all(5000.0 <= start < end <= 12000.0 for bars in panel.bars.values() for start, end in bars)
+    assert set(panel.bars) == {("gpu.compute", False, "gpu_attn"), ("gpu.compute", False, "expert_ffn"),
+                               ("gpu.h2d", False, "page_copy"), ("gpu.compute", True, KERNELS)}  # fmt: skip
     (whole,) = panels([("k", trace)])
     (steps,) = panels([("k", trace)], steps=(1, None))
     assert (whole.first, whole.last) == (0.0, 19000.0) and (steps.first, steps.last) == (0.0, 10000.0)

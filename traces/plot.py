@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +35,8 @@ LEGEND_COLUMNS = 4
 PIXELS = 3000  # intervals of an op closer than the window / PIXELS are drawn as one bar
 KERNELS = "kernels"
 KERNEL_COLOR = "0.25"
-# tab20's colours (dark, light pairs) by family: attention blues, experts greens, copies reds and
-# oranges, the rest greys; an operation no flowmoe trace has takes the colours past these, in turn
+# tab20's and tab20b's colours by family: attention blues, experts greens and olives, copies reds,
+# oranges and browns, embedding and head greys; an operation no flowmoe trace has takes tab10's
 TAB20: dict[str, int] = {
     Op.GPU_ATTN: 0, Op.PRE_ATTN: 1, Op.CPU_ATTN: 18, Op.POST_ATTN: 19,
     Op.EXPERT_FFN: 4, Op.SHARED_FFN: 5, Op.GATE: 16, Op.PREGATE: 17, Op.COMBINE: 9,
@@ -44,18 +44,11 @@ TAB20: dict[str, int] = {
     Op.HIDDEN_OFFLOAD: 13, Op.QKV_OFFLOAD: 10, Op.ACT_STORE: 11, Op.ACT_LOAD: 8,
     Op.EMBED: 14, Op.LM_HEAD: 15,
 }  # fmt: skip
-TAB20B: dict[str, int] = {Op.DISK_LOAD: 0, Op.W_STAGE: 9, Op.EVICT: 19}
+TAB20B: dict[str, int] = {Op.DISK_LOAD: 12, Op.W_STAGE: 10, Op.EVICT: 19}
 OTHERS = "tab10"
 
 
-@frozen
-class Bar:
-    """A node or kernel as drawn: its row's lane, its colour's operation, its time (µs)."""
-
-    lane: str | None  # a kernel's lane may be None: a stream no node launched on
-    op: str  # KERNELS for a kernel
-    start: float
-    end: float
+Key = tuple[str | None, bool, str]  # a panel's bars: (lane, a kernels' row, operation)
 
 
 @frozen
@@ -64,14 +57,14 @@ class Panel:
     first node, or from the first step drawn."""
 
     title: str
-    bars: tuple[Bar, ...]
+    bars: dict[Key, list[tuple[float, float]]]  # (start, end) of each node or kernel
     first: float  # the window on the panel's clock
     last: float
     origin: str  # what time 0 is, in words
 
     @property
     def ops(self) -> set[str]:
-        return {b.op for b in self.bars if b.op != KERNELS}
+        return {op for _, kernel, op in self.bars if not kernel}
 
 
 def panels(
@@ -92,13 +85,9 @@ def panels(
         for group, spans in records.items():
             label = name if group == RUN else f"{name}: {group}"
             origin, lo, hi, words = _window(label, spans, windows.get(group), steps, window_ms)
-            bars = [Bar(s.lane, s.op, s.start, s.end) for s in spans]
-            bars += [Bar(k.lane, KERNELS, k.start, k.end) for k in kernels.get(group, ())]
-            drawn = tuple(
-                Bar(b.lane, b.op, max(b.start, lo) - origin, min(b.end, hi) - origin)
-                for b in bars
-                if b.end > lo and b.start < hi
-            )
+            nodes = (((s.lane, False, s.op), s.start, s.end) for s in spans)
+            ran = (((k.lane, True, KERNELS), k.start, k.end) for k in kernels.get(group, ()))
+            drawn = _clipped(itertools.chain(nodes, ran), lo, hi, origin)
             found.append(
                 (name if group == RUN else group, label, Panel("", drawn, lo - origin, hi - origin, words))
             )
@@ -143,6 +132,17 @@ def _window(
 
 def _shown(value: int | None) -> str:
     return "" if value is None else str(value)
+
+
+def _clipped(
+    items: Iterable[tuple[Key, float, float]], lo: float, hi: float, origin: float
+) -> dict[Key, list[tuple[float, float]]]:
+    """The intervals meeting [lo, hi], cut to it, on a clock from `origin`, by key."""
+    bars: dict[Key, list[tuple[float, float]]] = defaultdict(list)
+    for key, start, end in items:
+        if end > lo and start < hi:
+            bars[key].append((max(start, lo) - origin, min(end, hi) - origin))
+    return dict(bars)
 
 
 def plot_trace(shown: Sequence[Panel], path: Path, guard: Guard = DEFAULT_GUARD) -> Any:
@@ -193,10 +193,10 @@ def _rows(shown: Sequence[Panel]) -> list[Row]:
     """Every lane a panel draws, in flowmoe's lane order (others after, by name), each with its
     kernels' row right under it where a panel has kernels for it; kernels for no lane last. The
     same rows in every panel, so they line up."""
-    names = {b.lane for p in shown for b in p.bars if b.op != KERNELS}
+    names = {lane for p in shown for lane, kernel, _ in p.bars if not kernel}
     known = [str(lane) for lane in Lane if str(lane) in names]
     lanes: list[str | None] = [*known, *sorted(str(n) for n in names - set(known))]
-    kernel_lanes = {b.lane for p in shown for b in p.bars if b.op == KERNELS}
+    kernel_lanes = {lane for p in shown for lane, kernel, _ in p.bars if kernel}
     rows: list[Row] = []
     for lane in [*lanes, None]:
         if lane is not None:
@@ -229,14 +229,11 @@ def _patch(color: Any) -> Any:
 
 def _draw(ax: Any, panel: Panel, rows: list[Row], colors: dict[str, Any], scale: float, merge: float) -> None:
     """The panel's bars row by row, an operation's bars closer than `merge` (µs) joined."""
-    by_row: dict[tuple[str | None, bool, str], list[tuple[float, float]]] = defaultdict(list)
-    for b in panel.bars:
-        by_row[(b.lane, b.op == KERNELS, b.op)].append((b.start, b.end))
     for row in rows:
         shown = [(KERNELS, KERNEL_COLOR)] if row.kernels else colors.items()
         share = KERNEL_BAR if row.kernels else BAR
         for op, color in shown:
-            bars = _merged(by_row.get((row.lane, row.kernels, op), []), merge)
+            bars = _merged(panel.bars.get((row.lane, row.kernels, op), []), merge)
             if bars:
                 pad = row.height * (1 - share) / 2
                 ax.broken_barh([(start / scale, (end - start) / scale) for start, end in bars],
