@@ -6,17 +6,26 @@ same buffer is page-locked in place (flowmoe/runtime/pinned.py), so the copies t
 asynchronously from it without a second host copy or the caching host allocator's power-of-two
 rounding (+14% for Mixtral-8x7B's experts). The layer's tensors become aligned views of the buffer,
 with the same values, shapes and dtypes; a view's `arena` attribute is the buffer it lives in.
+
+A checkpoint's layer is laid out before it is read (`plan_layer`, from its tensors' shapes), so its
+stacked tensors (q k v, gate up) are written straight into their places and every other tensor is
+copied in from its view of the file, let go as soon as it is: loading holds each weight once, plus
+at most a few tensors in flight (issue 25: peak RSS within 1.15x the weights).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from attrs import fields
+from attrs import define, fields
 
 from flowmoe.kernels.host_memory import huge_empty
+from flowmoe.model.tensor_map import Stack
 from flowmoe.model.weights import AttentionWeights, FFNWeights, LayerWeights, ModelWeights
 
 ALIGN = 256  # bytes: each tensor starts on a boundary any dtype's view and any DMA engine accepts
+CHUNK = 16 << 20  # bytes: a tensor read from a mapped file is copied in chunks of this, each let go
 
 Slot = tuple[object, str, torch.Tensor]  # (owner, attribute, tensor)
 
@@ -25,29 +34,99 @@ def _aligned(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
 
-def _pack(slots: list[Slot]) -> torch.Tensor:
-    """Copy every slot's tensor into one new buffer (uint8 [bytes]) and point its owner at the view."""
-    slots = [(owner, name, t) for owner, name, t in slots if t is not None]
+def _layout(slots: list[Slot]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One new buffer (uint8 [bytes]) for the slots' tensors and, in order, the view each will be
+    (same shape and dtype)."""
     total = sum(_aligned(t.numel() * t.element_size()) for _, _, t in slots)
     arena = huge_empty(total)  # [bytes]
-    offset = 0
-    for owner, name, tensor in slots:
+    views, offset = [], 0
+    for _, _, tensor in slots:
         size = tensor.numel() * tensor.element_size()
         view = arena[offset : offset + size].view(tensor.dtype).view(tensor.shape)
-        view.copy_(tensor)
         # the buffer lives (and stays page-locked) while any of its views does
         view.arena = arena  # type: ignore[attr-defined]  # a Python attribute on a tensor, not a torch field
-        setattr(owner, name, view)
+        views.append(view)
         offset += _aligned(size)
-    return arena
+    return arena, views
+
+
+def _fill(slots: list[Slot], views: list[torch.Tensor]) -> None:
+    """Point each slot's owner at its view, copying the tensor in unless it was written there
+    already; each tensor is let go as soon as it is in (the list is emptied), so a view of a mapped
+    file unmaps then."""
+    slots.reverse()
+    for view in views:
+        owner, name, tensor = slots.pop()
+        if tensor.data_ptr() != view.data_ptr():
+            copy_in(view, tensor)
+        setattr(owner, name, view)
+
+
+def copy_in(view: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """view.copy_(tensor) (converting its dtype); a tensor viewing a mapped file (model/checkpoint.py:
+    it has `release`) a chunk at a time, each chunk's pages let go once copied, so the file is never
+    resident whole. Returns `view`."""
+    release = getattr(tensor, "release", None)
+    size = tensor.element_size()
+    if release is None or not tensor.is_contiguous() or tensor.numel() * size <= CHUNK:
+        return view.copy_(tensor)
+    source, target, step = tensor.reshape(-1), view.reshape(-1), CHUNK // size
+    for start in range(0, source.numel(), step):
+        target[start : start + step].copy_(source[start : start + step])
+        release(start * size, min(start + step, source.numel()) * size)
+    return view
+
+
+def _pack(slots: list[Slot], plan: ArenaPlan | None = None) -> torch.Tensor:
+    """Move every slot's tensor into one buffer (uint8 [bytes]): the planned one where the slots
+    match its layout, else a new one."""
+    slots = [(owner, name, t) for owner, name, t in slots if t is not None]
+    shapes = [(t.shape, t.dtype) for _, _, t in slots]
+    if plan is None or [(v.shape, v.dtype) for v in plan.views] != shapes:
+        plan = ArenaPlan(*_layout(slots), [])
+    _fill(slots, plan.views)
+    return plan.arena
+
+
+@define
+class ArenaPlan:
+    """A layer's buffer laid out from its shapes before its weights are read: the view each slot
+    will be, and for each call of the layer's `stack` the view its result is written into (None: a
+    result that is not a slot as it is)."""
+
+    arena: torch.Tensor  # uint8 [bytes]
+    views: list[torch.Tensor]
+    stacked: list[torch.Tensor | None]
+    _calls: int = 0
+
+    def stack(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """torch.cat(parts) into the place planned for this call's result."""
+        view = self.stacked[self._calls] if self._calls < len(self.stacked) else None
+        self._calls += 1
+        return torch.cat(parts) if view is None else torch.cat(parts, out=view)
+
+
+def plan_layer(build: Callable[[Stack], LayerWeights]) -> ArenaPlan:
+    """The plan of the layer `build(stack)` makes, from a build of it on meta tensors (shapes and
+    dtypes, no data): `build` must make the same layer, with the same calls of `stack`, again."""
+    results: list[torch.Tensor] = []
+
+    def record(parts: list[torch.Tensor]) -> torch.Tensor:
+        results.append(torch.cat(parts))
+        return results[-1]
+
+    slots = [slot for slot in layer_slots(build(record)) if slot[2] is not None]
+    arena, views = _layout(slots)
+    where = {id(t): view for (_, _, t), view in zip(slots, views, strict=True)}
+    return ArenaPlan(arena, views, [where.get(id(r)) for r in results])
 
 
 def _ffns(lw: LayerWeights) -> list[FFNWeights]:
     return [*lw.experts, *(f for f in (lw.shared, lw.dense) if f is not None)]
 
 
-def layer_arena(lw: LayerWeights) -> torch.Tensor:
-    """Move every tensor of one layer into one host buffer (uint8 [bytes]); returns the buffer."""
+def layer_slots(lw: LayerWeights) -> list[Slot]:
+    """Every tensor slot of one layer, in the order its arena holds them."""
     slots: list[Slot] = []
     for ffn in _ffns(lw):
         slots += [(ffn, f.name, getattr(ffn, f.name)) for f in fields(FFNWeights)]
@@ -56,14 +135,20 @@ def layer_arena(lw: LayerWeights) -> torch.Tensor:
     slots += [
         (lw, name, getattr(lw, name)) for name in ("router", "router_bias", "shared_gate", "selection_bias")
     ]
-    return _pack(slots)
+    return slots
+
+
+def layer_arena(lw: LayerWeights, plan: ArenaPlan | None = None) -> torch.Tensor:
+    """Move every tensor of one layer into one host buffer (uint8 [bytes]), the one `plan` laid out
+    where it was planned for this layer; returns the buffer."""
+    return _pack(layer_slots(lw), plan)
 
 
 def top_arena(weights: ModelWeights) -> torch.Tensor:
     """The embedding, final norm and LM head in one host buffer (a tied LM head stays the embedding)."""
     tied = weights.lm_head is weights.embed
-    slots: list[Slot] = [(weights, "embed", weights.embed), (weights, "final_norm", weights.final_norm)]
-    arena = _pack(slots if tied else [*slots, (weights, "lm_head", weights.lm_head)])
+    names = ("embed", "final_norm") if tied else ("embed", "final_norm", "lm_head")
+    arena = _pack([(weights, name, getattr(weights, name)) for name in names])  # only _pack holds them
     if tied:
         weights.lm_head = weights.embed
     return arena

@@ -3,7 +3,11 @@
 Opening a checkpoint reads only the shard headers and checks every tensor the
 model needs (present, right shape, floating dtype) before any weight is read,
 so a bad checkpoint fails at once with one line naming the file and tensor.
-Weights are then read lazily, a layer at a time, straight from the mapped files.
+Weights are then read lazily, a layer at a time: a tensor stored in the model's dtype comes back
+as a view of its own private mapping of its bytes, which the page cache fills as it is read and
+which is unmapped when the view goes, so copying it into its layer's arena (model/arena.py) is the
+one copy the load makes and the file's pages do not stay in the process (issue 25: a mapping of
+the whole shard, kept open, held every weight twice in its resident set).
 An FP8 checkpoint (flowmoe/model/fp8.py) has its F8_E4M3 tensors' block scales checked up
 front too, and each is dequantized into the model's dtype as its layer is read.
 
@@ -15,6 +19,8 @@ comes from; a tensor in two shards that it does not place is an error.
 
 from __future__ import annotations
 
+import functools
+import mmap
 import posixpath
 import stat
 from collections.abc import Iterator
@@ -31,6 +37,8 @@ from flowmoe.core.errors import CheckpointError
 from flowmoe.core.jsonfile import read_json_object
 from flowmoe.core.os_errors import os_reason
 from flowmoe.core.spec import ModelSpec
+from flowmoe.kernels.host_memory import huge_empty
+from flowmoe.model.arena import copy_in
 from flowmoe.model.fp8 import (
     FP8_DTYPE,
     SCALE_DTYPES,
@@ -47,6 +55,7 @@ from flowmoe.model.tensor_map import Shape, TensorMap
 INDEX = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F32", "F16", "BF16"}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 SIZE_SLACK = 8  # the spec's dtype (or --dtype) over fp8 or other narrower stored weights
@@ -163,11 +172,37 @@ class Checkpoint:
 
     def get(self, name: str, shape: Shape) -> torch.Tensor:
         self._check(name, shape)
-        tensor = self._handles[self._where[name]].get_tensor(name)
-        if self.fp8 is not None and self._info[name].dtype == FP8_DTYPE:  # dequantized per tensor on load
+        info = self._info[name]
+        if self.fp8 is not None and info.dtype == FP8_DTYPE:  # dequantized per tensor on load
+            tensor = self._handles[self._where[name]].get_tensor(name)
             scales = self._handles[self._where[scale_name(name)]].get_tensor(scale_name(name))
             return dequantize(tensor, scales, self.fp8.block, self.dtype).contiguous()
-        return tensor.to(self.dtype).contiguous()
+        stored = STORED_DTYPES[info.dtype]
+        if info.nbytes == 0 or info.offset % stored.itemsize:  # nothing to map, or unaligned: a copy
+            return self._handles[self._where[name]].get_tensor(name).to(self.dtype).contiguous()
+        mapped = self._mapped(name, stored)
+        if stored == self.dtype:
+            return mapped
+        # converted into memory of its own mapping (freed to the system, not the allocator's pools)
+        return copy_in(
+            huge_empty(mapped.numel() * self.dtype.itemsize).view(self.dtype).view(mapped.shape), mapped
+        )
+
+    def _mapped(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Tensor `name` viewing a private mapping of its bytes alone (copy-on-write: the file is
+        never written), unmapped when the last view of it goes."""
+        info = self._info[name]
+        start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
+        with open(self._where[name], "rb") as file:
+            region = mmap.mmap(
+                file.fileno(), info.offset + info.nbytes - start, access=mmap.ACCESS_COPY, offset=start
+            )
+        flat = torch.frombuffer(region, dtype=torch.uint8, count=info.nbytes, offset=info.offset - start)
+        tensor = flat.view(dtype).view(info.shape)  # keeps `region` alive
+        # what has been copied out can leave the process's resident set now (model/arena.py copies a
+        # large tensor so, a chunk at a time): its bytes [begin, end)
+        tensor.release = functools.partial(_drop_pages, region, info.offset - start)  # type: ignore[attr-defined]
+        return tensor
 
     def fp8_weight(self, name: str) -> FP8Weight | None:
         """Tensor `name` as stored, if it is F8_E4M3 (checked by `validate`), with its block scales."""
@@ -241,6 +276,15 @@ class Checkpoint:
     def validate(self) -> None:
         for name, shape in self.expected():
             self._check(name, shape)
+
+
+def _drop_pages(region: mmap.mmap, offset: int, begin: int, end: int) -> None:
+    """Unmap the whole pages of bytes [offset + begin, offset + end) of `region` from the process (a
+    private, unwritten file mapping: a later read maps them again from the page cache)."""
+    first = -(-(offset + begin) // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (offset + end) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        region.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def _check_folder(folder: Path) -> None:

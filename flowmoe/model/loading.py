@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from attrs import frozen
 
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.policy import ExpertFormat
 from flowmoe.core.presets import PRESETS, preset
-from flowmoe.model.arena import layer_arena, top_arena
-from flowmoe.model.checkpoint import Checkpoint
+from flowmoe.model.arena import layer_arena, plan_layer, top_arena
+from flowmoe.model.checkpoint import TORCH_DTYPES, Checkpoint
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.quantize import quantize_expert
 from flowmoe.model.quantized import QuantizedExpert
 from flowmoe.model.random_weights import RandomSource
-from flowmoe.model.tensor_map import TensorMap, TensorSource
+from flowmoe.model.tensor_map import Shape, TensorMap, TensorSource
 
 Progress = Callable[[int, int], None]
 
@@ -102,12 +104,30 @@ def _check_quantizable(source: str | Path, expert_format: ExpertFormat) -> None:
         )
 
 
+@frozen
+class _Shapes:
+    """`source`'s tensors as meta tensors of the model's dtype: shapes, no data (a TensorSource)."""
+
+    source: TensorSource
+    dtype: torch.dtype
+
+    def has(self, name: str) -> bool:
+        return self.source.has(name)
+
+    def get(self, name: str, shape: Shape) -> torch.Tensor:
+        return torch.empty(shape, dtype=self.dtype, device="meta")
+
+
 def _assemble(source: TensorSource, spec, progress: Progress | None) -> MoEModel:
+    """Each layer into its arena as it is read: laid out from its shapes first, so its stacked
+    tensors are written in place and the rest copied in one by one (model/arena.py)."""
     tensor_map = TensorMap.for_spec(spec)
+    shapes = _Shapes(source, TORCH_DTYPES[spec.dtype])
     layers = []
     for layer in range(spec.layers):
-        lw = tensor_map.load_layer(layer, source)
-        layer_arena(lw)  # the loaded tensors are freed as their copies take their place
+        plan = plan_layer(functools.partial(tensor_map.load_layer, layer, shapes))
+        lw = tensor_map.load_layer(layer, source, plan.stack)
+        layer_arena(lw, plan)  # each loaded tensor is let go as its copy takes its place
         layers.append(lw)
         if progress is not None:
             progress(layer + 1, spec.layers)

@@ -31,6 +31,8 @@ DTYPE_BYTES = {
 class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0  # bytes from the start of the file to the tensor's first byte
+    nbytes: int = 0
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -63,13 +65,13 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{path}: not a safetensors file (its header is not a JSON object)")
     data_bytes = size - 8 - length
     return {
-        name: _tensor(path, name, entry, data_bytes)
+        name: _tensor(path, name, entry, data_bytes, 8 + length)
         for name, entry in header.items()
         if name != "__metadata__"
     }
 
 
-def _tensor(path: Path, name: str, entry: Any, data_bytes: int) -> TensorInfo:
+def _tensor(path: Path, name: str, entry: Any, data_bytes: int, data_start: int) -> TensorInfo:
     try:
         dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
         valid = (
@@ -93,4 +95,4 @@ def _tensor(path: Path, name: str, entry: Any, data_bytes: int) -> TensorInfo:
             f"{path}: tensor {name} holds {end - begin} bytes, but {dtype} {list(shape)} needs "
             f"{math.prod(shape) * DTYPE_BYTES[dtype]}"
         )
-    return TensorInfo(dtype, tuple(shape))
+    return TensorInfo(dtype, tuple(shape), data_start + begin, end - begin)

@@ -19,6 +19,9 @@ from flowmoe.model.mla_weights import load_mla, mla_tensors
 from flowmoe.model.weights import AttentionWeights, FFNWeights, LayerWeights, ModelWeights
 
 Shape = tuple[int, ...]
+# how a layer's stacked tensors (q k v, gate up) are joined along their rows: torch.cat, or a cat
+# written straight into the place the caller keeps the result in (model/arena.py's plan)
+Stack = Callable[[list[torch.Tensor]], torch.Tensor]
 
 
 class TensorSource(Protocol):
@@ -150,7 +153,8 @@ class TensorMap:
         norm = _norm_from(lambda name: source.get(name, shapes[name]), "model.norm.", self.spec.norm)
         return ModelWeights(embed, norm, head, layers)
 
-    def load_layer(self, layer: int, source: TensorSource) -> LayerWeights:
+    def load_layer(self, layer: int, source: TensorSource, stack: Stack = torch.cat) -> LayerWeights:
+        """Layer `layer` from `source`; q k v and each FFN's gate and up are joined by `stack`."""
         shapes = self.layer_tensors(layer, source.has)
 
         def get(name: str) -> torch.Tensor:
@@ -160,21 +164,19 @@ class TensorMap:
             return get(name) if name in shapes else None
 
         base = f"model.layers.{layer}."
-        attn = load_mla(get, base, self.spec) if self.spec.attention.mla else self._attention(get, opt, base)
+        mla = self.spec.attention.mla
+        attn = load_mla(get, base, self.spec) if mla else self._attention(get, opt, base, stack)
+        proj = ("gate_proj", "up_proj", "down_proj")
         if not self.spec.is_moe_layer(layer):
-            return LayerWeights(
-                attn=attn,
-                dense=_ffn_from(get, f"{base}{self.names.dense_mlp}.", ("gate_proj", "up_proj", "down_proj")),
-            )
+            dense = _ffn_from(get, f"{base}{self.names.dense_mlp}.", proj, stack)
+            return LayerWeights(attn=attn, dense=dense)
         layout = self.moe_layout(layer, source.has)
         p = f"{base}{layout.prefix}."
         m = self.spec.moe
         experts = self._fused_experts(p, get, opt) if layout.fused else [
-            _ffn_from(get, f"{p}experts.{e}.", self.names.expert_proj) for e in range(m.experts)
+            _ffn_from(get, f"{p}experts.{e}.", self.names.expert_proj, stack) for e in range(m.experts)
         ]  # fmt: skip
-        shared = _ffn_from(get, f"{p}{self.names.shared_expert}.", ("gate_proj", "up_proj", "down_proj")) if (
-            m.has_shared
-        ) else None  # fmt: skip
+        shared = _ffn_from(get, f"{p}{self.names.shared_expert}.", proj, stack) if m.has_shared else None
         return LayerWeights(
             attn=attn,
             router=get(f"{p}{self.names.router}.weight"),
@@ -186,12 +188,16 @@ class TensorMap:
         )
 
     def _attention(
-        self, get: Callable[[str], torch.Tensor], opt: Callable[[str], torch.Tensor | None], base: str
+        self,
+        get: Callable[[str], torch.Tensor],
+        opt: Callable[[str], torch.Tensor | None],
+        base: str,
+        stack: Stack,
     ) -> AttentionWeights:
         sa = f"{base}self_attn."
-        qkv = torch.cat([self._rope_rows(p, get(f"{sa}{p}_proj.weight")) for p in "qkv"])
+        qkv = stack([self._rope_rows(p, get(f"{sa}{p}_proj.weight")) for p in "qkv"])
         qkv_bias = (
-            torch.cat([self._rope_rows(p, get(f"{sa}{p}_proj.bias")) for p in "qkv"])
+            stack([self._rope_rows(p, get(f"{sa}{p}_proj.bias")) for p in "qkv"])
             if self.spec.attention.qkv_bias
             else None
         )
@@ -253,6 +259,8 @@ def _norm_from(get: Callable[[str], torch.Tensor], prefix: str, kind: str) -> to
     return torch.stack([weight, get(f"{prefix}bias")]) if kind == "layer" else weight
 
 
-def _ffn_from(get: Callable[[str], torch.Tensor], prefix: str, proj: tuple[str, str, str]) -> FFNWeights:
+def _ffn_from(
+    get: Callable[[str], torch.Tensor], prefix: str, proj: tuple[str, str, str], stack: Stack
+) -> FFNWeights:
     gate, up, down = (get(f"{prefix}{n}.weight") for n in proj)
-    return FFNWeights(torch.cat([gate, up]), down)
+    return FFNWeights(stack([gate, up]), down)
