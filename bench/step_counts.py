@@ -11,10 +11,12 @@ pages per expert) and on the code path, so the model is Mixtral-8x7B's structure
 GQA, its layer count) at toy widths (bench/gpu_support.TINY) and the page size is scaled so that an
 expert is cut into as many pages as Mixtral's real 352 MB expert at 16 MiB pages (21). The native
 C kernels are off (FLOWMOE_CPU_KERNELS=0): the GPU runs torch operations. On the CPU a "GPU"
-weight is the host tensor itself, so the copies a page copy makes on CUDA are counted apart: each
-PAGE_COPY node's `_copy_page` run on meta tensors of its expert's shapes (the operations a CUDA run
-dispatches for it). Other device-to-device moves (hidden states, the routing read-back) are free on
-the CPU and missing here: the count is a lower bound for a CUDA run.
+weight is the host tensor itself, so the copies a PAGE_COPY makes on CUDA are counted apart: each
+PAGE_COPY (and EVICT) node's action runs a second time, as it is, against device weights whose "GPU"
+is the meta device (a device other than the host, as CUDA is: the code path that copies), in the
+run's own order, and what it dispatches is counted as that node's CUDA copy operations. Other
+device-to-device moves (hidden states, the routing read-back) and the eviction's record_stream calls
+are free on the CPU and missing here: the count is a lower bound for a CUDA run.
 
     python bench/step_counts.py [--settings h200 s1] [--schedulers cgopipe ...]
 
@@ -36,6 +38,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -56,7 +59,8 @@ from flowmoe.jobs.batching import BatchLimits
 from flowmoe.jobs.engine import Request, StepInput
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime import actions
-from flowmoe.runtime.device_weights import _copy_page  # the CUDA-only copy, counted on meta tensors
+from flowmoe.runtime.device_weights import Devices, DeviceWeights
+from flowmoe.runtime.layer_ops import LAYER_OPS
 from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.shared_options import PagedOptions
 
@@ -87,17 +91,22 @@ SETTINGS = {
 
 
 class OpCounter(TorchDispatchMode):
-    """Every aten operation dispatched while `active`, by the label of the node running it."""
+    """Every aten operation dispatched while `active`, by the label of the node running it; those of
+    the copies a CUDA run makes (`copying`) apart."""
 
     def __init__(self) -> None:
         super().__init__()
         self.active = False
+        self.copying = False
         self.label = "outside nodes"
         self.ops: Counter[str] = Counter()
         self.views: Counter[str] = Counter()
+        self.copies: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if self.active:
+        if self.active and self.copying:
+            self.copies[self.label] += 1
+        elif self.active:
             self.ops[self.label] += 1
             if func.is_view:
                 self.views[self.label] += 1
@@ -112,8 +121,13 @@ class OpCounter(TorchDispatchMode):
             self.label = outer
 
 
-def attributing(counter: OpCounter) -> Callable[[], None]:
-    """StepState.action wrapped so each node's binding and run count under its op; returns undo."""
+COPYING = (Op.PAGE_COPY, Op.EVICT)  # the nodes whose actions copy (or free) weights on a GPU
+
+
+def attributing(counter: OpCounter, cuda: Any) -> Callable[[], None]:
+    """StepState.action wrapped so each node's binding and run count under its op, and a copying
+    node's action runs again against `cuda` (a step state whose device weights copy), counted apart;
+    returns undo."""
     original = actions.StepState.action
 
     def action(self: actions.StepState, node: TaskNode) -> Any:
@@ -124,37 +138,19 @@ def attributing(counter: OpCounter) -> Callable[[], None]:
 
         def run() -> Any:
             with counter.labelled(node.op.name):
-                return bound()
+                result = bound()
+                if node.op in COPYING:
+                    counter.copying = True
+                    try:
+                        LAYER_OPS[node.op](cuda, node)
+                    finally:
+                        counter.copying = False
+                return result
 
         return run
 
     actions.StepState.action = action  # type: ignore[method-assign]  # a bench's own instrumentation
     return lambda: setattr(actions.StepState, "action", original)
-
-
-def copy_ops(model: MoEModel, node: TaskNode, memo: dict[tuple[int, int, int], int]) -> int:
-    """The operations a PAGE_COPY node dispatches on CUDA (on the CPU it dispatches none: the
-    "GPU" copy is the host tensor): `_copy_page` of its page, or a `.to(device)` of each tensor of
-    each whole expert (or dense part) it copies, run on meta tensors of the same shapes."""
-    key = (min(node.expert, 0), node.part, node.parts)
-    if key not in memo:
-        lw = model.weights.layers[node.layer]
-        if node.expert >= 0:
-            sources = list(lw.experts[node.expert].tensors())
-        else:  # the dense part: attention, norms, router
-            dense = [getattr(lw.attn, f.name) for f in attrs.fields(type(lw.attn))] + [lw.router]
-            sources = [t for t in dense if isinstance(t, torch.Tensor)]
-        meta = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in sources]
-        counter = OpCounter()
-        with counter:
-            counter.active = True
-            if node.part >= 0:
-                _copy_page(meta, [torch.empty_like(t) for t in meta], node.part, node.parts)
-            else:  # host tensors to another device, as Devices.to_gpu moves them
-                for tensor in sources:
-                    tensor.to("meta", non_blocking=True)
-        memo[key] = sum(counter.ops.values())
-    return memo[key] * (1 + len(node.more))
 
 
 def prompts_for(setting: Setting, vocab: int) -> list[Request]:
@@ -178,11 +174,13 @@ def count(setting: Setting, name: str, model: MoEModel, pages: int, decode_steps
     slots = max(4, int(setting.share * model.spec.moe.experts * model.spec.layers) // 4 * 4)
     policy = cache_slots(policy, name, slots)
     counter = OpCounter()
-    undo = attributing(counter)
+    cuda = DeviceWeights(model, Devices(torch.device("meta")))  # copies, as on CUDA: the counted path
+    undo = attributing(counter, SimpleNamespace(weights=SimpleNamespace(device=cuda)))
     steps: list[tuple[int, int]] = []  # (first span, end span) of each decode step
     try:
         cost = RooflineCost(hardware("h100" if setting.attention_on == "gpu" else "t4"), model.spec)
         with Runtime.create(model, name, policy, "cpu", cost) as runtime, counter:
+            cuda.setup(runtime.scheduler.residency(), runtime.scheduler.weight_buffer_bytes())
 
             async def counted(m: MoEModel, inputs: list[StepInput]) -> list[torch.Tensor]:
                 prefill = any(p == 0 for i in inputs for p in i.layout.past)
@@ -197,16 +195,19 @@ def count(setting: Setting, name: str, model: MoEModel, pages: int, decode_steps
             asyncio.run(generate(model, counted, requests, limits, runtime.cache_device))
     finally:
         undo()
+        cuda.close()
     spans = [s for a, b in steps for s in runtime.trace.spans[a:b]]
     n = len(steps)
     nodes = Counter(s.node.op.name for s in spans)
-    memo: dict[tuple[int, int, int], int] = {}
-    copies = sum(copy_ops(model, s.node, memo) for s in spans if s.node.op is Op.PAGE_COPY)
+    pages = sum(s.node.pages if s.node.part >= 0 else 1 for s in spans if s.node.op is Op.PAGE_COPY)
+    copies = sum(counter.copies.values())
     return {
         "setting": setting.label, "scheduler": name, "decode_steps": n,
-        "nodes_per_step": len(spans) / n, "ops_per_step": sum(counter.ops.values()) / n,
+        "nodes_per_step": len(spans) / n, "pages_per_step": pages / n,
+        "ops_per_step": sum(counter.ops.values()) / n,
         "views_per_step": sum(counter.views.values()) / n, "cuda_page_copy_ops_per_step": copies / n,
         "ops_with_copies_per_step": (sum(counter.ops.values()) + copies) / n,
+        "cuda_copy_ops_by_op": {k: v / n for k, v in counter.copies.most_common()},
         "nodes_by_op": {k: v / n for k, v in nodes.most_common()},
         "ops_by_op": {k: v / n for k, v in counter.ops.most_common()},
         "policy": {"batch_size": policy.batch_size, "micro_batch_size": size,
@@ -257,8 +258,8 @@ def cpu_name() -> str:
 
 def show(rows: list[dict[str, Any]]) -> None:
     table = Table(title="Per decode step: torch operations and executor nodes (counted on the CPU)")
-    for column in ("setting", "scheduler", "nodes", "page copies", "expert FFNs", "torch ops",
-                   "of them views", "+ CUDA page-copy ops", "ops / node", "top ops by node"):  # fmt: skip
+    for column in ("setting", "scheduler", "nodes", "page copies (pages)", "expert FFNs", "torch ops",
+                   "of them views", "+ CUDA copy ops", "ops / node", "top ops by node"):  # fmt: skip
         table.add_column(column, justify="right")
     for r in rows:
         if "error" in r:
@@ -267,7 +268,8 @@ def show(rows: list[dict[str, Any]]) -> None:
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(r["ops_by_op"].items())[:3])
         table.add_row(
             r["setting"], r["scheduler"], f"{r['nodes_per_step']:.0f}",
-            f"{r['nodes_by_op'].get('PAGE_COPY', 0):.0f}", f"{r['nodes_by_op'].get('EXPERT_FFN', 0):.0f}",
+            f"{r['nodes_by_op'].get('PAGE_COPY', 0):.0f} ({r['pages_per_step']:.0f})",
+            f"{r['nodes_by_op'].get('EXPERT_FFN', 0):.0f}",
             f"{r['ops_per_step']:.0f}", f"{r['views_per_step']:.0f}",
             f"{r['cuda_page_copy_ops_per_step']:.0f}",
             f"{r['ops_with_copies_per_step'] / r['nodes_per_step']:.1f}", top,

@@ -10,7 +10,7 @@ from flowmoe.core.errors import PlanError
 from flowmoe.core.executor import Action, Executor
 from flowmoe.core.page_runs import page_runs
 from flowmoe.core.plan import ExpertCounts, RoutingRequest, TaskNode
-from flowmoe.core.scheduling import PlanStream
+from flowmoe.core.scheduling import PlanItems, PlanStream
 
 ActionFor = Callable[[TaskNode], Action]
 Answer = Callable[[RoutingRequest], ExpertCounts]
@@ -22,6 +22,20 @@ class NodeBudget:
 
     limit: int
     refusal: str
+
+
+def _within(plan: PlanStream, budget: NodeBudget) -> PlanStream:
+    """`plan`, refused (PlanError) at its node past `budget`."""
+    left, items = budget.limit, PlanItems(plan)
+    try:
+        for item in items:
+            if isinstance(item, TaskNode):
+                left -= 1
+                if left < 0:
+                    raise PlanError(f"{budget.refusal} (more than {budget.limit} nodes in one step)")
+            items.reply = yield item
+    finally:
+        plan.close()
 
 
 async def drive(
@@ -38,25 +52,17 @@ async def drive(
     `budget` allows is refused (PlanError) before they pile up in memory. Any
     failure or cancellation stops every lane from starting new work and waits for
     in-flight nodes before it propagates, so what ran is fully recorded. Runs of pages the plan
-    emits back to back go as one node each (`page_runs`), in a real run and a simulated one alike."""
-    plan = page_runs(plan)
-    reply: ExpertCounts | None = None
-    left = budget.limit if budget is not None else -1
+    emits back to back go as one node each (`page_runs`), in a real run and a simulated one alike;
+    the budget counts the plan's own nodes."""
+    plan = page_runs(plan if budget is None else _within(plan, budget))
+    items = PlanItems(plan)
     try:
-        while True:
-            try:
-                item = plan.send(reply)
-            except StopIteration:
-                break
-            reply = None
+        for item in items:
             if isinstance(item, TaskNode):
-                left -= 1
-                if left == -1 and budget is not None:
-                    raise PlanError(f"{budget.refusal} (more than {budget.limit} nodes in one step)")
                 executor.submit(item, action_for(item))
             else:
                 await executor.wait(item.after)
-                reply = answer(item)
+                items.reply = answer(item)
         await executor.drain()
     except BaseException:
         executor.cancel()

@@ -20,24 +20,19 @@ from __future__ import annotations
 from attrs import evolve
 
 from flowmoe.core.plan import Op, RoutingRequest, TaskNode
-from flowmoe.core.scheduling import PlanStream
+from flowmoe.core.scheduling import PlanItems, PlanStream
 
 
 def page_runs(plan: PlanStream) -> PlanStream:
     """`plan` with each run of consecutive pages of one expert merged into one PAGE_COPY node."""
     run: list[TaskNode] = []
     merged: dict[int, int] = {}  # id of a page merged into a run -> the run's node id
-    reply = None
+    items = PlanItems(plan)
     try:
-        while True:
-            try:
-                item = plan.send(reply)
-            except StopIteration:
-                break
-            reply = None
+        for item in items:
             if isinstance(item, RoutingRequest):
                 yield from _flushed(run, merged)
-                reply = yield evolve(item, after=merged.get(item.after, item.after))
+                items.reply = yield evolve(item, after=merged.get(item.after, item.after))
                 continue
             node = _pointed(item, merged)
             if run and _extends(run, node):

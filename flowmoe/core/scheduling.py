@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import ClassVar, TypeVar
 
 from attrs import define, field, frozen
@@ -29,6 +29,24 @@ PlanStream = Generator[TaskNode | RoutingRequest, ExpertCounts | None, None]
 R = TypeVar("R")
 # part of a plan, run with `yield from`, that returns an R (node ids, a layer's routing, ...)
 SubPlan = Generator[TaskNode | RoutingRequest, ExpertCounts | None, R]
+
+
+class PlanItems:
+    """A plan's items in a for loop: the answer to a routing request goes back into the plan by
+    setting `reply` before the next item is asked for."""
+
+    def __init__(self, plan: PlanStream) -> None:
+        self.plan = plan
+        self.reply: ExpertCounts | None = None
+
+    def __iter__(self) -> Iterator[TaskNode | RoutingRequest]:
+        while True:
+            try:
+                item = self.plan.send(self.reply)
+            except StopIteration:
+                return
+            self.reply = None
+            yield item
 
 
 @frozen

@@ -192,7 +192,8 @@ class DeviceWeights:
     def load(self, layer: int, expert: int, part: int = -1, parts: int = 1, pages: int = 1) -> None:
         """PAGE_COPY: expert -1 is the layer's dense part (attention, router, shared/dense MLP).
         With `part` >= 0 an expert arrives in `parts` pages, `pages` of them from `part` on in this
-        call (one copy operation: runtime/paged_copy.py), and is resident after the last one.
+        call (one copy operation: runtime/paged_copy.py; all of them: as a whole expert), and is
+        resident after the last one.
         Copies are enqueued (asynchronous on CUDA), so holding the lock over them is short."""
         source = self.model.weights.layers[layer]
         key = (layer, expert)
@@ -206,7 +207,7 @@ class DeviceWeights:
                 self._reserve(layer, expert)
             if expert < 0:
                 self._dense[layer] = _dense_to(self.devices, source)
-            elif part < 0:
+            elif part < 0 or pages == parts:  # whole: tensor by tensor, one copy each
                 self._experts[key] = self._expert_to(source, expert)
             else:
                 self._load_pages(layer, expert, part, parts, pages)
