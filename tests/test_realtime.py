@@ -109,9 +109,11 @@ def test_a_plan_whose_copies_do_not_land_fails_as_in_a_real_run(monkeypatch: pyt
     them missing, as the real runtime's action would."""
     load = DeviceWeights.load
 
-    def dense_only(self: DeviceWeights, layer: int, expert: int, part: int = -1, parts: int = 1) -> None:
+    def dense_only(
+        self: DeviceWeights, layer: int, expert: int, part: int = -1, parts: int = 1, pages: int = 1
+    ) -> None:
         if expert < 0:
-            load(self, layer, expert, part, parts)
+            load(self, layer, expert, part, parts, pages)
 
     monkeypatch.setattr(DeviceWeights, "load", dense_only)
     with pytest.raises(NodeFailed, match="not resident"):
