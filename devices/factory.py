@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from flowmoe.core.executor import Worker
 from flowmoe.core.plan import Lane
-from flowmoe.core.threads import ThreadPlan, plan_threads, usable_cores
+from flowmoe.core.threads import ThreadPlan, free_cores, plan_threads, usable_cores
 from flowmoe.devices.cuda import CudaStreamWorker, EventBook
 from flowmoe.devices.inline import InlineWorker
 from flowmoe.devices.threadpool import ThreadPoolWorker
@@ -18,9 +20,13 @@ def host_plan(gpu: torch.device, threads: int | None = None) -> ThreadPlan:
     """The thread plan of a run on `gpu` with --cpu-threads `threads` (flowmoe/core/threads.py):
     one thread computes on the host (without CUDA the loop's, with it the cpu.compute lane's),
     with the whole budget, less the launch core when a GPU computes. Without --cpu-threads the
-    budget is the calling thread's torch threads (OMP_NUM_THREADS, torch.set_num_threads)."""
+    budget is OMP_NUM_THREADS where it is set, else the cores free when the run starts
+    (flowmoe/core/threads.py: a team as wide as every core waits on a busy machine's co-tenants at
+    each parallel region), at most the calling thread's torch threads (torch.set_num_threads)."""
     reserve = LAUNCH_CORES if gpu.type == "cuda" else 0
     default = torch.get_num_threads()
+    if threads is None and not os.environ.get("OMP_NUM_THREADS"):
+        default = min(default, free_cores())
     return plan_threads(usable_cores(), threads, compute_threads=1, reserve=reserve, default=default)
 
 

@@ -176,7 +176,7 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--cpu-threads", type=POSITIVE_INT,
         help="host threads computing at once, split over the host's compute threads (at most the usable "
-        "cores; default: OMP_NUM_THREADS or every usable core; %(type)s)",
+        "cores; default: OMP_NUM_THREADS, else the usable cores no other process keeps busy; %(type)s)",
     )  # fmt: skip
     group.add_argument("--expert-format", choices=EXPERT_FORMATS, default="native", help=EXPERT_FORMAT_HELP)
     add_option_flags(parser)

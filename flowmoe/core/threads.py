@@ -9,11 +9,18 @@ waiting workers spin on cores the other team needs: the same small job then take
 
 The plan gives `compute_threads` host threads that may compute at the same time `intra_op` torch
 threads each, so that compute_threads × intra_op ≤ the budget ≤ the cores this process may use
-(os.sched_getaffinity). The budget is --cpu-threads; by default the process's own torch threads
-(OMP_NUM_THREADS when set, otherwise torch's default: every core), at most the usable cores. `reserve`
+(os.sched_getaffinity). The budget is --cpu-threads; by default OMP_NUM_THREADS when set, otherwise
+the usable cores that are free when the run starts (`free_cores`), at most the usable cores. `reserve`
 cores are kept for threads that launch work but compute little (the event loop and the CUDA launch
 threads when a GPU computes; they run with one intra-op thread each), as long as the budget leaves
 at least one core to compute with.
+
+Why free cores (issue 25): an OpenMP team waits at the end of each parallel region for its slowest
+thread, and a thread that shares its core with another busy process runs only in that process's
+gaps, so every region (flowmoe's steps run many short ones) waits for a scheduler slice. With one
+busy co-tenant on a 2-core machine the README tour's cgopipe job took 6.3-17.3 s on both cores and
+0.21 s on one. A short look at /proc/stat (which cores sat idle over `SAMPLE_S`) sizes the default
+team to the cores nobody else is using; 1 where every core is busy.
 
 How the runtime uses it (devices/factory.py): without CUDA every lane's nodes run on the event
 loop's thread, one compute thread with the whole budget, exactly as a plain eager step; with CUDA
@@ -22,7 +29,10 @@ the host lanes (cpu.compute) get the budget less one core, which the loop and la
 
 from __future__ import annotations
 
+import functools
 import os
+import time
+from pathlib import Path
 
 from attrs import frozen
 
@@ -48,6 +58,51 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # a platform without affinity (macOS)
         return os.cpu_count() or 1
+
+
+PROC_STAT = Path("/proc/stat")
+SAMPLE_S = 0.1  # seconds of /proc/stat looked at: 10 ticks per core at Linux's usual USER_HZ of 100
+FREE = 0.75  # idle share over the sample for a core to count as free (a busy co-tenant leaves ~0)
+
+
+def _cpu_times(text: str) -> dict[int, tuple[int, int]]:
+    """(idle + iowait, total) jiffies of each core, from /proc/stat's text."""
+    times = {}
+    for line in text.splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit():
+            ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+            times[int(name[3:])] = (ticks[3] + ticks[4], sum(ticks))
+    return times
+
+
+def idle_shares(before: str, after: str, cores: set[int]) -> list[float]:
+    """The share of the time each of `cores` sat idle between two readings of /proc/stat."""
+    start, end = _cpu_times(before), _cpu_times(after)
+    shares = []
+    for core in sorted(cores & start.keys() & end.keys()):
+        (idle_0, total_0), (idle_1, total_1) = start[core], end[core]
+        shares.append((idle_1 - idle_0) / (total_1 - total_0) if total_1 > total_0 else 1.0)
+    return shares
+
+
+def count_free(shares: list[float]) -> int:
+    """Cores at least FREE idle, at least 1."""
+    return max(1, sum(share >= FREE for share in shares))
+
+
+@functools.cache
+def free_cores() -> int:
+    """The usable cores no other process kept busy over a short look at /proc/stat (once per
+    process; at least 1); all usable cores where /proc/stat cannot be read."""
+    try:
+        cores = os.sched_getaffinity(0)
+        before = PROC_STAT.read_text()
+        time.sleep(SAMPLE_S)
+        after = PROC_STAT.read_text()
+    except (AttributeError, OSError):
+        return usable_cores()
+    return count_free(idle_shares(before, after, cores))
 
 
 def plan_threads(

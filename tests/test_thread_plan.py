@@ -1,0 +1,81 @@
+"""The default thread plan on a busy machine (issue 25): the cores other processes keep busy are not
+counted, so no OpenMP thread of a run waits on a core it shares with a co-tenant; OMP_NUM_THREADS and
+--cpu-threads still decide where given."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import flowmoe.devices.factory as factory
+from flowmoe.core.threads import FREE, PROC_STAT, count_free, free_cores, idle_shares, usable_cores
+from flowmoe.devices.threadpool import set_intra_op
+
+
+def stat(*cores: tuple[int, int]) -> str:
+    """/proc/stat's text with each core's (busy, idle) jiffies (user and idle columns)."""
+    lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
+    lines += [f"cpu{n} {busy} 0 0 {idle} 0 0 0 0 0 0" for n, (busy, idle) in enumerate(cores)]
+    return "\n".join([*lines, "intr 12345", "ctxt 678"]) + "\n"
+
+
+def test_idle_shares_are_read_per_core_from_proc_stat() -> None:
+    before = stat((100, 900), (500, 500), (0, 0))
+    after = stat((110, 990), (600, 500), (0, 0))  # cpu0 90% idle, cpu1 busy, cpu2 did not tick
+    assert idle_shares(before, after, {0, 1, 2}) == [0.9, 0.0, 1.0]
+    assert idle_shares(before, after, {1, 7}) == [0.0]  # a core not in /proc/stat is left out
+
+
+@pytest.mark.parametrize(
+    ("shares", "free"),
+    [([1.0, 1.0], 2), ([1.0, 0.02], 1), ([0.0, 0.0], 1), ([FREE, FREE - 0.01, 0.5], 1), ([0.9] * 4, 4)],
+)
+def test_a_core_counts_as_free_when_mostly_idle_and_a_run_gets_at_least_one(
+    shares: list[float], free: int
+) -> None:
+    assert count_free(shares) == free
+
+
+@pytest.fixture
+def _unset_omp(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The suite sets OMP_NUM_THREADS=1 (tests/conftest.py); these tests want the default path."""
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    set_intra_op(usable_cores())
+    yield
+    set_intra_op(before)
+
+
+@pytest.mark.usefixtures("_unset_omp")
+def test_the_default_plan_takes_the_free_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(factory, "free_cores", lambda: 1)
+    assert factory.host_plan(cpu).intra_op == 1
+    assert factory.host_plan(cpu, usable_cores()).intra_op == usable_cores()  # --cpu-threads decides
+    monkeypatch.setattr(factory, "free_cores", lambda: usable_cores())
+    assert factory.host_plan(cpu).intra_op == usable_cores()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the environment decides where it is set
+    set_intra_op(1)
+    assert factory.host_plan(cpu).intra_op == 1
+
+
+@pytest.mark.skipif(not PROC_STAT.exists() or usable_cores() < 2, reason="needs /proc/stat and 2 cores")
+def test_a_core_a_busy_process_runs_on_is_not_free() -> None:
+    """A spinning process pinned to one of this process's cores: that core never sits idle while it
+    can run, so at most the others count (other load on the machine only lowers the count)."""
+    core = sorted(os.sched_getaffinity(0))[0]
+    spin = subprocess.Popen(
+        [sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile 1: pass"]
+    )
+    try:
+        time.sleep(0.5)  # it has started spinning
+        assert free_cores.__wrapped__() <= usable_cores() - 1
+    finally:
+        spin.kill()
+        spin.wait()
