@@ -1,0 +1,464 @@
+"""flowmoe against llama.cpp on the CPU: one checkpoint, the same token ids, greedy (issue 25).
+
+A Mixtral-architecture checkpoint with random weights (hidden 1024, intermediate 3584, 8 layers,
+8 experts top-2, vocab 32000, 32 heads, 8 KV heads: 791M parameters, the issue's) is written once by
+transformers' save_pretrained, with a tokenizer made offline (a byte-fallback BPE tokenizer.json of
+the vocab's 32000 entries, which llama.cpp's converter reads as a Llama vocabulary), and converted
+to GGUF (f32 and bf16) by convert_hf_to_gguf.py from the llama.cpp source tree that
+llama-cpp-python's sdist vendors. llama-cpp-python is built once from PyPI
+(CMAKE_ARGS=-DGGML_NATIVE=ON, i.e. -march=native) into a venv outside the repository
+(~/.cache/flowmoe-bench/llamacpp-venv, or --cache).
+
+Each measurement runs in a subprocess of its own (one tool, one dtype, one repeat; every batch and
+thread count in it), so its peak RSS (ru_maxrss) is that tool's alone; the tools alternate repeat
+by repeat. A cell: --batch prompts of --prompt tokens (the same random ids for both tools) prefilled
+in one step, then --new-tokens greedy tokens, one decode step each. flowmoe runs the path
+`flowmoe run` builds (Runtime.create with the eager scheduler and a default Policy, driven by the
+Engine); llama.cpp runs llama_decode through llama-cpp-python's low-level API (one sequence per
+prompt, n_seq_max = batch). Per step: wall time and the process's CPU time (user + system, all its
+threads): on a machine shared with other work, CPU time per step is the figure that compares;
+the load average is noted for each cell. Medians over the repeats, spread = max / min - 1.
+
+    python bench/vs_llamacpp.py                 # fp32 and bf16, batch 1 and 8, 1 and all threads
+    python bench/vs_llamacpp.py --quick         # a small model, printed only: checks the script
+    python bench/vs_llamacpp.py --from-json     # the table of the last run
+
+It runs outside CI: the first build of llama-cpp-python takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CACHE = Path.home() / ".cache" / "flowmoe-bench"
+LLAMA_CPP_VERSION = "0.3.36"  # the version issue 25 measured with
+TOOLS = ("flowmoe", "llama.cpp")
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=3584)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--prompt", type=int, default=128, help="tokens per prompt (issue 25: 128)")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--threads", default=f"1,{len(os.sched_getaffinity(0))}")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache", type=Path, default=CACHE, help="the llama.cpp venv, checkpoint and GGUFs")
+    parser.add_argument("--quick", action="store_true", help="a small model, 1 repeat (checks the script)")
+    parser.add_argument("--from-json", action="store_true", help="print the last run's table only")
+    parser.add_argument("--worker", choices=TOOLS, help=argparse.SUPPRESS)  # one measuring subprocess
+    parser.add_argument("--job", help=argparse.SUPPRESS)  # its job, as JSON
+    args = parser.parse_args()
+    if args.quick:
+        args.hidden, args.intermediate, args.layers, args.vocab, args.heads, args.kv_heads = (
+            256,
+            512,
+            2,
+            1000,
+            4,
+            2,
+        )
+        args.prompt, args.new_tokens, args.repeats = 16, 4, 1
+    return args
+
+
+# ---- what both workers do, and report
+
+
+def peak_rss() -> int:
+    """This process's peak resident set, bytes (VmHWM: ru_maxrss would count the parent's resident set
+    at the fork)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
+class Clock:
+    """A run's step boundaries, in wall and process CPU time (every thread's user + system)."""
+
+    def __init__(self) -> None:
+        self.marks = [(time.perf_counter(), time.process_time())]
+
+    def tick(self) -> None:
+        self.marks.append((time.perf_counter(), time.process_time()))
+
+    def steps(self) -> list[tuple[float, float]]:
+        """(wall s, CPU s) of each step."""
+        return [(w1 - w0, c1 - c0) for (w0, c0), (w1, c1) in zip(self.marks, self.marks[1:], strict=False)]
+
+
+def cell_result(batch: int, threads: int, steps: list[tuple[float, float]], tokens: list[list[int]],
+                load: float) -> dict:  # fmt: skip
+    """steps: the prefill step, then one per further token."""
+    return {
+        "batch": batch, "threads": threads, "prefill_wall_s": steps[0][0], "prefill_cpu_s": steps[0][1],
+        "decode_wall_s": [w for w, _ in steps[1:]], "decode_cpu_s": [c for _, c in steps[1:]],
+        "tokens": tokens, "load_before": load, "load_after": os.getloadavg()[0],
+    }  # fmt: skip
+
+
+# ---- llama.cpp (runs in the llama-cpp-python venv: the standard library, numpy and llama_cpp only)
+
+
+def llamacpp_worker(job: dict) -> dict:
+    import llama_cpp as L
+
+    quiet = L.llama_log_callback(lambda *_: None)  # kept alive while llama.cpp may call it
+    L.llama_log_set(quiet, None)
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(job["model"].encode(), L.llama_model_default_params())
+    vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    cells = []
+    for batch, threads in job["cells"]:
+        prompts = job["prompts"][:batch]
+        tokens = sum(len(p) for p in prompts)
+        params = L.llama_context_default_params()
+        params.n_ctx = batch * 256 * -(-(job["prompt"] + job["new_tokens"]) // 256)
+        params.n_batch = max(tokens, 512)  # the whole prefill in one llama_decode (n_ubatch: its default)
+        params.n_seq_max = batch  # one sequence per prompt
+        params.n_threads = params.n_threads_batch = threads
+        llama = Llama(L, L.llama_init_from_model(model, params), L.llama_batch_init(tokens, 0, batch), vocab)
+        load, clock = os.getloadavg()[0], Clock()
+        out = [[t] for t in llama.decode(prompts, [0] * batch)]
+        clock.tick()
+        for step in range(1, job["new_tokens"]):
+            nexts = llama.decode([[r[-1]] for r in out], [len(p) + step - 1 for p in prompts])
+            for row, token in zip(out, nexts, strict=True):
+                row.append(token)
+            clock.tick()
+        cells.append(cell_result(batch, threads, clock.steps(), out, load))
+        llama.close()
+    L.llama_model_free(model)
+    return {"cells": cells, "peak_rss": peak_rss(), "system": L.llama_print_system_info().decode()}
+
+
+class Llama:
+    """A llama.cpp context and its batch: greedy next tokens, one llama_decode per step."""
+
+    def __init__(self, lib, ctx, batch, vocab: int) -> None:
+        self.lib, self.ctx, self.batch, self.vocab = lib, ctx, batch, vocab
+
+    def decode(self, rows: list[list[int]], start: list[int]) -> list[int]:
+        """Sequence s's tokens `rows[s]` at positions start[s]...; the argmax of each one's last logits."""
+        import numpy as np
+
+        b, n, last = self.batch, 0, []
+        for seq, (row, pos) in enumerate(zip(rows, start, strict=True)):
+            for i, token in enumerate(row):
+                b.token[n], b.pos[n], b.n_seq_id[n], b.seq_id[n][0] = token, pos + i, 1, seq
+                b.logits[n] = i == len(row) - 1
+                n += 1
+            last.append(n - 1)
+        b.n_tokens = n
+        if self.lib.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+        logits = (self.lib.llama_get_logits_ith(self.ctx, i) for i in last)
+        return [int(np.ctypeslib.as_array(row, (self.vocab,)).argmax()) for row in logits]
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+
+
+# ---- flowmoe (runs in the project's venv)
+
+
+def flowmoe_worker(job: dict) -> dict:
+    sys.path.insert(0, str(HERE.parent))
+    from attrs import evolve
+
+    from bench.vs_transformers import flowmoe_generate
+    from flowmoe.core.policy import Policy
+    from flowmoe.model.loading import load_model
+    from flowmoe.runtime.runner import Runtime
+
+    model = load_model(job["model"], job["dtype"])
+    cells = []
+    for batch, threads in job["cells"]:
+        runtime = Runtime.create(model, "eager", evolve(Policy(), cpu_threads=threads), record=False)
+        try:
+            flowmoe_generate(model, runtime, [job["prompts"][0][:8]], 2)  # warm: first use of the kernels
+            load = os.getloadavg()[0]
+            clock = Clock()
+            out = flowmoe_generate(model, runtime, job["prompts"][:batch], job["new_tokens"], clock)
+            # a run's ticks: each call of the step runner, then its end; the first mark is before setup
+            steps = clock.steps()[1 : job["new_tokens"] + 1]
+            cells.append(cell_result(batch, threads, steps, out, load))
+        finally:
+            runtime.close()
+    return {"cells": cells, "peak_rss": peak_rss()}
+
+
+# ---- setup: llama-cpp-python, the checkpoint and its GGUFs
+
+
+def llamacpp_python(cache: Path) -> Path:
+    """The venv's python with llama-cpp-python built for this CPU (built once: minutes)."""
+    venv = cache / "llamacpp-venv"
+    python = venv / "bin" / "python"
+    if (
+        python.exists()
+        and subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    ):
+        return python
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = os.environ | {"CMAKE_ARGS": "-DGGML_NATIVE=ON"}  # -march=native, as a user building it here gets
+    subprocess.run(
+        [python, "-m", "pip", "install", f"llama-cpp-python=={LLAMA_CPP_VERSION}"], check=True, env=env
+    )
+    return python
+
+
+def converter(cache: Path) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py, from the sdist llama-cpp-python vendors it in."""
+    tree = cache / "src" / f"llama_cpp_python-{LLAMA_CPP_VERSION}" / "vendor" / "llama.cpp"
+    if not (tree / "convert_hf_to_gguf.py").exists():
+        sdist = cache / "sdist"
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", str(sdist)], check=True,
+        )  # fmt: skip
+        (cache / "src").mkdir(parents=True, exist_ok=True)
+        archive = sdist / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
+        subprocess.run(["tar", "-xzf", str(archive), "-C", str(cache / "src")], check=True)
+    return tree / "convert_hf_to_gguf.py"
+
+
+def gguf(args: argparse.Namespace, folder: Path, dtype: str) -> Path:
+    """The checkpoint converted by llama.cpp's own converter (its tokenizer reading needs sentencepiece,
+    installed beside it; gguf-py from the same tree)."""
+    out = folder.with_name(f"{folder.name}-{GGUF_TYPES[dtype]}.gguf")
+    if out.exists():
+        return out
+    script = converter(args.cache)
+    deps = args.cache / "convert-deps"
+    if not (deps / "sentencepiece").exists():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--target", str(deps), "sentencepiece"], check=True
+        )
+    env = os.environ | {"PYTHONPATH": f"{script.parent / 'gguf-py'}:{deps}"}
+    command = [
+        sys.executable,
+        str(script),
+        str(folder),
+        "--outtype",
+        GGUF_TYPES[dtype],
+        "--outfile",
+        str(out),
+    ]
+    subprocess.run(command, check=True, env=env, capture_output=True)
+    return out
+
+
+def write_checkpoint(args: argparse.Namespace, folder: Path) -> None:
+    """The Mixtral-architecture fp32 checkpoint with random weights, and its offline tokenizer."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        num_local_experts=args.experts, num_experts_per_tok=args.top_k, max_position_embeddings=4096,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    MixtralForCausalLM(config).save_pretrained(folder)
+    write_tokenizer(folder, args.vocab)
+
+
+def write_tokenizer(folder: Path, vocab: int) -> None:
+    """A Llama-style byte-fallback BPE tokenizer of exactly `vocab` entries (<unk> <s> </s>, the 256
+    byte tokens, then single characters and filler pieces; no merges): what the converter needs to
+    write a Llama vocabulary. The benchmark feeds token ids, so its text quality does not matter."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    chars = [chr(c) for c in range(0x21, 0x7F)] + ["▁"]
+    pieces += chars + [f"▁w{i}" for i in range(vocab - len(pieces) - len(chars))]
+    bpe = models.BPE(
+        vocab={p: i for i, p in enumerate(pieces)}, merges=[], byte_fallback=True, unk_token="<unk>"
+    )
+    tokenizer = Tokenizer(bpe)
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<unk>"
+    )
+    fast.save_pretrained(folder)
+
+
+# ---- the comparison
+
+
+def run_worker(python: Path | str, tool: str, job: dict) -> dict:
+    command = [str(python), str(Path(__file__).resolve()), "--worker", tool, "--job", json.dumps(job)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{tool} worker failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def spread(values: list[float]) -> float:
+    return max(values) / min(values) - 1 if min(values) > 0 else float("nan")
+
+
+def rows_from(runs: dict[tuple[str, str], list[dict]], prompt: int) -> list[dict]:
+    """One row per (dtype, batch, threads, tool): medians over the repeats."""
+    rows = []
+    for (dtype, tool), repeats in runs.items():
+        for index, first in enumerate(repeats[0]["cells"]):
+            cells = [r["cells"][index] for r in repeats]
+            batch, threads = first["batch"], first["threads"]
+            decode_steps = len(first["decode_wall_s"])
+            decode_wall = [sum(c["decode_wall_s"]) for c in cells]
+            decode_cpu = [sum(c["decode_cpu_s"]) for c in cells]
+            rows.append({
+                "dtype": dtype, "tool": tool, "batch": batch, "threads": threads,
+                "prefill_tok_s": statistics.median(batch * prompt / c["prefill_wall_s"] for c in cells),
+                "prefill_cpu_s": statistics.median(c["prefill_cpu_s"] for c in cells),
+                "prefill_spread": spread([c["prefill_wall_s"] for c in cells]),
+                "decode_tok_s": statistics.median(batch * decode_steps / w for w in decode_wall),
+                "decode_cpu_ms_step": statistics.median(1e3 * c / decode_steps for c in decode_cpu),
+                "decode_wall_ms_step": statistics.median(1e3 * w / decode_steps for w in decode_wall),
+                "decode_spread": spread(decode_wall),
+                "peak_rss_gib": statistics.median(r["peak_rss"] for r in repeats) / 2**30,
+                "load": [round(c["load_before"], 1) for c in cells] + [round(cells[-1]["load_after"], 1)],
+                "tokens": first["tokens"],
+            })  # fmt: skip
+    flowmoe = {(r["dtype"], r["batch"], r["threads"]): r for r in rows if r["tool"] == "flowmoe"}
+    for row in rows:
+        ours = flowmoe[(row["dtype"], row["batch"], row["threads"])]
+        row["decode_cpu_ratio"] = row["decode_cpu_ms_step"] / ours["decode_cpu_ms_step"]  # > 1: flowmoe ahead
+        row["prefill_cpu_ratio"] = row["prefill_cpu_s"] / ours["prefill_cpu_s"]
+        row["agreement"] = agreement(ours["tokens"], row["tokens"])
+    return sorted(rows, key=lambda r: (r["dtype"], r["batch"], r["threads"], r["tool"]))
+
+
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
+    """Share of tokens equal up to each sequence's first difference."""
+    agreed = sum(next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+                 for x, y in zip(ours, theirs, strict=True))  # fmt: skip
+    return agreed / sum(len(x) for x in ours)
+
+
+COLUMNS = (
+    ("dtype", "{dtype}"), ("batch", "{batch}"), ("threads", "{threads}"), ("tool", "{tool}"),
+    ("prefill tok/s", "{prefill_tok_s:.1f}"), ("prefill CPU s", "{prefill_cpu_s:.2f}"),
+    ("decode tok/s", "{decode_tok_s:.2f}"), ("decode ms/step", "{decode_wall_ms_step:.0f}"),
+    ("decode CPU ms/step", "{decode_cpu_ms_step:.0f}"),
+    ("decode CPU: llama.cpp ÷ tool", "{decode_cpu_ratio:.2f}"),
+    ("prefill CPU: llama.cpp ÷ tool", "{prefill_cpu_ratio:.2f}"),
+    ("spread (prefill / decode)", "{prefill_spread:.0%} / {decode_spread:.0%}"),
+    ("peak RSS GiB", "{peak_rss_gib:.2f}"), ("tokens = flowmoe's", "{agreement:.0%}"), ("load avg", "{load}"),
+)  # fmt: skip
+
+
+def cells(row: dict) -> list[str]:
+    return [form.format(**row) for _, form in COLUMNS]
+
+
+def report(saved: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    meta = saved["meta"]
+    table = Table(title=f"flowmoe vs llama.cpp — {meta['model']} — {meta['machine']}")
+    for title, _ in COLUMNS:
+        table.add_column(title, justify="left" if title in ("dtype", "tool") else "right")
+    for row in saved["rows"]:
+        table.add_row(*cells(row))
+    console = Console(width=250)
+    console.print(table)
+    console.print(
+        f"weights: {meta['weights_gib']:.3f} GiB fp32; {meta['repeats']} repeats, tools alternated; "
+        f"{meta['date']}"
+    )
+    print("| " + " | ".join(t for t, _ in COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
+    for row in saved["rows"]:
+        print("| " + " | ".join(cells(row)) + " |")
+
+
+def machine() -> dict:
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    field = lambda name: next((line.split(":", 1)[1].strip() for line in info if line.startswith(name)), "")  # noqa: E731
+    flags = field("flags").split()
+    simd = [
+        f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags
+    ]
+    return {"cpu": field("model name"), "simd": simd, "cores": len(os.sched_getaffinity(0))}
+
+
+def main() -> None:
+    args = arguments()
+    if args.worker:
+        job = json.loads(args.job)
+        print(json.dumps((flowmoe_worker if args.worker == "flowmoe" else llamacpp_worker)(job)))
+        return
+    out = HERE / "vs_llamacpp.json"
+    if args.from_json:
+        report(json.loads(out.read_text()))
+        return
+    python = llamacpp_python(args.cache)
+    name = f"mixtral-h{args.hidden}-i{args.intermediate}-l{args.layers}-e{args.experts}-v{args.vocab}"
+    folder = args.cache / name
+    if not (folder / "config.json").exists():
+        write_checkpoint(args, folder)
+    ggufs = {dtype: gguf(args, folder, dtype) for dtype in args.dtypes.split(",")}
+    rng = random.Random(1)
+    batches, threads = [int(b) for b in args.batches.split(",")], [int(t) for t in args.threads.split(",")]
+    prompts = [[rng.randrange(3, args.vocab) for _ in range(args.prompt)] for _ in range(max(batches))]
+    grid = [(b, t) for b in batches for t in threads]
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for repeat in range(args.repeats):
+        for dtype in args.dtypes.split(","):
+            order = TOOLS if repeat % 2 == 0 else TOOLS[::-1]  # alternated, so a load change hits both
+            for tool in order:
+                model = str(folder) if tool == "flowmoe" else str(ggufs[dtype])
+                job = {"model": model, "dtype": dtype, "prompts": prompts, "cells": grid,
+                       "prompt": args.prompt, "new_tokens": args.new_tokens}  # fmt: skip
+                result = run_worker(sys.executable if tool == "flowmoe" else python, tool, job)
+                runs.setdefault((dtype, tool), []).append(result)
+                print(
+                    f"repeat {repeat} {dtype} {tool}: peak RSS {result['peak_rss'] / 2**30:.2f} GiB",
+                    flush=True,
+                )
+    system = next(r["system"] for (_, tool), rs in runs.items() if tool == "llama.cpp" for r in rs)
+    meta = {
+        "model": f"Mixtral architecture, hidden {args.hidden}, intermediate {args.intermediate}, "
+                 f"{args.layers} "
+                 f"layers, {args.experts} experts top-{args.top_k}, vocab {args.vocab}, random weights",
+        "machine": machine(), "llama_cpp_python": LLAMA_CPP_VERSION, "llama_cpp_system": system,
+        "weights_gib": sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**30,
+        "repeats": args.repeats, "prompt": args.prompt, "new_tokens": args.new_tokens,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }  # fmt: skip
+    saved = {"meta": meta, "rows": rows_from(runs, args.prompt)}
+    if not args.quick:  # a check of the script: printed only
+        out.write_text(json.dumps(saved, indent=1) + "\n")
+    report(saved)
+
+
+if __name__ == "__main__":
+    main()
