@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -22,6 +22,7 @@ from flowmoe.core.plan import TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.spec import ModelSpec
 from flowmoe.jobs.engine import Engine, StepInput
+from flowmoe.kernels import cpu_attention, cpu_expert, native
 from flowmoe.kernels.norm import rms_norm
 from flowmoe.kernels.rope import Rotary
 from flowmoe.model.moe_model import MoEModel
@@ -100,11 +101,26 @@ def _ops_per_node(model: MoEModel, policy: Policy, monkeypatch: pytest.MonkeyPat
     return {op: counter.ops[op] / nodes[op] for op in nodes if op in COMPUTE and nodes[op]}
 
 
+@pytest.fixture
+def torch_ops_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The C kernels off (FLOWMOE_CPU_KERNELS=0): torch operations everywhere, as on the GPU. Their
+    libraries are looked up once per process, so the lookups are forgotten before and after (an
+    earlier test of the suite may have loaded them)."""
+    lookups = (native.library, cpu_expert.library, cpu_attention.library)
+    monkeypatch.setenv("FLOWMOE_CPU_KERNELS", "0")
+    for lookup in lookups:
+        lookup.cache_clear()
+    yield
+    monkeypatch.undo()
+    for lookup in lookups:
+        lookup.cache_clear()
+
+
+@pytest.mark.usefixtures("torch_ops_only")
 @pytest.mark.parametrize("attention_on", ["gpu", "cpu"])
 def test_ops_per_compute_node_stay_cut(
     model: MoEModel, attention_on: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("FLOWMOE_CPU_KERNELS", "0")  # torch operations everywhere, as on the GPU
     policy = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.0, attention_on=attention_on)
     expected = GPU_ATTENTION if attention_on == "gpu" else CPU_ATTENTION
     assert _ops_per_node(model, policy, monkeypatch) == pytest.approx(expected)
