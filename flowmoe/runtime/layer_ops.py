@@ -119,7 +119,7 @@ def _pregate(s: StepState, n: TaskNode) -> None:
 
 
 def _page_copy(s: StepState, n: TaskNode) -> None:
-    """One page: part of an expert (or a dense part), or whole experts (`n.experts`)."""
+    """One page or a run of `n.pages` pages of an expert (or a dense part), or whole experts (`n.experts`)."""
     for expert in n.experts or (n.expert,):
         s.weights.device.load(n.layer, expert, n.part, n.parts, n.pages)
 
