@@ -56,6 +56,7 @@ from flowmoe.core.policy_search import search
 from flowmoe.core.presets import preset
 from flowmoe.core.synthetic_routing import RoutingModel
 from flowmoe.core.workloads import workload
+from flowmoe.kernels.native import cpuinfo_field
 from flowmoe.study.best_policy import Given, best_policy
 from flowmoe.study.realtime import NO_LAUNCH, NODE_SECONDS, OP_SECONDS, LaunchCosts, meta_model, realtime_run
 from flowmoe.study.sim_report import RealtimeRun
@@ -253,17 +254,8 @@ def h200_main(label: str, steps: int, out: Path) -> None:
     out.write_text(json.dumps(data, indent=1) + "\n")
 
 
-def cpu_model() -> str | None:
-    """The CPU's model name (/proc/cpuinfo), where the system says."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return None
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
-
-
 def machine() -> str:
-    cpu = cpu_model() or platform.processor() or platform.machine()
+    cpu = cpuinfo_field("model name") or platform.processor() or platform.machine()
     return f"{os.cpu_count()}-vCPU shared VM ({cpu}), Python {platform.python_version()}"
 
 

@@ -57,6 +57,7 @@ from flowmoe.core.presets import preset
 from flowmoe.core.workloads import workload
 from flowmoe.jobs.batching import BatchLimits
 from flowmoe.jobs.engine import Request, StepInput
+from flowmoe.kernels.native import cpuinfo_field
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime import actions
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
@@ -244,16 +245,10 @@ def main() -> None:
             )
     show(rows)
     settings = {k: attrs.asdict(SETTINGS[k]) for k in args.settings}
-    meta = {"cpu": cpu_name(), "torch": torch.__version__, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d"), "settings": settings}  # fmt: skip
+    meta = {"cpu": cpuinfo_field("model name") or platform.processor(), "torch": torch.__version__,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+            "settings": settings}  # fmt: skip
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def show(rows: list[dict[str, Any]]) -> None:

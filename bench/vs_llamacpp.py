@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+from flowmoe.kernels.native import cpuinfo_field
+
 HERE = Path(__file__).resolve().parent
 CACHE = Path.home() / ".cache" / "flowmoe-bench"
 LLAMA_CPP_VERSION = "0.3.36"  # the version issue 25 measured with
@@ -402,13 +404,11 @@ def report(saved: dict) -> None:
 
 
 def machine() -> dict:
-    info = Path("/proc/cpuinfo").read_text().splitlines()
-    field = lambda name: next((line.split(":", 1)[1].strip() for line in info if line.startswith(name)), "")  # noqa: E731
-    flags = field("flags").split()
+    flags = cpuinfo_field("flags").split()
     simd = [
         f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags
     ]
-    return {"cpu": field("model name"), "simd": simd, "cores": len(os.sched_getaffinity(0))}
+    return {"cpu": cpuinfo_field("model name"), "simd": simd, "cores": len(os.sched_getaffinity(0))}
 
 
 def main() -> None:

@@ -51,6 +51,7 @@ from flowmoe.devices.factory import host_plan
 from flowmoe.devices.threadpool import set_intra_op
 from flowmoe.jobs.batching import BatchLimits, Request
 from flowmoe.jobs.engine import Engine, StepInput, eager_step
+from flowmoe.kernels.native import cpuinfo_field
 from flowmoe.model.loading import load_model
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.runner import Runtime
@@ -446,20 +447,10 @@ def main() -> None:
 
 
 def _machine() -> str:
-    flags = _cpuinfo("flags").split()
+    flags = cpuinfo_field("flags").split()
     simd = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    name = _cpuinfo("model name") or platform.machine()
+    name = cpuinfo_field("model name") or platform.machine()
     return f"{usable_cores()}-vCPU VM, shared ({name}; {', '.join(simd)})"
-
-
-def _cpuinfo(field: str) -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(field):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def _load() -> str:

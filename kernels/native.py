@@ -29,6 +29,16 @@ log = structlog.get_logger(__name__)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
 
+def cpuinfo_field(name: str) -> str:
+    """The first `name` line's value in /proc/cpuinfo ("model name", "flags"), or "" where the system
+    does not say (no /proc, another OS): what benchmarks name the CPU by."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(name)), "")
+
+
 def _cpu_id() -> str:
     """The CPU's model and flags (what -march=native compiles for)."""
     try:
