@@ -69,7 +69,8 @@ OP_SECONDS = 11.31e-6  # the slope: host time per torch operation dispatched and
 NODE_SECONDS = 80.9e-6  # the intercept: a compute node's action's own host time beyond its operations
 # Torch operations per node by kind (views apart): bench/step_counts.json at commit d976cd2, cgopipe at
 # the H200 setting, ops_by_op / nodes_by_op; PAGE_COPY: cuda_page_copy_ops_per_step / PAGE_COPY nodes
-# (10,584 / 1,512: `_copy_page`'s views, slices and copy_ for one 16 MiB page). Kinds that row lacks
+# (10,584 / 1,512: that commit's per-page views, slices and copy_, the code the H200 run ran; the
+# merged page runs of runtime/paged_copy.py dispatch ~2.9 per node since). Kinds that row lacks
 # are charged NODE_SECONDS only (GPU compute) or nothing (copies).
 H200_OPS: Mapping[Op, float] = {
     Op.EMBED: 2.0, Op.PRE_ATTN: 32.08, Op.GPU_ATTN: 46.0, Op.POST_ATTN: 10.0, Op.GATE: 27.77,
