@@ -1,4 +1,4 @@
-"""on-demand, prefetch-all, flexgen and pre-gated: each one's signature on the virtual clock, and its
+"""on-demand, prefetch-all, flexgen, pre-gated and accelerate: each one's signature on the virtual clock, and its
 GPU memory declaration checked both ways (too small a budget fails up front; the declared weight
 buffer is what a real run fills, not a byte less).
 
@@ -32,7 +32,7 @@ from flowmoe.study.simulate import simulate
 from tests.helpers import rectangle
 from tests.schedule_fixtures import generate
 
-MINE = ("on-demand", "prefetch-all", "flexgen", "pre-gated")
+MINE = ("on-demand", "prefetch-all", "flexgen", "pre-gated", "accelerate")
 EPS = 1e-9  # virtual-clock rounding
 SPEC = preset("mixtral-8x7b", layers=3)
 COST = RooflineCost(hardware("t4"))

@@ -35,6 +35,7 @@ from attrs import field, frozen
 
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import HardwareSpec
+from flowmoe.core.host_costs import IDEAL, HostCosts
 from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.spec import ModelSpec
 
@@ -67,12 +68,15 @@ class RooflineCost:
     `threads`: the run's CPU threads (a policy's `cpu_threads`); None: every core of the host.
     `kernel_share`: (op, share) for ops whose kernels in the simulated system reach only that share
     of the GPU's GEMM rate (none: cuBLAS-class kernels, what the preset's GEMM efficiency measures;
-    a system with slower kernels on that GPU says so, with its source, where it is simulated)."""
+    a system with slower kernels on that GPU says so, with its source, where it is simulated).
+    `host`: the fixed host costs of the simulated system's family per weight transfer and per hooked
+    module call (`host_costs`; IDEAL: flowmoe's own, nothing beyond the per-node figures)."""
 
     hardware: HardwareSpec
     spec: ModelSpec | None = None
     threads: int | None = None
     kernel_share: tuple[tuple[Op, float], ...] = ()
+    host: HostCosts = IDEAL
     _overhead: dict[str, float] = field(init=False, eq=False, repr=False)
     _kernels: dict[Op, float] = field(init=False, eq=False, repr=False)
     _curves: dict[str, Curve | None] = field(init=False, eq=False, repr=False)
@@ -98,6 +102,7 @@ class RooflineCost:
         if node.op in BOOKKEEPING:
             return 0.0
         fixed = self.fixed(node.lane, node.op) + (self.hardware.sync_latency if node.sync else 0.0)
+        fixed += self.host(node)
         if node.lane in (Lane.GPU_COMPUTE, Lane.CPU_COMPUTE):
             seconds = self.compute_seconds(
                 node.lane.device, node.flops, node.bytes, node.op in ATTENTION, node.rows,

@@ -21,6 +21,7 @@ from flowmoe.core.driver import drive
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.executor import Executor, Span
 from flowmoe.core.hardware import HardwareSpec
+from flowmoe.core.host_costs import IDEAL, family
 from flowmoe.core.memory import MemoryNeed, gpu_memory, host_memory
 from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.policy import Policy
@@ -37,7 +38,7 @@ from flowmoe.core.spec import ModelSpec
 from flowmoe.core.synthetic_routing import RoutingModel, SyntheticRouting, observed_popularity
 from flowmoe.core.workloads import Workload
 from flowmoe.devices.sim import SimWorker, run_virtual
-from flowmoe.schedulers.registry import create
+from flowmoe.schedulers.registry import create, load
 from flowmoe.study.sim_report import (
     SimulationResult,
     StepRun,
@@ -95,6 +96,7 @@ class Setup:
     weights_pinned: bool = True  # False: simulate a system whose CPU weight copies are pageable
     kernel_share: tuple[tuple[Op, float], ...] = ()  # ops whose kernels reach a share of the GEMM rate
     kv_pool: bool = False  # True: a system whose KV cache is a token pool (its batch's tokens, no padding)
+    host_costs: bool = True  # False: every scheduler at flowmoe's own host costs (`host_costs.IDEAL`)
 
     @property
     def budget(self) -> int:
@@ -172,13 +174,19 @@ class Simulation:
     def scheduler(self, name: str, popularity: tuple[tuple[float, ...], ...] | None = None) -> Scheduler:
         """Scheduler `name` built for this setup's policy (placing by `popularity` where given)."""
         setup = self.setup
-        cost = self.cost
+        cost = self.cost_of(name)
         kv_host = self.batch().total_slots * setup.spec.kv_bytes_per_token
         host = setup.hardware.cpu_memory - kv_host  # the weights' share
         factory = NodeFactory(setup.spec, expert_format=self.policy.expert_format)
         context = SchedulerContext(setup.spec, self.policy, factory, cost, popularity,
                                    weights_pinned=setup.weights_pinned, host_weight_bytes=host)  # fmt: skip
         return create(name, context)
+
+    def cost_of(self, name: str) -> RooflineCost:
+        """The cost model scheduler `name` runs under: the setup's, with the host costs of the system
+        family the scheduler stands for (its `host_family` class attribute; none: flowmoe's own)."""
+        named = getattr(load(name), "host_family", IDEAL.name) if self.setup.host_costs else IDEAL.name
+        return evolve(self.cost, host=family(named))
 
     def _base(self, name: str, need: MemoryNeed) -> SimulationResult:
         generated = len(self.prompts) * self.setup.workload.gen_len
@@ -214,7 +222,7 @@ class Simulation:
         if over is not None:
             return over
         try:
-            runs = run_steps(scheduler, self.steps, self.trace, self.cost)
+            runs = run_steps(scheduler, self.steps, self.trace, self.cost_of(name))
         except FlowmoeError as exc:
             return evolve(base, error=str(exc))
         prefill, decode = runs[0], runs[1:]

@@ -1,0 +1,143 @@
+"""`accelerate`: Hugging Face Accelerate's `device_map` offload, as its hooks run it (issue 28).
+
+`dispatch_model` with part of the model on "cpu" attaches an `AlignDevicesHook(offload=True)` to
+every module with weights of its own (`attach_align_device_hook`, accelerate/hooks.py): before the
+module's forward, `pre_forward` copies each of its tensors from the CPU state dict (plain, pageable
+memory) to the GPU (`set_module_tensor_to_device`: `value.to(device)`, a synchronous copy in the
+current stream), and after it `post_forward` drops them again (back to "meta"). Nothing is
+prefetched and nothing overlaps: copy, compute, free, module after module.
+
+Which expert modules a MoE layer calls depends on the transformers version (`fused_experts`):
+- 1 (transformers >= 5, e.g. the 5.24 in this venv): a layer's experts are one module of 3-D
+  tensors (`MixtralExperts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]; Qwen3-MoE the same),
+  so its hook moves every expert of the layer, in two tensors, whatever the router chose;
+- 0 (transformers 4.x, what the published Accelerate baselines ran): one module per expert
+  (`MixtralBlockSparseTop2MLP` with w1, w2, w3; its loop skips experts without tokens), so only the
+  routed experts move, three tensors each.
+
+`device_map="auto"` fills the GPU with whole layers in order: here the first
+`weights_gpu_share` of the MoE layers keep their experts on the GPU, the others are offloaded; the
+dense part of every layer (attention, router, shared expert) stays resident (Accelerate would
+offload whole layers past the budget; flowmoe keeps them, as every scheduler does). Each tensor is
+one PAGE_COPY node, marked pageable and synchronous; the scheduler's `host_family` prices each
+with Accelerate's measured hook costs (`core.host_costs.ACCELERATE`).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from attrs import frozen
+
+from flowmoe.core.options import option
+from flowmoe.core.plan import Lane, Op, TaskNode
+from flowmoe.core.ranges import IntRange
+from flowmoe.core.scheduling import (
+    MicroBatchShape,
+    PlanStream,
+    Residency,
+    Scheduler,
+    SchedulerContext,
+    StepShape,
+    SubPlan,
+)
+from flowmoe.schedulers.layer_nodes import check_placement, gate_and_route, model_order, moe_layers
+
+ROUTED_TENSORS = 3  # w1, w3, w2 of one expert module (transformers 4.x)
+FUSED_TENSORS = 2  # gate_up_proj and down_proj of a layer's experts module (transformers >= 5)
+
+
+@frozen
+class AccelerateOptions:
+    """Whether a layer's experts are one module (every expert moves) or one module each."""
+
+    fused_experts: int = option(
+        1, "1: a layer's experts are one module, all of them copied per call (transformers >= 5); "
+        "0: one module per expert, only the routed ones copied (transformers 4.x)", IntRange(0, 1),
+        label="fused",
+    )  # fmt: skip
+
+
+class AccelerateScheduler(Scheduler):
+    name: ClassVar[str] = "accelerate"
+    summary: ClassVar[str] = (
+        "Accelerate device_map offload: each offloaded module's tensors copied synchronously from "
+        "pageable memory before its forward, freed after; no overlap"
+    )
+    Options: ClassVar[type[AccelerateOptions]] = AccelerateOptions
+    host_family: ClassVar[str] = "accelerate"
+
+    def __init__(self, context: SchedulerContext) -> None:
+        super().__init__(context)
+        check_placement(self.name, context.policy)
+        self.options = context.policy.options_for(self.Options)
+        moe = moe_layers(context.spec)
+        self.resident = frozenset(moe[: int(context.policy.weights_gpu_share * len(moe) + 1e-9)])
+
+    def residency(self) -> Residency:
+        spec = self.context.spec
+        experts = {(layer, e) for layer in self.resident for e in range(spec.moe.experts)}
+        return Residency(frozenset(range(spec.layers)), frozenset(experts))
+
+    def weight_buffer_bytes(self) -> int:
+        spec = self.context.spec
+        if len(self.resident) == len(moe_layers(spec)):
+            return 0
+        return spec.expert_bytes * (spec.moe.experts if self.options.fused_experts else 1)
+
+    def plan(self, step: StepShape) -> PlanStream:
+        return model_order(self.context.factory, self.context.spec, step, self._experts)
+
+    def _experts(self, layer: int, mb: MicroBatchShape, post: int) -> SubPlan[list[int]]:
+        """Gate, then the hooks: copy a module's tensors, its forward, free them; one module at a time.
+        Returns the FFN node ids."""
+        f = self.context.factory
+        gate, counts = yield from gate_and_route(f, layer, mb, post)
+        if layer in self.resident:
+            ffns = [f.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, e, deps=[gate], tokens=t)
+                    for e, t in counts.counts]  # fmt: skip
+            yield from ffns
+            return [n.id for n in ffns]
+        if self.options.fused_experts:
+            return (yield from self._fused(layer, mb, gate, counts.counts))
+        ffns, last = [], gate
+        for expert, tokens in counts.counts:
+            copies = yield from self._copies(layer, mb, [expert], ROUTED_TENSORS, last)
+            ffn = f.node(
+                Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, expert, deps=[gate, copies], tokens=tokens
+            )
+            evict = f.node(Op.EVICT, Lane.GPU_H2D, layer, mb, expert, deps=[ffn.id])
+            yield ffn
+            yield evict
+            ffns.append(ffn.id)
+            last = evict.id
+        return ffns
+
+    def _fused(
+        self, layer: int, mb: MicroBatchShape, gate: int, counts: tuple[tuple[int, int], ...]
+    ) -> SubPlan[list[int]]:
+        """The layer's experts module: both tensors of every expert in, the routed experts' FFNs, out."""
+        f, experts = self.context.factory, list(range(self.context.spec.moe.experts))
+        copies = yield from self._copies(layer, mb, experts, FUSED_TENSORS, gate)
+        ffns = [f.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, e, deps=[gate, copies], tokens=t)
+                for e, t in counts]  # fmt: skip
+        yield from ffns
+        ids = [n.id for n in ffns]
+        for expert in experts:
+            yield f.node(Op.EVICT, Lane.GPU_H2D, layer, mb, expert, deps=ids or [copies])
+        return ids
+
+    def _copies(
+        self, layer: int, mb: MicroBatchShape, experts: list[int], tensors: int, after: int
+    ) -> SubPlan[int]:
+        """One synchronous pageable PAGE_COPY per tensor of a module holding `experts`, one after the
+        other, the first after `after`; returns the last one's id."""
+        last = after
+        for tensor in range(tensors):
+            copy: TaskNode = self.context.factory.node(
+                Op.PAGE_COPY, Lane.GPU_H2D, layer, mb, experts[0], deps=[last], part=tensor, parts=tensors,
+                pageable=True, sync=True, more=experts[1:],
+            )  # fmt: skip
+            yield copy
+            last = copy.id
+        return last

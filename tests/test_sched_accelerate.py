@@ -1,0 +1,116 @@
+"""accelerate: Accelerate's offload hooks on the virtual clock (no overlap, one tensor per synchronous
+pageable copy, the whole experts module per call when fused), its host costs, and its tokens with one
+module per expert (the contract test runs the default, fused)."""
+
+from __future__ import annotations
+
+import pytest
+from attrs import evolve
+
+from flowmoe.core.cost import RooflineCost
+from flowmoe.core.errors import ConfigError
+from flowmoe.core.hardware import hardware
+from flowmoe.core.host_costs import ACCELERATE, IDEAL, family
+from flowmoe.core.plan import Lane, Op
+from flowmoe.core.policy import Policy
+from flowmoe.model.loading import load_model
+from flowmoe.schedulers.accelerate import AccelerateOptions
+from flowmoe.study.simulate import simulate
+from tests.schedule_fixtures import run_eager, run_scheduler
+from tests.test_sched_baselines import (
+    COST,
+    ROUTES,
+    SPEC,
+    E,
+    by_id,
+    decode,
+    of,
+    overlaps,
+    prefill,
+    scheduler,
+    trace_of,
+)
+
+
+def accelerate_run(fused: int, share: float = 0.0, cost: RooflineCost = COST):
+    steps = [prefill(4, 256), decode(4, 256)]
+    sched = scheduler(
+        "accelerate", weights_gpu_share=share, options=(AccelerateOptions(fused_experts=fused),)
+    )
+    return sched, simulate(sched, steps, trace_of(steps, ROUTES), cost)
+
+
+def test_one_module_per_expert_copies_each_routed_expert_tensor_by_tensor_with_nothing_overlapping() -> None:
+    sched, spans = accelerate_run(fused=0)
+    copies = of(spans, Op.PAGE_COPY)
+    assert len(copies) == 3 * 2 * sum(len(v) for v in ROUTES.values())  # w1, w3, w2 of each routed expert
+    assert all(c.node.pageable and c.node.sync and c.node.parts == 3 for c in copies)
+    busy = [s for s in spans if s.node.op in (Op.PAGE_COPY, Op.EXPERT_FFN)]
+    assert not any(
+        overlaps(a, b) for i, a in enumerate(busy) for b in busy[i + 1 :]
+    )  # copy, compute, copy...
+    ids = by_id(spans)
+    for ffn in of(spans, Op.EXPERT_FFN):
+        (copy,) = [ids[d] for d in ffn.node.deps if ids[d].node.op is Op.PAGE_COPY]
+        assert copy.node.expert == ffn.node.expert and copy.node.part == 2  # after its module's last tensor
+    assert sched.weight_buffer_bytes() == SPEC.expert_bytes
+
+
+def test_fused_experts_module_copies_every_expert_of_the_layer_whatever_the_router_chose() -> None:
+    sched, spans = accelerate_run(fused=1)
+    copies = of(spans, Op.PAGE_COPY)
+    assert len(copies) == 2 * 3 * 2 * 2  # 2 tensors x 3 layers x 2 micro-batches x 2 steps
+    assert all(
+        c.node.experts == tuple(range(E)) and c.node.bytes == E * SPEC.expert_bytes // 2 for c in copies
+    )
+    assert len(of(spans, Op.EVICT)) == E * len(copies) // 2
+    assert sched.weight_buffer_bytes() == E * SPEC.expert_bytes
+
+
+def test_the_first_weights_share_of_the_moe_layers_keeps_its_experts_and_copies_nothing() -> None:
+    sched, spans = accelerate_run(fused=0, share=2 / 3)
+    assert {c.node.layer for c in of(spans, Op.PAGE_COPY)} == {2}
+    assert len(sched.residency().experts) == 2 * E
+
+
+def test_host_costs_price_each_tensor_and_module_call_and_can_be_switched_off() -> None:
+    base = RooflineCost(hardware("t4"), SPEC)
+    priced = evolve(base, host=ACCELERATE)
+    _, spans = accelerate_run(fused=0, cost=base)
+    copy, ffn = of(spans, Op.PAGE_COPY)[0].node, of(spans, Op.EXPERT_FFN)[0].node
+    assert priced(copy) - base(copy) == pytest.approx(ACCELERATE.per_transfer)
+    assert priced(ffn) - base(ffn) == pytest.approx(ACCELERATE.per_call)
+    gate = of(spans, Op.GATE)[0].node
+    assert priced(gate) == base(gate) and IDEAL(copy) == 0.0
+    assert ACCELERATE.source and family("accelerate") is ACCELERATE
+    with pytest.raises(ConfigError, match="unknown host-cost family 'nope'"):
+        family("nope")
+
+
+def test_accelerate_copies_are_pageable_at_the_preset_rate() -> None:
+    _, spans = accelerate_run(fused=0)
+    copy = of(spans, Op.PAGE_COPY)[0].node
+    hw = hardware("t4")
+    assert copy.lane is Lane.GPU_H2D
+    assert COST.transfer_seconds(copy.lane, copy.bytes, copy.pageable) == pytest.approx(
+        copy.bytes / hw.pageable_h2d
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory):
+    from tests.hf_models import hf_model, save_hf
+
+    return load_model(save_hf(hf_model("mixtral"), tmp_path_factory.mktemp("accelerate") / "mixtral"))
+
+
+def test_one_module_per_expert_gives_eager_tokens(tiny_model) -> None:
+    policy = Policy(
+        micro_batch_size=3,
+        micro_batches=2,
+        weights_gpu_share=0.0,
+        options=(AccelerateOptions(fused_experts=0),),
+    )
+    (results, _), _ = run_scheduler(tiny_model, "accelerate", policy, device="cpu")
+    (reference, _) = run_eager(tiny_model)
+    assert [r.output_ids for r in results] == [r.output_ids for r in reference]
