@@ -5,6 +5,9 @@ Public entry points (stable; bench/cpu_kernels.py measures them):
 * `swiglu_ffn(x, gate_up, down, moe, gate_up_bias, down_bias)`: one expert's FFN for its rows.
 * `swiglu_ffn_group(xs, ffns, moe)`: the FFNs of several experts (a layer's routed experts) in
   one call, so that a decode step pays one dispatch per layer rather than one per expert.
+* `swiglu_ffn_gathered(x, counts, ffns, moe)`: several experts' rows gathered in one tensor, in
+  one grouped GEMM per projection (kernels/grouped_experts.py) where the CPU kernels take none of
+  them and the grouped path takes them all; None otherwise (then `swiglu_ffn_group`).
 * `swiglu_ffn_torch(x, (gate_up, down, gate_up_bias, down_bias), moe)`: the same math composed of
   torch ops (the reference, and the path for what the CPU kernels do not take).
 
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 
 from flowmoe.core.spec import MoESpec
 from flowmoe.kernels import cpu_expert
+from flowmoe.kernels.grouped_experts import swiglu_grouped
 from flowmoe.kernels.linear import linear
 
 FFN = cpu_expert.FFN
@@ -57,6 +61,18 @@ def swiglu_ffn_group(xs: list[torch.Tensor], ffns: list[FFN], moe: MoESpec) -> l
         out if out is not None else swiglu_ffn(x, ffn[0], ffn[1], moe, ffn[2], ffn[3])
         for out, x, ffn in zip(outs, xs, ffns, strict=True)
     ]
+
+
+def swiglu_ffn_gathered(
+    x: torch.Tensor, counts: list[int], ffns: list[FFN], moe: MoESpec
+) -> torch.Tensor | None:
+    """x [sum n_e, hidden]: each expert's rows in turn (counts[e] of them) -> their outputs [sum n_e,
+    hidden] in that order, in one grouped launch per projection; None where the CPU kernels take any
+    of them (they come first) or the grouped path does not take them all."""
+    c_kernels = x.device.type == "cpu" and cpu_expert.library() is not None
+    if c_kernels and any(cpu_expert.fits_ffn(rows, f) for rows, f in zip(x.split(counts), ffns, strict=True)):
+        return None
+    return swiglu_grouped(x, counts, ffns, moe)
 
 
 def swiglu_ffn_torch(x: torch.Tensor, ffn: FFN, moe: MoESpec) -> torch.Tensor:

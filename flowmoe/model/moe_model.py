@@ -16,7 +16,7 @@ from attrs import define, frozen
 from flowmoe.core.plan import deferred_by_rank
 from flowmoe.core.spec import ModelSpec
 from flowmoe.kernels.attention import attend
-from flowmoe.kernels.experts import swiglu_ffn, swiglu_ffn_group
+from flowmoe.kernels.experts import swiglu_ffn, swiglu_ffn_gathered, swiglu_ffn_group
 from flowmoe.kernels.kv_cache import Homes, KVCache, write_kv
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.kernels.linear import linear
@@ -168,10 +168,13 @@ class MoEModel:
         self, x: torch.Tensor, routing: Routing, ffns: dict[int, FFNWeights]
     ) -> dict[int, torch.Tensor]:
         """The scaled outputs of routed experts for their tokens, in one kernel call where the CPU
-        kernels take them (one dispatch per layer at decode, not one per expert): expert -> [n_e,
-        hidden] on x's device (the routing may live on another device when experts run on the CPU)."""
+        kernels take them, else one grouped GEMM per projection where that takes them (one dispatch
+        per layer at decode, not one per expert): expert -> [n_e, hidden] on x's device (the routing
+        may live on another device when experts run on the CPU). The experts go in ascending order,
+        as a layer's weights lie (a grouped GEMM views them in place) and its routing's rows do."""
         if not ffns:
             return {}
+        ffns = dict(sorted(ffns.items()))
         counts = [len(routing.tokens[e]) for e in ffns]
         rows, scales = (on(t, x.device) for t in routing.rows_of(list(ffns)))  # [sum n_e] each
         outs = self.scaled_experts(x[rows], scales[:, None], counts, list(ffns.values()))  # one gather
@@ -182,11 +185,15 @@ class MoEModel:
     ) -> list[torch.Tensor]:
         """gathered [sum n_e, hidden]: the rows of each expert of `ffns` in turn (counts[e] of them),
         scales [sum n_e, 1] their combine weights -> each expert's scaled outputs [n_e, hidden], in one
-        kernel call where the CPU kernels take them."""
+        kernel call where the CPU kernels take them, else in one grouped GEMM per projection and one
+        scale where that takes them (kernels/grouped_experts.py), else expert by expert."""
         if self.spec.moe.scale_input:  # Llama 4 scales the expert's input, the others its output
             gathered = gathered * scales.to(gathered.dtype)
         weights = [(f.gate_up, f.down, f.gate_up_bias, f.down_bias) for f in ffns]
         alone = len(counts) == 1  # one expert (a GPU node's own): no split and cat around it
+        grouped = None if alone else swiglu_ffn_gathered(gathered, counts, weights, self.spec.moe)
+        if grouped is not None:  # [sum n_e, hidden]
+            return list((grouped if self.spec.moe.scale_input else grouped * scales).split(counts))
         outs = swiglu_ffn_group([gathered] if alone else list(gathered.split(counts)), weights, self.spec.moe)
         if not self.spec.moe.scale_input:  # float32 scales give a float32 product
             outs = [outs[0] * scales] if alone else list((torch.cat(outs) * scales).split(counts))

@@ -1,0 +1,145 @@
+"""A layer's routed experts in one grouped GEMM per projection (issue 29 item 3): the gathered rows
+of every expert of the group through gate_up in one `torch._grouped_mm`, the SwiGLU once over all
+rows, down in one more: a constant number of torch operations whatever the number of experts,
+where the per-expert path dispatches ~5 per expert plus the split and cat around them.
+
+Why views of the weights as they lie, not a stack: a grouped GEMM wants the experts' weights as one
+3D tensor [S, out, in]. Stacking a group's weights each call would read and write every expert's
+bytes once more (HBM bandwidth, the very cost the GEMM is bound by at decode), and a Triton kernel
+over a table of weight pointers would make triton a dependency of the hot path and run on the CPU
+only in its (slow) interpreter. Instead the group's weights are viewed in place (`stacked`): tensors
+of one shape and dtype that lie in one buffer at a common stride (a layer's experts in its host
+arena, flowmoe/model/arena.py, are: one expert's tensors after the other, each aligned) are one
+strided view [S, out, in] over the slots from the first to the last, and the experts between them
+that the group leaves out get no rows. Weights that do not lie so (the GPU's copies today: each
+expert its own buffer, runtime/device_weights.py) take the per-expert path; giving the device's
+experts one slot pool per runtime is what would let the GPU take this one.
+
+The forms per device:
+* CPU: W @ x.T per expert, (2I x H) @ (H x n_e), with the rows as columns: the form
+  kernels/linear.py measured faster than x @ W.T for few rows, and the floats its per-expert
+  path gives (the CPU's grouped GEMM runs one mm per group). Taken where linear.py would take that
+  form for each expert: fp32 or bf16, at most FEW_ROWS rows an expert, no emulated half precision
+  from WIDEN_ROWS rows on.
+* CUDA: x @ W.T for the group, bf16 on sm90 / sm100 only, where torch runs it as one CUTLASS
+  kernel; elsewhere torch's CUDA grouped GEMM loops over the groups after reading `offs` back to
+  the host (a sync per call), so other cards and dtypes keep the per-expert path.
+
+Not taken (the per-expert path instead): one expert, biases, GPT-OSS's clamped SwiGLU, rows or
+widths whose strides are not a multiple of 16 bytes (the grouped GEMM's requirement), and
+FLOWMOE_GROUPED_EXPERTS=0.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from itertools import accumulate, pairwise
+
+import torch
+import torch.nn.functional as F
+
+from flowmoe.core.spec import MoESpec
+from flowmoe.kernels.cpu_expert import FFN
+from flowmoe.kernels.linear import FEW_ROWS, WIDEN_ROWS, _emulated
+
+ALIGN = 16  # bytes: the grouped GEMM's stride and address alignment
+MAX_SLOTS = 1024  # a view spanning more slots than this is not taken (no layer has more experts)
+
+
+def stacked(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+    """`tensors` (each [out, in], contiguous, one dtype, in one buffer at a common stride, ascending)
+    as one view [S, out, in] of the slots from the first to the last, and each one's slot; None
+    where they do not lie so."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    if any(
+        t.shape != first.shape
+        or t.dtype != first.dtype
+        or t.device != first.device
+        or not t.is_contiguous()
+        or t.untyped_storage().data_ptr() != storage
+        for t in tensors
+    ):
+        return None
+    offsets = [int(t.storage_offset()) for t in tensors]  # elements
+    base, size = offsets[0], first.element_size()
+    step = math.gcd(*(o - base for o in offsets)) or first.numel()
+    slots = [(o - base) // step for o in offsets]
+    if (
+        any(later <= earlier for earlier, later in pairwise(slots))
+        or step < first.numel()
+        or step * size % ALIGN
+        or first.data_ptr() % ALIGN
+        or slots[-1] >= MAX_SLOTS
+    ):
+        return None
+    view = first.as_strided((slots[-1] + 1, *first.shape), (step, *first.stride()), base)
+    return view, slots
+
+
+def _takes(x: torch.Tensor, counts: list[int], ffns: list[FFN], moe: MoESpec) -> bool:
+    """Whether the grouped path takes x [sum n_e, hidden] through `ffns` (see the module's notes)."""
+    gate_up = ffns[0][0]
+    widths = (x.shape[-1], gate_up.shape[0] // 2)  # hidden, I
+    if (
+        len(ffns) < 2
+        or os.environ.get("FLOWMOE_GROUPED_EXPERTS", "1") == "0"
+        or moe.activation == "clamped_swiglu"
+        or any(f[2] is not None or f[3] is not None for f in ffns)
+        or x.dim() != 2
+        or not x.is_contiguous()
+        or x.dtype != gate_up.dtype
+        or any(w * x.element_size() % ALIGN for w in widths)
+        or (torch.is_grad_enabled() and x.requires_grad)
+    ):
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or max(counts) > FEW_ROWS:
+        return False
+    return not (_emulated(x.dtype) and max(counts) >= WIDEN_ROWS)
+
+
+def swiglu_grouped(x: torch.Tensor, counts: list[int], ffns: list[FFN], moe: MoESpec) -> torch.Tensor | None:
+    """x [sum n_e, hidden]: the rows of each expert of `ffns` in turn (counts[e] of them), ffns[e] =
+    (gate_up [2I, hidden], down [hidden, I], None, None) -> the experts' outputs [sum n_e, hidden] in
+    the same order, unscaled; None where the grouped path does not take them."""
+    if not _takes(x, counts, ffns, moe):
+        return None
+    gate_up = stacked([f[0] for f in ffns])  # [S, 2I, hidden]
+    down = stacked([f[1] for f in ffns])  # [S, hidden, I]
+    if gate_up is None or down is None or gate_up[1] != down[1]:
+        return None
+    rows = [0] * gate_up[0].shape[0]  # per slot: the slots between the group's experts get none
+    for slot, count in zip(gate_up[1], counts, strict=True):
+        rows[slot] = count
+    offs = torch.tensor(list(accumulate(rows)), dtype=torch.int32, pin_memory=x.is_cuda)  # [S]
+    if x.is_cuda:  # from page-locked memory: no wait for the stream
+        offs = offs.to(x.device, non_blocking=True)
+    form = _rows_as_columns if x.device.type == "cpu" else _rows_as_rows
+    return form(x, gate_up[0], down[0], offs)
+
+
+def _rows_as_columns(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
+    """The CPU's form: W @ x.T per slot. x [n, hidden], gate_up [S, 2I, hidden], down [S, hidden, I],
+    offs [S] (each slot's last row + 1) -> [n, hidden] (a transposed view)."""
+    n, inter = x.shape[0], gate_up.shape[1] // 2
+    h = torch._grouped_mm(gate_up, x.t(), offs=offs)  # [2I, n]
+    wide = -(-n * x.element_size() // ALIGN) * ALIGN // x.element_size()  # n rounded up: aligned rows
+    act = x.new_empty_strided((inter, n), (wide, 1))  # [I, n]
+    torch.mul(F.silu(h[:inter]), h[inter:], out=act)
+    return torch._grouped_mm(down, act, offs=offs).t()  # [n, hidden]
+
+
+def _rows_as_rows(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
+    """CUDA's form: x @ W.T for the group (one CUTLASS kernel per projection on sm90 / sm100).
+    Shapes as `_rows_as_columns`'s -> [n, hidden]."""
+    inter = gate_up.shape[1] // 2
+    h = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offs)  # [n, 2I]
+    act = F.silu(h[:, :inter]) * h[:, inter:]  # [n, I]
+    return torch._grouped_mm(act, down.transpose(1, 2), offs=offs)  # [n, hidden]
