@@ -36,6 +36,12 @@ it, not for whole experts: the paper keeps its transfers from waiting on each
 other with two CUDA streams on the GPU's two copy engines (§III-C); flowmoe's
 pacing does it on its one h2d lane.
 
+GPU misses (`gpu_misses` 1; Mixtral-offloading, Eliseev & Mazur 2023, §3.1 and
+github.com/dvmazur/mixtral-offloading: an LRU cache of k experts per layer, a miss loaded into it
+and computed on the GPU, nothing prefetched): a miss is fetched into its set right away, all its
+pages, and its FFN runs on the GPU after them; MoE layers without a set copy each routed expert
+into one transient buffer, compute it and free it. No expert runs on the CPU.
+
 Deviations: the cache covers the first N *MoE* layers (the paper's models have
 no dense layers); lookups in a micro-batched step go micro-batch by micro-batch
 (the paper runs batch 1). `--attention-on cpu` and `--ffn-on cpu` are refused:
@@ -83,6 +89,11 @@ class LRUCacheOptions(ExpertCacheOptions, PagedOptions):
     cache_ways: int = option(
         4, "ways per set of the expert cache (its associativity M)", IntRange(1), label="ways"
     )
+    gpu_misses: int = option(
+        0, "1: a miss is fetched to the GPU at once and computed there (Mixtral-offloading's LRU); "
+        "0: computed on the CPU and post-fetched (the collaborative-inference paper)", IntRange(0, 1),
+        label="gpu-miss",
+    )  # fmt: skip
 
 
 @define
@@ -105,7 +116,7 @@ class LRUCacheScheduler(Scheduler):
     name: ClassVar[str] = "lru-cache"
     summary: ClassVar[str] = (
         "collaborative inference: N-index x M-way LRU expert cache by layer; misses on the CPU, "
-        "post-fetched behind; layers >= N on the CPU"
+        "post-fetched behind; layers >= N on the CPU (--gpu-misses 1: misses fetched to the GPU)"
     )
     Options: ClassVar[type[LRUCacheOptions]] = LRUCacheOptions
 
@@ -134,12 +145,14 @@ class LRUCacheScheduler(Scheduler):
         )
         self.hits = 0
         self.misses = 0
+        self._transient: int | None = None  # the last EVICT of the transient buffer (GPU misses)
 
     def residency(self) -> Residency:
         return Residency.dense_only(self.context.spec)
 
     def weight_buffer_bytes(self) -> int:
-        return len(self.covered) * self.ways * self.context.spec.expert_bytes
+        transient = self.options.gpu_misses and len(self.covered) < len(self.moe)
+        return (len(self.covered) * self.ways + transient) * self.context.spec.expert_bytes
 
     def report(self) -> dict[str, float]:
         lookups = self.hits + self.misses
@@ -152,6 +165,7 @@ class LRUCacheScheduler(Scheduler):
         for line in (line for ways in self.sets.values() for line in ways.values()):
             line.room = line.copy = line.last_use = None
         self._evicted.clear()
+        self._transient = None
         nodes, last = embeddings(f, step)
         yield from nodes
         for layer in range(spec.layers):
@@ -191,6 +205,9 @@ class LRUCacheScheduler(Scheduler):
                 yield ffn
                 continue
             self.misses += 1
+            if self.options.gpu_misses:
+                outputs.append((yield from self._on_gpu(layer, mb, gate, ways, e, tokens)))
+                continue
             missed.append((e, tokens))
             if ways is not None and line is None:
                 yield from self._fetch(layer, ways, e)
@@ -201,6 +218,32 @@ class LRUCacheScheduler(Scheduler):
         if on_cpu:  # behind this output
             yield from self._issue(attend + sum(self._cost(n) for n in on_cpu if n.lane is Lane.CPU_COMPUTE))
         return [*outputs, on_cpu[-1].id] if on_cpu else outputs
+
+    def _on_gpu(
+        self, layer: int, mb: MicroBatchShape, gate: int, ways: OrderedDict[int, _Line] | None, expert: int,
+        tokens: int,
+    ) -> SubPlan[int]:  # fmt: skip
+        """A GPU miss: the expert fetched into its set (or the transient buffer) at once, then its
+        FFN on the GPU. -> the FFN's id."""
+        f = self.context.factory
+        if ways is not None:
+            yield from self._fetch(layer, ways, expert)
+            yield from self._issue(float("inf"))  # only this miss's pages are pending
+            line = ways[expert]
+            ffn = f.node(
+                Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, expert, deps=[gate, line.copy], tokens=tokens
+            )
+            line.last_use = ffn.id
+            yield ffn
+            return ffn.id
+        copy = f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, mb, expert, deps=[gate, self._transient])
+        ffn = f.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, expert, deps=[gate, copy.id], tokens=tokens)
+        evict = f.node(Op.EVICT, Lane.GPU_COMPUTE, layer, mb, expert, deps=[ffn.id])
+        self._transient = evict.id
+        yield copy
+        yield ffn
+        yield evict
+        return ffn.id
 
     def _fetch(self, layer: int, ways: OrderedDict[int, _Line], expert: int) -> PlanStream:
         """Evict the set's least recently used way if it is full; queue `expert`'s pages as most recent."""
