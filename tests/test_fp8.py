@@ -186,7 +186,7 @@ def _edit(folder: Path, config: dict[str, Any] | None = None, drop: str = "", re
 
 
 BAD_QUANT = [
-    ({"quant_method": "gptq"}, '"quantization_config.quant_method" must be "fp8"'),
+    ({"quant_method": "bitsandbytes"}, '"quantization_config.quant_method" must be "fp8", "gptq", "awq"'),
     ({"fmt": "e5m2"}, '"quantization_config.fmt" must be "e4m3"'),
     ({"weight_block_size": [128]}, '"quantization_config.weight_block_size" must be two positive integers'),
     (

@@ -35,7 +35,7 @@ from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import ConfigError, FlowmoeError
 from flowmoe.core.hardware import hardware
 from flowmoe.core.options import check_options
-from flowmoe.core.policy import EXPERT_FORMATS, Policy, parse_bytes
+from flowmoe.core.policy import EXPERT_FORMATS, QUANTIZED_ON_LOAD, Policy, parse_bytes
 from flowmoe.core.routing_trace import ROUTING_RECORD, RoutingTrace
 from flowmoe.core.synthetic_routing import observed_popularity
 from flowmoe.core.threads import plan_threads, usable_cores
@@ -324,16 +324,18 @@ def pack_for_run(
     args: argparse.Namespace, model: MoEModel, source: str, codec: TextCodec | None, job: JobSpec
 ) -> QuantError | None:
     """--expert-format other than native: the model's experts packed (model/loading.py), and where
-    they are quantized on load, the error that introduced on the job's first prompts."""
+    they are quantized on load, the error that introduced on the job's first prompts; a checkpoint
+    quantized before (GPTQ, AWQ, compressed-tensors) is reported whatever the format."""
     from flowmoe.jobs.job import read_work
     from flowmoe.model.quant_error import pack_measured
     from flowmoe.runtime.device_weights import Devices
 
     form = args.expert_format
-    if form == "native":
-        return None
-    limits = job.limits(model)
-    first = read_work(job, model, codec, limits).requests[: limits.micro_batch_size] if form != "fp8" else []
+    if form in QUANTIZED_ON_LOAD:
+        limits = job.limits(model)
+        first = read_work(job, model, codec, limits).requests[: limits.micro_batch_size]
+    else:  # native and fp8 measure nothing; a GPTQ, AWQ or compressed-tensors checkpoint is reported
+        first = []
     return pack_measured(model, source, form, [r.input_ids for r in first], Devices.detect(args.device).gpu)
 
 

@@ -9,7 +9,8 @@ which is unmapped when the view goes, so copying it into its layer's arena (mode
 one copy the load makes and the file's pages do not stay in the process (issue 25: a mapping of
 the whole shard, kept open, held every weight twice in its resident set).
 An FP8 checkpoint (flowmoe/model/fp8.py) has its F8_E4M3 tensors' block scales checked up
-front too, and each is dequantized into the model's dtype as its layer is read.
+front too, and each is dequantized into the model's dtype as its layer is read; so has a GPTQ, AWQ
+or compressed-tensors checkpoint its modules' packed integer tensors (model/int4_checkpoints.py).
 
 The index (`model.safetensors.index.json`) may only name files inside the folder,
 judged by their spelling (no absolute path, no `..`); the files themselves may be
@@ -48,7 +49,8 @@ from flowmoe.model.fp8 import (
     fp8_experts,
     scale_name,
 )
-from flowmoe.model.quantized import QuantizedExpert
+from flowmoe.model.int4_checkpoints import Int4Format, int4_experts
+from flowmoe.model.quantized import PackedWeight, QuantizedExpert
 from flowmoe.model.shard_header import TensorInfo, read_header
 from flowmoe.model.tensor_map import Shape, TensorMap
 
@@ -73,6 +75,7 @@ class Checkpoint:
     _handles: dict[Path, Any] = field(factory=dict)
     _stack: ExitStack = field(factory=ExitStack)
     fp8: FP8Format | None = None  # config.json's fp8 quantization_config, if any
+    int4: Int4Format | None = None  # its gptq, awq or compressed-tensors one, if any
 
     @classmethod
     def open(cls, folder: str | Path, dtype: str | None = None) -> Checkpoint:
@@ -82,8 +85,10 @@ class Checkpoint:
         if dtype is not None:
             spec = spec.with_dtype(dtype)
         config = folder / "config.json"
-        fp8 = FP8Format.from_config(read_json_object(config, CheckpointError), str(config))
-        ckpt = cls(folder, spec, TORCH_DTYPES[spec.dtype], fp8=fp8)
+        raw = read_json_object(config, CheckpointError)
+        int4 = Int4Format.from_config(raw, str(config))
+        fp8 = FP8Format.from_config(raw, str(config)) if int4 is None else None
+        ckpt = cls(folder, spec, TORCH_DTYPES[spec.dtype], fp8=fp8, int4=int4)
         try:
             ckpt._locate(ckpt._weight_map())
             ckpt._check_size()
@@ -172,6 +177,9 @@ class Checkpoint:
 
     def get(self, name: str, shape: Shape) -> torch.Tensor:
         self._check(name, shape)
+        packed = self.int4_weight(name, shape)
+        if packed is not None:  # dequantized per module on load
+            return packed.dequantize(self.dtype).contiguous()
         info = self._info[name]
         if self.fp8 is not None and info.dtype == FP8_DTYPE:  # dequantized per tensor on load
             tensor = self._handles[self._where[name]].get_tensor(name)
@@ -216,9 +224,27 @@ class Checkpoint:
     def fp8_experts(self, layer: int) -> list[QuantizedExpert]:
         return fp8_experts(self, TensorMap.for_spec(self.spec), layer, self.dtype)
 
+    def int4_weight(self, name: str, shape: Shape) -> PackedWeight | None:
+        """The module of tensor `name` as stored, if the integer checkpoint quantized it (checked by
+        `validate`)."""
+        if self.int4 is None or name in self._where or not self.int4.stored(name, self.has):
+            return None
+        return self.int4.read(name, tuple(shape), self._stored, self.has)
+
+    def int4_experts(self, layer: int) -> list[QuantizedExpert]:
+        assert self.int4 is not None
+        tensor_map = TensorMap.for_spec(self.spec)
+        return int4_experts(self.int4, self._stored, self.has, tensor_map, layer, self.dtype)
+
+    def _stored(self, name: str) -> torch.Tensor:
+        return self._handles[self._where[name]].get_tensor(name)
+
     # ---- validation
 
     def _check(self, name: str, shape: Shape) -> None:
+        if name not in self._where and self.int4 is not None and self.int4.stored(name, self.has):
+            self.int4.check(name, tuple(shape), self._info, self._where)
+            return
         if name not in self._where:
             raise CheckpointError(f"{self.folder}: tensor {name} is missing from the checkpoint")
         shard, info = self._where[name], self._info[name]

@@ -52,8 +52,8 @@ class FP8Format:
         def bad(name: str, want: str) -> CheckpointError:
             return CheckpointError(f'{where}: "{QUANT_FIELD}.{name}" {want}, got {quant.get(name)!r}')
 
-        if quant.get("quant_method") != "fp8":
-            raise bad("quant_method", 'must be "fp8" (the only quantized format flowmoe reads)')
+        if quant.get("quant_method") != "fp8":  # gptq, awq, compressed-tensors: model/int4_checkpoints.py
+            raise bad("quant_method", 'must be "fp8", "gptq", "awq" or "compressed-tensors"')
         if quant.get("fmt", "e4m3") != "e4m3":
             raise bad("fmt", 'must be "e4m3" (float8_e4m3fn weights)')
         if str(quant.get("activation_scheme", "dynamic")).lower() != "dynamic":
@@ -74,14 +74,15 @@ class FP8Format:
         return (*shape[:-2], -(-rows // self.block[0]), -(-cols // self.block[1]))
 
     def converted(self, name: str) -> bool:
-        """Whether the module holding tensor `name` may be quantized: transformers' rule for
-        `modules_to_not_convert` (a prefix up to a module boundary, a regex with that boundary, or
-        a suffix of the module name)."""
-        module = name.removesuffix(".weight")
-        boundary = r"(?:(?<=\.)|(?=\.|$))"
-        return not any(
-            re.match(rf"(?:{key}){boundary}", module) or module.endswith(key) for key in self.not_converted
-        )
+        """Whether the module holding tensor `name` may be quantized (`module_converted`)."""
+        return module_converted(name.removesuffix(".weight"), self.not_converted)
+
+
+def module_converted(module: str, not_converted: tuple[str, ...]) -> bool:
+    """Whether `module` may be quantized: transformers' rule for `modules_to_not_convert` (a prefix
+    up to a module boundary, a regex with that boundary, or a suffix of the module name)."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return not any(re.match(rf"(?:{key}){boundary}", module) or module.endswith(key) for key in not_converted)
 
 
 def scale_name(name: str) -> str:

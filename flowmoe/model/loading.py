@@ -9,11 +9,13 @@ from pathlib import Path
 import torch
 from attrs import frozen
 
-from flowmoe.core.errors import ConfigError
+from flowmoe.core.errors import CheckpointError, ConfigError
+from flowmoe.core.jsonfile import read_json_object
 from flowmoe.core.policy import ExpertFormat
 from flowmoe.core.presets import PRESETS, preset
 from flowmoe.model.arena import layer_arena, plan_layer, top_arena
 from flowmoe.model.checkpoint import TORCH_DTYPES, Checkpoint
+from flowmoe.model.int4_checkpoints import Int4Format
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.quantize import quantize_expert
 from flowmoe.model.quantized import QuantizedExpert
@@ -48,13 +50,17 @@ def pack_experts(
     model: MoEModel, source: str | Path, expert_format: ExpertFormat, device: torch.device | None = None
 ) -> None:
     """Keep every MoE layer's routed experts packed in `expert_format` (model/quantized.py), and
-    only so: fp8 as the FP8 checkpoint `source` stores them; int8, int4 and hqq4 quantized from the
-    experts `model` loaded from `source` in its own dtype (a checkpoint or a preset), on `device`
-    (default: the CPU). Each layer is packed into its host buffer again (model/arena.py)."""
+    only so: fp8 as the FP8 checkpoint `source` stores them; int4 (int8) as a GPTQ, AWQ or
+    compressed-tensors checkpoint of that many bits stores them (model/int4_checkpoints.py); else
+    int8, int4 and hqq4 quantized from the experts `model` loaded from `source` in its own dtype (a
+    checkpoint or a preset), on `device` (default: the CPU). Each layer is packed into its host
+    buffer again (model/arena.py)."""
     if expert_format == "native":
         return
     if expert_format == "fp8":
         packs = _fp8_experts(model, source)
+    elif (stored := stored_quantization(source)) is not None:
+        packs = _int4_experts(model, source, expert_format, stored)
     else:
         _check_quantizable(source, expert_format)
         if any(lw.packed for lw in model.weights.layers):
@@ -85,6 +91,34 @@ def _fp8_experts(model: MoEModel, folder: str | Path) -> dict[int, list[Quantize
             )
         layers = model.weights.layers
         return {layer: ckpt.fp8_experts(layer) for layer, lw in enumerate(layers) if lw.router is not None}
+    finally:
+        ckpt.close()
+
+
+def stored_quantization(source: str | Path) -> Int4Format | None:
+    """The quantization of a GPTQ, AWQ or compressed-tensors checkpoint folder (None for another
+    checkpoint or a preset), read from its config alone."""
+    path = Path(source)
+    if not path.is_dir():
+        return None
+    config = path / "config.json"
+    return Int4Format.from_config(read_json_object(config, CheckpointError), str(config))
+
+
+def _int4_experts(
+    model: MoEModel, folder: str | Path, expert_format: ExpertFormat, stored: Int4Format
+) -> dict[int, list[QuantizedExpert]]:
+    """Each MoE layer's routed experts as the integer checkpoint at `folder` stores them, where
+    `expert_format` is the one that keeps them so."""
+    if expert_format != stored.expert_format:
+        raise ConfigError(
+            f"--expert-format {expert_format}: {folder} is a {stored.describe()} checkpoint; run it with "
+            f"--expert-format {stored.expert_format} (its experts as stored) or native (dequantized on load)"
+        )
+    ckpt = Checkpoint.open(folder, model.spec.dtype)
+    try:
+        layers = model.weights.layers
+        return {layer: ckpt.int4_experts(layer) for layer, lw in enumerate(layers) if lw.router is not None}
     finally:
         ckpt.close()
 

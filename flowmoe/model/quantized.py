@@ -15,6 +15,8 @@ The formats (`quantize.py` makes the quantize-on-load ones):
 * `int4`, `hqq4`: group-wise along the input (columns), asymmetric: `Int4Weight`, two 4-bit values
   per byte and a float16 scale and zero per group of a row; `int4` rounds to nearest at group 128,
   `hqq4` chooses the zeros by HQQ's half-quadratic solver at group 64.
+* `int4` (or `int8`) on a GPTQ, AWQ or compressed-tensors checkpoint: its integer weights as
+  stored (model/int4_weights.py).
 """
 
 from __future__ import annotations
@@ -36,12 +38,16 @@ class PackedWeight(ABC):
 
     TENSORS: ClassVar[tuple[str, ...]]
 
+    def names(self) -> tuple[str, ...]:
+        """The tensors this weight holds: `TENSORS`, less any a format leaves out (None)."""
+        return self.TENSORS
+
     def tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, name) for name in self.TENSORS]
+        return [getattr(self, name) for name in self.names()]
 
     def rebuilt(self, given: Iterator[torch.Tensor]) -> Self:
         """This weight with the next tensors of `given` in place of its own (`tensors()` order)."""
-        return evolve(self, **{name: next(given) for name in self.TENSORS})
+        return evolve(self, **{name: next(given) for name in self.names()})
 
     @property
     @abstractmethod
@@ -121,7 +127,7 @@ class QuantizedExpert:
     def slots(self) -> list[tuple[object, str]]:
         """(owner, attribute) of each tensor, in `tensors()` order (model/arena.py packs them so)."""
         own = [(self, name) for name in ("gate_up_bias", "down_bias") if getattr(self, name) is not None]
-        return [*((w, name) for w in self.weights() for name in w.TENSORS), *own]
+        return [*((w, name) for w in self.weights() for name in w.names()), *own]
 
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(owner, name) for owner, name in self.slots()]
