@@ -94,13 +94,14 @@ class AccelerateScheduler(Scheduler):
         f = self.context.factory
         gate, counts = yield from gate_and_route(f, layer, mb, post)
         if layer in self.resident:
-            ffns = [f.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, e, deps=[gate], tokens=t)
+            kept = [f.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, e, deps=[gate], tokens=t)
                     for e, t in counts.counts]  # fmt: skip
-            yield from ffns
-            return [n.id for n in ffns]
+            yield from kept
+            return [n.id for n in kept]
         if self.options.fused_experts:
             return (yield from self._fused(layer, mb, gate, counts.counts))
-        ffns, last = [], gate
+        ffns: list[int] = []
+        last = gate
         for expert, tokens in counts.counts:
             copies = yield from self._copies(layer, mb, [expert], ROUTED_TENSORS, last)
             ffn = f.node(

@@ -1,6 +1,6 @@
-"""on-demand, prefetch-all, flexgen, pre-gated and accelerate: each one's signature on the virtual clock, and its
-GPU memory declaration checked both ways (too small a budget fails up front; the declared weight
-buffer is what a real run fills, not a byte less).
+"""on-demand, prefetch-all, flexgen, pre-gated and accelerate: each one's signature on the virtual
+clock, and its GPU memory declaration checked both ways (too small a budget fails up front; the
+declared weight buffer is what a real run fills, not a byte less).
 
 The timelines are simulated (`flowmoe.study.simulate.simulate`) on Mixtral-8x7B cut to 3 layers with the
 T4 roofline, routed by hand-written traces, so every assertion is about the order and overlap the

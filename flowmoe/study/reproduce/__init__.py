@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from flowmoe.study.reproduce import (
     fate,
     fiddler,
+    generic_offloaders,
     hybrimoe,
     klotski,
     ktransformers,
@@ -42,9 +43,10 @@ BUILDERS: dict[str, Callable[[bool], Iterator[Setting]]] = {
     "hybrimoe": hybrimoe.hybrimoe,
     "ktransformers": ktransformers.ktransformers,
     "fate": fate.fate,
+    "generic-offloaders": generic_offloaders.generic_offloaders,
 }
 SUCCESSORS = ("moe-gen", "hybrimoe", "ktransformers", "fate")
-PAPERS = ("moe-lightning", "klotski", "lru-cache", "pre-gated", "fiddler", *SUCCESSORS)
+PAPERS = ("moe-lightning", "klotski", "lru-cache", "pre-gated", "fiddler", *SUCCESSORS, "generic-offloaders")
 
 
 def settings(paper: str, quick: bool = False) -> list[Setting]:
