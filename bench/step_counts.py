@@ -9,8 +9,16 @@ counted apart, they launch no kernel) and attributed to the node whose action di
 The count does not depend on tensor sizes, only on the plan (layers, micro-batches, routed experts,
 pages per expert) and on the code path, so the model is Mixtral-8x7B's structure (8 experts, top-2,
 GQA, its layer count) at toy widths (bench/gpu_support.TINY) and the page size is scaled so that an
-expert is cut into as many pages as Mixtral's real 352 MB expert at 16 MiB pages (21). The native
-C kernels are off (FLOWMOE_CPU_KERNELS=0): the GPU runs torch operations. On the CPU a "GPU"
+expert is cut into as many pages as Mixtral's real 352 MB expert at 16 MiB pages (21).
+
+Two columns. *C kernels off*: the native C kernels off everywhere (FLOWMOE_CPU_KERNELS=0), torch
+operations on every lane, as the GPU runs them (the count before issue 29's cuts was this one).
+*CPU lane as run*: a second pass, where a scheduler puts nodes on the CPU lane (attention at S1,
+experts for Fiddler and the like), with the C kernels for those nodes only, as a real run's host
+runs them; the GPU lanes' nodes still torch operations. A C kernel dispatches no torch operation;
+its wrapper's are counted. The C decode attention is built for AVX-512 hosts only: on a host
+without it a stand-in takes its place, the wrapper's operations counted and the attention itself
+computed by torch with the counter paused (the row says so: `cpu_attention_stand_in`). On the CPU a "GPU"
 weight is the host tensor itself, so the copies a PAGE_COPY makes on CUDA are counted apart: each
 PAGE_COPY (and EVICT) node's action runs a second time, as it is, against device weights whose "GPU"
 is the meta device (a device other than the host, as CUDA is: the code path that copies), in the
@@ -18,7 +26,7 @@ run's own order, and what it dispatches is counted as that node's CUDA copy oper
 device-to-device moves (hidden states, the routing read-back) and the eviction's record_stream calls
 are free on the CPU and missing here: the count is a lower bound for a CUDA run.
 
-    python bench/step_counts.py [--settings h200 s1] [--schedulers cgopipe ...]
+    python bench/step_counts.py [--settings h200 s1] [--schedulers cgopipe ...] [--out PATH]
 
 Prints a rich table and writes bench/step_counts.json.
 """
@@ -27,16 +35,18 @@ from __future__ import annotations
 
 import os
 
-os.environ["FLOWMOE_CPU_KERNELS"] = "0"  # torch operations everywhere, as on the GPU
+os.environ["FLOWMOE_CPU_KERNELS"] = "0"  # torch operations everywhere, as on the GPU (see CpuLaneKernels)
 
 import argparse
 import asyncio
 import json
 import platform
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -51,12 +61,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.hardware import hardware
-from flowmoe.core.plan import Op, TaskNode
+from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.policy import Place, Policy
 from flowmoe.core.presets import preset
 from flowmoe.core.workloads import workload
 from flowmoe.jobs.batching import BatchLimits
 from flowmoe.jobs.engine import Request, StepInput
+from flowmoe.kernels import cpu_attention, cpu_expert, native
 from flowmoe.kernels.native import cpuinfo_field
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime import actions
@@ -114,6 +125,14 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     @contextmanager
+    def paused(self) -> Iterator[None]:
+        active, self.active = self.active, False
+        try:
+            yield
+        finally:
+            self.active = active
+
+    @contextmanager
     def labelled(self, label: str) -> Iterator[None]:
         outer, self.label = self.label, label
         try:
@@ -123,22 +142,98 @@ class OpCounter(TorchDispatchMode):
 
 
 COPYING = (Op.PAGE_COPY, Op.EVICT)  # the nodes whose actions copy (or free) weights on a GPU
+LOOKUPS = (native, cpu_expert, cpu_attention)  # each module's library(): None = torch's path
 
 
-def attributing(counter: OpCounter, cuda: Any) -> Callable[[], None]:
-    """StepState.action wrapped so each node's binding and run count under its op, and a copying
-    node's action runs again against `cuda` (a step state whose device weights copy), counted apart;
-    returns undo."""
+@attrs.define
+class CpuLaneKernels:
+    """The C kernels for the CPU lane's nodes only (`on` while one runs; without CUDA every lane
+    runs on the event loop's thread, devices/factory.py), torch operations for the others: each
+    kernel module's `library()` answers None unless `on`. `install` returns undo."""
+
+    counter: OpCounter
+    on: bool = False
+    stand_in: bool = False  # this host lacks the C decode attention (AVX-512 only): a stand-in runs
+
+    def install(self) -> Callable[[], None]:
+        originals = {m: m.library for m in LOOKUPS}
+        os.environ["FLOWMOE_CPU_KERNELS"] = "1"
+        found: dict[Any, Any] = {m: _fresh(m) for m in LOOKUPS}
+        os.environ["FLOWMOE_CPU_KERNELS"] = "0"
+        decode = cpu_attention.decode
+        self.stand_in = found[cpu_attention] is None
+        if self.stand_in:  # the C call answers "done"; `counted_decode` fills its output uncounted
+            found[cpu_attention] = SimpleNamespace(flowmoe_decode_attention=lambda *args: 0)
+
+            def counted_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                               sequences: list[tuple[int, int, int, int]], out: torch.Tensor,
+                               sinks: torch.Tensor | None, scale: float, chunk: int = cpu_attention.CHUNK,
+                               ) -> None:  # fmt: skip
+                decode(q, keys, values, sequences, out, sinks, scale, chunk)  # the wrapper's operations
+                with self.counter.paused():
+                    _decode_attention(q, keys, values, sequences, out, sinks, scale)
+
+            cpu_attention.decode = counted_decode  # type: ignore[assignment]  # a bench's stand-in
+        for module in LOOKUPS:
+            module.library = partial(lambda lib: lib if self.on else None, found[module])  # type: ignore[assignment]
+
+        def undo() -> None:
+            cpu_attention.decode = decode
+            for module, lookup in originals.items():
+                module.library = lookup
+                lookup.cache_clear()
+
+        return undo
+
+
+def _fresh(module: Any) -> Any:
+    module.library.cache_clear()
+    return module.library()
+
+
+def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      sequences: list[tuple[int, int, int, int]], out: torch.Tensor,
+                      sinks: torch.Tensor | None, scale: float) -> None:  # fmt: skip
+    """What cpu_attention.decode computes, in torch: q[row] [H, D] against keys / values [slot, :,
+    lo:hi] -> out[row] [H * D]; sinks [H] add exp(sink) to each head's softmax denominator."""
+    heads, kv_heads = q.shape[1], keys.shape[1]
+    for row, slot, lo, hi in sequences:
+        k, v = (t[slot, :, lo:hi].float() for t in (keys, values))  # [kvh, L, D]
+        qg = q[row].float().reshape(kv_heads, heads // kv_heads, -1)  # [kvh, g, D]
+        scores = (qg @ k.transpose(1, 2)) * scale  # [kvh, g, L]
+        if sinks is not None:
+            sink = sinks.float().reshape(kv_heads, -1, 1)  # [kvh, g, 1]
+            scores = torch.cat([scores, sink], dim=-1)
+        weights = scores.softmax(-1)[..., : hi - lo]
+        out[row] = (weights @ v).reshape(-1).to(out.dtype)  # [H * D]
+
+
+def attributing(counter: OpCounter, cuda: Any, lane: CpuLaneKernels | None) -> Callable[[], None]:
+    """StepState.action wrapped so each node's binding and run count under its op (with `lane`, the
+    CPU lane's nodes with the C kernels on), and a copying node's action runs again against `cuda` (a
+    step state whose device weights copy), counted apart; returns undo."""
     original = actions.StepState.action
 
-    def action(self: actions.StepState, node: TaskNode) -> Any:
+    @contextmanager
+    def running(node: TaskNode) -> Iterator[None]:
         with counter.labelled(node.op.name):
+            if lane is None or node.lane is not Lane.CPU_COMPUTE:
+                yield
+                return
+            lane.on = True
+            try:
+                yield
+            finally:
+                lane.on = False
+
+    def action(self: actions.StepState, node: TaskNode) -> Any:
+        with running(node):
             bound = original(self, node)
         if bound is None:
             return None
 
         def run() -> Any:
-            with counter.labelled(node.op.name):
+            with running(node):
                 result = bound()
                 if node.op in COPYING:
                     counter.copying = True
@@ -163,8 +258,11 @@ def prompts_for(setting: Setting, vocab: int) -> list[Request]:
             for i, n in enumerate(lengths)]  # fmt: skip
 
 
-def count(setting: Setting, name: str, model: MoEModel, pages: int, decode_steps: int) -> dict[str, Any]:
-    """One scheduler's decode steps at `setting`: operations and nodes per step, by op."""
+def count(
+    setting: Setting, name: str, model: MoEModel, pages: int, decode_steps: int, cpu_lane: bool = False
+) -> dict[str, Any]:
+    """One scheduler's decode steps at `setting`: operations and nodes per step, by op; `cpu_lane`:
+    the CPU lane's nodes with the C kernels (CpuLaneKernels)."""
     requests = prompts_for(setting, model.spec.vocab)
     size = -(-setting.prompts // setting.micro_batches)
     limits = BatchLimits(setting.micro_batches, size, decode_steps + 1)
@@ -176,7 +274,9 @@ def count(setting: Setting, name: str, model: MoEModel, pages: int, decode_steps
     policy = cache_slots(policy, name, slots)
     counter = OpCounter()
     cuda = DeviceWeights(model, Devices(torch.device("meta")))  # copies, as on CUDA: the counted path
-    undo = attributing(counter, SimpleNamespace(weights=SimpleNamespace(device=cuda)))
+    lane = CpuLaneKernels(counter) if cpu_lane else None
+    undo_lane = lane.install() if lane is not None else (lambda: None)
+    undo = attributing(counter, SimpleNamespace(weights=SimpleNamespace(device=cuda)), lane)
     steps: list[tuple[int, int]] = []  # (first span, end span) of each decode step
     try:
         cost = RooflineCost(hardware("h100" if setting.attention_on == "gpu" else "t4"), model.spec)
@@ -196,6 +296,7 @@ def count(setting: Setting, name: str, model: MoEModel, pages: int, decode_steps
             asyncio.run(generate(model, counted, requests, limits, runtime.cache_device))
     finally:
         undo()
+        undo_lane()
         cuda.close()
     spans = [s for a, b in steps for s in runtime.trace.spans[a:b]]
     n = len(steps)
@@ -205,6 +306,9 @@ def count(setting: Setting, name: str, model: MoEModel, pages: int, decode_steps
     return {
         "setting": setting.label, "scheduler": name, "decode_steps": n,
         "nodes_per_step": len(spans) / n, "pages_per_step": pages / n,
+        "cpu_lane_nodes_per_step": sum(s.node.lane is Lane.CPU_COMPUTE for s in spans) / n,
+        "c_kernels": "cpu lane as run" if cpu_lane else "off",
+        "cpu_attention_stand_in": lane is not None and lane.stand_in,
         "ops_per_step": sum(counter.ops.values()) / n,
         "views_per_step": sum(counter.views.values()) / n, "cuda_page_copy_ops_per_step": copies / n,
         "ops_with_copies_per_step": (sum(counter.ops.values()) + copies) / n,
@@ -236,37 +340,57 @@ def main() -> None:
             started = time.perf_counter()
             try:
                 row = count(setting, name, model, pages, args.decode_steps)
+                if row["cpu_lane_nodes_per_step"]:  # the second column: the CPU lane as run
+                    row["cpu_lane_as_run"] = count(setting, name, model, pages, args.decode_steps, True)
             except Exception as exc:  # a scheduler that refuses the setting is a row with its reason
                 row = {"setting": setting.label, "scheduler": name, "error": f"{type(exc).__name__}: {exc}"}
             row["wall_s"] = time.perf_counter() - started
             rows.append(row)
-            console.print(
-                f"{setting.label} {name}: {row.get('error') or round(row['ops_per_step'])} ops/step"
-            )
+            as_run = row.get("cpu_lane_as_run", row)
+            console.print(f"{setting.label} {name}: " + (row.get("error") or (
+                f"{row['ops_with_copies_per_step']:.0f} ops/step (C kernels off), "
+                f"{as_run['ops_with_copies_per_step']:.0f} (CPU lane as run)")))  # fmt: skip
     show(rows)
     settings = {k: attrs.asdict(SETTINGS[k]) for k in args.settings}
     meta = {"cpu": cpuinfo_field("model name") or platform.processor(), "torch": torch.__version__,
-            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "head": head(),
             "settings": settings}  # fmt: skip
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
 
+def head() -> str:
+    """The commit counted (with "+" where the tree has changes), or "" outside a git checkout."""
+    git = ["git", "-C", str(Path(__file__).parent)]
+    try:
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+        status = [*git, "status", "--porcelain", "--untracked-files=no"]
+        dirty = subprocess.run(status, capture_output=True).stdout
+    except OSError:
+        return ""
+    return commit.strip() + ("+" if dirty else "")
+
+
 def show(rows: list[dict[str, Any]]) -> None:
     table = Table(title="Per decode step: torch operations and executor nodes (counted on the CPU)")
-    for column in ("setting", "scheduler", "nodes", "page copies (pages)", "expert FFNs", "torch ops",
-                   "of them views", "+ CUDA copy ops", "ops / node", "top ops by node"):  # fmt: skip
+    for column in ("setting", "scheduler", "nodes", "page copies (pages)", "expert FFNs", "CPU lane nodes",
+                   "torch ops", "of them views", "+ CUDA copy ops", "total (C kernels off)",
+                   "total (CPU lane as run)", "ops / node", "top ops by node"):  # fmt: skip
         table.add_column(column, justify="right")
     for r in rows:
         if "error" in r:
-            table.add_row(r["setting"], r["scheduler"], "", "", "", "", "", "", "", r["error"][:60])
+            table.add_row(r["setting"], r["scheduler"], *[""] * 10, r["error"][:60])
             continue
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(r["ops_by_op"].items())[:3])
+        as_run = r.get("cpu_lane_as_run", r)
+        attends = as_run["cpu_attention_stand_in"] and r["nodes_by_op"].get("CPU_ATTN")
+        stand_in = " (stand-in attention)" if attends else ""
         table.add_row(
             r["setting"], r["scheduler"], f"{r['nodes_per_step']:.0f}",
             f"{r['nodes_by_op'].get('PAGE_COPY', 0):.0f} ({r['pages_per_step']:.0f})",
-            f"{r['nodes_by_op'].get('EXPERT_FFN', 0):.0f}",
+            f"{r['nodes_by_op'].get('EXPERT_FFN', 0):.0f}", f"{r['cpu_lane_nodes_per_step']:.0f}",
             f"{r['ops_per_step']:.0f}", f"{r['views_per_step']:.0f}",
-            f"{r['cuda_page_copy_ops_per_step']:.0f}",
+            f"{r['cuda_page_copy_ops_per_step']:.0f}", f"{r['ops_with_copies_per_step']:.0f}",
+            f"{as_run['ops_with_copies_per_step']:.0f}{stand_in}",
             f"{r['ops_with_copies_per_step'] / r['nodes_per_step']:.1f}", top,
         )  # fmt: skip
     console.print(table)
