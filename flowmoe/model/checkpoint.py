@@ -173,7 +173,9 @@ class Checkpoint:
     # ---- TensorSource
 
     def has(self, name: str) -> bool:
-        return name in self._where
+        """Whether tensor `name` is stored, or its module as an integer checkpoint's packed tensors."""
+        stored = self._where.__contains__
+        return stored(name) or (self.int4 is not None and self.int4.stored(name, stored))
 
     def get(self, name: str, shape: Shape) -> torch.Tensor:
         self._check(name, shape)
