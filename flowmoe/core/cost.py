@@ -9,7 +9,9 @@ scheduler marks `sync` (the host waits on it) adds the synchronisation cost. A n
 several kernels (`KERNELS`): the host issues each, so a GPU node takes at least its kernels x the
 host's dispatch time (the GPU runs ahead of the host only while kernels outlast their issue), and a
 CPU node adds its ops' dispatch. CPU streaming work is capped by what the cores it runs on stream
-(`HardwareSpec.cpu_stream_bandwidth`), so a run with fewer CPU threads attends and computes slower.
+(`HardwareSpec.cpu_stream_bandwidth`), so a run with fewer CPU threads attends and computes slower;
+a CPU GEMM of a few rows streams its weights for longer than one row does (`cpu_gemm.rows_factor`:
+weight packing and an unfilled micro-kernel tile, as measured by `flowmoe calibrate` and Fiddler).
 A staging copy (cpu.stage: pageable -> pinned memcpy threads beside the compute threads) moves its
 bytes at what all the host's cores stream together (`cpu_memory_efficiency`, STREAM Copy); the
 nodes of the two host lanes draw on one DRAM (`host_draw`, `host_memory_bandwidth`), which the
@@ -33,6 +35,7 @@ from typing import Protocol, runtime_checkable
 
 from attrs import field, frozen
 
+from flowmoe.core.cpu_gemm import rows_factor
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.host_costs import IDEAL, HostCosts
@@ -177,8 +180,9 @@ class RooflineCost:
         kernel: float = 1.0,
     ) -> float:
         """Time of work on `device` ("gpu" or "cpu"), without the fixed cost. `rows`: the GEMM's
-        rows (tokens per expert), 0 when not known (priced as a large GEMM); `kernel`: the share of
-        the GPU's GEMM rate the kernel reaches. GPU work is split across the spec's GPUs."""
+        rows (tokens per expert), 0 when not known (priced as a large GEMM on the GPU, as one row's
+        streaming on the CPU); `kernel`: the share of the GPU's GEMM rate the kernel reaches. GPU
+        work is split across the spec's GPUs."""
         hw = self.hardware
         if device == "gpu":
             flops, n_bytes = flops / hw.gpus, n_bytes / hw.gpus
@@ -192,7 +196,8 @@ class RooflineCost:
         efficiency = hw.cpu_attention_efficiency if attention else hw.cpu_gemm_efficiency
         bandwidth = hw.cpu_stream_bandwidth(efficiency, self.threads)
         compute = hw.cpu_flops * hw.cpu_compute_efficiency * hw.cpu_share(self.threads)
-        return max(flops / compute, n_bytes / bandwidth)
+        streaming = n_bytes / bandwidth * (1.0 if attention else rows_factor(rows))
+        return max(flops / compute, streaming)
 
     def all_reduce_seconds(self, rows: float) -> float:
         """A ring all-reduce of `rows` hidden states across the GPUs: each sends and receives

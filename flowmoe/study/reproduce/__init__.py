@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from flowmoe.study.reproduce import (
+    batch_one,
     fate,
     fiddler,
     generic_offloaders,
@@ -44,9 +45,19 @@ BUILDERS: dict[str, Callable[[bool], Iterator[Setting]]] = {
     "ktransformers": ktransformers.ktransformers,
     "fate": fate.fate,
     "generic-offloaders": generic_offloaders.generic_offloaders,
+    "batch-one": batch_one.batch_one,
 }
 SUCCESSORS = ("moe-gen", "hybrimoe", "ktransformers", "fate")
-PAPERS = ("moe-lightning", "klotski", "lru-cache", "pre-gated", "fiddler", *SUCCESSORS, "generic-offloaders")
+PAPERS = (
+    "moe-lightning",
+    "klotski",
+    "lru-cache",
+    "pre-gated",
+    "fiddler",
+    *SUCCESSORS,
+    "generic-offloaders",
+    "batch-one",
+)
 
 
 def settings(paper: str, quick: bool = False) -> list[Setting]:
