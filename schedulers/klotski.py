@@ -208,7 +208,8 @@ class KlotskiScheduler(Scheduler):
         if self.options.group_size:
             return min(self.options.group_size, count)
         spec, mb, cost = self.context.spec, step.micro_batches[0], self._cost
-        probe = NodeFactory(spec)
+        made = self.context.factory  # priced as the run's copies are: in its expert and attention formats
+        probe = NodeFactory(spec, expert_format=made.expert_format, attention_format=made.attention_format)
         layer = self.moe[0] if self.moe else 0
         attention = offloaded_kv_attention(probe, layer, mb, 0, 0)
         t_attend = sum(cost(n) for n in attention if n.lane is Lane.GPU_COMPUTE)

@@ -97,3 +97,10 @@ EXPERT_FORMAT_HELP = (
     "~1 byte per weight), int4 (groups of 128, round to nearest, ~0.53 bytes per weight) or hqq4 (HQQ, "
     "groups of 64, ~0.56 bytes per weight); a quantized run reports the logits' error it introduced"
 )
+ATTENTION_FORMAT_HELP = (
+    "how each layer's attention projections (q/k/v and o) are kept where the layer's dense part is "
+    "offloaded (Klotski(q)): native, or quantized as a bf16/fp16/fp32 model loads to int8, int4 or hqq4 "
+    "(the layouts of --expert-format); `run` computes with the quantized values but still keeps and "
+    "copies them in the model's dtype, `simulate`/`plan` price the packed bytes; grouped-query "
+    "attention only"
+)

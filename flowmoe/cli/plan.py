@@ -9,15 +9,16 @@ from typing import Any
 
 from rich.table import Table
 
-from flowmoe.cli.args import EXPERT_FORMAT_HELP, OUTPUT_FILE, POSITIVE_INT
+from flowmoe.cli.args import ATTENTION_FORMAT_HELP, EXPERT_FORMAT_HELP, OUTPUT_FILE, POSITIVE_INT
 from flowmoe.cli.ui import out
 from flowmoe.cli.ui import table as ui_table
 from flowmoe.cli.writes import add_force_flag, write_guard
+from flowmoe.core.expert_formats import attention_projections
 from flowmoe.core.figure import PLOT, check_suffix
 from flowmoe.core.hardware import HardwareSpec, hardware
 from flowmoe.core.hrm import balance_point
 from flowmoe.core.memory import fitting_expert_format, gib
-from flowmoe.core.policy import EXPERT_FORMATS, Place
+from flowmoe.core.policy import ATTENTION_FORMATS, EXPERT_FORMATS, Place
 from flowmoe.core.policy_search import CPU_USABLE, GPU_USABLE, Candidate, PlanResult, search
 from flowmoe.core.presets import PRESETS, preset
 from flowmoe.core.spec import ModelSpec
@@ -33,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-batch", type=POSITIVE_INT, default=8192, help="largest batch size N to consider (%(type)s)"
     )
     plan.add_argument("--expert-format", choices=EXPERT_FORMATS, help=EXPERT_FORMAT_HELP)
+    plan.add_argument("--attention-format", choices=ATTENTION_FORMATS, help=ATTENTION_FORMAT_HELP)
     plan.add_argument("--plot", type=OUTPUT_FILE, help="write a roofline figure (.png, .svg or .pdf)")
     plan.add_argument("--json", action="store_true", help="print the result as one JSON object")
     add_force_flag(plan)
@@ -82,6 +84,7 @@ def _plan(args: argparse.Namespace) -> int:
     attention: tuple[Place, ...] = (args.attention_on,) if args.attention_on else ("gpu", "cpu")
     ffn: tuple[Place, ...] = (args.ffn_on,) if args.ffn_on else ("gpu", "cpu")
     form = args.expert_format or fitting_expert_format(spec, hw)
+    attention_note = _attention_note(spec, args.attention_format)
     result = search(spec, hw, work, attention, ffn, max_batch=args.max_batch, expert_format=form)
     context = result.best.prompt + max(1, result.best.gen // 2)
     balance = balance_point(spec, hw, result.best.policy, context)
@@ -103,7 +106,23 @@ def _plan(args: argparse.Namespace) -> int:
     )
     if args.plot:
         out.print(f"roofline: {args.plot}")
+    if attention_note:
+        out.print(attention_note)
     return 0
+
+
+def _attention_note(spec: ModelSpec, attention_format: str | None) -> str | None:
+    """The HRM keeps every layer's dense part on the GPU (MoE-Lightning's policy), where attention is
+    held dequantized: an attention format moves no byte less over its link (grouped-query attention
+    only: `attention_projections` refuses MLA)."""
+    if attention_format in (None, "native"):
+        return None
+    attention_projections(spec)
+    return (
+        f"--attention-format {attention_format}: this plan keeps every layer's attention on the GPU "
+        "(dequantized), so the format changes none of its figures; `flowmoe simulate --scheduler klotski` "
+        "offloads attention and prices its packed bytes"
+    )
 
 
 def policy_table(spec: ModelSpec, hw: HardwareSpec, work: Workload, best: Candidate) -> Table:

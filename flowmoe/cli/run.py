@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from flowmoe.cli.args import (
+    ATTENTION_FORMAT_HELP,
     BYTES,
     EXPERT_FORMAT_HELP,
     FRACTION,
@@ -35,7 +36,7 @@ from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import ConfigError, FlowmoeError
 from flowmoe.core.hardware import hardware
 from flowmoe.core.options import check_options
-from flowmoe.core.policy import EXPERT_FORMATS, QUANTIZED_ON_LOAD, Policy, parse_bytes
+from flowmoe.core.policy import ATTENTION_FORMATS, EXPERT_FORMATS, QUANTIZED_ON_LOAD, Policy, parse_bytes
 from flowmoe.core.routing_trace import ROUTING_RECORD, RoutingTrace
 from flowmoe.core.synthetic_routing import observed_popularity
 from flowmoe.core.threads import plan_threads, usable_cores
@@ -179,6 +180,9 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
         "cores; default: OMP_NUM_THREADS, else the usable cores no other process keeps busy; %(type)s)",
     )  # fmt: skip
     group.add_argument("--expert-format", choices=EXPERT_FORMATS, default="native", help=EXPERT_FORMAT_HELP)
+    group.add_argument(
+        "--attention-format", choices=ATTENTION_FORMATS, default="native", help=ATTENTION_FORMAT_HELP
+    )
     add_option_flags(parser)
 
 
@@ -195,6 +199,7 @@ def policy_from(args: argparse.Namespace) -> Policy:
         gpu_memory=args.gpu_memory,
         cpu_threads=args.cpu_threads,
         expert_format=args.expert_format,
+        attention_format=args.attention_format,
         options=options,
     )
 
@@ -224,6 +229,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.ray:  # one job over many replicas (flowmoe/cluster)
         if args.format == OPENAI:
             raise ConfigError("an OpenAI batch runs in a single process; --ray takes flowmoe prompt files")
+        if args.attention_format != "native":
+            raise ConfigError("--attention-format quantizes the model one process loads; --ray's replicas "
+                              "load their own: leave one of them out")  # fmt: skip
         return run_on_ray(args, sampling, policy, guard)
     if args.replicas:
         raise FlowmoeError("--replicas needs --ray ADDRESS (--ray local: this machine's CPUs)")
@@ -238,7 +246,12 @@ def _run(args: argparse.Namespace) -> int:
     job = job_from(args, model, sampling)
     quantization = pack_for_run(args, model, source, codec, job)
     measured = quantization.as_json() if quantization else None
-    job = evolve(job, expert_format=policy.expert_format, quantization=measured)
+    job = evolve(
+        job,
+        expert_format=policy.expert_format,
+        attention_format=policy.attention_format,
+        quantization=measured,
+    )
     if args.scheduler == "auto":  # every scheduler simulated on this job; the best runs, its policy too
         args.scheduler, policy, job = auto_scheduler(args, model, codec, job)
     cost = RooflineCost(hardware(args.hardware), model.spec) if args.hardware else None
@@ -246,7 +259,7 @@ def _run(args: argparse.Namespace) -> int:
     runtime = Runtime.create(
         model,
         args.scheduler,
-        policy,
+        evolve(policy, attention_format="native"),  # it keeps and copies the attention unpacked (as priced)
         args.device,
         cost,
         record=bool(args.trace or args.json),
@@ -323,20 +336,22 @@ def run_json(
 def pack_for_run(
     args: argparse.Namespace, model: MoEModel, source: str, codec: TextCodec | None, job: JobSpec
 ) -> QuantError | None:
-    """--expert-format other than native: the model's experts packed (model/loading.py), and where
-    they are quantized on load, the error that introduced on the job's first prompts; a checkpoint
-    quantized before (GPTQ, AWQ, compressed-tensors) is reported whatever the format."""
+    """--expert-format other than native: the model's experts packed (model/loading.py); with
+    --attention-format, its attention projections quantized; where either is quantized on load, the
+    error that introduced on the job's first prompts; a checkpoint quantized before (GPTQ, AWQ,
+    compressed-tensors) is reported whatever the format."""
     from flowmoe.jobs.job import read_work
     from flowmoe.model.quant_error import pack_measured
     from flowmoe.runtime.device_weights import Devices
 
     form = args.expert_format
-    if form in QUANTIZED_ON_LOAD:
+    if form in QUANTIZED_ON_LOAD or args.attention_format != "native":
         limits = job.limits(model)
         first = read_work(job, model, codec, limits).requests[: limits.micro_batch_size]
     else:  # native and fp8 measure nothing; a GPTQ, AWQ or compressed-tensors checkpoint is reported
         first = []
-    return pack_measured(model, source, form, [r.input_ids for r in first], Devices.detect(args.device).gpu)
+    where = Devices.detect(args.device).gpu
+    return pack_measured(model, source, form, [r.input_ids for r in first], where, args.attention_format)
 
 
 def routing_profile(path: Path, model: MoEModel) -> tuple[tuple[float, ...], ...]:

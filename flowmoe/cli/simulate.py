@@ -19,15 +19,23 @@ from typing import TYPE_CHECKING, Any
 from attrs import evolve
 from rich.table import Table
 
-from flowmoe.cli.args import BYTES, EXPERT_FORMAT_HELP, FRACTION, NON_NEGATIVE_INT, POSITIVE_INT
+from flowmoe.cli.args import (
+    ATTENTION_FORMAT_HELP,
+    BYTES,
+    EXPERT_FORMAT_HELP,
+    FRACTION,
+    NON_NEGATIVE_INT,
+    POSITIVE_INT,
+)
 from flowmoe.cli.option_flags import add_option_flags, check_taken, given_options, options_of
 from flowmoe.cli.plan import add_setup_flags, spec_from, workload_from
 from flowmoe.cli.ui import console, out, steps, table
 from flowmoe.cli.writes import add_force_flag, write_guard
 from flowmoe.core.errors import ConfigError
+from flowmoe.core.expert_formats import attention_projections
 from flowmoe.core.hardware import hardware
 from flowmoe.core.options import check_options
-from flowmoe.core.policy import EXPERT_FORMATS, Policy
+from flowmoe.core.policy import ATTENTION_FORMATS, EXPERT_FORMATS, Policy
 from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.synthetic_routing import RoutingModel
@@ -74,6 +82,7 @@ def _flags(parser: argparse.ArgumentParser) -> None:
     policy.add_argument("--kv-gpu-share", type=FRACTION, help="share of the KV cache kept on the GPU")
     policy.add_argument("--gpu-memory", type=BYTES, help="GPU memory budget (default: the hardware's)")
     policy.add_argument("--expert-format", choices=EXPERT_FORMATS, help=EXPERT_FORMAT_HELP)
+    policy.add_argument("--attention-format", choices=ATTENTION_FORMATS, help=ATTENTION_FORMAT_HELP)
     policy.add_argument("--cpu-threads", type=POSITIVE_INT, help="CPU threads per op (%(type)s)")
     add_option_flags(parser)  # each scheduler's own, from its options class (as `flowmoe run` takes them)
     routing = parser.add_argument_group("routing")
@@ -102,13 +111,15 @@ def given_from(args: argparse.Namespace) -> Given:
     return Given(
         args.batch_size, args.micro_batches, args.attention_on, args.ffn_on, args.weights_gpu_share,
         args.kv_gpu_share, args.gpu_memory, args.cpu_threads, expert_format=args.expert_format,
-        options=given_options(args),
+        attention_format=args.attention_format, options=given_options(args),
     )  # fmt: skip
 
 
 def setup_from(args: argparse.Namespace) -> Setup:
     """The setup without its policy (each scheduler gets its own, `best_policy`)."""
     spec, hw, work = spec_from(args), hardware(args.hardware), workload_from(args)
+    if args.attention_format not in (None, "native"):
+        attention_projections(spec)  # grouped-query attention only: MLA refused in one line
     recorded = _recorded(args.routing, spec) if args.routing else None
     model = RoutingModel(args.skew, args.correlation, args.pregate_accuracy, args.seed)
     policy = Policy(gpu_memory=args.gpu_memory)
@@ -227,7 +238,7 @@ def auto_scheduler(args: argparse.Namespace, model: MoEModel, codec: TextCodec |
         with console.status("describing this machine (quick CPU-only calibration)"):
             hw, _measured = calibrate(quick=True, dtype=model.spec.dtype, device="cpu")
     memory = args.gpu_memory  # already bytes (the flag's type parses it)
-    given = Given(gpu_memory=memory, expert_format=args.expert_format)
+    given = Given(gpu_memory=memory, expert_format=args.expert_format, attention_format=args.attention_format)
     with console.status(f"simulating every scheduler on this job ({len(requests)} requests) on {hw.name}"):
         results = rank(model.spec, hw, work, list(available()), max(1, len(requests)), given)
     setup = Setup(model.spec, hw, work, Policy())

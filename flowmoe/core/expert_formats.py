@@ -13,11 +13,17 @@ if any, kept in the model's dtype in every format.
   0.5 + 4 / 128 = 0.531 bytes per weight (~3.8x fewer than bfloat16).
 * hqq4: int4's layout at group 64, Klotski's weight group size (klotski.txt §Compression: "4 bits,
   using a group size of 64"): 0.5 + 4 / 64 = 0.5625 bytes per weight.
+
+A layer's attention projections (Policy.attention_format: Klotski(q) quantizes "both expert and
+attention tensors") take the same layouts, q/k/v stacked [q + 2kv, hidden] and o [hidden, q], their
+biases and norms in the model's dtype: `dense_layer_bytes` is what a layer's dense part (attention,
+router, shared or dense MLP) holds in host memory and moves over the link when it is offloaded.
 """
 
 from __future__ import annotations
 
-from flowmoe.core.policy import ExpertFormat
+from flowmoe.core.errors import ConfigError
+from flowmoe.core.policy import AttentionFormat, ExpertFormat
 from flowmoe.core.spec import ModelSpec
 
 FP8_BLOCK = (128, 128)  # weight_block_size of the DeepSeek-V3, Kimi K2 and Qwen3-FP8 releases
@@ -48,13 +54,47 @@ def fp8_expert_bytes(spec: ModelSpec, block: tuple[int, int] = FP8_BLOCK) -> int
     return 3 * spec.hidden * spec.moe.intermediate + 4 * scales + _biases(spec)
 
 
+def packed_weight_bytes(rows: int, cols: int, form: ExpertFormat, dtype_bytes: int) -> int:
+    """A [rows, cols] projection's bytes in `form` (not fp8: `fp8_expert_bytes`)."""
+    if form == "native":
+        return rows * cols * dtype_bytes
+    if form == "int8":  # int8 values, a float32 scale per row
+        return rows * cols + 4 * rows
+    group = INT4_GROUPS[form]  # two values per byte, a float16 scale and zero per group
+    return rows * _ceil(cols, 2) + 4 * rows * _ceil(cols, group)
+
+
 def packed_expert_bytes(spec: ModelSpec, expert_format: ExpertFormat) -> int:
     """One routed expert's bytes in host memory and on the link in `expert_format`."""
     if expert_format == "native":
         return spec.expert_bytes
     if expert_format == "fp8":
         return fp8_expert_bytes(spec)
-    if expert_format == "int8":  # int8 values, a float32 scale per row
-        return sum(r * c + 4 * r for r, c in _projections(spec)) + _biases(spec)
-    group = INT4_GROUPS[expert_format]  # two values per byte, a float16 scale and zero per group
-    return sum(r * _ceil(c, 2) + 4 * r * _ceil(c, group) for r, c in _projections(spec)) + _biases(spec)
+    weights = sum(packed_weight_bytes(r, c, expert_format, spec.dtype_bytes) for r, c in _projections(spec))
+    return weights + _biases(spec)
+
+
+def attention_projections(spec: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """(rows, columns) of the stacked q/k/v and of o: the tensors an attention format quantizes."""
+    a = spec.attention
+    if a.mla is not None:
+        raise ConfigError(
+            f"--attention-format quantizes the q/k/v and o projections of grouped-query attention; "
+            f"{spec.name} uses multi-head latent attention: leave --attention-format out (native)"
+        )
+    return (a.q_width + 2 * a.kv_width, spec.hidden), (spec.hidden, a.out_width)
+
+
+def attention_bytes(spec: ModelSpec, attention_format: AttentionFormat) -> int:
+    """Bytes of one layer's q/k/v and o projections in `attention_format`."""
+    b = spec.dtype_bytes
+    return sum(packed_weight_bytes(r, c, attention_format, b) for r, c in attention_projections(spec))
+
+
+def dense_layer_bytes(spec: ModelSpec, layer: int, attention_format: AttentionFormat) -> int:
+    """A layer's dense part (attention, router, shared or dense MLP) in host memory and on the link,
+    its attention projections in `attention_format`."""
+    native = spec.layer_dense_bytes(layer)
+    if attention_format == "native":
+        return native
+    return native - attention_bytes(spec, "native") + attention_bytes(spec, attention_format)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 
-from attrs import frozen
+from attrs import evolve, frozen
 
 from flowmoe.core.errors import MemoryBudgetError
-from flowmoe.core.expert_formats import fp8_expert_bytes, packed_expert_bytes
+from flowmoe.core.expert_formats import dense_layer_bytes, fp8_expert_bytes, packed_expert_bytes
 from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.policy import ExpertFormat
 from flowmoe.core.scheduling import BatchShape, Residency, Scheduler, StepShape
@@ -137,7 +137,12 @@ def host_memory(scheduler: Scheduler, batch: BatchShape) -> HostNeed:
     form = scheduler.context.policy.expert_format
     packed = packed_expert_bytes(spec, form) if form != "native" else None
     kv_on_host = kv_bytes(scheduler, batch, on_gpu=False)
-    return host_need(spec, scheduler.residency(), kv_on_host, expert_bytes=packed)
+    residency = scheduler.residency()
+    need = host_need(spec, residency, kv_on_host, expert_bytes=packed)
+    attention = scheduler.context.policy.attention_format  # the dense parts offloaded keep it packed
+    saved = sum(spec.layer_dense_bytes(i) - dense_layer_bytes(spec, i, attention) for i in range(spec.layers)
+                if i not in residency.dense)  # fmt: skip
+    return evolve(need, weights=need.weights - saved)
 
 
 @frozen

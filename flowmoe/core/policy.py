@@ -14,6 +14,9 @@ ExpertFormat = Literal["native", "fp8", "int8", "int4", "hqq4"]
 EXPERT_FORMATS: tuple[ExpertFormat, ...] = ("native", "fp8", "int8", "int4", "hqq4")
 # formats a model in its own dtype is quantized to as it loads (flowmoe/model/quantize.py)
 QUANTIZED_ON_LOAD: tuple[ExpertFormat, ...] = ("int8", "int4", "hqq4")
+# how a layer's attention projections (q, k, v, o) are kept: the model's dtype or quantized on load
+AttentionFormat = Literal["native", "int8", "int4", "hqq4"]
+ATTENTION_FORMATS: tuple[AttentionFormat, ...] = ("native", "int8", "int4", "hqq4")
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
          "gb": 10**9, "tb": 10**12, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}  # fmt: skip
@@ -75,6 +78,9 @@ class Policy:
     # channel), "int4" (groups of 128), "hqq4" (HQQ, groups of 64); dequantized on the GPU after the
     # copy (core/expert_formats.py, model/quantized.py)
     expert_format: ExpertFormat = "native"
+    # how the attention projections are kept where the dense part of a layer is offloaded (Klotski(q)):
+    # "native", or quantized on load as the experts are (core/expert_formats.py, model/quantize.py)
+    attention_format: AttentionFormat = "native"
     # the schedulers' own knobs: each scheduler's options class (its `Options`) says what they are
     options: tuple[Any, ...] = field(default=(), converter=canonical_options)
 
@@ -91,6 +97,9 @@ class Policy:
             raise ConfigError(
                 f"expert format must be one of {', '.join(EXPERT_FORMATS)}, got {self.expert_format!r}"
             )
+        if self.attention_format not in ATTENTION_FORMATS:
+            known = ", ".join(ATTENTION_FORMATS)
+            raise ConfigError(f"attention format must be one of {known}, got {self.attention_format!r}")
 
     @property
     def batch_size(self) -> int:

@@ -17,11 +17,11 @@ from typing import ClassVar, TypeVar
 
 from attrs import define, field, frozen
 
-from flowmoe.core.expert_formats import packed_expert_bytes
+from flowmoe.core.expert_formats import attention_projections, dense_layer_bytes, packed_expert_bytes
 from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.options import NoOptions
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
-from flowmoe.core.policy import ExpertFormat, Place, Policy
+from flowmoe.core.policy import AttentionFormat, ExpertFormat, Place, Policy
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.workloads import Workload
 
@@ -254,6 +254,7 @@ class NodeFactory:
     spec: ModelSpec
     _ids: itertools.count = field(factory=itertools.count)
     expert_format: ExpertFormat = "native"  # the policy's: how an expert's PAGE_COPY crosses the link
+    attention_format: AttentionFormat = "native"  # the policy's: how a dense part's attention crosses it
 
     def node(
         self,
@@ -301,6 +302,10 @@ class NodeFactory:
         if op in (Op.PAGE_COPY, Op.W_STAGE) and expert >= 0 and self.expert_format != "native":
             packed = packed_expert_bytes(s, self.expert_format)  # a copy's flops: a dequantized weight each
             return (packed, 3 * s.hidden * s.moe.intermediate) if op is Op.PAGE_COPY else (2 * packed, 0)
+        if op in (Op.PAGE_COPY, Op.W_STAGE) and expert < 0 and self.attention_format != "native":
+            dense = dense_layer_bytes(s, layer, self.attention_format)  # flops: its projections dequantized
+            dequantized = sum(r * c for r, c in attention_projections(s))
+            return (dense, dequantized) if op is Op.PAGE_COPY else (2 * dense, 0)
         if op in (Op.PAGE_COPY, Op.EVICT):
             return (s.expert_bytes if expert >= 0 else s.layer_dense_bytes(layer)), 0
         if op is Op.DISK_LOAD:  # a whole layer's weights

@@ -17,19 +17,29 @@ matrix, with the same values as one by one.
   implementation; it keeps the zero of the lowest error (HQQ's returns the last one), and it stores
   scale and zero as float16 without HQQ's optional 8-bit quantization of them ("a zero scale group
   size of 128" in Klotski's setting).
+
+`quantize_attention` gives a layer's attention projections (q/k/v stacked, and o) the same formats
+(Klotski(q): "quantize both expert and attention tensors to 4 bits"), in place: each holds the values
+its packed form dequantizes to, so every lane computes the quantized model. They stay in the model's
+dtype in host memory and cross the link so: the runtime has no packed attention yet (the cost model
+prices the packed bytes: core/expert_formats.py, `dense_layer_bytes`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from attrs import evolve
 
-from flowmoe.core.expert_formats import INT4_GROUPS
-from flowmoe.core.policy import ExpertFormat
+from flowmoe.core.expert_formats import INT4_GROUPS, attention_projections
+from flowmoe.core.policy import AttentionFormat, ExpertFormat
 from flowmoe.model.quantized import Int4Weight, Int8Weight, PackedWeight, QuantizedExpert, pack_int4
-from flowmoe.model.weights import FFNWeights
+from flowmoe.model.weights import FFNWeights, ModelWeights
+
+if TYPE_CHECKING:
+    from flowmoe.core.spec import ModelSpec
 
 INT4_MAX = 15
 INT8_MAX = 127
@@ -109,3 +119,18 @@ def quantize_expert(ffn: FFNWeights, expert_format: ExpertFormat, device: torch.
     down = quantize_weight(ffn.down.to(device), expert_format)
     packed = QuantizedExpert((gate_up,), down, ffn.gate_up.dtype).mapped(lambda t: t.to(home))  # synchronous
     return evolve(packed, gate_up_bias=ffn.gate_up_bias, down_bias=ffn.down_bias)
+
+
+def quantize_attention(
+    spec: ModelSpec, weights: ModelWeights, attention_format: AttentionFormat, device: torch.device
+) -> None:
+    """Each layer's q/k/v [q + 2kv, hidden] and o [hidden, q] overwritten in place with their
+    `attention_format` quantization (computed on `device`) dequantized to the model's dtype; biases
+    and norms kept. Grouped-query attention only (`attention_projections` refuses MLA)."""
+    shapes = attention_projections(spec)
+    for lw in weights.layers:
+        for name, shape in zip(("qkv", "o"), shapes, strict=True):
+            weight = getattr(lw.attn, name)  # [R, C] in the model's dtype, a view of the layer's arena
+            assert tuple(weight.shape) == shape, f"{name} is {tuple(weight.shape)}, the spec says {shape}"
+            packed = quantize_weight(weight.to(device), attention_format)
+            weight.copy_(packed.dequantize(weight.dtype))  # [R, C]

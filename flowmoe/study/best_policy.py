@@ -27,7 +27,7 @@ from attrs import asdict, evolve, field, frozen
 from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.memory import fitting_expert_format, gib
 from flowmoe.core.options import knob, knobs
-from flowmoe.core.policy import ExpertFormat, Place, Policy
+from flowmoe.core.policy import AttentionFormat, ExpertFormat, Place, Policy
 from flowmoe.core.policy_search import search
 from flowmoe.core.ranges import ByteSize
 from flowmoe.core.scheduling import PolicyRequest
@@ -57,6 +57,7 @@ class Given:
     cpu_threads: int | None = None
     max_batch: int | None = None  # a cap on N where N is not given (e.g. the requests a job has)
     expert_format: ExpertFormat | None = None
+    attention_format: AttentionFormat | None = None
     options: dict[str, Any] = field(factory=dict, hash=False)
 
     def apply(self, policy: Policy) -> Policy:
@@ -221,6 +222,8 @@ def describe_policy(p: Policy, scheduler: str = "") -> str:
         words.append(f"threads {p.cpu_threads}")
     if p.expert_format != "native":
         words.append(f"experts {p.expert_format}")
+    if p.attention_format != "native":
+        words.append(f"attention {p.attention_format}")
     return " ".join(words)
 
 

@@ -177,7 +177,9 @@ class Simulation:
         cost = self.cost_of(name)
         kv_host = self.batch().total_slots * setup.spec.kv_bytes_per_token
         host = setup.hardware.cpu_memory - kv_host  # the weights' share
-        factory = NodeFactory(setup.spec, expert_format=self.policy.expert_format)
+        factory = NodeFactory(
+            setup.spec, expert_format=self.policy.expert_format, attention_format=self.policy.attention_format
+        )
         context = SchedulerContext(setup.spec, self.policy, factory, cost, popularity,
                                    weights_pinned=setup.weights_pinned, host_weight_bytes=host)  # fmt: skip
         return create(name, context)
