@@ -113,13 +113,16 @@ def test_klotski_places_weights_by_the_search_without_quantization() -> None:
     """§6.1: the multi-batch rows keep what fits of the weights on the GPU (the search's shares), not
     quantized; §9.5's simple pipeline is klotski with one batch prefetching every expert."""
     (setting,) = settings("klotski", quick=True)
-    simple, *multi = setting.systems
+    simple, *multi, quantized = setting.systems
     assert simple.scheduler == "klotski" and simple.policy is not None
     assert (simple.policy.micro_batches, simple.policy.options_for(KlotskiOptions).hot_experts) == (1, 8)
     assert [s.scheduler for s in multi] == ["klotski", "klotski"]
     for system in multi:
         assert system.policy is None and system.given.expert_format == "native"
         assert system.given.weights_gpu_share is None and system.given.options["group_size"] == 15
+    # Klotski (q): the last row's policy with experts and attention in HQQ 4-bit (§7, Compression)
+    assert quantized.name == "Klotski (q)" and quantized.given.options == multi[-1].given.options
+    assert (quantized.given.expert_format, quantized.given.attention_format) == ("hqq4", "hqq4")
 
 
 def test_moe_lightning_runs_the_batch_its_artifact_ran() -> None:

@@ -1,5 +1,6 @@
 """Klotski's settings: Table 3's ablation, its simple pipeline to its multi-batch pipeline with
-hot experts first."""
+hot experts first, and Klotski (q): the same pipeline with experts and attention tensors quantized
+(§7 "Compression": HQQ, 4 bits, group 64 — flowmoe's hqq4 for both)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def klotski(quick: bool) -> Iterator[Setting]:
         # §6.1's adaptive placement: the GPU memory the pipeline leaves free keeps weights (and KV)
         # there, so the weight and KV shares are the search's largest that fit; no quantization.
         many = Given(KLOTSKI_MICRO_BATCH * n, n, expert_format="native", options={"group_size": n})
+        # §7: "quantize both expert and attention tensors to 4 bits, using a group size of 64"
+        quantized = evolve(many, expert_format="hqq4", attention_format="hqq4")
         systems = (
             System("Simple pipeline", "klotski", setup, rows["Simple pipeline"], one),
             System(
@@ -50,11 +53,13 @@ def klotski(quick: bool) -> Iterator[Setting]:
             System(
                 "Klotski (+ adjust order)", "klotski", setup, rows["Klotski (+ adjust order)"], given=many
             ),
+            System("Klotski (q)", "klotski", setup, rows["Klotski (q)"], given=quantized),
         )
         pairs = [
             ("Klotski (+ adjust order)", "Simple pipeline"),
             ("+ Multi batches", "Simple pipeline"),
             ("Klotski (+ adjust order)", "+ Multi batches"),
+            ("Klotski (q)", "Klotski (+ adjust order)"),
         ]
         yield Setting(
             "klotski",
@@ -66,7 +71,8 @@ def klotski(quick: bool) -> Iterator[Setting]:
             "prompt 512, gen 32; klotski's expert share on the GPU: the largest that fits (§6.1 "
             "adaptive placement), CPU weights pinned where the model fits host memory (§6.1); "
             "'Simple pipeline' = klotski with one batch (n = 1) prefetching every expert, "
-            "'+ Multi batches' = klotski prefetching every expert (K = E); the rows '+ Only "
-            "prefetch hot experts' (klotski always reorders) and 'Klotski (q)' (no quantization) "
-            "are not expressible",
+            "'+ Multi batches' = klotski prefetching every expert (K = E); 'Klotski (q)' = klotski "
+            "with experts and attention in hqq4 (HQQ, 4 bits, group 64: §7; the same n, Table 3 "
+            "gives one per environment); the row '+ Only prefetch hot experts' (klotski always "
+            "reorders) is not expressible",
         )
