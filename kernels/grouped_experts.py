@@ -17,10 +17,13 @@ experts one slot pool per runtime is what would let the GPU take this one.
 
 The forms per device:
 * CPU: W @ x.T per expert, (2I x H) @ (H x n_e), with the rows as columns: the form
-  kernels/linear.py measured faster than x @ W.T for few rows, and the floats its per-expert
-  path gives (the CPU's grouped GEMM runs one mm per group). Taken where linear.py would take that
-  form for each expert: fp32 or bf16, at most FEW_ROWS rows an expert, no emulated half precision
-  from WIDEN_ROWS rows on.
+  kernels/linear.py measured faster than x @ W.T for few rows. The CPU's grouped GEMM runs one mm
+  per group, on operands laid out as the per-expert path's, so the GEMMs give its floats bit for
+  bit; the SwiGLU, one call over every expert's rows, may differ by an ulp in a few elements
+  (torch's vectorized silu computes a tensor's last elements with its scalar code, so which
+  elements those are depends on the tensor's length): equal within 1e-5 relative, not bit for
+  bit. Taken where linear.py would take that form for each expert: fp32 or bf16, at most FEW_ROWS
+  rows an expert, no emulated half precision from WIDEN_ROWS rows on.
 * CUDA: x @ W.T for the group, bf16 on sm90 / sm100 only, where torch runs it as one CUTLASS
   kernel; elsewhere torch's CUDA grouped GEMM loops over the groups after reading `offs` back to
   the host (a sync per call), so other cards and dtypes keep the per-expert path.
@@ -128,8 +131,7 @@ def _rows_as_columns(
     offs [S] (each slot's last row + 1) -> [n, hidden] (a transposed view)."""
     n, inter = x.shape[0], gate_up.shape[1] // 2
     h = torch._grouped_mm(gate_up, x.t(), offs=offs)  # [2I, n]
-    wide = -(-n * x.element_size() // ALIGN) * ALIGN // x.element_size()  # n rounded up: aligned rows
-    act = x.new_empty_strided((inter, n), (wide, 1))  # [I, n]
+    act = x.new_empty_strided((inter, n), (1, inter))  # [I, n], laid out [n, I] as the per-expert path's
     torch.mul(F.silu(h[:inter]), h[inter:], out=act)
     return torch._grouped_mm(down, act, offs=offs).t()  # [n, hidden]
 

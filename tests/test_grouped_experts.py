@@ -60,6 +60,7 @@ def torch_ops_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     cpu_expert.library.cache_clear()
 
 
+@pytest.mark.usefixtures("torch_ops_only")  # the reference: torch's per-expert path
 @pytest.mark.parametrize(
     ("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
 )
@@ -84,6 +85,7 @@ def test_grouped_gives_the_per_expert_floats(
     torch.testing.assert_close(grouped.float(), reference.float(), rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.usefixtures("torch_ops_only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cudas_form_gives_the_same_floats(dtype: torch.dtype) -> None:
     """The x @ W.T form CUDA takes, run on the CPU's grouped GEMM."""
