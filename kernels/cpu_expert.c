@@ -8,12 +8,19 @@
    thread count: 16 lanes over k, one lane per k mod 16, then the lanes in a fixed tree (hsum).
 
    Written with GCC vector extensions: one AVX-512 register per vector with -march=native on an
-   AVX-512 CPU, two AVX2 registers elsewhere. Threads: OpenMP over blocks of weight rows, with
-   the thread count the caller passes (torch's, so that both share one pool of workers). */
+   AVX-512 CPU, two AVX2 registers elsewhere. `isa` = 1 takes cpu_rows_avx2.c's block instead (AVX2
+   + FMA intrinsics; x in bf16 column order for a bf16 weight, which the entry points here arrange),
+   the caller's choice by the CPU's features (cpu_expert.py). Threads: OpenMP over blocks of weight
+   rows, with the thread count the caller passes (torch's, so that both share one pool of workers). */
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* cpu_rows_avx2.c */
+void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void *w, int bf16, long o0, int ob,
+                        float *res);
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -123,9 +130,9 @@ static inline __attribute__((always_inline)) void tiles(
     }
 }
 
-/* How many of the rows [o0, o0 + OB) exist in a matrix of O rows (0 past its end). */
-static inline long rows_at(long O, long o0) {
-    return o0 >= O ? 0 : (O - o0 < OB ? O - o0 : OB);
+/* How many of the rows [o0, o0 + bs) exist in a matrix of O rows (0 past its end). */
+static inline long rows_at(long O, long o0, int bs) {
+    return o0 >= O ? 0 : (O - o0 < bs ? O - o0 : bs);
 }
 
 /* Where row `row` of a row-major weight of K columns starts. */
@@ -195,19 +202,66 @@ static void block(const float *x, long ldx, int n, long K, const void *w, int bf
         }
 }
 
-/* y [n, O] (row stride ldy) = x [n, K] (row stride ldx) @ w [O, K]^T (+ bias [O], fp32). */
-void flowmoe_linear(const float *x, long ldx, int n, long K, const void *w, int bf16, long O,
-                    const float *bias, float *y, long ldy, int threads) {
-    long blocks = (O + OB - 1) / OB;
+#define OB_AVX2 8 /* cpu_rows_avx2.c's weight rows per block */
+#define OB_MAX 8  /* the most of any block */
+
+/* Weight rows per block of an isa: res[r * block_rows(isa) + j]. */
+static inline int block_rows(int isa) {
+    return isa == 1 ? OB_AVX2 : OB;
+}
+
+/* `block` (isa 0) or cpu_rows_avx2.c's (isa 1, x in bf16 column order for a bf16 weight). */
+static inline void block_of(int isa, const float *x, long ldx, int n, long K, const void *w, int bf16, long o0,
+                            int ob, const void *next, long next_rows, float *res) {
+    if (isa == 1)
+        flowmoe_block_avx2(x, ldx, n, K, w, bf16, o0, ob, res);
+    else
+        block(x, ldx, n, K, w, bf16, o0, ob, next, next_rows, res);
+}
+
+/* Where column k of a K-column row of x goes in bf16 column order (cpu_rows_avx2.c): within each
+   16 columns the 8 even ones, then the 8 odd ones; columns past the last full 16 stay in place. */
+static inline long bf16_position(long k, long K) {
+    if (k >= K / 16 * 16) return k;
+    long i = k & 15;
+    return (k & ~15L) + (i & 1 ? 8 : 0) + (i >> 1);
+}
+
+/* dst [n, K] (contiguous) = the rows of x [n, K] (row stride ldx) in bf16 column order. */
+static void bf16_order(const float *x, long ldx, int n, long K, float *dst) {
+    for (int r = 0; r < n; r++)
+        for (long k = 0; k < K; k++) dst[r * K + bf16_position(k, K)] = x[r * ldx + k];
+}
+
+/* Whether an isa reads x in bf16 column order against a bf16 weight. */
+static inline int reorders(int isa, int bf16) {
+    return isa == 1 && bf16;
+}
+
+/* y [n, O] (row stride ldy) = x [n, K] (row stride ldx) @ w [O, K]^T (+ bias [O], fp32).
+   Returns 0, or 1 where there is no memory for x in bf16 column order. */
+int flowmoe_linear(const float *x, long ldx, int n, long K, const void *w, int bf16, long O,
+                   const float *bias, float *y, long ldy, int isa, int threads) {
+    int bs = block_rows(isa);
+    long blocks = (O + bs - 1) / bs;
+    float *ordered = 0;
+    if (reorders(isa, bf16)) {
+        ordered = malloc(sizeof(float) * n * K);
+        if (!ordered) return 1;
+        bf16_order(x, ldx, n, K, ordered);
+        x = ordered, ldx = K;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long b = 0; b < blocks; b++) {
-        float res[n * OB];
-        long o0 = b * OB;
-        int ob = (int)rows_at(O, o0);
-        block(x, ldx, n, K, w, bf16, o0, ob, row_at(w, o0 + OB, K, bf16), rows_at(O, o0 + OB), res);
+        float res[n * OB_MAX];
+        long o0 = b * bs;
+        int ob = (int)rows_at(O, o0, bs);
+        block_of(isa, x, ldx, n, K, w, bf16, o0, ob, row_at(w, o0 + bs, K, bf16), rows_at(O, o0 + bs, bs), res);
         for (int r = 0; r < n; r++)
-            for (int j = 0; j < ob; j++) y[r * ldy + o0 + j] = res[r * OB + j] + (bias ? bias[o0 + j] : 0.0f);
+            for (int j = 0; j < ob; j++) y[r * ldy + o0 + j] = res[r * bs + j] + (bias ? bias[o0 + j] : 0.0f);
     }
+    free(ordered);
+    return 0;
 }
 
 /* SiLU(gate) * up, or GPT-OSS's clamped form (up + 1) * gate * sigmoid(alpha * gate) after
@@ -222,42 +276,63 @@ static inline float activation(float g, float u, int clamped, float alpha, float
 /* The expert FFNs of a group of experts (a layer's routed experts, or one) in one parallel pass:
    for expert e, act_e [n_e, I] = activation(x_e @ gate^T + bg, x_e @ up^T + bu) with gate_up_e
    [2I, H] (gate rows, then up rows), then out_e [n_e, H] = act_e @ down_e^T + bd with down_e
-   [H, I]. Threads share the blocks of all experts; the biases may be null. */
-void flowmoe_ffn_group(int experts, const float *const *xs, const int *ns, long H, long I,
-                       const void *const *gate_ups, const void *const *downs, int bf16,
-                       const float *const *gate_up_biases, const float *const *down_biases, int clamped,
-                       float alpha, float limit, float *const *acts, float *const *outs, int threads) {
-    long up_blocks = (I + OB - 1) / OB, down_blocks = (H + OB - 1) / OB;
+   [H, I]. Threads share the blocks of all experts; the biases may be null. An isa that reads x in
+   bf16 column order gets each x_e reordered first and act_e written in that order. Returns 0, or 1
+   where there is no memory for the reordered rows. */
+int flowmoe_ffn_group(int experts, const float *const *xs, const int *ns, long H, long I,
+                      const void *const *gate_ups, const void *const *downs, int bf16,
+                      const float *const *gate_up_biases, const float *const *down_biases, int clamped,
+                      float alpha, float limit, float *const *acts, float *const *outs, int isa, int threads) {
+    int bs = block_rows(isa);
+    long up_blocks = (I + bs - 1) / bs, down_blocks = (H + bs - 1) / bs, rows = 0;
+    int reorder = reorders(isa, bf16);
+    for (int e = 0; e < experts; e++) rows += ns[e];
+    float *ordered = 0;
+    const float *ordered_xs[experts > 0 ? experts : 1];
+    if (reorder) {
+        ordered = malloc(sizeof(float) * (rows > 0 ? rows : 1) * H);
+        if (!ordered) return 1;
+        for (long e = 0, at = 0; e < experts; at += ns[e] * H, e++) {
+            bf16_order(xs[e], H, ns[e], H, ordered + at);
+            ordered_xs[e] = ordered + at;
+        }
+        xs = ordered_xs;
+    }
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (long t = 0; t < experts * up_blocks; t++) {
             int e = (int)(t / up_blocks), n = ns[e];
-            long o0 = t % up_blocks * OB;
-            int ob = (int)rows_at(I, o0);
+            long o0 = t % up_blocks * bs;
+            int ob = (int)rows_at(I, o0, bs);
             const float *bias = gate_up_biases[e];
             const void *gu = gate_ups[e];
-            float g[n * OB], u[n * OB];
+            float g[n * OB_MAX], u[n * OB_MAX];
             /* read next: this block's up rows, then the next block's gate rows */
-            block(xs[e], H, n, H, gu, bf16, o0, ob, row_at(gu, I + o0, H, bf16), ob, g);
-            block(xs[e], H, n, H, gu, bf16, I + o0, ob, row_at(gu, o0 + OB, H, bf16), rows_at(I, o0 + OB), u);
+            block_of(isa, xs[e], H, n, H, gu, bf16, o0, ob, row_at(gu, I + o0, H, bf16), ob, g);
+            block_of(isa, xs[e], H, n, H, gu, bf16, I + o0, ob, row_at(gu, o0 + bs, H, bf16), rows_at(I, o0 + bs, bs),
+                     u);
             for (int r = 0; r < n; r++)
                 for (int j = 0; j < ob; j++) {
-                    float gv = g[r * OB + j] + (bias ? bias[o0 + j] : 0.0f);
-                    float uv = u[r * OB + j] + (bias ? bias[I + o0 + j] : 0.0f);
-                    acts[e][r * I + o0 + j] = activation(gv, uv, clamped, alpha, limit);
+                    float gv = g[r * bs + j] + (bias ? bias[o0 + j] : 0.0f);
+                    float uv = u[r * bs + j] + (bias ? bias[I + o0 + j] : 0.0f);
+                    long at = reorder ? bf16_position(o0 + j, I) : o0 + j;
+                    acts[e][r * I + at] = activation(gv, uv, clamped, alpha, limit);
                 }
         }
 #pragma omp for schedule(static)
         for (long t = 0; t < experts * down_blocks; t++) {
             int e = (int)(t / down_blocks), n = ns[e];
-            long o0 = t % down_blocks * OB;
-            int ob = (int)rows_at(H, o0);
+            long o0 = t % down_blocks * bs;
+            int ob = (int)rows_at(H, o0, bs);
             const float *bias = down_biases[e];
-            float res[n * OB];
-            block(acts[e], I, n, I, downs[e], bf16, o0, ob, row_at(downs[e], o0 + OB, I, bf16), rows_at(H, o0 + OB), res);
+            float res[n * OB_MAX];
+            block_of(isa, acts[e], I, n, I, downs[e], bf16, o0, ob, row_at(downs[e], o0 + bs, I, bf16),
+                     rows_at(H, o0 + bs, bs), res);
             for (int r = 0; r < n; r++)
-                for (int j = 0; j < ob; j++) outs[e][r * H + o0 + j] = res[r * OB + j] + (bias ? bias[o0 + j] : 0.0f);
+                for (int j = 0; j < ob; j++) outs[e][r * H + o0 + j] = res[r * bs + j] + (bias ? bias[o0 + j] : 0.0f);
         }
     }
+    free(ordered);
+    return 0;
 }

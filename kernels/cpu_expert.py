@@ -9,6 +9,15 @@ it is in L1, and fuses the gate/up projections with the activation (no [n, 2I] i
 Its sums run in a fixed order per output element whatever the number of rows, so an expert gives
 its rows the same result however a schedule splits them. Numbers: bench/RESULTS.md (issue 15).
 
+Which block multiplies is chosen by the CPU's features at run time (`isa`): on a CPU with AVX2 and
+FMA but no AVX-512, cpu_rows_avx2.c's intrinsics (the portable block's two-register vectors there
+are compute-bound at a quarter to a half of the read roof, see that file); elsewhere the portable
+block, compiled for the host (-march=native: AVX-512 where the CPU has it).
+FLOWMOE_CPU_ISA=portable forces the portable block, =avx2 the AVX2 one where the CPU has AVX2 and
+FMA (for comparison, and to test both on one machine). bf16 weights from two rows on go to oneDNN
+where torch has native bf16 matmuls (AVX512-BF16 / AMX), to these kernels elsewhere (torch
+emulates bf16 there at a fraction of the read rate).
+
 The C source is built with the others of this folder by `native.library()`; without it (no
 compiler, a non-x86 host, FLOWMOE_CPU_KERNELS=0) every caller takes torch's path instead.
 """
@@ -18,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import os
 
 import torch
 
@@ -38,22 +48,55 @@ def library() -> ctypes.CDLL | None:
     lib = native.library()
     if lib is None:
         return None
-    lib.flowmoe_linear.argtypes = [_P, _L, _I, _L, _P, _I, _L, _P, _P, _L, _I]
-    lib.flowmoe_linear.restype = None
-    lib.flowmoe_ffn_group.argtypes = [_I, _PP, _PI, _L, _L, _PP, _PP, _I, _PP, _PP, _I, _F, _F, _PP, _PP, _I]
-    lib.flowmoe_ffn_group.restype = None
+    lib.flowmoe_linear.argtypes = [_P, _L, _I, _L, _P, _I, _L, _P, _P, _L, _I, _I]
+    lib.flowmoe_linear.restype = _I
+    lib.flowmoe_ffn_group.argtypes = [_I, _PP, _PI, _L, _L, _PP, _PP, _I, _PP, _PP, _I, _F, _F, _PP, _PP]
+    lib.flowmoe_ffn_group.argtypes += [_I, _I]  # isa, threads
+    lib.flowmoe_ffn_group.restype = _I
     return lib
 
 
+ISAS = {"portable": 0, "avx2": 1}  # the C kernels' `isa` argument
+
+
+def isa() -> str:
+    """The block the kernels multiply with here: "avx2" on a CPU with AVX2 and FMA but no AVX-512
+    (or where FLOWMOE_CPU_ISA=avx2 and the CPU has AVX2 and FMA), else "portable"."""
+    flags = native.cpu_flags()
+    avx2 = {"avx2", "fma"} <= flags
+    wanted = os.environ.get("FLOWMOE_CPU_ISA", "")
+    if wanted not in ("", *ISAS):
+        raise ValueError(f"FLOWMOE_CPU_ISA={wanted!r}: expected one of {', '.join(ISAS)} (or unset)")
+    if wanted:
+        return "avx2" if wanted == "avx2" and avx2 else "portable"
+    return "avx2" if avx2 and "avx512f" not in flags else "portable"
+
+
+@functools.cache
+def emulated(dtype: torch.dtype) -> bool:
+    """Whether this CPU's torch multiplies `dtype` matrices without native instructions."""
+    if dtype == torch.bfloat16:
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return not torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return False
+
+
+def max_rows(dtype: torch.dtype) -> int:
+    """The most rows the kernels take in `dtype`: MAX_ROWS, but one bf16 row where torch's bf16
+    matmuls are native (from two rows on oneDNN's AMX / AVX512-BF16 kernels read bf16 faster)."""
+    return MAX_ROWS if dtype == torch.float32 or emulated(dtype) else 1
+
+
 def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A few fp32 rows on the CPU, or one bf16 row (from two rows on oneDNN's AMX / AVX512-BF16
-    kernels read bf16 weights faster), a row-major weight of x's dtype, and no autograd."""
+    """A few fp32 or bf16 rows on the CPU (`max_rows`), a row-major weight of x's dtype, and no
+    autograd."""
     rows = x.shape[0] if x.dim() == 2 else 0
     return (
         x.device.type == "cpu"
-        and 0 < rows <= (MAX_ROWS if x.dtype == torch.float32 else 1)
         and x.dtype == weight.dtype
         and x.dtype in (torch.float32, torch.bfloat16)
+        and 0 < rows <= max_rows(x.dtype)
         and weight.dim() == 2
         and weight.is_contiguous()
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
@@ -106,8 +149,17 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     bf16 = int(weight.dtype == torch.bfloat16)
     threads = torch.get_num_threads()
     w, o = weight.data_ptr(), weight.shape[0]
-    lib.flowmoe_linear(rows.data_ptr(), rows.stride(0), n, k, w, bf16, o, _ptr(b), out.data_ptr(), o, threads)
+    ldx, code = rows.stride(0), ISAS[isa()]
+    status = lib.flowmoe_linear(
+        rows.data_ptr(), ldx, n, k, w, bf16, o, _ptr(b), out.data_ptr(), o, code, threads
+    )
+    _check(status, "linear_rows")
     return out.to(x.dtype)
+
+
+def _check(status: int, name: str) -> None:
+    if status != 0:
+        raise MemoryError(f"{name}: no memory for x's rows in the kernel's bf16 column order")
 
 
 def swiglu_group(xs: list[torch.Tensor], ffns: list[FFN], moe: MoESpec) -> list[torch.Tensor]:
@@ -124,7 +176,7 @@ def swiglu_group(xs: list[torch.Tensor], ffns: list[FFN], moe: MoESpec) -> list[
     starts = [0, *itertools.accumulate(counts)][:-1]  # each expert's first row in the buffers
     gate_up_biases = [b.float().contiguous() if b is not None else None for _, _, b, _ in ffns]
     down_biases = [b.float().contiguous() if b is not None else None for _, _, _, b in ffns]
-    lib.flowmoe_ffn_group(
+    status = lib.flowmoe_ffn_group(
         len(rows),
         _array([r.data_ptr() for r in rows]),
         (ctypes.c_int * len(rows))(*counts),
@@ -140,6 +192,8 @@ def swiglu_group(xs: list[torch.Tensor], ffns: list[FFN], moe: MoESpec) -> list[
         moe.swiglu_limit,
         _array([acts.data_ptr() + start * inter * 4 for start in starts]),
         _array([outs.data_ptr() + start * hidden * 4 for start in starts]),
+        ISAS[isa()],
         torch.get_num_threads(),
     )
+    _check(status, "swiglu_group")
     return list(outs.to(xs[0].dtype).split(counts))

@@ -1,7 +1,8 @@
 """Linear projections in the fastest form the CPU has for their shape.
 
-* A few fp32 rows (a decode step's tokens, the tokens one expert gets; one row in bf16):
-  cpu_expert.c, which reads the weight once at memory speed (see kernels/cpu_expert.py).
+* A few rows (a decode step's tokens, the tokens one expert gets; in bf16 one row where torch has
+  native bf16 matmuls, a few where it emulates them): cpu_expert.c, which reads the weight once at
+  memory speed (see kernels/cpu_expert.py).
 * Up to a few hundred rows otherwise: (w @ x.T).T, which MKL (fp32) and oneDNN (bf16 on a CPU
   with AVX512-BF16 / AMX) run faster than x @ w.T. Measured in one run on the 2-vCPU Xeon with
   AMX of issue 15, one thread, a [14336, 2048] weight streamed from memory: fp32 at 32-64 rows
@@ -18,8 +19,6 @@ Elsewhere (CUDA, fp16, emulated half precision with few rows, many rows) it is F
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -29,14 +28,7 @@ FEW_ROWS = 256  # up to this many rows the transposed form is the faster one on 
 WIDEN_ROWS = 32  # from this many rows an emulated half-precision GEMM is slower than widening
 
 
-@functools.cache
-def _emulated(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies `dtype` matrices without native instructions."""
-    if dtype == torch.bfloat16:
-        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if dtype == torch.float16:
-        return not torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    return False
+_emulated = cpu_expert.emulated  # whether torch's matmuls in a dtype are emulated here
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

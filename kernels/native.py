@@ -39,6 +39,13 @@ def cpuinfo_field(name: str) -> str:
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(name)), "")
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them ("avx2", "fma", "avx512f", ...); empty
+    where the system does not say."""
+    return frozenset(cpuinfo_field("flags").split())
+
+
 def _cpu_id() -> str:
     """The CPU's model and flags (what -march=native compiles for)."""
     try:

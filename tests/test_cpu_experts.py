@@ -102,9 +102,9 @@ def test_linear_matches_float64(
 def test_swiglu_ffn_matches_float64(
     rows: int, hidden: int, inter: int, dtype: torch.dtype, bias: bool, activation: str, seed: int
 ) -> None:
-    """fp32 at any row count; bf16 at the one row the kernels take, whose only rounding is the
-    output's (torch's bf16 composition rounds the projections and each activation op too)."""
-    rows = rows if dtype == torch.float32 else 1
+    """fp32 at any row count; bf16 at the rows the kernels take (`max_rows`), whose only rounding is
+    the output's (torch's bf16 composition rounds the projections and each activation op too)."""
+    rows = min(rows, cpu_expert.max_rows(dtype))
     generator = torch.Generator().manual_seed(seed)
     moe = _moe(activation)
     ffn = _ffn(generator, hidden, inter, dtype, bias)
@@ -149,7 +149,9 @@ def test_which_shapes_take_the_kernels() -> None:
     assert cpu_expert.fits(torch.zeros(cpu_expert.MAX_ROWS, 16), w32)
     assert not cpu_expert.fits(torch.zeros(cpu_expert.MAX_ROWS + 1, 16), w32)  # compute-bound: MKL
     assert cpu_expert.fits(torch.zeros(1, 16, dtype=torch.bfloat16), w16)
-    assert not cpu_expert.fits(torch.zeros(2, 16, dtype=torch.bfloat16), w16)  # oneDNN's AMX kernels
+    # from two bf16 rows on: oneDNN's where torch has native bf16 (AMX, AVX512-BF16), else the kernels
+    bf16_rows = torch.zeros(2, 16, dtype=torch.bfloat16)
+    assert cpu_expert.fits(bf16_rows, w16) == cpu_expert.emulated(torch.bfloat16)
     assert not cpu_expert.fits(torch.zeros(2, 16, dtype=torch.float16), w16.half())
     assert not cpu_expert.fits(torch.zeros(2, 16), w32.t().contiguous().t())  # a transposed weight
     assert not cpu_expert.fits(torch.zeros(0, 16), w32)
@@ -228,3 +230,118 @@ def test_build_is_cached_per_source_and_cpu(monkeypatch: pytest.MonkeyPatch, tmp
     stamp = built[0].stat().st_mtime_ns
     assert native.library.__wrapped__() is not None  # found, not rebuilt
     assert built[0].stat().st_mtime_ns == stamp
+
+
+# ---- the kernels' blocks by CPU feature: each available one against float64, thread counts, splits
+
+ISAS = ["portable", *(["avx2"] if {"avx2", "fma"} <= native.cpu_flags() else [])]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """FLOWMOE_CPU_ISA forcing each block this CPU can run; bf16 from two rows on taken as where
+    torch emulates bf16 (so that the kernels see every row count on any CPU)."""
+    monkeypatch.setenv("FLOWMOE_CPU_ISA", request.param)
+    monkeypatch.setattr(cpu_expert, "max_rows", lambda dtype: cpu_expert.MAX_ROWS)
+    assert cpu_expert.isa() == request.param
+    return str(request.param)
+
+
+def _threads(threads: int, fn):  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# k: below one vector, whole vectors, a tail, past the AVX2 block's 1 KiB chunks (256 fp32 / 512 bf16)
+@pytest.mark.parametrize("n_in", [5, 48, 67, 1100])
+def test_linear_rows_every_row_count(isa: str, dtype: torch.dtype, n_in: int) -> None:
+    """Rows 1..MAX_ROWS against float64; 1 and 2 threads give the same bits; a row gets the same
+    bits alone as among others (the sums' order depends on neither)."""
+    generator = torch.Generator().manual_seed(n_in)
+    n_out = 37  # not a multiple of any block's rows
+    weight = _tensor(generator, n_out, n_in, scale=n_in**-0.5).to(dtype)
+    bias = _tensor(generator, n_out).to(dtype)
+    x = _tensor(generator, cpu_expert.MAX_ROWS, n_in).to(dtype)
+    alone = [cpu_expert.linear_rows(x[i : i + 1], weight, bias) for i in range(x.shape[0])]
+    for rows in range(1, cpu_expert.MAX_ROWS + 1):
+        assert cpu_expert.fits(x[:rows], weight, bias)
+        out = _threads(1, lambda rows=rows: cpu_expert.linear_rows(x[:rows], weight, bias))
+        exact = F.linear(x[:rows].double(), weight.double(), bias.double())
+        assert out.dtype == dtype and rel_err(out, exact) <= TOLERANCE[dtype], rows
+        assert torch.equal(out, _threads(2, lambda rows=rows: cpu_expert.linear_rows(x[:rows], weight, bias)))
+        assert torch.equal(out[-1:], alone[rows - 1])
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hidden", "inter"), [(40, 24), (64, 600), (1100, 37)])
+def test_ffn_group_every_isa(isa: str, dtype: torch.dtype, hidden: int, inter: int) -> None:
+    """A group of experts of 1..MAX_ROWS rows: each within tolerance of float64, the same bits at 1
+    and 2 threads and alone as in the group (bf16: the activation stays fp32 between the two
+    projections, in the AVX2 block's column order)."""
+    generator = torch.Generator().manual_seed(hidden + inter)
+    moe = _moe("silu")
+    counts = [1, 2, 3, 9, cpu_expert.MAX_ROWS]
+    ffns = [_ffn(generator, hidden, inter, dtype, bias=i % 2 == 0) for i in range(len(counts))]
+    xs = [_tensor(generator, n, hidden).to(dtype) for n in counts]
+    assert all(cpu_expert.fits_ffn(x, ffn) for x, ffn in zip(xs, ffns, strict=True))
+    grouped = _threads(1, lambda: cpu_expert.swiglu_group(xs, ffns, moe))
+    two_threads = _threads(2, lambda: cpu_expert.swiglu_group(xs, ffns, moe))
+    assert all(torch.equal(a, b) for a, b in zip(grouped, two_threads, strict=True))
+    for x, ffn, out in zip(xs, ffns, grouped, strict=True):
+        assert torch.equal(out, cpu_expert.swiglu_group([x], [ffn], moe)[0])
+        assert torch.equal(out[-1:], cpu_expert.swiglu_group([x[-1:]], [ffn], moe)[0])
+        if dtype == torch.bfloat16:
+            assert rel_err(out, _reference(x, ffn, moe)) <= TOLERANCE[dtype]
+        else:
+            assert _error(out, x, ffn, moe) <= TOLERANCE[dtype]
+
+
+def test_isa_follows_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AVX2 + FMA without AVX-512: the AVX2 block; AVX-512 or no AVX2: the portable one (compiled
+    for the host); FLOWMOE_CPU_ISA forces either where the CPU can run it, and names bad values."""
+    monkeypatch.delenv("FLOWMOE_CPU_ISA", raising=False)
+    cases = {
+        frozenset({"avx2", "fma"}): "avx2",
+        frozenset({"avx2", "fma", "avx512f"}): "portable",
+        frozenset({"avx2"}): "portable",  # no FMA
+        frozenset(): "portable",  # no /proc/cpuinfo
+    }
+    for flags, expected in cases.items():
+        monkeypatch.setattr(native, "cpu_flags", lambda flags=flags: flags)
+        assert cpu_expert.isa() == expected
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    monkeypatch.setenv("FLOWMOE_CPU_ISA", "avx2")
+    assert cpu_expert.isa() == "avx2"
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"sse4_2"}))
+    assert cpu_expert.isa() == "portable"  # never an instruction the CPU lacks
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setenv("FLOWMOE_CPU_ISA", "portable")
+    assert cpu_expert.isa() == "portable"
+    monkeypatch.setenv("FLOWMOE_CPU_ISA", "avx9")
+    with pytest.raises(ValueError, match="FLOWMOE_CPU_ISA='avx9'"):
+        cpu_expert.isa()
+
+
+@compiled
+def test_blocks_agree_within_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The portable block (the fallback where the CPU lacks AVX2 / FMA) and the AVX2 block compute
+    the same projection; only the order of the fp32 sums differs."""
+    if len(ISAS) < 2:
+        pytest.skip("this CPU runs only the portable block")
+    generator = torch.Generator().manual_seed(11)
+    weight = _tensor(generator, 50, 300, scale=300**-0.5).bfloat16()
+    x = _tensor(generator, 5, 300).bfloat16()
+    monkeypatch.setattr(cpu_expert, "max_rows", lambda dtype: cpu_expert.MAX_ROWS)
+    for dtype in (torch.float32, torch.bfloat16):
+        outs = []
+        for name in ISAS:
+            monkeypatch.setenv("FLOWMOE_CPU_ISA", name)
+            outs.append(cpu_expert.linear_rows(x.to(dtype), weight.to(dtype)))
+        assert rel_err(outs[0], outs[1]) <= TOLERANCE[dtype] / 3  # at most one rounding apart

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flowmoe.kernels import cpu_expert
 from flowmoe.kernels import linear as kernel
 from tests.helpers import rel_err
 
@@ -60,4 +61,29 @@ def test_widening_only_where_half_precision_is_emulated(monkeypatch: pytest.Monk
     assert calls == ([torch.float32] if kernel._emulated(torch.bfloat16) else [torch.bfloat16])
     calls.clear()
     kernel.linear(x[:4], weight)  # a few rows: widening the weight would cost more than it saves
-    assert calls == [torch.bfloat16]
+    assert calls == ([] if cpu_expert.fits(x[:4], weight) else [torch.bfloat16])  # or the C kernels
+
+
+@pytest.mark.parametrize("emulated", [False, True])
+def test_few_bf16_rows_take_the_cpu_kernels_where_torch_emulates_bf16(
+    monkeypatch: pytest.MonkeyPatch, emulated: bool
+) -> None:
+    """bf16 at 2-32 rows: cpu_expert's kernels where torch has no native bf16 matmul (AVX2), oneDNN
+    (the transposed matmul) where it has; either way F.linear's product within a rounding."""
+    if cpu_expert.library() is None:
+        pytest.skip("no C compiler for the CPU kernels here")
+    monkeypatch.setattr(cpu_expert, "emulated", lambda dtype: emulated and dtype == torch.bfloat16)
+    taken: list[int] = []
+    real = cpu_expert.linear_rows
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        taken.append(x.shape[0])
+        return real(x, w, b)
+
+    monkeypatch.setattr(cpu_expert, "linear_rows", spy)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 96, generator=generator).bfloat16()
+    weight = (torch.randn(40, 96, generator=generator) * 0.1).bfloat16()
+    out = kernel.linear(x, weight)
+    assert taken == ([8] if emulated else [])
+    assert rel_err(out, F.linear(x.double(), weight.double())) <= 3 * 2**-8
