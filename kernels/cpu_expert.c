@@ -20,7 +20,7 @@
 
 /* cpu_rows_avx2.c */
 void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void *w, int bf16, long o0, int ob,
-                        float *res);
+                        const void *next, long next_rows, float *res);
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -214,7 +214,7 @@ static inline int block_rows(int isa) {
 static inline void block_of(int isa, const float *x, long ldx, int n, long K, const void *w, int bf16, long o0,
                             int ob, const void *next, long next_rows, float *res) {
     if (isa == 1)
-        flowmoe_block_avx2(x, ldx, n, K, w, bf16, o0, ob, res);
+        flowmoe_block_avx2(x, ldx, n, K, w, bf16, o0, ob, next, next_rows, res);
     else
         block(x, ldx, n, K, w, bf16, o0, ob, next, next_rows, res);
 }

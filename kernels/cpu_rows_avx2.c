@@ -24,9 +24,6 @@
 #define AVX2 __attribute__((target("avx2,fma")))
 #define OB 8             /* weight rows per block: 8 accumulators for one row of x (FMA latency 4 x 2 pipes) */
 #define RT 2             /* x rows per register tile beyond one: 2 x OB / 2 accumulators, 2 RT x vectors */
-#ifndef PF
-#define PF 2048
-#endif
 #define CHUNK_BYTES 1024 /* of each weight row per chunk when several passes share it (8 KiB in L1) */
 
 /* The 8 lanes' sum: lane i + lane i + 4, then + 2, + 1. */
@@ -46,7 +43,7 @@ static inline AVX2 __attribute__((always_inline)) void in_register(__m256 *v) {
    constants in each caller, so that the accumulators live in registers). */
 static inline AVX2 __attribute__((always_inline)) void tile(
     int rt, int jn, int bf16, const float *x, long ldx, int r0, int j0, long k0, long k1, const void *const *wp,
-    __m256 (*acc)[OB]) {
+    __m256 (*acc)[OB], const char *next, long per_step) {
     __m256 a[RT][OB];
     for (int r = 0; r < rt; r++)
         for (int j = 0; j < jn; j++) a[r][j] = acc[r0 + r][j0 + j];
@@ -55,6 +52,7 @@ static inline AVX2 __attribute__((always_inline)) void tile(
     if (bf16) {
         const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32((int)0xFFFF0000u));
         for (long k = k0; k < k1; k += 16) {
+            for (long b = 0; next && b < per_step; b += 64) _mm_prefetch(next + k / 16 * per_step + b, _MM_HINT_T1);
             __m256 xe[RT], xo[RT];
             for (int r = 0; r < rt; r++) {
                 xe[r] = _mm256_loadu_ps(xr[r] + k);
@@ -62,7 +60,6 @@ static inline AVX2 __attribute__((always_inline)) void tile(
                 in_register(&xe[r]), in_register(&xo[r]);
             }
             for (int j = 0; j < jn; j++) {
-                if (PF) _mm_prefetch((const char *)wp[j0 + j] + 2 * k + PF, _MM_HINT_T0);
                 __m256 u = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)wp[j0 + j] + k)));
                 in_register(&u); /* else GCC keeps a copy on the stack for vpand's memory operand */
                 __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(u), 16));
@@ -72,10 +69,10 @@ static inline AVX2 __attribute__((always_inline)) void tile(
         }
     } else {
         for (long k = k0; k < k1; k += 8) {
+            for (long b = 0; next && b < per_step; b += 64) _mm_prefetch(next + k / 8 * per_step + b, _MM_HINT_T1);
             __m256 xv[RT];
             for (int r = 0; r < rt; r++) xv[r] = _mm256_loadu_ps(xr[r] + k), in_register(&xv[r]);
             for (int j = 0; j < jn; j++) {
-                if (PF) _mm_prefetch((const char *)wp[j0 + j] + 4 * k + PF, _MM_HINT_T0);
                 __m256 wv = _mm256_loadu_ps((const float *)wp[j0 + j] + k);
                 for (int r = 0; r < rt; r++) a[r][j] = _mm256_fmadd_ps(xv[r], wv, a[r][j]);
             }
@@ -90,7 +87,7 @@ static inline AVX2 __attribute__((always_inline)) void tile(
    rows take turns, RT rows against half the block at a time, chunk by chunk, the later passes
    finding the chunk in L1. */
 AVX2 void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void *w, int bf16, long o0, int ob,
-                             float *res) {
+                             const void *next, long next_rows, float *res) {
     int esize = bf16 ? 2 : 4, step = bf16 ? 16 : 8;
     long kv = K / step * step, chunk = n == 1 ? (kv > 0 ? kv : 1) : CHUNK_BYTES / esize;
     const void *wp[OB];
@@ -99,22 +96,28 @@ AVX2 void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void
     __m256 acc[n][OB];
     for (int r = 0; r < n; r++)
         for (int j = 0; j < OB; j++) acc[r][j] = _mm256_setzero_ps();
+    /* the next block's bytes, spread over this block's steps (prefetched into L2 by the first pass
+       over each chunk): one sequential stream for the hardware to follow, where the block's OB rows
+       of a short K (2 KiB in bf16 at K 1024) end before its prefetchers have picked them up */
+    long steps = kv / step > 0 ? kv / step : 1, per_step = (next_rows * K * esize / steps + 63) / 64 * 64;
+    const char *ahead = next_rows > 0 ? (const char *)next : 0;
     for (long k0 = 0; k0 < kv; k0 += chunk) {
         long k1 = kv - k0 < chunk ? kv : k0 + chunk;
         if (n == 1 && bf16)
-            tile(1, OB, 1, x, ldx, 0, 0, k0, k1, wp, acc);
+            tile(1, OB, 1, x, ldx, 0, 0, k0, k1, wp, acc, ahead, per_step);
         else if (n == 1)
-            tile(1, OB, 0, x, ldx, 0, 0, k0, k1, wp, acc);
+            tile(1, OB, 0, x, ldx, 0, 0, k0, k1, wp, acc, ahead, per_step);
         for (int r0 = 0; n > 1 && r0 < n; r0 += RT)
             for (int j0 = 0; j0 < OB; j0 += OB / 2) {
+                const char *pf = r0 == 0 && j0 == 0 ? ahead : 0;
                 if (n - r0 == 1 && bf16)
-                    tile(1, OB / 2, 1, x, ldx, r0, j0, k0, k1, wp, acc);
+                    tile(1, OB / 2, 1, x, ldx, r0, j0, k0, k1, wp, acc, pf, per_step);
                 else if (n - r0 == 1)
-                    tile(1, OB / 2, 0, x, ldx, r0, j0, k0, k1, wp, acc);
+                    tile(1, OB / 2, 0, x, ldx, r0, j0, k0, k1, wp, acc, pf, per_step);
                 else if (bf16)
-                    tile(RT, OB / 2, 1, x, ldx, r0, j0, k0, k1, wp, acc);
+                    tile(RT, OB / 2, 1, x, ldx, r0, j0, k0, k1, wp, acc, pf, per_step);
                 else
-                    tile(RT, OB / 2, 0, x, ldx, r0, j0, k0, k1, wp, acc);
+                    tile(RT, OB / 2, 0, x, ldx, r0, j0, k0, k1, wp, acc, pf, per_step);
             }
     }
     for (int r = 0; r < n; r++)
