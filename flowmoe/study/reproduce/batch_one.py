@@ -54,7 +54,7 @@ def batch_one(quick: bool) -> Iterator[Setting]:
     yield Setting(
         "batch-one",
         f"mixtral-8x7b, one request, Env1 (Quadro RTX 6000 + Xeon Gold 6126), {README_WORK}",
-        f"{B.FIDDLER_README}, opening and 'Benchmarks'",
+        f"{B.FIDDLER_README}, its opening line and § Benchmarks",
         tuple(systems),
         tuple(Speedup("Fiddler", name, ratio) for name, ratio in over.items()),
         f"end-to-end tokens/s (generated / (prefill + decode)); the README's '>3 token/s' is a lower bound "
