@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+from array import array
 from itertools import accumulate, pairwise
 
 import torch
@@ -47,13 +48,30 @@ from flowmoe.kernels.cpu_expert import FFN
 from flowmoe.kernels.linear import FEW_ROWS, WIDEN_ROWS, _emulated
 
 ALIGN = 16  # bytes: the grouped GEMM's stride and address alignment
-MAX_SLOTS = 1024  # a view spanning more slots than this is not taken (no layer has more experts)
+MAX_SLOTS = 1024  # a view of more slots than this is not taken (a layer's buffer holds fewer)
 
 
-def stacked(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+def stacked(tensors: list[torch.Tensor], most: int = MAX_SLOTS) -> tuple[torch.Tensor, list[int]] | None:
     """`tensors` (each [out, in], contiguous, one dtype, in one buffer at a common stride, ascending)
-    as one view [S, out, in] of the slots from the first to the last, and each one's slot; None
-    where they do not lie so."""
+    as one view [S, out, in] of every slot at that stride the buffer holds (`most` at most), and
+    each one's slot; None where they do not lie so. The slots the group leaves out (other experts,
+    or the layer's other bytes) get no rows, so the GEMM reads nothing there; one view serves every
+    group of a layer at that stride (`_view` keeps it)."""
+    lay = _lay(tensors)
+    return None if lay is None else (_viewed(tensors[0], lay, most), lay[3])
+
+
+Lay = tuple[int, int, int, list[int]]  # (first slot's element, slot stride, slots held, the tensors' slots)
+
+
+def _viewed(first: torch.Tensor, lay: Lay, most: int) -> torch.Tensor:
+    start, step, count, _ = lay
+    return _view(first, (min(count, most), *first.shape), (step, *first.stride()), start)
+
+
+def _lay(tensors: list[torch.Tensor]) -> Lay | None:
+    """Where `tensors` lie in their buffer as `stacked` views them: its first slot's element, the
+    stride between slots, how many slots the buffer holds and each tensor's; None as `stacked`."""
     first = tensors[0]
     storage = first.untyped_storage().data_ptr()
     if any(
@@ -66,19 +84,35 @@ def stacked(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | Non
     ):
         return None
     offsets = [int(t.storage_offset()) for t in tensors]  # elements
-    base, size = offsets[0], first.element_size()
-    step = math.gcd(*(o - base for o in offsets)) or first.numel()
-    slots = [(o - base) // step for o in offsets]
+    size, numel = first.element_size(), first.numel()
+    step = math.gcd(*(o - offsets[0] for o in offsets)) or numel
+    start = offsets[0] % step  # the buffer's first slot at that stride
+    count = (first.untyped_storage().nbytes() // size - start - numel) // step + 1
+    slots = [(o - start) // step for o in offsets]
     if (
         any(later <= earlier for earlier, later in pairwise(slots))
-        or step < first.numel()
+        or step < numel
         or step * size % ALIGN
         or first.data_ptr() % ALIGN
-        or slots[-1] >= MAX_SLOTS
+        or count > MAX_SLOTS
     ):
         return None
-    view = first.as_strided((slots[-1] + 1, *first.shape), (step, *first.stride()), base)
-    return view, slots
+    return start, step, count, slots
+
+
+def _view(first: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...], base: int) -> torch.Tensor:
+    """first's storage viewed as `shape` / `stride` from element `base`: made once per layer buffer
+    (flowmoe/model/arena.py; kept on it, so it lives as long as the buffer) and reused, not made
+    per call (an operation each)."""
+    arena = getattr(first, "arena", None)
+    if arena is None:
+        return first.as_strided(shape, stride, base)
+    views = arena.__dict__.setdefault("grouped_views", {})  # the layer's views, by where they lie
+    key = (first.dtype, shape, stride, base)
+    view = views.get(key)
+    if view is None:
+        view = views[key] = first.as_strided(shape, stride, base)
+    return view
 
 
 def _takes(x: torch.Tensor, counts: list[int], ffns: list[FFN], moe: MoESpec) -> bool:
@@ -110,18 +144,20 @@ def swiglu_grouped(x: torch.Tensor, counts: list[int], ffns: list[FFN], moe: MoE
     the same order, unscaled; None where the grouped path does not take them."""
     if not _takes(x, counts, ffns, moe):
         return None
-    gate_up = stacked([f[0] for f in ffns])  # [S, 2I, hidden]
-    down = stacked([f[1] for f in ffns])  # [S, hidden, I]
-    if gate_up is None or down is None or gate_up[1] != down[1]:
+    gate_up, down = (_lay([f[i] for f in ffns]) for i in (0, 1))
+    if gate_up is None or down is None or gate_up[3] != down[3]:
         return None
-    rows = [0] * gate_up[0].shape[0]  # per slot: the slots between the group's experts get none
-    for slot, count in zip(gate_up[1], counts, strict=True):
+    slots = min(gate_up[2], down[2])  # as many of each as both buffers hold
+    rows = [0] * slots  # per slot: those the group leaves out get none
+    for slot, count in zip(gate_up[3], counts, strict=True):
         rows[slot] = count
-    offs = torch.tensor(list(accumulate(rows)), dtype=torch.int32, pin_memory=x.is_cuda)  # [S]
     if x.is_cuda:  # from page-locked memory: no wait for the stream
+        offs = torch.tensor(list(accumulate(rows)), dtype=torch.int32, pin_memory=True)  # [S]
         offs = offs.to(x.device, non_blocking=True)
+    else:  # the host's own ints: no operation
+        offs = torch.frombuffer(array("i", accumulate(rows)), dtype=torch.int32)  # [S]
     form = _rows_as_columns if x.device.type == "cpu" else _rows_as_rows
-    return form(x, gate_up[0], down[0], offs)
+    return form(x, _viewed(ffns[0][0], gate_up, slots), _viewed(ffns[0][1], down, slots), offs)
 
 
 def _rows_as_columns(

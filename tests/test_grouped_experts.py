@@ -36,6 +36,7 @@ def _arena(dtype: torch.dtype, gap: int = 16) -> list[FFN]:
         start = e * stride
         gate_up = flat[start : start + sizes[0]].view(2 * INTER, HIDDEN)
         down = flat[start + sizes[0] + gap : start + sizes[0] + gap + sizes[1]].view(HIDDEN, INTER)
+        gate_up.arena = down.arena = flat  # type: ignore[attr-defined]  # as model/arena.py marks its views
         ffns.append((gate_up, down, None, None))
     return ffns
 
@@ -109,6 +110,8 @@ def test_stacked_views_in_place() -> None:
     assert slots == [0, 1, 3] and tensor.shape == (4, 2 * INTER, HIDDEN)  # every 2nd expert from 1 on
     assert tensor.data_ptr() == ffns[1][0].data_ptr()  # a view, no copy
     assert torch.equal(tensor[1], ffns[3][0]) and torch.equal(tensor[3], ffns[7][0])
+    again = stacked([ffns[e][0] for e in (3, 5)])  # another group at that stride: the same view
+    assert again is not None and again[0] is tensor and again[1] == [1, 2]
     separate = [torch.randn(2 * INTER, HIDDEN) for _ in range(2)]  # two buffers: no common view
     assert stacked(separate) is None
     assert stacked([ffns[3][0], ffns[1][0]]) is None  # not ascending
@@ -160,13 +163,14 @@ class _Ops(TorchDispatchMode):
 
 @pytest.mark.usefixtures("torch_ops_only")
 def test_one_launch_per_projection_whatever_the_experts() -> None:
-    """13 operations (2 of them the grouped GEMMs, 7 views) for 2, 5 or 8 experts."""
+    """9 operations (2 of them the grouped GEMMs, 3 views) for 2, 5 or 8 experts of a layer's buffer."""
     arena, counted = _arena(torch.float32), []
     for experts in (2, 5, 8):
         counts = [3] * experts
         x = _rows(counts, torch.float32)
+        swiglu_ffn_gathered(x, counts, arena[:experts], MOE)  # the layer's views made, once
         with torch.inference_mode(), _Ops() as ops:
             assert swiglu_ffn_gathered(x, counts, arena[:experts], MOE) is not None
         counted.append(ops.ops)
     assert counted[0]["_grouped_mm"] == 2 and "mm" not in counted[0]
-    assert [sum(ops.values()) for ops in counted] == [13, 13, 13], counted
+    assert [sum(ops.values()) for ops in counted] == [9, 9, 9], counted
