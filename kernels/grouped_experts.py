@@ -10,8 +10,9 @@ over a table of weight pointers would make triton a dependency of the hot path a
 only in its (slow) interpreter. Instead the group's weights are viewed in place (`stacked`): tensors
 of one shape and dtype that lie in one buffer at a common stride (a layer's experts in its host
 arena, flowmoe/model/arena.py, are: one expert's tensors after the other, each aligned) are one
-strided view [S, out, in] over the slots from the first to the last, and the experts between them
-that the group leaves out get no rows. Weights that do not lie so (the GPU's copies today: each
+strided view [S, out, in] of every slot at that stride the buffer holds, made once per layer and
+kept on its buffer, and the slots the group leaves out get no rows (the GEMM reads nothing of
+them). Weights that do not lie so (the GPU's copies today: each
 expert its own buffer, runtime/device_weights.py) take the per-expert path; giving the device's
 experts one slot pool per runtime is what would let the GPU take this one.
 
