@@ -19,7 +19,14 @@ weights by host_memory.huge_copy, as the model's host weights):
 * expert FFN (SwiGLU gate_up + down) for 1-64 rows: OLMoE-1B-7B's expert (hidden 2048,
   intermediate 1024; allenai/OLMoE-1B-7B-0924 config.json) and, without --quick, Mixtral
   8x7B's (4096 x 14336); bytes = the expert's weights. Variants: `swiglu_ffn`,
-  `swiglu_ffn_group` over 8 experts (bytes x 8) and `swiglu_ffn_torch` (torch ops).
+  `swiglu_ffn_group` over 8 experts (bytes x 8) and `swiglu_ffn_torch` (torch ops), and where the
+  CPU kernels choose another block than the portable one (AVX2 without AVX-512: kernels/cpu_rows_avx2.c),
+  `swiglu_ffn portable block` (the block they used before, kernels/cpu_expert.c's);
+* projection (a decode step's few-row linear, bytes = the weight) at issue 25's checkpoint's shapes
+  (bench/vs_llamacpp.py: hidden 1024, intermediate 3584, vocab 32000): an expert's gate_up
+  [7168, 1024], down [1024, 3584] and the LM head [32000, 1024], 1-8 rows. Variants: `linear_rows`
+  (kernels/cpu_expert.py, the block chosen for this CPU), `linear_rows portable block` where that
+  differs, and torch's few-row form (w @ x.T).T (kernels/linear.py's path without the kernels).
 
 Caches and weights are cycled through distinct buffers totalling >= 2 GiB (1 GiB with --quick)
 so no repetition finds its operands in the last-level cache. Each row interleaves roof samples with the
@@ -54,6 +61,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flowmoe.core.spec import MoESpec
+from flowmoe.kernels import cpu_expert
 from flowmoe.kernels.attention import attend
 from flowmoe.kernels.experts import swiglu_ffn, swiglu_ffn_group, swiglu_ffn_torch
 from flowmoe.kernels.host_memory import huge_copy, huge_zeros
@@ -65,6 +73,13 @@ BASELINE = "455bf73"  # the last commit of kernels/attention.py before issue 15
 TORCH_PATH = "87fd6ff"  # the last kernels/attention.py before cpu_attention.c (torch's kernels)
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Mixtral 8x7B
 EXPERTS = {"OLMoE-1B-7B": (2048, 1024), "Mixtral-8x7B": (4096, 14336)}  # hidden, intermediate
+# issue 25's checkpoint (bench/vs_llamacpp.py's defaults): [out, in] of its decode projections
+PROJECTIONS = {
+    "gate_up 7168x1024": (7168, 1024),
+    "down 1024x3584": (1024, 3584),
+    "lm head 32000x1024": (32000, 1024),
+}
+PORTABLE = "portable"  # cpu_expert's block before the per-CPU choice (kernels/cpu_expert.c)
 CYCLE = 2 << 30  # bytes cycled per row, > 4x the 480 MiB LLC lscpu reports here (--quick: 1 GiB, > 2x)
 ROOF_BYTES = 1 << 30
 CONSOLE = Console()
@@ -292,6 +307,10 @@ def expert_rows(experts: dict, row_counts, roofs: Roofs, repeats: int) -> list[d
                     "swiglu_ffn": lambda g, d, x=x: swiglu_ffn(x, g, d, moe),
                     "swiglu_ffn_torch": lambda g, d, x=x: swiglu_ffn_torch(x, (g, d, None, None), moe),
                 }
+                if _other_block() and cpu_expert.fits_ffn(x, (gate_up, down, None, None)):
+                    single[f"swiglu_ffn {PORTABLE} block"] = lambda g, d, x=x: cpu_expert.swiglu_group(
+                        [x], [(g, d, None, None)], moe, PORTABLE
+                    )
                 measured = measure(single, sets, repeats, roofs.sample_read)
                 grouped = [
                     [(g, d, None, None) for g, d in sets[i : i + group]]
@@ -312,6 +331,42 @@ def expert_rows(experts: dict, row_counts, roofs: Roofs, repeats: int) -> list[d
                     "bytes": weight_bytes,
                     "bound": "read",
                     "variants": measured,
+                }
+                rows.append(progress(row))
+            del sets
+    return rows
+
+
+def _other_block() -> bool:
+    """Whether the CPU kernels multiply with another block than the portable one here."""
+    return cpu_expert.library() is not None and cpu_expert.isa() != PORTABLE
+
+
+def projection_rows(shapes: dict, row_counts, roofs: Roofs, repeats: int) -> list[dict]:
+    rows = []
+    for name, (n_out, n_in) in shapes.items():
+        for dtype_name, dtype in DTYPES.items():
+            weight = torch.randn(n_out, n_in).to(dtype) * n_in**-0.5
+            sets = cycled(lambda w=weight: (huge_copy(w),), weight.nbytes)
+            for n in row_counts:
+                x = torch.randn(n, n_in).to(dtype)
+                variants = {
+                    READ: lambda w: w.sum(),
+                    "torch (w @ x.T).T": lambda w, x=x: torch.matmul(w, x.t()).t(),
+                }
+                if cpu_expert.fits(x, weight):
+                    variants["linear_rows"] = lambda w, x=x: cpu_expert.linear_rows(x, w)
+                    if _other_block():
+                        variants[f"linear_rows {PORTABLE} block"] = lambda w, x=x: cpu_expert.linear_rows(
+                            x, w, None, PORTABLE
+                        )
+                row = {
+                    "op": "projection",
+                    "shape": f"{name} rows {n}",
+                    "dtype": dtype_name,
+                    "bytes": weight.nbytes,
+                    "bound": "read",
+                    "variants": measure(variants, sets, repeats, roofs.sample_read),
                 }
                 rows.append(progress(row))
             del sets
@@ -382,6 +437,8 @@ def main() -> None:
     rows = decode_rows(decode, roofs, repeats, before)
     rows += prefill_rows(prefill, roofs, repeats, before)
     rows += expert_rows(experts, counts, roofs, repeats)
+    projections = {k: v for k, v in PROJECTIONS.items() if not args.quick or k != "down 1024x3584"}
+    rows += projection_rows(projections, (1, 2, 4, 8), roofs, repeats)
     for row in rows:
         rates(row, roofs)
     load_after = os.getloadavg()
@@ -396,6 +453,7 @@ def main() -> None:
         ("decode attention", "GB/s", 1e9),
         ("prefill attention", "GFLOP/s", 1e9),
         ("expert FFN", "GB/s", 1e9),
+        ("projection", "GB/s", 1e9),
     ):
         CONSOLE.print(
             table(f"{op}: best rate (fraction of roof)", [r for r in rows if r["op"] == op], unit, scale)
@@ -406,6 +464,7 @@ def main() -> None:
         "threads": args.threads,
         "clock": args.clock,
         "torch": torch.__version__,
+        "cpu_kernel_block": cpu_expert.isa() if cpu_expert.library() is not None else None,
         "quick": args.quick,
         "baseline": args.baseline if "before" in before else None,
         "torch_path": TORCH_PATH if "torch path" in before else None,

@@ -22,6 +22,7 @@ the load average is noted for each cell. Medians over the repeats, spread = max 
     python bench/vs_llamacpp.py                 # fp32 and bf16, batch 1 and 8, 1 and all threads
     python bench/vs_llamacpp.py --quick         # a small model, printed only: checks the script
     python bench/vs_llamacpp.py --from-json     # the table of the last run
+    python bench/vs_llamacpp.py --threads 1 --out /tmp/part.json   # a part of the grid, kept apart
 
 It runs outside CI: the first build of llama-cpp-python takes minutes.
 """
@@ -67,6 +68,12 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=CACHE, help="the llama.cpp venv, checkpoint and GGUFs")
     parser.add_argument("--quick", action="store_true", help="a small model, 1 repeat (checks the script)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=HERE / "vs_llamacpp.json",
+        help="where the run is saved (a part run: elsewhere)",
+    )
     parser.add_argument("--from-json", action="store_true", help="print the last run's table only")
     parser.add_argument("--worker", choices=TOOLS, help=argparse.SUPPRESS)  # one measuring subprocess
     parser.add_argument("--job", help=argparse.SUPPRESS)  # its job, as JSON
@@ -417,7 +424,7 @@ def main() -> None:
         job = json.loads(args.job)
         print(json.dumps((flowmoe_worker if args.worker == "flowmoe" else llamacpp_worker)(job)))
         return
-    out = HERE / "vs_llamacpp.json"
+    out = args.out
     if args.from_json:
         report(json.loads(out.read_text()))
         return

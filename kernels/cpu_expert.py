@@ -138,8 +138,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [n, in], weight: [out, in], bias: [out] -> [n, out] in x's dtype (where `fits`)."""
+def linear_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block: str | None = None
+) -> torch.Tensor:
+    """x: [n, in], weight: [out, in], bias: [out] -> [n, out] in x's dtype (where `fits`); `block`:
+    one of ISAS the CPU runs (default `isa()`)."""
     lib = library()
     assert lib is not None
     rows = _rows(x)
@@ -149,7 +152,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     bf16 = int(weight.dtype == torch.bfloat16)
     threads = torch.get_num_threads()
     w, o = weight.data_ptr(), weight.shape[0]
-    ldx, code = rows.stride(0), ISAS[isa()]
+    ldx, code = rows.stride(0), ISAS[block or isa()]
     status = lib.flowmoe_linear(
         rows.data_ptr(), ldx, n, k, w, bf16, o, _ptr(b), out.data_ptr(), o, code, threads
     )
@@ -162,10 +165,12 @@ def _check(status: int, name: str) -> None:
         raise MemoryError(f"{name}: no memory for x's rows in the kernel's bf16 column order")
 
 
-def swiglu_group(xs: list[torch.Tensor], ffns: list[FFN], moe: MoESpec) -> list[torch.Tensor]:
+def swiglu_group(
+    xs: list[torch.Tensor], ffns: list[FFN], moe: MoESpec, block: str | None = None
+) -> list[torch.Tensor]:
     """Expert FFNs in one call: xs[e] [n_e, hidden] through ffns[e] -> [n_e, hidden] each, in the
     experts' dtype (views of one output buffer). Every (x, ffn) must `fits_ffn`, and all experts
-    share one shape and dtype."""
+    share one shape and dtype; `block` as for `linear_rows`."""
     lib = library()
     assert lib is not None
     hidden, inter = ffns[0][1].shape
@@ -192,7 +197,7 @@ def swiglu_group(xs: list[torch.Tensor], ffns: list[FFN], moe: MoESpec) -> list[
         moe.swiglu_limit,
         _array([acts.data_ptr() + start * inter * 4 for start in starts]),
         _array([outs.data_ptr() + start * hidden * 4 for start in starts]),
-        ISAS[isa()],
+        ISAS[block or isa()],
         torch.get_num_threads(),
     )
     _check(status, "swiglu_group")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import structlog
@@ -234,6 +236,7 @@ def test_build_is_cached_per_source_and_cpu(monkeypatch: pytest.MonkeyPatch, tmp
 
 # ---- the kernels' blocks by CPU feature: each available one against float64, thread counts, splits
 
+T = TypeVar("T")
 ISAS = ["portable", *(["avx2"] if {"avx2", "fma"} <= native.cpu_flags() else [])]
 
 
@@ -247,7 +250,8 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     return str(request.param)
 
 
-def _threads(threads: int, fn):  # type: ignore[no-untyped-def]
+def _threads(threads: int, fn: Callable[[], T]) -> T:
+    """fn() at `threads` torch threads (the kernels' OpenMP team)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
