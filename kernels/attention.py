@@ -12,7 +12,8 @@ every window or chunk) are not read at all. fp32 on the CPU, and every CPU prefi
 torch's flash-attention kernel (the one F.scaled_dot_product_attention dispatches to there,
 called directly because it also returns each row's logsumexp): no scores tensor, no float
 copy. Half-precision decode runs as two (oneDNN) matmuls around a float32 softmax, measured
-12-18% faster than the flash kernel's bf16 path at one query per sequence (bench/RESULTS.md),
+12-18% faster than the flash kernel's bf16 path at one query per sequence (bench/RESULTS.md)
+where torch has native bf16 matmuls (on AVX2 it emulates them: the flash kernel, 5x faster there),
 as does every call on other devices (CUDA). Attention sinks add exp(sink) to a row's softmax
 denominator, so the output is scaled by sigmoid(logsumexp - sink).
 """
@@ -23,6 +24,7 @@ import torch
 from attrs import frozen
 
 from flowmoe.kernels import cpu_attention
+from flowmoe.kernels.cpu_expert import emulated
 from flowmoe.kernels.layout import TokenLayout
 
 
@@ -193,7 +195,7 @@ def _attend_group(
     head-major against their KV head), k/v: [b, kvh, L', D] the keys they may see, mask: additive
     [b, 1, g * n, L'] or None -> [b, kvh, g * n, D]."""
     kv_heads, rows, dim = qg.shape[1], qg.shape[2], qg.shape[3]
-    fused = qg.device.type == "cpu" and (qg.dtype == torch.float32 or n > 1)
+    fused = qg.device.type == "cpu" and (qg.dtype == torch.float32 or n > 1 or emulated(qg.dtype))
     products = _flash if fused else _flash_math
     out, lse = products(qg, k, v, mask, dim**-0.5, sinks is not None)  # [b, kvh, g * n, D], [b, kvh, g * n]
     if lse is not None and sinks is not None:  # lse comes back only when there are sinks
