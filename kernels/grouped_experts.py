@@ -52,27 +52,26 @@ ALIGN = 16  # bytes: the grouped GEMM's stride and address alignment
 MAX_SLOTS = 1024  # a view of more slots than this is not taken (a layer's buffer holds fewer)
 
 
-def stacked(tensors: list[torch.Tensor], most: int = MAX_SLOTS) -> tuple[torch.Tensor, list[int]] | None:
+def stacked(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
     """`tensors` (each [out, in], contiguous, one dtype, in one buffer at a common stride, ascending)
-    as one view [S, out, in] of every slot at that stride the buffer holds (`most` at most), and
-    each one's slot; None where they do not lie so. The slots the group leaves out (other experts,
-    or the layer's other bytes) get no rows, so the GEMM reads nothing there; one view serves every
-    group of a layer at that stride (`_view` keeps it)."""
+    as one view [S, out, in] of every slot at that stride the buffer holds, and each one's slot;
+    None where they do not lie so. The slots the group leaves out (other experts, or the layer's
+    other bytes) get no rows, so the GEMM reads nothing there; one view serves every group of a
+    layer at that stride (`_view` keeps it)."""
     lay = _lay(tensors)
-    return None if lay is None else (_viewed(tensors[0], lay, most), lay[3])
+    if lay is None:
+        return None
+    _, _, before, after, slots = lay
+    return _viewed(tensors[0], lay, before, after), [before + slot for slot in slots]
 
 
-Lay = tuple[int, int, int, list[int]]  # (first slot's element, slot stride, slots held, the tensors' slots)
-
-
-def _viewed(first: torch.Tensor, lay: Lay, most: int) -> torch.Tensor:
-    start, step, count, _ = lay
-    return _view(first, (min(count, most), *first.shape), (step, *first.stride()), start)
+# where tensors lie in their buffer: (the first one's element, the stride between slots, how many
+# slots the buffer holds before it and from it on, each tensor's slot counted from the first's)
+Lay = tuple[int, int, int, int, list[int]]
 
 
 def _lay(tensors: list[torch.Tensor]) -> Lay | None:
-    """Where `tensors` lie in their buffer as `stacked` views them: its first slot's element, the
-    stride between slots, how many slots the buffer holds and each tensor's; None as `stacked`."""
+    """Where `tensors` lie in their buffer (see `Lay`); None where `stacked` does not take them."""
     first = tensors[0]
     storage = first.untyped_storage().data_ptr()
     if any(
@@ -85,20 +84,25 @@ def _lay(tensors: list[torch.Tensor]) -> Lay | None:
     ):
         return None
     offsets = [int(t.storage_offset()) for t in tensors]  # elements
-    size, numel = first.element_size(), first.numel()
-    step = math.gcd(*(o - offsets[0] for o in offsets)) or numel
-    start = offsets[0] % step  # the buffer's first slot at that stride
-    count = (first.untyped_storage().nbytes() // size - start - numel) // step + 1
-    slots = [(o - start) // step for o in offsets]
+    at, size, numel = offsets[0], first.element_size(), first.numel()
+    step = math.gcd(*(o - at for o in offsets)) or numel
+    before, after = at // step, (first.untyped_storage().nbytes() // size - at - numel) // step + 1
+    slots = [(o - at) // step for o in offsets]
     if (
         any(later <= earlier for earlier, later in pairwise(slots))
         or step < numel
         or step * size % ALIGN
         or first.data_ptr() % ALIGN
-        or count > MAX_SLOTS
+        or before + after > MAX_SLOTS
     ):
         return None
-    return start, step, count, slots
+    return at, step, before, after, slots
+
+
+def _viewed(first: torch.Tensor, lay: Lay, before: int, after: int) -> torch.Tensor:
+    """The view [before + after, out, in] of `lay`'s buffer whose slot `before` is `first`."""
+    at, step, *_ = lay
+    return _view(first, (before + after, *first.shape), (step, *first.stride()), at - before * step)
 
 
 def _view(first: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...], base: int) -> torch.Tensor:
@@ -146,19 +150,20 @@ def swiglu_grouped(x: torch.Tensor, counts: list[int], ffns: list[FFN], moe: MoE
     if not _takes(x, counts, ffns, moe):
         return None
     gate_up, down = (_lay([f[i] for f in ffns]) for i in (0, 1))
-    if gate_up is None or down is None or gate_up[3] != down[3]:
+    if gate_up is None or down is None or gate_up[4] != down[4]:
         return None
-    slots = min(gate_up[2], down[2])  # as many of each as both buffers hold
-    rows = [0] * slots  # per slot: those the group leaves out get none
-    for slot, count in zip(gate_up[3], counts, strict=True):
-        rows[slot] = count
+    before, after = min(gate_up[2], down[2]), min(gate_up[3], down[3])  # the slots both buffers hold
+    rows = [0] * (before + after)  # per slot: those the group leaves out get none
+    for slot, count in zip(gate_up[4], counts, strict=True):
+        rows[before + slot] = count
     if x.is_cuda:  # from page-locked memory: no wait for the stream
         offs = torch.tensor(list(accumulate(rows)), dtype=torch.int32, pin_memory=True)  # [S]
         offs = offs.to(x.device, non_blocking=True)
     else:  # the host's own ints: no operation
         offs = torch.frombuffer(array("i", accumulate(rows)), dtype=torch.int32)  # [S]
     form = _rows_as_columns if x.device.type == "cpu" else _rows_as_rows
-    return form(x, _viewed(ffns[0][0], gate_up, slots), _viewed(ffns[0][1], down, slots), offs)
+    views = (_viewed(f, lay, before, after) for f, lay in ((ffns[0][0], gate_up), (ffns[0][1], down)))
+    return form(x, *views, offs)
 
 
 def _rows_as_columns(

@@ -15,10 +15,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowmoe.core.spec import MoESpec
-from flowmoe.kernels import cpu_expert, native
+from flowmoe.kernels import cpu_expert, grouped_experts, native
 from flowmoe.kernels.cpu_expert import FFN
 from flowmoe.kernels.experts import swiglu_ffn_gathered, swiglu_ffn_torch
-from flowmoe.kernels.grouped_experts import _rows_as_rows, stacked, swiglu_grouped
+from flowmoe.kernels.grouped_experts import stacked, swiglu_grouped
 
 HIDDEN, INTER, EXPERTS = 64, 48, 8
 MOE = MoESpec(experts=EXPERTS, top_k=2, intermediate=INTER)
@@ -26,14 +26,16 @@ MOE = MoESpec(experts=EXPERTS, top_k=2, intermediate=INTER)
 
 def _arena(dtype: torch.dtype, gap: int = 16) -> list[FFN]:
     """EXPERTS experts' (gate_up, down) laid out one after the other in one buffer, `gap` elements
-    apart, as a layer's arena holds them."""
+    apart, as a layer's arena holds them, after other tensors' bytes (so that a stride's first
+    slot before the first expert is a gate_up's but a down's)."""
     generator = torch.Generator().manual_seed(3)
     sizes = (2 * INTER * HIDDEN, HIDDEN * INTER)
     stride = sum(sizes) + 2 * gap
-    flat = (torch.randn(EXPERTS * stride, generator=generator) * 0.2).to(dtype)
+    lead = stride - sizes[0] // 2
+    flat = (torch.randn(lead + EXPERTS * stride, generator=generator) * 0.2).to(dtype)
     ffns: list[FFN] = []
     for e in range(EXPERTS):
-        start = e * stride
+        start = lead + e * stride
         gate_up = flat[start : start + sizes[0]].view(2 * INTER, HIDDEN)
         down = flat[start + sizes[0] + gap : start + sizes[0] + gap + sizes[1]].view(HIDDEN, INTER)
         gate_up.arena = down.arena = flat  # type: ignore[attr-defined]  # as model/arena.py marks its views
@@ -88,15 +90,14 @@ def test_grouped_gives_the_per_expert_floats(
 
 @pytest.mark.usefixtures("torch_ops_only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cudas_form_gives_the_same_floats(dtype: torch.dtype) -> None:
+def test_cudas_form_gives_the_same_floats(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """The x @ W.T form CUDA takes, run on the CPU's grouped GEMM."""
+    monkeypatch.setattr(grouped_experts, "_rows_as_columns", grouped_experts._rows_as_rows)
     counts = [4, 0, 2, 6, 1, 3, 2, 5]
     ffns = _arena(dtype)
     x = _rows(counts, dtype)
-    gate_up, down = stacked([f[0] for f in ffns]), stacked([f[1] for f in ffns])
-    assert gate_up is not None and down is not None
-    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
-    out = _rows_as_rows(x, gate_up[0], down[0], offs)
+    out = swiglu_grouped(x, counts, ffns, MOE)
+    assert out is not None and out.is_contiguous()  # x @ W.T's rows, not W @ x.T's columns
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     reference = _per_expert(x, counts, ffns)
     torch.testing.assert_close(out.float(), reference.float(), rtol=tolerance, atol=tolerance)
@@ -112,6 +113,8 @@ def test_stacked_views_in_place() -> None:
     assert torch.equal(tensor[1], ffns[3][0]) and torch.equal(tensor[3], ffns[7][0])
     again = stacked([ffns[e][0] for e in (3, 5)])  # another group at that stride: the same view
     assert again is not None and again[0] is tensor and again[1] == [1, 2]
+    down = stacked([ffns[e][1] for e in (0, 1)])  # a slot of other bytes before the first down
+    assert down is not None and down[1] == [1, 2] and torch.equal(down[0][7], ffns[6][1])
     separate = [torch.randn(2 * INTER, HIDDEN) for _ in range(2)]  # two buffers: no common view
     assert stacked(separate) is None
     assert stacked([ffns[3][0], ffns[1][0]]) is None  # not ascending
