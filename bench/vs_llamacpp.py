@@ -39,8 +39,6 @@ import sys
 import time
 from pathlib import Path
 
-from flowmoe.kernels.native import cpuinfo_field
-
 HERE = Path(__file__).resolve().parent
 CACHE = Path.home() / ".cache" / "flowmoe-bench"
 LLAMA_CPP_VERSION = "0.3.36"  # the version issue 25 measured with
@@ -411,6 +409,9 @@ def report(saved: dict) -> None:
 
 
 def machine() -> dict:
+    # here, not at the top: the llama.cpp worker runs this file in a venv without flowmoe
+    from flowmoe.kernels.native import cpuinfo_field
+
     flags = cpuinfo_field("flags").split()
     simd = [
         f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags
