@@ -2,16 +2,18 @@
    AVX-512 (chosen at run time by cpu_expert.py; compiled with a target attribute, so it is in every
    x86 build and runs only where the CPU has AVX2 and FMA).
 
-   res[r * OB + j] = x[r] . w[o0 + j] for r < n, j < ob <= OB: OB weight rows read once from memory,
-   each 8 (fp32) or 16 (bf16) columns multiplied against RT rows of x per register tile. cpu_expert.c's
-   portable block runs 16-lane vectors as two AVX2 registers each, which leaves 2 rows per tile and
-   widens bf16 with a convert per 8 values: on a 2-vCPU AMD EPYC (Zen 3, AVX2) one thread read a
-   [7168, 1024] weight at 8.6 (fp32, 1 row) / 1.8 (fp32, 8 rows) / 3.9 GB/s (bf16, 1 row) of a
-   16.2 GB/s read roof, compute-bound. Here bf16 is widened two instructions per 16 weights: a
-   256-bit load holds 8 pairs (k even in the low half of each 32-bit lane, k odd in the high half),
-   a shift gives the even weights as fp32 and a mask the odd ones, so x's columns are stored in the
-   same order (cpu_expert.c's `bf16_order`: within each 16 columns the 8 even ones, then the 8 odd ones;
-   columns past the last full 16 stay in place).
+   res[r * OB + j] = x[r] . w[o0 + j] for r < n, j < ob <= OB: OB weight rows read once from
+   memory, each 8 (fp32) or 16 (bf16) columns multiplied against RT rows of x per register tile.
+   cpu_expert.c's portable block runs 16-lane vectors as two AVX2 registers each, which leaves 2 rows
+   per tile and widens bf16 with a convert per 8 values: on a 2-vCPU AMD EPYC (Zen 3, AVX2) one
+   thread read a [7168, 1024] weight at 8.6 (fp32, 1 row) / 1.8 (fp32, 8 rows) / 3.9 GB/s (bf16,
+   1 row) of a 16.2 GB/s read roof, compute-bound. This block, in bench/cpu_kernels.json (the same
+   machine, roof 16.7 GB/s), reads the LM head [32000, 1024] at 1 / 2 / 8 rows at 80 / 78 / 48% of
+   the roof in fp32 and 78 / 63 / 33% in bf16 (8 rows: FMA-bound). bf16 is widened two instructions
+   per 16 weights: a 256-bit load holds 8 pairs (k even in the low half of each 32-bit lane, k odd
+   in the high half), a shift gives the even weights as fp32 and a mask the odd ones, so x's columns
+   are stored in the same order (cpu_expert.c's `bf16_order`: within each 16 columns the 8 even
+   ones, then the 8 odd ones; columns past the last full 16 stay in place).
 
    Each output is summed in an order that depends on neither n nor the thread count: lane i of one
    accumulator takes k = i mod 8 (fp32) or the pair 2i, 2i + 1 of each 16 columns (bf16) in k
@@ -40,7 +42,8 @@ static inline AVX2 __attribute__((always_inline)) void in_register(__m256 *v) {
 }
 
 /* acc[r0 + r][j] += x[r0 + r, k0:k1] . wp[j][k0:k1] for r < rt, j0 <= j < j0 + jn (compile-time
-   constants in each caller, so that the accumulators live in registers). */
+   constants in each caller, so that the accumulators live in registers). next != 0: the step at
+   column k also prefetches [next + k / step * per_step, + per_step) into L2. */
 static inline AVX2 __attribute__((always_inline)) void tile(
     int rt, int jn, int bf16, const float *x, long ldx, int r0, int j0, long k0, long k1, const void *const *wp,
     __m256 (*acc)[OB], const char *next, long per_step) {
