@@ -149,7 +149,7 @@ def swiglu_grouped(x: torch.Tensor, counts: list[int], ffns: list[FFN], moe: MoE
     the same order, unscaled; None where the grouped path does not take them."""
     if not _takes(x, counts, ffns, moe):
         return None
-    gate_up, down = (_lay([f[i] for f in ffns]) for i in (0, 1))
+    gate_up, down = _lay([f[0] for f in ffns]), _lay([f[1] for f in ffns])
     if gate_up is None or down is None or gate_up[4] != down[4]:
         return None
     before, after = min(gate_up[2], down[2]), min(gate_up[3], down[3])  # the slots both buffers hold
@@ -162,8 +162,8 @@ def swiglu_grouped(x: torch.Tensor, counts: list[int], ffns: list[FFN], moe: MoE
     else:  # the host's own ints: no operation
         offs = torch.frombuffer(array("i", accumulate(rows)), dtype=torch.int32)  # [S]
     form = _rows_as_columns if x.device.type == "cpu" else _rows_as_rows
-    views = (_viewed(f, lay, before, after) for f, lay in ((ffns[0][0], gate_up), (ffns[0][1], down)))
-    return form(x, *views, offs)
+    first = ffns[0]
+    return form(x, _viewed(first[0], gate_up, before, after), _viewed(first[1], down, before, after), offs)
 
 
 def _rows_as_columns(
