@@ -329,8 +329,10 @@ def test_fp8_experts_cross_and_dequantize_to_eager_tokens(
     ref_results, ref_logits = eager_reference
     assert [r.output_ids for r in results] == [r.output_ids for r in ref_results]
     for ours, ref in zip(logits, ref_logits, strict=True):
-        for a, b in zip(ours, ref, strict=True):  # bit for bit on the CPU; CUDA's fp32 GEMMs round otherwise
-            assert rel_err(a, b) <= 1e-4 if runtime.devices.cuda else torch.equal(a, b)
+        for a, b in zip(ours, ref, strict=True):  # CUDA's fp32 GEMMs round otherwise; on the CPU only
+            # torch's vectorised SiLU may round an element an ulp apart (eager's grouped experts, the
+            # runtime's one by one, with the C kernels off)
+            assert rel_err(a, b) <= (1e-4 if runtime.devices.cuda else 1e-6)
 
 
 def test_fp8_expert_format_needs_an_fp8_checkpoint(mixtral_folder: Path) -> None:
