@@ -227,10 +227,27 @@ static inline long bf16_position(long k, long K) {
     return (k & ~15L) + (i & 1 ? 8 : 0) + (i >> 1);
 }
 
-/* dst [n, K] (contiguous) = the rows of x [n, K] (row stride ldx) in bf16 column order. */
-static void bf16_order(const float *x, long ldx, int n, long K, float *dst) {
+/* dst [n, K] (contiguous, fp32) = the bf16 rows of x [n, K] (row stride ldx), in bf16 column order
+   where `ordered`. */
+static void widen_rows(const uint16_t *x, long ldx, int n, long K, int ordered, float *dst) {
     for (int r = 0; r < n; r++)
-        for (long k = 0; k < K; k++) dst[r * K + bf16_position(k, K)] = x[r * ldx + k];
+        for (long k = 0; k < K; k++) dst[r * K + (ordered ? bf16_position(k, K) : k)] = bf16_to_f32(x[r * ldx + k]);
+}
+
+/* fp32 -> bf16 rounded to nearest even (NaN stays NaN), as torch's .to(torch.bfloat16). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* y[i] = v in y's dtype (bf16 where `bf16`, else fp32). */
+static inline void store(void *y, long i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)y)[i] = f32_to_bf16(v);
+    else
+        ((float *)y)[i] = v;
 }
 
 /* Whether an isa reads x in bf16 column order against a bf16 weight. */
@@ -238,29 +255,32 @@ static inline int reorders(int isa, int bf16) {
     return isa == 1 && bf16;
 }
 
-/* y [n, O] (row stride ldy) = x [n, K] (row stride ldx) @ w [O, K]^T (+ bias [O], fp32).
-   Returns 0, or 1 where there is no memory for x in bf16 column order. */
-int flowmoe_linear(const float *x, long ldx, int n, long K, const void *w, int bf16, long O,
-                   const float *bias, float *y, long ldy, int isa, int threads) {
+/* y [n, O] (row stride ldy) = x [n, K] (row stride ldx) @ w [O, K]^T (+ bias [O], fp32); x and y
+   in the weight's dtype (bf16 where `bf16`, else fp32), accumulated in fp32 (a bf16 x is widened
+   into a buffer first, in bf16 column order where the isa reads it so). Returns 0, or 1 where
+   there is no memory for that buffer. */
+int flowmoe_linear(const void *x, long ldx, int n, long K, const void *w, int bf16, long O,
+                   const float *bias, void *y, long ldy, int isa, int threads) {
     int bs = block_rows(isa);
     long blocks = (O + bs - 1) / bs;
-    float *ordered = 0;
-    if (reorders(isa, bf16)) {
-        ordered = malloc(sizeof(float) * n * K);
-        if (!ordered) return 1;
-        bf16_order(x, ldx, n, K, ordered);
-        x = ordered, ldx = K;
+    float *wide = 0;
+    const float *xf = (const float *)x;
+    if (bf16) {
+        wide = malloc(sizeof(float) * n * K);
+        if (!wide) return 1;
+        widen_rows(x, ldx, n, K, reorders(isa, bf16), wide);
+        xf = wide, ldx = K;
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long b = 0; b < blocks; b++) {
         float res[n * OB_MAX];
         long o0 = b * bs;
         int ob = (int)rows_at(O, o0, bs);
-        block_of(isa, x, ldx, n, K, w, bf16, o0, ob, row_at(w, o0 + bs, K, bf16), rows_at(O, o0 + bs, bs), res);
+        block_of(isa, xf, ldx, n, K, w, bf16, o0, ob, row_at(w, o0 + bs, K, bf16), rows_at(O, o0 + bs, bs), res);
         for (int r = 0; r < n; r++)
-            for (int j = 0; j < ob; j++) y[r * ldy + o0 + j] = res[r * bs + j] + (bias ? bias[o0 + j] : 0.0f);
+            for (int j = 0; j < ob; j++) store(y, r * ldy + o0 + j, res[r * bs + j] + (bias ? bias[o0 + j] : 0.0f), bf16);
     }
-    free(ordered);
+    free(wide);
     return 0;
 }
 
@@ -276,27 +296,32 @@ static inline float activation(float g, float u, int clamped, float alpha, float
 /* The expert FFNs of a group of experts (a layer's routed experts, or one) in one parallel pass:
    for expert e, act_e [n_e, I] = activation(x_e @ gate^T + bg, x_e @ up^T + bu) with gate_up_e
    [2I, H] (gate rows, then up rows), then out_e [n_e, H] = act_e @ down_e^T + bd with down_e
-   [H, I]. Threads share the blocks of all experts; the biases may be null. An isa that reads x in
-   bf16 column order gets each x_e reordered first and act_e written in that order. Returns 0, or 1
-   where there is no memory for the reordered rows. */
-int flowmoe_ffn_group(int experts, const float *const *xs, const int *ns, long H, long I,
+   [H, I]. x_e (contiguous rows) and out (every expert's rows in turn, [sum n_e, H]) in the
+   weights' dtype, acts in fp32 in a buffer of the kernel's own (in bf16 column order where the isa
+   reads x so, as a bf16 x_e is widened first). Threads share the blocks of all experts; the biases
+   may be null. Returns 0, or 1 where there is no memory for the buffers. */
+int flowmoe_ffn_group(int experts, const void *const *xs, const int *ns, long H, long I,
                       const void *const *gate_ups, const void *const *downs, int bf16,
                       const float *const *gate_up_biases, const float *const *down_biases, int clamped,
-                      float alpha, float limit, float *const *acts, float *const *outs, int isa, int threads) {
+                      float alpha, float limit, void *out, int isa, int threads) {
     int bs = block_rows(isa);
     long up_blocks = (I + bs - 1) / bs, down_blocks = (H + bs - 1) / bs, rows = 0;
     int reorder = reorders(isa, bf16);
-    for (int e = 0; e < experts; e++) rows += ns[e];
-    float *ordered = 0;
-    const float *ordered_xs[experts > 0 ? experts : 1];
-    if (reorder) {
-        ordered = malloc(sizeof(float) * (rows > 0 ? rows : 1) * H);
-        if (!ordered) return 1;
-        for (long e = 0, at = 0; e < experts; at += ns[e] * H, e++) {
-            bf16_order(xs[e], H, ns[e], H, ordered + at);
-            ordered_xs[e] = ordered + at;
+    long first[experts > 0 ? experts : 1]; /* expert e's first row in out and the buffers */
+    for (int e = 0; e < experts; e++) first[e] = rows, rows += ns[e];
+    float *acts = malloc(sizeof(float) * (rows > 0 ? rows : 1) * I), *wide = 0;
+    const float *fx[experts > 0 ? experts : 1];
+    if (bf16) wide = malloc(sizeof(float) * (rows > 0 ? rows : 1) * H);
+    if (!acts || (bf16 && !wide)) {
+        free(acts), free(wide);
+        return 1;
+    }
+    for (int e = 0; e < experts; e++) {
+        fx[e] = (const float *)xs[e];
+        if (bf16) {
+            widen_rows(xs[e], H, ns[e], H, reorder, wide + first[e] * H);
+            fx[e] = wide + first[e] * H;
         }
-        xs = ordered_xs;
     }
 #pragma omp parallel num_threads(threads)
     {
@@ -307,17 +332,17 @@ int flowmoe_ffn_group(int experts, const float *const *xs, const int *ns, long H
             int ob = (int)rows_at(I, o0, bs);
             const float *bias = gate_up_biases[e];
             const void *gu = gate_ups[e];
-            float g[n * OB_MAX], u[n * OB_MAX];
+            float g[n * OB_MAX], u[n * OB_MAX], *act = acts + first[e] * I;
             /* read next: this block's up rows, then the next block's gate rows */
-            block_of(isa, xs[e], H, n, H, gu, bf16, o0, ob, row_at(gu, I + o0, H, bf16), ob, g);
-            block_of(isa, xs[e], H, n, H, gu, bf16, I + o0, ob, row_at(gu, o0 + bs, H, bf16), rows_at(I, o0 + bs, bs),
+            block_of(isa, fx[e], H, n, H, gu, bf16, o0, ob, row_at(gu, I + o0, H, bf16), ob, g);
+            block_of(isa, fx[e], H, n, H, gu, bf16, I + o0, ob, row_at(gu, o0 + bs, H, bf16), rows_at(I, o0 + bs, bs),
                      u);
             for (int r = 0; r < n; r++)
                 for (int j = 0; j < ob; j++) {
                     float gv = g[r * bs + j] + (bias ? bias[o0 + j] : 0.0f);
                     float uv = u[r * bs + j] + (bias ? bias[I + o0 + j] : 0.0f);
                     long at = reorder ? bf16_position(o0 + j, I) : o0 + j;
-                    acts[e][r * I + at] = activation(gv, uv, clamped, alpha, limit);
+                    act[r * I + at] = activation(gv, uv, clamped, alpha, limit);
                 }
         }
 #pragma omp for schedule(static)
@@ -327,12 +352,13 @@ int flowmoe_ffn_group(int experts, const float *const *xs, const int *ns, long H
             int ob = (int)rows_at(H, o0, bs);
             const float *bias = down_biases[e];
             float res[n * OB_MAX];
-            block_of(isa, acts[e], I, n, I, downs[e], bf16, o0, ob, row_at(downs[e], o0 + bs, I, bf16),
+            block_of(isa, acts + first[e] * I, I, n, I, downs[e], bf16, o0, ob, row_at(downs[e], o0 + bs, I, bf16),
                      rows_at(H, o0 + bs, bs), res);
             for (int r = 0; r < n; r++)
-                for (int j = 0; j < ob; j++) outs[e][r * H + o0 + j] = res[r * bs + j] + (bias ? bias[o0 + j] : 0.0f);
+                for (int j = 0; j < ob; j++)
+                    store(out, (first[e] + r) * H + o0 + j, res[r * bs + j] + (bias ? bias[o0 + j] : 0.0f), bf16);
         }
     }
-    free(ordered);
+    free(acts), free(wide);
     return 0;
 }

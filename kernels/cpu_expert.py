@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import itertools
 import os
 
 import torch
@@ -50,7 +49,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.flowmoe_linear.argtypes = [_P, _L, _I, _L, _P, _I, _L, _P, _P, _L, _I, _I]
     lib.flowmoe_linear.restype = _I
-    lib.flowmoe_ffn_group.argtypes = [_I, _PP, _PI, _L, _L, _PP, _PP, _I, _PP, _PP, _I, _F, _F, _PP, _PP]
+    lib.flowmoe_ffn_group.argtypes = [_I, _PP, _PI, _L, _L, _PP, _PP, _I, _PP, _PP, _I, _F, _F, _P]
     lib.flowmoe_ffn_group.argtypes += [_I, _I]  # isa, threads
     lib.flowmoe_ffn_group.restype = _I
     return lib
@@ -62,9 +61,14 @@ ISAS = {"portable": 0, "avx2": 1}  # the C kernels' `isa` argument
 def isa() -> str:
     """The block the kernels multiply with here: "avx2" on a CPU with AVX2 and FMA but no AVX-512
     (or where FLOWMOE_CPU_ISA=avx2 and the CPU has AVX2 and FMA), else "portable"."""
+    return _isa(os.environ.get("FLOWMOE_CPU_ISA", ""))
+
+
+@functools.cache
+def _isa(wanted: str) -> str:
+    """`isa` for the FLOWMOE_CPU_ISA value `wanted` ("" unset), once per value (a call per kernel)."""
     flags = native.cpu_flags()
     avx2 = {"avx2", "fma"} <= flags
-    wanted = os.environ.get("FLOWMOE_CPU_ISA", "")
     if wanted not in ("", *ISAS):
         raise ValueError(f"FLOWMOE_CPU_ISA={wanted!r}: expected one of {', '.join(ISAS)} (or unset)")
     if wanted:
@@ -133,8 +137,7 @@ def _array(values: list[int | None]) -> ctypes.Array[ctypes.c_void_p]:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as fp32 with unit column stride (the kernels read rows)."""
-    x = x.float()
+    """x with unit column stride (the kernels read rows, in x's own dtype)."""
     return x if x.stride(1) == 1 else x.contiguous()
 
 
@@ -147,22 +150,21 @@ def linear_rows(
     assert lib is not None
     rows = _rows(x)
     n, k = rows.shape
-    out = torch.empty(n, weight.shape[0], dtype=torch.float32)  # [n, out]
+    o = weight.shape[0]
+    out = torch.empty(n, o, dtype=x.dtype)  # [n, out]: the kernel writes x's dtype
     b = bias.float().contiguous() if bias is not None else None
     bf16 = int(weight.dtype == torch.bfloat16)
-    threads = torch.get_num_threads()
-    w, o = weight.data_ptr(), weight.shape[0]
-    ldx, code = rows.stride(0), ISAS[block or isa()]
+    w, code, threads = weight.data_ptr(), ISAS[block or isa()], torch.get_num_threads()
     status = lib.flowmoe_linear(
-        rows.data_ptr(), ldx, n, k, w, bf16, o, _ptr(b), out.data_ptr(), o, code, threads
+        rows.data_ptr(), rows.stride(0), n, k, w, bf16, o, _ptr(b), out.data_ptr(), o, code, threads
     )
     _check(status, "linear_rows")
-    return out.to(x.dtype)
+    return out
 
 
 def _check(status: int, name: str) -> None:
     if status != 0:
-        raise MemoryError(f"{name}: no memory for x's rows in the kernel's bf16 column order")
+        raise MemoryError(f"{name}: no memory for the kernel's fp32 buffers")
 
 
 def swiglu_group(
@@ -174,13 +176,12 @@ def swiglu_group(
     lib = library()
     assert lib is not None
     hidden, inter = ffns[0][1].shape
-    rows = [x.float().contiguous() for x in xs]
+    rows = [x.contiguous() for x in xs]  # each [n_e, hidden], in the experts' dtype
     counts = [r.shape[0] for r in rows]
-    acts = torch.empty(sum(counts), inter)  # [sum n_e, I]
-    outs = torch.empty(sum(counts), hidden)  # [sum n_e, hidden]
-    starts = [0, *itertools.accumulate(counts)][:-1]  # each expert's first row in the buffers
-    gate_up_biases = [b.float().contiguous() if b is not None else None for _, _, b, _ in ffns]
-    down_biases = [b.float().contiguous() if b is not None else None for _, _, _, b in ffns]
+    outs = torch.empty(sum(counts), hidden, dtype=xs[0].dtype)  # [sum n_e, hidden]: the kernel writes it
+    biased = any(b is not None for f in ffns for b in f[2:])
+    gate_up_biases = [_float(f[2]) for f in ffns] if biased else [None] * len(ffns)
+    down_biases = [_float(f[3]) for f in ffns] if biased else gate_up_biases
     status = lib.flowmoe_ffn_group(
         len(rows),
         _array([r.data_ptr() for r in rows]),
@@ -195,10 +196,14 @@ def swiglu_group(
         int(moe.activation == "clamped_swiglu"),
         moe.swiglu_alpha,
         moe.swiglu_limit,
-        _array([acts.data_ptr() + start * inter * 4 for start in starts]),
-        _array([outs.data_ptr() + start * hidden * 4 for start in starts]),
+        outs.data_ptr(),
         ISAS[block or isa()],
         torch.get_num_threads(),
     )
     _check(status, "swiglu_group")
-    return list(outs.to(xs[0].dtype).split(counts))
+    return list(outs.split(counts))
+
+
+def _float(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A bias as the kernels read it: contiguous fp32."""
+    return None if bias is None else bias.float().contiguous()
