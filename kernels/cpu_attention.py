@@ -8,45 +8,60 @@ batch and with any thread count. Windows and chunked attention need no mask here
 sees one contiguous range of keys); sinks enter the softmax's denominator in the kernel.
 Numbers: bench/RESULTS.md (issue 15).
 
-Without the library (no compiler, a non-x86 host, FLOWMOE_CPU_KERNELS=0), on a host without
-AVX-512, or for other dtypes and head sizes, kernels/attention.py takes torch's path instead.
+The kernel is chosen by the CPU's features at run time, as cpu_expert's block is (`cpu_expert.isa`):
+cpu_attention_avx2.c's on a CPU with AVX2 and FMA but no AVX-512 (or where FLOWMOE_CPU_ISA=avx2),
+cpu_attention.c's (built for AVX-512 hosts only) elsewhere. Without the library (no compiler, a
+non-x86 host, FLOWMOE_CPU_KERNELS=0), on a host with neither, or for other dtypes and head sizes,
+kernels/attention.py takes torch's path instead.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 import torch
 
-from flowmoe.kernels import native
+from flowmoe.kernels import cpu_expert, native
 
 CHUNK = 512  # keys per work item: 128-256 KiB of K (and as much V) at head dim 128
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
 
+KERNELS = {"portable": "flowmoe_decode_attention", "avx2": "flowmoe_decode_attention_avx2"}  # by isa
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels with this module's functions declared, or None where the library or its
-    decode attention (AVX-512 hosts only) is missing (see native.library)."""
+    """The compiled kernels with this module's functions declared (those of `KERNELS` the library
+    has: cpu_attention.c's on AVX-512 hosts only), or None (see native.library)."""
     lib = native.library()
-    if lib is None or not hasattr(lib, "flowmoe_decode_attention"):
+    if lib is None:
         return None
-    lib.flowmoe_decode_attention.argtypes = [_I, _P, _I, _I, _I, _I, _P, _L, _L]
-    lib.flowmoe_decode_attention.argtypes += [_P, _L, _L, _L, _P, _L, _L, _L]  # keys, values: data, strides
-    lib.flowmoe_decode_attention.argtypes += [_P, _F, _I, _P, _L, _I]
-    lib.flowmoe_decode_attention.restype = _I
+    for name in KERNELS.values():
+        if hasattr(lib, name):
+            kernel = getattr(lib, name)
+            kernel.argtypes = [_I, _P, _I, _I, _I, _I, _P, _L, _L]
+            kernel.argtypes += [_P, _L, _L, _L, _P, _L, _L, _L]  # keys, values: data, strides
+            kernel.argtypes += [_P, _F, _I, _P, _L, _I]
+            kernel.restype = _I
     return lib
+
+
+def kernel() -> Callable[..., int] | None:
+    """This CPU's decode attention kernel (see the module's notes), or None where there is none."""
+    lib, name = library(), KERNELS[cpu_expert.isa()]
+    return getattr(lib, name) if lib is not None and hasattr(lib, name) else None
 
 
 def fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether `decode` takes q [T, H, D] against keys / values [slots, kv_heads, C, D]: host
     tensors of one dtype, fp32 (D a multiple of 16) or bf16 (of 32), contiguous last dimensions, no
     autograd."""
-    lib = library()
     dim = q.shape[-1]
     return (
-        lib is not None
+        kernel() is not None
         and q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.bfloat16)
         and keys.dtype == values.dtype == q.dtype
@@ -72,8 +87,8 @@ def decode(
 ) -> None:
     """Where `fits`: sequences[i] = (row, slot, lo, hi): q[row] [H, D] attends to keys / values
     [slot, :, lo:hi] -> out[row] [H * D] (out: [T, H * D], contiguous, q's dtype); sinks [H] or None."""
-    lib = library()
-    assert lib is not None
+    run = kernel()
+    assert run is not None
     rows, slots, capacity = q.shape[0], keys.shape[0], keys.shape[2]
     if not all(0 <= r < rows and 0 <= s < slots and 0 <= lo < hi <= capacity for r, s, lo, hi in sequences):
         raise IndexError(f"decode attention: sequences {sequences} outside q {q.shape} / cache {keys.shape}")
@@ -81,7 +96,7 @@ def decode(
         q = q.contiguous()
     flat = [x for seq in sequences for x in seq]
     sink = sinks.float().contiguous() if sinks is not None else None
-    status = lib.flowmoe_decode_attention(
+    status = run(
         len(sequences),
         (ctypes.c_int * len(flat))(*flat),
         q.shape[1],

@@ -1,7 +1,8 @@
 """The attention kernel (grouped heads as query rows, masks only where needed, keys no query sees
 not read, sinks through the logsumexp; decode in cpu_attention.c) against a plain per-query,
 per-head softmax in float64, for random shapes, slot orders, mixed prefill / decode steps, sliding
-windows, chunks and sinks, in fp32 and bf16, with and without the C kernel; the C kernel's
+windows, chunks and sinks, in fp32 and bf16, with and without the C kernel (the one this CPU's
+features choose: cpu_attention.c on AVX-512, cpu_attention_avx2.c on AVX2); the C kernel's
 split into chunks and its merge; a sequence's decode the same bits in any batch and with any
 thread count; and the matmul form other devices run against the CPU flash kernel."""
 
@@ -19,9 +20,7 @@ from flowmoe.kernels import cpu_attention
 from flowmoe.kernels.attention import _flash, _flash_math, attend
 from flowmoe.kernels.layout import TokenLayout
 
-needs_kernel = pytest.mark.skipif(
-    cpu_attention.library() is None, reason="no C decode attention on this host"
-)
+needs_kernel = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no C decode attention on this host")
 
 
 def reference(q, keys, values, layout, window, sinks, chunk) -> torch.Tensor:
@@ -221,7 +220,7 @@ def test_c_decode_declines_what_it_does_not_compute() -> None:
     assert not cpu_attention.fits(torch.zeros(1, 4, 16, dtype=torch.float16), keys.half(), keys.half())
     assert not cpu_attention.fits(torch.zeros(1, 4, 16), keys.bfloat16(), keys.bfloat16())
     assert not cpu_attention.fits(torch.zeros(1, 4, 16, requires_grad=True), keys, keys)
-    assert cpu_attention.fits(torch.zeros(1, 4, 16), keys, keys) == (cpu_attention.library() is not None)
+    assert cpu_attention.fits(torch.zeros(1, 4, 16), keys, keys) == (cpu_attention.kernel() is not None)
 
 
 @needs_kernel
