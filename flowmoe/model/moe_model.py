@@ -170,11 +170,12 @@ class MoEModel:
         """The scaled outputs of routed experts for their tokens, in one kernel call where the CPU
         kernels take them, else one grouped GEMM per projection where that takes them (one dispatch
         per layer at decode, not one per expert): expert -> [n_e, hidden] on x's device (the routing
-        may live on another device when experts run on the CPU). The experts go in ascending order,
-        as a layer's weights lie (a grouped GEMM views them in place) and its routing's rows do."""
+        may live on another device when experts run on the CPU). The experts go in the order their
+        weights lie (a grouped GEMM views them in place): a layer's host arena holds them in ascending
+        order, the device's slots (runtime/expert_slots.py) in any; each expert's floats are its own."""
         if not ffns:
             return {}
-        ffns = dict(sorted(ffns.items()))
+        ffns = dict(sorted(ffns.items(), key=lambda item: (item[1].gate_up.data_ptr(), item[0])))
         counts = [len(routing.tokens[e]) for e in ffns]
         rows, scales = (on(t, x.device) for t in routing.rows_of(list(ffns)))  # [sum n_e] each
         outs = self.scaled_experts(x[rows], scales[:, None], counts, list(ffns.values()))  # one gather

@@ -2,11 +2,14 @@
 evicted by PAGE_COPY and EVICT nodes. Using an expert that is not resident is an error, which is
 how a scheduler that forgets a copy (or evicts too early) is caught.
 
-Without CUDA the "GPU" is the CPU and a resident copy is the CPU tensor itself.
+Without CUDA the "GPU" is the CPU and a resident copy is the CPU tensor itself. Where the GPU holds
+copies, a native expert lands in a slot of one pool (runtime/expert_slots.py: a group of experts on
+the device is then one strided view, the grouped GEMM's operand) where the accounting allows it.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -22,6 +25,7 @@ from flowmoe.core.scheduling import Residency
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.quantized import QuantizedExpert
 from flowmoe.model.weights import AttentionWeights, FFNWeights, LayerWeights
+from flowmoe.runtime.expert_slots import ExpertSlots
 from flowmoe.runtime.paged_copy import HostSpan, copy_run, land
 
 
@@ -165,6 +169,8 @@ class DeviceWeights:
     # other than "native": an expert crosses packed (LayerWeights.packed), dequantized on arrival
     expert_format: ExpertFormat = "native"
     _release: Callable[[], None] | None = None  # its entry in the process's ledger (set by setup)
+    _pool: ExpertSlots | None = None  # the experts' slots (set by setup where `_pooled` takes them)
+    _slots: dict[tuple[int, int], int] = field(factory=dict)  # (layer, expert) -> the slot it holds
 
     def setup(self, residency: Residency, buffer_bytes: int, budget: int | None = None) -> None:
         """Embedding and head always live on the GPU; then what the scheduler keeps resident.
@@ -181,6 +187,7 @@ class DeviceWeights:
         resident += sum(self._size(layer, expert) for layer, expert in residency.experts)
         ends = w.embed.nbytes + w.final_norm.nbytes + w.lm_head.nbytes
         self._release = _hold(self, self.devices.gpu, ends + resident + buffer_bytes, budget)
+        self._pool = self._pooled(residency, buffer_bytes)
         self.embed = self.devices.to_gpu(w.embed)
         self.head = (self.devices.to_gpu(w.final_norm), self.devices.to_gpu(w.lm_head))
         for layer in sorted(residency.dense):
@@ -207,6 +214,8 @@ class DeviceWeights:
                 self._reserve(layer, expert)
             if expert < 0:
                 self._dense[layer] = _dense_to(self.devices, source)
+            elif self._pool is not None and (part < 0 or pages == parts):  # whole: one copy into a slot
+                self._load_pages(layer, expert, 0, 1, 1)
             elif part < 0 or pages == parts:  # whole: tensor by tensor, one copy each
                 self._experts[key] = self._expert_to(source, expert)
             else:
@@ -229,7 +238,12 @@ class DeviceWeights:
                 span = self._spans.get(key)
                 if span is None:
                     span = self._spans[key] = HostSpan.of(ffn.tensors())
-                flat, landed = land(ffn, span, self.devices.gpu)
+                room = None  # uint8 [bytes]: its slot, where the pool takes it (its copy waits for the slot)
+                if self._pool is not None:
+                    self._slots[key], room = self._pool.take()
+                flat, landed = land(ffn, span, self.devices.gpu, room)
+                for tensor in landed.tensors() if room is not None else ():
+                    tensor.arena = self._pool.pool  # type: ignore[attr-defined,union-attr]  # grouped views' home
                 arriving = _Arriving(landed, flat)
             else:  # the "GPU" is the host: the resident copy is the tensor itself
                 arriving = _Arriving(ffn, None)
@@ -277,10 +291,53 @@ class DeviceWeights:
                 tensors = [*(ffn.tensors() if ffn else []), *(partial.weights.tensors() if partial else [])]
             if dropped:
                 self._bytes -= self._size(layer, expert)
+            slot = self._slots.pop((layer, expert), None)
+            if slot is not None:  # the pool's own guard: its next copy waits for this stream
+                assert self._pool is not None
+                self._pool.give(slot)
+                tensors = []
         if self.devices.cuda:
             stream = torch.cuda.current_stream(self.devices.gpu)
             for tensor in tensors:
                 tensor.record_stream(stream)
+
+    def _pooled(self, residency: Residency, buffer_bytes: int) -> ExpertSlots | None:
+        """The experts' slots, as many as the resident experts and `buffer_bytes` of whole experts: where
+        the GPU holds copies (on CUDA only with FLOWMOE_EXPERT_SLOTS=1 until a GPU run checks it;
+        FLOWMOE_EXPERT_SLOTS=0: nowhere), native experts lie each in one host span of one size and
+        layout, that size is what the accounting charges per expert, and every dense part is resident
+        (the buffer then holds experts alone: the pool is no more than the ledger holds)."""
+        want = os.environ.get("FLOWMOE_EXPERT_SLOTS", "")
+        layers = self.model.weights.layers
+        if (
+            self.expert_format != "native"
+            or not self.devices.copies
+            or not (want == "1" or (want == "" and not self.devices.cuda))
+            or set(range(len(layers))) - set(residency.dense)
+        ):
+            return None
+        keys = [(layer, e) for layer, lw in enumerate(layers) for e in range(len(lw.experts))]
+        try:
+            spans = [self._spans.get(k) or HostSpan.of(layers[k[0]].experts[k[1]].tensors()) for k in keys]
+        except FlowmoeError:  # not packed in an arena: no span to land
+            return None
+        if not spans:
+            return None
+        first, shapes = spans[0], {tuple(t.shape for t in layers[k[0]].experts[k[1]].tensors()) for k in keys}
+        if (
+            len(shapes) > 1
+            or any(s.nbytes != first.nbytes or s.offsets != first.offsets for s in spans)
+            or any(self._size(*k) != first.nbytes for k in keys)
+            or first.nbytes % 16
+        ):
+            return None
+        self._spans.update(zip(keys, spans, strict=True))
+        slots = len(residency.experts) + buffer_bytes // first.nbytes
+        return ExpertSlots.make(self.devices.gpu, slots, first.nbytes)
+
+    def pooled(self, layer: int, expert: int) -> bool:
+        """Whether the expert's copy lies in a slot of the pool (one read: atomic)."""
+        return (layer, expert) in self._slots
 
     def layer(self, layer: int) -> LayerWeights:
         lw = self._dense.get(layer)  # one dict read: atomic while another lane changes the dict
@@ -301,6 +358,12 @@ class DeviceWeights:
             self._experts.clear()
             self._partial.clear()
             self._spans.clear()
+            self._slots.clear()
+            if (
+                self._pool is not None
+            ):  # its grouped views (kernels/grouped_experts.py) hold it: a cycle through C++
+                self._pool.pool.__dict__.pop("grouped_views", None)
+            self._pool = None
             self.embed = self.head = None
             self._bytes = 0
         if self._release is not None:

@@ -70,18 +70,23 @@ class HostSpan:
         return view
 
 
-def land(weights: Paged, span: HostSpan, device: torch.device) -> tuple[torch.Tensor, Paged]:
-    """A flat buffer on `device` for `weights` (whose bytes `span` holds), and the weights as views
-    into it at the host's offsets: the copy's pages fill them in place."""
+def land(
+    weights: Paged, span: HostSpan, device: torch.device, flat: torch.Tensor | None = None
+) -> tuple[torch.Tensor, Paged]:
+    """A flat buffer on `device` for `weights` (whose bytes `span` holds; `flat`: one given, a slot of
+    runtime/expert_slots.py), and the weights as views into it at the host's offsets: the copy's
+    pages fill them in place."""
     widest = max(t.element_size() for t in weights.tensors())  # flat must view as each dtype
-    flat = torch.empty(-(-span.nbytes // widest) * widest, dtype=torch.uint8, device=device)  # [bytes]
+    if flat is None:
+        flat = torch.empty(-(-span.nbytes // widest) * widest, dtype=torch.uint8, device=device)  # [bytes]
     typed: dict[torch.dtype, torch.Tensor] = {}  # dtype -> flat as [bytes / its size]
     views = []
     for tensor, offset in zip(weights.tensors(), span.offsets, strict=True):
         whole = typed.get(tensor.dtype)
         if whole is None:
             whole = typed[tensor.dtype] = flat.view(tensor.dtype)
-        views.append(whole.as_strided(tensor.shape, tensor.stride(), offset // tensor.element_size()))
+        at = whole.storage_offset() + offset // tensor.element_size()  # as_strided's offset is the storage's
+        views.append(whole.as_strided(tensor.shape, tensor.stride(), at))
     return flat, _rebuilt(weights, views)
 
 
