@@ -1,0 +1,107 @@
+/* RMSNorm rows on the CPU in one call, giving the floats of torch's composite (F.rms_norm, and
+   Hugging Face's float32 RMSNorm) bit for bit: built by norm.py's caller through native.library().
+
+   out = weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), the mean and everything before the cast in
+   fp32. torch dispatches that as ~13 operations (upcast, pow, sum, div, add, rsqrt, mul, casts),
+   ~30-45 us for one 1024-wide row on a 2-vCPU AMD EPYC, most of it per-operation cost. The sum of
+   squares follows torch's CPU sum over a contiguous last dimension (aten's SumKernel: the row as
+   vectors of `width` floats, Vectorized<float> of the CPU capability torch runs, summed as four
+   interleaved rows with a cascade of 2^4-step levels, the vectors' leftovers into the first, the
+   four added in order, then the scalar tail, then the lanes in order); the rest is elementwise. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#pragma GCC optimize("fp-contract=off") /* torch rounds each square before adding it: no FMA */
+
+#define ILP 4     /* rows of vectors torch's multi_row_sum interleaves */
+#define LEVELS 4  /* its cascade levels */
+#define WMAX 16   /* the widest Vectorized<float> (AVX-512) */
+
+static inline float bf16_value(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* fp32 -> bf16 rounded to nearest even (NaN stays NaN), as torch's .to(torch.bfloat16). */
+static inline uint16_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float element(const void *x, long i, int bf16) {
+    return bf16 ? bf16_value(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* acc[0..width) += the squares of x[v * width .. (v + 1) * width) */
+static inline void add_square(float *acc, const void *x, long v, int width, int bf16) {
+    for (int l = 0; l < width; l++) {
+        float e = element(x, v * width + l, bf16);
+        acc[l] += e * e;
+    }
+}
+
+static long ceil_log2(long x) {
+    if (x <= 2) return 1;
+    long bits = 0;
+    for (unsigned long v = (unsigned long)(x - 1); v; v >>= 1) bits++;
+    return bits;
+}
+
+/* sum of x[i]^2, i < n, in torch's order for a vector width `width` (see the file's notes). */
+static float sum_of_squares(const void *x, long n, int width, int bf16) {
+    long vectors = n / width, size = vectors / ILP;
+    long power = ceil_log2(size) / LEVELS > 4 ? ceil_log2(size) / LEVELS : 4, step = 1L << power;
+    float acc[LEVELS][ILP][WMAX];
+    memset(acc, 0, sizeof acc);
+    long i = 0;
+    while (i + step <= size) {
+        for (long j = 0; j < step; j++, i++)
+            for (int k = 0; k < ILP; k++) add_square(acc[0][k], x, i * ILP + k, width, bf16);
+        for (int j = 1; j < LEVELS; j++) {
+            for (int k = 0; k < ILP; k++)
+                for (int l = 0; l < width; l++) acc[j][k][l] += acc[j - 1][k][l], acc[j - 1][k][l] = 0.0f;
+            if (i & ((step - 1) << (j * power))) break;
+        }
+    }
+    for (; i < size; i++)
+        for (int k = 0; k < ILP; k++) add_square(acc[0][k], x, i * ILP + k, width, bf16);
+    for (int j = 1; j < LEVELS; j++)
+        for (int k = 0; k < ILP; k++)
+            for (int l = 0; l < width; l++) acc[0][k][l] += acc[j][k][l];
+    for (long v = size * ILP; v < vectors; v++) add_square(acc[0][0], x, v, width, bf16);
+    for (int k = 1; k < ILP; k++)
+        for (int l = 0; l < width; l++) acc[0][0][l] += acc[0][k][l];
+    float total = 0.0f;
+    for (long e = vectors * width; e < n; e++) {
+        float v = element(x, e, bf16);
+        total += v * v;
+    }
+    for (int l = 0; l < width; l++) total += acc[0][0][l];
+    return total;
+}
+
+/* out [rows, dim] (contiguous) = RMSNorm of x [rows, dim] (row stride ldx) with weight [dim], all
+   in fp32 or all in bf16; `width`: torch's Vectorized<float> size (8, or 16 with AVX-512). */
+void flowmoe_rms_norm(const void *x, long rows, long dim, long ldx, const void *weight, int bf16, double eps,
+                      int width, void *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long r = 0; r < rows; r++) {
+        const char *row = (const char *)x + r * ldx * (bf16 ? 2 : 4);
+        /* rows narrower than a vector: torch's scalar path, the same order one lane wide */
+        float sum = sum_of_squares(row, dim, dim >= width ? width : 1, bf16);
+        float scale = 1.0f / sqrtf(sum / (float)dim + (float)eps);
+        for (long i = 0; i < dim; i++) {
+            float normed = element(row, i, bf16) * scale;
+            if (bf16)
+                ((uint16_t *)out)[r * dim + i] = bf16_bits(bf16_value(((const uint16_t *)weight)[i]) * bf16_value(bf16_bits(normed)));
+            else
+                ((float *)out)[r * dim + i] = ((const float *)weight)[i] * normed;
+        }
+    }
+}

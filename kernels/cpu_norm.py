@@ -1,0 +1,76 @@
+"""RMSNorm rows in one C call (cpu_norm.c, built with the other kernels by `native.library()`),
+giving torch's composite floats bit for bit, for fp32 and bf16 on the CPU.
+
+torch dispatches RMSNorm as ~13 operations, ~30-45 us for a decode step's 1024-wide row on a 2-vCPU
+AMD EPYC (AVX2), most of it per-operation cost; a decode step runs two norms per layer. The C sum
+of squares follows torch's CPU reduction order for the Vectorized<float> width torch runs
+(`torch.backends.cpu.get_cpu_capability()`: 16 lanes with AVX-512, else 8), so both paths give
+the same floats (tests/test_step_ops.py, tests/test_cpu_norm.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from flowmoe.kernels import native
+
+_P, _L, _I, _D = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_double
+GRAIN = 32768  # at::internal::GRAIN_SIZE: from this many elements torch may split one row's sum among threads
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels with flowmoe_rms_norm declared, or None (see native.library; looked up
+    there at each call, so that turning the kernels off and forgetting its lookup turns this off too)."""
+    lib = native.library()
+    return None if lib is None else _declared(lib)
+
+
+@functools.cache
+def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.flowmoe_rms_norm.argtypes = [_P, _L, _L, _L, _P, _I, _D, _I, _P, _I]
+    lib.flowmoe_rms_norm.restype = None
+    return lib
+
+
+@functools.cache
+def vector_width() -> int:
+    """Floats per Vectorized<float> in the kernels torch runs here (its reduction order)."""
+    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm` takes x [..., dim] with weight [dim]: host tensors of one dtype, fp32 or
+    bf16, contiguous, dim < GRAIN (torch's order for one row then depends on its threads), no
+    autograd."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and weight.device.type == "cpu"
+        and x.dim() >= 1
+        and weight.shape == x.shape[-1:]
+        and x.shape[-1] < GRAIN
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and library() is not None
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., dim], weight: [dim] -> weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), the mean
+    in fp32, [..., dim] in x's dtype (where `fits`)."""
+    lib = library()
+    assert lib is not None
+    dim = x.shape[-1]
+    rows = x.numel() // dim if dim else 0
+    out = torch.empty_like(x)
+    bf16 = int(x.dtype == torch.bfloat16)
+    threads = torch.get_num_threads()
+    lib.flowmoe_rms_norm(
+        x.data_ptr(), rows, dim, dim, weight.data_ptr(), bf16, eps, vector_width(), out.data_ptr(), threads
+    )
+    return out

@@ -1,0 +1,44 @@
+"""cpu_norm.c's RMSNorm against torch's composite (Hugging Face's float32 RMSNorm): the same floats
+bit for bit, for row widths narrower than a vector, with vector tails and past the 2^4-step cascade
+levels of torch's sum, fp32 and bf16, one row and many; and what it leaves to torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowmoe.kernels import cpu_norm
+
+compiled = pytest.mark.skipif(cpu_norm.library() is None, reason="no C kernels on this host")
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.to(torch.float32)
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [1, 7, 31, 96, 100, 1024, 2880, 7168])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_rms_norm_is_torchs_composite_bit_for_bit(dtype: torch.dtype, dim: int, rows: int) -> None:
+    generator = torch.Generator().manual_seed(dim * 100 + rows)
+    scale = torch.rand(rows, 1, generator=generator) * 10  # rows of different magnitudes
+    x = (torch.randn(rows, dim, generator=generator) * scale).to(dtype)
+    weight = torch.randn(dim, generator=generator).to(dtype)
+    assert cpu_norm.fits(x, weight)
+    assert torch.equal(cpu_norm.rms_norm(x, weight, 1e-6), _reference(x, weight, 1e-6))
+    many = x.reshape(1, rows, dim)  # [..., dim] rows in any shape
+    assert torch.equal(cpu_norm.rms_norm(many, weight, 1e-5), _reference(many, weight, 1e-5))
+
+
+@compiled
+def test_what_it_leaves_to_torch() -> None:
+    x, weight = torch.randn(3, 64), torch.randn(64)
+    assert not cpu_norm.fits(x.half(), weight.half())
+    assert not cpu_norm.fits(x, weight.bfloat16())
+    assert not cpu_norm.fits(x.t(), torch.randn(3))  # not contiguous
+    assert not cpu_norm.fits(x, weight[:32])
+    assert not cpu_norm.fits(x.requires_grad_(), weight)
+    wide = torch.randn(1, cpu_norm.GRAIN)
+    assert not cpu_norm.fits(wide, torch.randn(cpu_norm.GRAIN))
