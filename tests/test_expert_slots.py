@@ -12,7 +12,10 @@ import weakref
 import pytest
 import torch
 
+import flowmoe.devices.cuda as cuda_worker
 import flowmoe.runtime.expert_slots as expert_slots
+import flowmoe.runtime.lane_weights as lane_weights
+from flowmoe.core.plan import Lane, Op
 from flowmoe.core.policy import Policy
 from flowmoe.core.scheduling import NodeFactory, Residency, SchedulerContext
 from flowmoe.devices.factory import make_workers
@@ -21,6 +24,7 @@ from flowmoe.model.loading import load_model
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.device_weights import Devices, DeviceWeights, held_bytes
 from flowmoe.runtime.expert_slots import ExpertSlots
+from flowmoe.runtime.lane_weights import LaneWeights
 from flowmoe.runtime.pinned import pin_layers
 from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.registry import available, create
@@ -147,3 +151,69 @@ def test_every_scheduler_gives_eager_tokens_with_the_pool(model: MoEModel, name:
     assert (pool is None) == (name == "klotski")  # it copies dense parts in: its buffer is not slots
     assert grouped or name in ("klotski", "moe-gen")  # MoE-Gen's nodes are one expert over micro-batches
     assert held_bytes(COPYING.gpu) <= before
+
+
+@pytest.mark.usefixtures("torch_ops_only")
+@pytest.mark.parametrize("name", ["cgopipe", "fiddler", "lru-cache", "prefetch-all"])
+def test_cuda_lanes_group_the_experts_whose_copies_their_stream_can_wait_for(
+    model: MoEModel, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the CUDA stream worker and its events (the fake CUDA; weights copied to cpu:0, in the
+    pool): a GPU expert node takes the experts of its group whose copies have been launched, its stream
+    waits for those copies' events, the host waits for none of it, and the tokens are eager's."""
+    (reference, _) = run_eager(model)
+    fake = FakeCuda()
+    monkeypatch.setattr(cuda_worker, "cuda", fake)
+    monkeypatch.setattr(lane_weights, "cuda", fake)
+    workers, events = make_workers(torch.device("cuda"))
+    policy = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.5)
+    plugin = create(name, SchedulerContext(model.spec, policy, NodeFactory(model.spec)))
+    weights = DeviceWeights(model, COPYING)
+    weights.setup(plugin.residency(), plugin.weight_buffer_bytes())
+    runtime = Runtime(model, plugin, COPYING, weights, workers, events, Trace(name=name))
+    try:
+        (results, _) = generate(model, runtime)
+        pool = weights._pool
+        grouped = pool is not None and "grouped_views" in pool.pool.__dict__
+    finally:
+        runtime.close()
+    assert [r.output_ids for r in results] == [r.output_ids for r in reference]
+    assert grouped
+    gpu_threads = [who for kind, _, who in fake.log if kind == "sync" and who.startswith("flowmoe-cuda")]
+    assert not gpu_threads  # no GPU lane waits on the host
+
+
+def test_a_node_takes_another_expert_only_once_its_copies_are_launched_and_waits_on_the_device(
+    model: MoEModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LaneWeights.taken on CUDA (the fake): expert 2 (in the pool) joins expert 1's call only once its
+    own producer (its copy, on gpu.h2d) has been launched; then node 1's stream waits for that copy's
+    end event, and for nothing it waits for itself or that its own stream orders."""
+    fake = FakeCuda()
+    monkeypatch.setattr(cuda_worker, "cuda", fake)
+    monkeypatch.setattr(lane_weights, "cuda", fake)
+    events = cuda_worker.EventBook(torch.device("cuda", 0))
+    weights = DeviceWeights(model, COPYING)
+    weights.setup(Residency.dense_only(model.spec), 2 * model.spec.expert_bytes)
+    weights.load(0, 1)
+    weights.load(0, 2)
+    factory = NodeFactory(model.spec)
+    gate = factory.node(Op.GATE, Lane.GPU_COMPUTE, 0)
+    copy = factory.node(Op.PAGE_COPY, Lane.GPU_H2D, 0, expert=2)
+    other = factory.node(Op.EVICT, Lane.GPU_COMPUTE, 0, expert=0)  # on node 1's own stream
+    mine = factory.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, 0, expert=1, deps=[gate.id])
+    theirs = factory.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, 0, expert=2, deps=[gate.id, copy.id, other.id])
+    lanes = LaneWeights(model, weights, events)
+    compute, h2d = fake.Stream(), fake.Stream()
+    fake.set_stream(compute)
+    fake.log.clear()
+    assert lanes.taken(mine, theirs) is None and not fake.log  # its copy not launched yet
+    for node, stream in ((gate, compute), (copy, h2d), (other, compute)):
+        events.put(node.id, fake.Event(), fake.Event(), stream)
+    fake.log.clear()
+    ffn = lanes.taken(mine, theirs)
+    assert ffn is not None and ffn.gate_up.data_ptr() == weights.expert(0, 2).gate_up.data_ptr()
+    assert fake.log == [("wait", compute, events.entry(copy.id)[1])]  # type: ignore[index]
+    assert lanes.taken(mine, mine) is weights.expert(0, 1)
+    weights.close()
+    events.close()

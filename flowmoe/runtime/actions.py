@@ -69,7 +69,7 @@ class StepState:
             model,
             devices,
             LaneInputs(model, devices, {i.micro_batch: i for i in inputs}, kv_gpu),
-            LaneWeights(model, weights, devices.cuda),
+            LaneWeights(model, weights, events),
             Activations(devices),
             Routings(model, devices, events),
         )

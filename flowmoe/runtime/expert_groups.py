@@ -1,8 +1,8 @@
 """The EXPERT_FFN nodes bound and not yet run, per group: a layer, micro-batch and lane, and the
 combine their outputs go into. The first node of a group to run takes with it the others whose
-weights are at hand, for one kernel call (MoEModel.routed_experts); their own nodes then find their
-outputs done. Nodes planned into different combines (Expert Deferral's) never share a call, so a
-layer's kept experts are not held up by its deferred ones."""
+weights are at hand (LaneWeights.taken), for one kernel call (MoEModel.routed_experts); their own
+nodes then find their outputs done. Nodes planned into different combines (Expert Deferral's) never
+share a call, so a layer's kept experts are not held up by its deferred ones."""
 
 from __future__ import annotations
 
@@ -24,20 +24,20 @@ def _group(node: TaskNode) -> Group:
 @define
 class ExpertGroups:
     _lock: threading.Lock = field(factory=threading.Lock)
-    _bound: dict[Group, list[int]] = field(factory=dict)  # experts bound, not yet run
+    _bound: dict[Group, dict[int, TaskNode]] = field(factory=dict)  # expert -> its node, bound, not yet run
 
     def bind(self, node: TaskNode) -> None:
         with self._lock:
-            self._bound.setdefault(_group(node), []).append(node.expert)
+            self._bound.setdefault(_group(node), {})[node.expert] = node
 
-    def take(self, node: TaskNode, at_hand: Callable[[int], FFNWeights | None]) -> dict[int, FFNWeights]:
-        """node's expert and the others of its group whose weights are `at_hand`, expert -> weights,
-        no longer bound; empty where an earlier node's call took node's expert."""
+    def take(self, node: TaskNode, at_hand: Callable[[TaskNode], FFNWeights | None]) -> dict[int, FFNWeights]:
+        """node's expert and the others of its group whose weights are `at_hand` (given each one's
+        node), expert -> weights, no longer bound; empty where an earlier node's call took node's."""
         group = _group(node)
         with self._lock:
-            bound = self._bound.get(group, [])
+            bound = self._bound.get(group, {})
             if node.expert not in bound:
                 return {}
-            ffns = {e: ffn for e in bound if (ffn := at_hand(e)) is not None}
-            self._bound[group] = [e for e in bound if e not in ffns]
+            ffns = {e: ffn for e, other in bound.items() if (ffn := at_hand(other)) is not None}
+            self._bound[group] = {e: other for e, other in bound.items() if e not in ffns}
         return ffns

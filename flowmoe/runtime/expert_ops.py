@@ -40,10 +40,11 @@ def bind_expert(s: StepState, n: TaskNode) -> Action:
 
 def _expert(s: StepState, n: TaskNode) -> None:
     """The node's expert, and with it in one kernel call (MoEModel.routed_experts) the other experts of
-    its group bound to the same lane whose weights are at hand: the host's own (the CPU lane, or a
-    host without CUDA, where a resident expert is the host tensor and no copy is in flight). Their own
-    nodes then find their outputs done; the rest run at their nodes."""
-    ffns = s.groups.take(n, partial(s.weights.ffn, n))
+    its group bound to the same lane whose weights are at hand (LaneWeights.taken: the host's own on
+    the CPU lane, those resident without CUDA, on CUDA those in the device's slot pool whose copies
+    the node's stream can wait for without the host). Their own nodes then find their outputs done;
+    the rest run at their nodes."""
+    ffns = s.groups.take(n, partial(s.weights.taken, n))
     if not ffns:
         return  # ran in the group of an earlier node
     key = (n.layer, n.mb)
@@ -58,7 +59,6 @@ def _expert_batch(s: StepState, n: TaskNode) -> None:
     each (the GEMM the plan prices, chunked as it is), the outputs split back per micro-batch. A fixed
     order: the same floats every run."""
     ffn = s.weights.ffn(n, n.expert)
-    assert ffn is not None, "a node's own expert is resident or NotResident, never None"
     routings = {key: s.routings.decided(key) for key in [(n.layer, mb) for mb in n.serves]}
     routed = {key: r for key, r in routings.items() if n.expert in r.tokens}  # those routed to it, in order
     inputs = [s.acts.expert_input(key, n.lane) for key in routed]  # [T_mb, hidden] each
