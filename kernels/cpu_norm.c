@@ -13,7 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#pragma GCC optimize("fp-contract=off") /* torch rounds each square before adding it: no FMA */
+#pragma GCC optimize("fp-contract=off") /* torch rounds each product before adding it: no FMA */
 
 #define ILP 4     /* rows of vectors torch's multi_row_sum interleaves */
 #define LEVELS 4  /* its cascade levels */
@@ -26,8 +26,9 @@ static inline float bf16_value(uint16_t h) {
     return f;
 }
 
-/* fp32 -> bf16 rounded to nearest even (NaN stays NaN), as torch's .to(torch.bfloat16). */
-static inline uint16_t bf16_bits(float f) {
+/* fp32 -> bf16 rounded to nearest even (NaN stays NaN), as torch's .to(torch.bfloat16). Also
+   cpu_router.c's. */
+uint16_t flowmoe_bf16_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
@@ -38,12 +39,9 @@ static inline float element(const void *x, long i, int bf16) {
     return bf16 ? bf16_value(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
-/* acc[0..width) += the squares of x[v * width .. (v + 1) * width) */
-static inline void add_square(float *acc, const void *x, long v, int width, int bf16) {
-    for (int l = 0; l < width; l++) {
-        float e = element(x, v * width + l, bf16);
-        acc[l] += e * e;
-    }
+/* acc[0..width) += v[i * width .. (i + 1) * width) */
+static inline void add_vector(float *acc, const float *v, long i, int width) {
+    for (int l = 0; l < width; l++) acc[l] += v[i * width + l];
 }
 
 static long ceil_log2(long x) {
@@ -53,8 +51,11 @@ static long ceil_log2(long x) {
     return bits;
 }
 
-/* sum of x[i]^2, i < n, in torch's order for a vector width `width` (see the file's notes). */
-static float sum_of_squares(const void *x, long n, int width, int bf16) {
+/* The sum of v[0..n) in torch's CPU order for a contiguous last dimension with Vectorized<float> of
+   `width` lanes (see the file's notes; rows narrower than a vector: its scalar path, the same order
+   one lane wide). Also cpu_router.c's. */
+float flowmoe_torch_sum(const float *v, long n, int width) {
+    width = n >= width ? width : 1;
     long vectors = n / width, size = vectors / ILP;
     long power = ceil_log2(size) / LEVELS > 4 ? ceil_log2(size) / LEVELS : 4, step = 1L << power;
     float acc[LEVELS][ILP][WMAX];
@@ -62,7 +63,7 @@ static float sum_of_squares(const void *x, long n, int width, int bf16) {
     long i = 0;
     while (i + step <= size) {
         for (long j = 0; j < step; j++, i++)
-            for (int k = 0; k < ILP; k++) add_square(acc[0][k], x, i * ILP + k, width, bf16);
+            for (int k = 0; k < ILP; k++) add_vector(acc[0][k], v, i * ILP + k, width);
         for (int j = 1; j < LEVELS; j++) {
             for (int k = 0; k < ILP; k++)
                 for (int l = 0; l < width; l++) acc[j][k][l] += acc[j - 1][k][l], acc[j - 1][k][l] = 0.0f;
@@ -70,18 +71,15 @@ static float sum_of_squares(const void *x, long n, int width, int bf16) {
         }
     }
     for (; i < size; i++)
-        for (int k = 0; k < ILP; k++) add_square(acc[0][k], x, i * ILP + k, width, bf16);
+        for (int k = 0; k < ILP; k++) add_vector(acc[0][k], v, i * ILP + k, width);
     for (int j = 1; j < LEVELS; j++)
         for (int k = 0; k < ILP; k++)
             for (int l = 0; l < width; l++) acc[0][k][l] += acc[j][k][l];
-    for (long v = size * ILP; v < vectors; v++) add_square(acc[0][0], x, v, width, bf16);
+    for (long u = size * ILP; u < vectors; u++) add_vector(acc[0][0], v, u, width);
     for (int k = 1; k < ILP; k++)
         for (int l = 0; l < width; l++) acc[0][0][l] += acc[0][k][l];
     float total = 0.0f;
-    for (long e = vectors * width; e < n; e++) {
-        float v = element(x, e, bf16);
-        total += v * v;
-    }
+    for (long e = vectors * width; e < n; e++) total += v[e];
     for (int l = 0; l < width; l++) total += acc[0][0][l];
     return total;
 }
@@ -93,13 +91,13 @@ void flowmoe_rms_norm(const void *x, long rows, long dim, long ldx, const void *
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long r = 0; r < rows; r++) {
         const char *row = (const char *)x + r * ldx * (bf16 ? 2 : 4);
-        /* rows narrower than a vector: torch's scalar path, the same order one lane wide */
-        float sum = sum_of_squares(row, dim, dim >= width ? width : 1, bf16);
-        float scale = 1.0f / sqrtf(sum / (float)dim + (float)eps);
+        float squares[dim > 0 ? dim : 1]; /* each rounded to fp32, as torch's pow(2) */
+        for (long i = 0; i < dim; i++) squares[i] = element(row, i, bf16) * element(row, i, bf16);
+        float scale = 1.0f / sqrtf(flowmoe_torch_sum(squares, dim, width) / (float)dim + (float)eps);
         for (long i = 0; i < dim; i++) {
             float normed = element(row, i, bf16) * scale;
             if (bf16)
-                ((uint16_t *)out)[r * dim + i] = bf16_bits(bf16_value(((const uint16_t *)weight)[i]) * bf16_value(bf16_bits(normed)));
+                ((uint16_t *)out)[r * dim + i] = flowmoe_bf16_bits(bf16_value(((const uint16_t *)weight)[i]) * bf16_value(flowmoe_bf16_bits(normed)));
             else
                 ((float *)out)[r * dim + i] = ((const float *)weight)[i] * normed;
         }

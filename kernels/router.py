@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from attrs import frozen
 
 from flowmoe.core.spec import MoESpec
+from flowmoe.kernels import cpu_router
 from flowmoe.kernels.family_routers import FAMILY_ROUTERS
 
 
@@ -52,7 +53,12 @@ def route(
     moe: MoESpec,
     selection_bias: torch.Tensor | None = None,
 ) -> Routing:
-    """x: [T, hidden], weight: [E, hidden] -> Routing."""
+    """x: [T, hidden], weight: [E, hidden] -> Routing. A softmax_topk router on the CPU finishes
+    in one C call after its top-k (cpu_router: the same floats and order)."""
+    if cpu_router.fits(x, moe):
+        top, indices = _softmax_top(x, weight, bias, moe)
+        weights, rows, scales, counts = cpu_router.tail(top, indices, moe, x.dtype)
+        return split_by_expert(indices, weights, rows, scales, counts)
     indices, weights = choose(x, weight, bias, moe, selection_bias)
     return group_by_expert(indices, weights, moe.experts)
 
@@ -70,17 +76,25 @@ def choose(
         return grouped_choice(x, weight, selection_bias, moe)
     if moe.router in FAMILY_ROUTERS:
         return FAMILY_ROUTERS[moe.router](x, weight, bias, moe, selection_bias)
-    logits = F.linear(x, weight, bias)  # [T, E]
     if moe.router == "topk_softmax":
-        top, indices = torch.topk(logits, moe.top_k, dim=-1)  # [T, k]
+        top, indices = torch.topk(F.linear(x, weight, bias), moe.top_k, dim=-1)  # [T, k]
         return indices, torch.softmax(top, dim=-1)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]: the same as of logits.float()
-    weights, indices = torch.topk(probs, moe.top_k, dim=-1)  # [T, k]
+    weights, indices = _softmax_top(x, weight, bias, moe)  # [T, k] each
     if moe.norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if not moe.combine_fp32:
         weights = weights.to(x.dtype)
     return indices, weights
+
+
+def _softmax_top(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, moe: MoESpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax_topk's choice before renormalising: -> the top-k probabilities [T, k] float32 and
+    their experts [T, k]."""
+    logits = F.linear(x, weight, bias)  # [T, E]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]: the same as of logits.float()
+    return torch.topk(probs, moe.top_k, dim=-1)  # type: ignore[return-value]
 
 
 def grouped_choice(
