@@ -8,6 +8,7 @@ import torch
 from attrs import frozen
 
 from flowmoe.core.spec import RopeSpec
+from flowmoe.kernels import cpu_rope
 
 
 def inverse_frequencies(rope: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -99,4 +100,6 @@ class Rotary:
         rotary = self.cos.shape[-1]
         if rotary < x.shape[-1]:
             return torch.cat((self(x[..., :rotary]), x[..., rotary:]), dim=-1)
+        if cpu_rope.fits(x, self.cos, self.signed_sin):  # one C call, the same floats
+            return cpu_rope.rotate(x, self.cos, self.signed_sin)
         return x * self.cos + x.roll(rotary // 2, dims=-1) * self.signed_sin

@@ -1,0 +1,71 @@
+"""Rotary embeddings of a step's query and key heads in one C call (cpu_rope.c, built with the other
+kernels by `native.library()`), the floats of rope.py's torch form (a roll, two products and a sum:
+four operations per layer, ~5-10 us each at a decode step's few tokens) bit for bit, on the CPU
+in fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from flowmoe.kernels import native
+
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels with flowmoe_rope declared, or None (see native.library)."""
+    lib = native.library()
+    return None if lib is None else _declared(lib)
+
+
+@functools.cache
+def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.flowmoe_rope.argtypes = [_P, _L, _L, _L, _L, _L, _P, _P, _I, _P]
+    lib.flowmoe_rope.restype = None
+    return lib
+
+
+def fits(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
+    """Whether `rotate` takes x [T, heads, R] with cos and signed_sin [T, 1, R]: host tensors of one
+    dtype, fp32 or bf16, every dim of x rotated, x's last dimension and the tables contiguous, no
+    autograd."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.dim() == 3
+        and cos.dtype == signed_sin.dtype == x.dtype
+        and cos.shape == signed_sin.shape == (x.shape[0], 1, x.shape[2])
+        and x.shape[2] % 2 == 0
+        and x.stride(2) == 1
+        and cos.is_contiguous()
+        and signed_sin.is_contiguous()
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and library() is not None
+    )
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, R] -> x * cos + x.roll(R // 2, dims=-1) * signed_sin [T, heads, R] (where `fits`)."""
+    lib = library()
+    assert lib is not None
+    tokens, heads, rotary = x.shape
+    out = torch.empty(tokens, heads, rotary, dtype=x.dtype)
+    bf16 = int(x.dtype == torch.bfloat16)
+    ld_t, ld_h = x.stride(0), x.stride(1)
+    lib.flowmoe_rope(
+        x.data_ptr(),
+        tokens,
+        heads,
+        rotary,
+        ld_t,
+        ld_h,
+        cos.data_ptr(),
+        signed_sin.data_ptr(),
+        bf16,
+        out.data_ptr(),
+    )
+    return out

@@ -1,0 +1,37 @@
+"""cpu_rope.c's rotary embedding against rope.py's torch form (x * cos + x.roll(R / 2) * signed_sin):
+the same floats bit for bit, fp32 and bf16, strided query/key views of a fused projection, one
+token and many; and what it leaves to torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowmoe.kernels import cpu_rope
+from flowmoe.kernels.rope import Rotary
+
+compiled = pytest.mark.skipif(cpu_rope.library() is None, reason="no C kernels on this host")
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 37])
+@pytest.mark.parametrize("dim", [16, 64])
+def test_rotate_is_the_torch_form_bit_for_bit(dtype: torch.dtype, tokens: int, dim: int) -> None:
+    generator = torch.Generator().manual_seed(tokens * dim)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    rotary = Rotary.at(inv_freq, 1.0, torch.randint(0, 4096, (tokens,), generator=generator), dtype)
+    heads = (torch.randn(tokens, 12, dim, generator=generator) * 5).to(dtype)  # q, k and v heads
+    qk = heads[:, :10]  # a strided view, as pre_attention's
+    assert cpu_rope.fits(qk, rotary.cos, rotary.signed_sin)
+    want = qk * rotary.cos + qk.roll(dim // 2, dims=-1) * rotary.signed_sin
+    assert torch.equal(rotary(qk), want)
+
+
+def test_what_it_leaves_to_torch() -> None:
+    rotary = Rotary.at(torch.ones(8), 1.0, torch.arange(3), torch.float32)
+    x = torch.randn(3, 4, 16)
+    assert not cpu_rope.fits(x.bfloat16(), rotary.cos, rotary.signed_sin)  # dtypes differ
+    assert not cpu_rope.fits(x.half(), rotary.cos.half(), rotary.signed_sin.half())
+    assert not cpu_rope.fits(x[..., ::2], rotary.cos[..., :8], rotary.signed_sin[..., :8])  # strided dims
+    assert not cpu_rope.fits(x.requires_grad_(), rotary.cos, rotary.signed_sin)
