@@ -4,9 +4,9 @@ Hugging Face Accelerate's device_map offload, in one call.
 On an NVIDIA GPU (H100/H200 class), with a Mixtral-8x7B-shaped model at its real layer shapes
 (random bf16 weights tiled from one random block at copy speed, --layers of its 32), for each budget:
   * the pinned and pageable H2D / D2H peak, measured in this run;
-  * each of the 12 schedulers' tokens/s (on-demand, flowmoe's own baseline, among them), its decode
-    H2D link busy share and achieved bandwidth against the pinned peak, and its overlap efficiency
-    (makespan / busiest lane) from its own trace;
+  * each of the 13 schedulers' tokens/s (on-demand, flowmoe's own baseline, and accelerate among
+    them), its decode H2D link busy share and achieved bandwidth against the pinned peak, and its
+    overlap efficiency (makespan / busiest lane) from its own trace;
   * the simulator's prediction for the same model, policy, batch and --hardware, and measured /
     predicted;
   * Accelerate offload (transformers + accelerate, an auto device map under the same budget) tokens/s;
@@ -77,7 +77,8 @@ from flowmoe.traces.profiler import kernels_into
 from flowmoe.traces.summary import records_by_group, summarize_records
 
 # every registered scheduler but eager (everything resident: it cannot run under these budgets);
-# on-demand is flowmoe's own baseline
+# on-demand is flowmoe's own baseline, accelerate flowmoe's plan of Accelerate's hooks (beside the real
+# Accelerate offload row)
 SCHEDULERS = (
     "cgopipe",
     "klotski",
@@ -91,6 +92,7 @@ SCHEDULERS = (
     "pre-gated",
     "prefetch-all",
     "on-demand",
+    "accelerate",
 )
 BUDGETS = {"t4": "16GiB", "l4": "24GiB"}
 SHARES = (1.0, 0.75, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05, 0.0)
