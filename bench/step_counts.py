@@ -26,6 +26,13 @@ run's own order, and what it dispatches is counted as that node's CUDA copy oper
 device-to-device moves (hidden states, the routing read-back) and the eviction's record_stream calls
 are free on the CPU and missing here: the count is a lower bound for a CUDA run.
 
+A GPU lane's expert node takes the experts of its group whose copies have run (runtime/lane_weights.py
+`taken`) into one grouped GEMM per projection over their weights in place. CUDA takes the same groups
+where its copies lie in the device's slot pool (runtime/expert_slots.py; opt-in on CUDA:
+FLOWMOE_EXPERT_SLOTS=1): a copy launched is a copy run here, and the waits it adds are no torch
+operations. Without the pool CUDA runs each GPU expert at its own node (~10 operations each). The
+grouped GEMM's CUDA form dispatches about the CPU form's count (kernels/grouped_experts.py).
+
     python bench/step_counts.py [--settings h200 s1] [--schedulers cgopipe ...] [--out PATH]
 
 Prints a rich table and writes bench/step_counts.json.

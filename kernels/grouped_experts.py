@@ -12,9 +12,20 @@ of one shape and dtype that lie in one buffer at a common stride (a layer's expe
 arena, flowmoe/model/arena.py, are: one expert's tensors after the other, each aligned) are one
 strided view [S, out, in] of every slot at that stride the buffer holds, made once per layer and
 kept on its buffer, and the slots the group leaves out get no rows (the GEMM reads nothing of
-them). Weights that do not lie so (the GPU's copies today: each
-expert its own buffer, runtime/device_weights.py) take the per-expert path; giving the device's
-experts one slot pool per runtime is what would let the GPU take this one.
+them). Weights that do not lie so take the per-expert path.
+
+On the GPU: the device's copies of a runtime's experts lie in one pool of equal slots
+(runtime/expert_slots.py; resident and staged experts alike, one slot per expert, its pages landing
+there), so the experts of a group present on the device are one view of the pool as the host's are
+of its arena. The pool is made where the accounting allows it exactly (every dense part resident, so
+the scheduler's copy buffer holds whole experts: slots = resident experts + buffer // expert bytes;
+the ledger's bytes unchanged), else each expert keeps its own buffer. A slot freed by EVICT is
+reused only after the evicting lane's stream passes an event recorded there (what `record_stream`
+gave the caching allocator). The first GPU node of a group takes the experts in the pool whose
+copies its stream can wait for on the device (runtime/lane_weights.py `taken`: producers launched,
+`wait_event`, no host sync); the others run at their own nodes. On CUDA the pool is opt-in
+(FLOWMOE_EXPERT_SLOTS=1) until a GPU run has checked it; without CUDA it is on where weights are
+copies (tests/test_expert_slots.py runs every scheduler with the "GPU" at cpu:0).
 
 The forms per device:
 * CPU: W @ x.T per expert, (2I x H) @ (H x n_e), with the rows as columns: the form
@@ -30,7 +41,8 @@ The forms per device:
   the host (a sync per call), so other cards and dtypes keep the per-expert path.
 
 Not taken (the per-expert path instead): one expert, biases, GPT-OSS's clamped SwiGLU, rows or
-widths whose strides are not a multiple of 16 bytes (the grouped GEMM's requirement), and
+widths whose strides are not a multiple of 16 bytes (the grouped GEMM's requirement), a group whose
+weights are not in ascending slots (MoEModel.routed_experts orders a group by where it lies), and
 FLOWMOE_GROUPED_EXPERTS=0.
 """
 
@@ -50,6 +62,12 @@ from flowmoe.kernels.linear import FEW_ROWS, WIDEN_ROWS, _emulated
 
 ALIGN = 16  # bytes: the grouped GEMM's stride and address alignment
 MAX_SLOTS = 1024  # a view of more slots than this is not taken (a layer's buffer holds fewer)
+
+
+def switched_on() -> bool:
+    """Whether the grouped path may be taken (FLOWMOE_GROUPED_EXPERTS=0: never; nor do the GPU lanes
+    then group experts, runtime/lane_weights.py)."""
+    return os.environ.get("FLOWMOE_GROUPED_EXPERTS", "1") != "0"
 
 
 def stacked(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
@@ -126,7 +144,7 @@ def _takes(x: torch.Tensor, counts: list[int], ffns: list[FFN], moe: MoESpec) ->
     widths = (x.shape[-1], gate_up.shape[0] // 2)  # hidden, I
     if (
         len(ffns) < 2
-        or os.environ.get("FLOWMOE_GROUPED_EXPERTS", "1") == "0"
+        or not switched_on()
         or moe.activation == "clamped_swiglu"
         or any(f[2] is not None or f[3] is not None for f in ffns)
         or x.dim() != 2

@@ -116,13 +116,12 @@ def test_a_reused_slot_waits_for_its_eviction_on_the_device(monkeypatch: pytest.
     monkeypatch.setattr(expert_slots, "cuda", fake)
     pool = ExpertSlots(torch.empty(2 * 64, dtype=torch.uint8), 64, cuda=True, free=[1, 0])
     compute, h2d = fake.Stream(), fake.Stream()
-    slot, _ = pool.take()
+    slot = pool.take()
     assert not fake.log  # a fresh slot: nothing to wait for
     fake.set_stream(compute)
     pool.give(slot)
     fake.set_stream(h2d)
-    again, room = pool.take()
-    assert again == slot and room.data_ptr() == pool.pool.data_ptr()
+    assert pool.take() == slot and pool.room(slot).data_ptr() == pool.pool.data_ptr()
     (kind, event, on), (wait, stream, waited) = fake.log
     assert (kind, on, wait, stream, waited) == ("record", compute, "wait", h2d, event)
     pool.take()  # the other, fresh slot
@@ -215,5 +214,7 @@ def test_a_node_takes_another_expert_only_once_its_copies_are_launched_and_waits
     assert ffn is not None and ffn.gate_up.data_ptr() == weights.expert(0, 2).gate_up.data_ptr()
     assert fake.log == [("wait", compute, events.entry(copy.id)[1])]  # type: ignore[index]
     assert lanes.taken(mine, mine) is weights.expert(0, 1)
+    monkeypatch.setenv("FLOWMOE_GROUPED_EXPERTS", "0")  # no grouped GEMM: each expert at its own node
+    assert lanes.taken(mine, theirs) is None
     weights.close()
     events.close()

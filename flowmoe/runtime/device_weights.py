@@ -26,7 +26,7 @@ from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.quantized import QuantizedExpert
 from flowmoe.model.weights import AttentionWeights, FFNWeights, LayerWeights
 from flowmoe.runtime.expert_slots import ExpertSlots
-from flowmoe.runtime.paged_copy import HostSpan, copy_run, land
+from flowmoe.runtime.paged_copy import HostSpan, Paged, copy_run, land
 
 
 class NotResident(FlowmoeError):
@@ -238,12 +238,7 @@ class DeviceWeights:
                 span = self._spans.get(key)
                 if span is None:
                     span = self._spans[key] = HostSpan.of(ffn.tensors())
-                room = None  # uint8 [bytes]: its slot, where the pool takes it (its copy waits for the slot)
-                if self._pool is not None:
-                    self._slots[key], room = self._pool.take()
-                flat, landed = land(ffn, span, self.devices.gpu, room)
-                for tensor in landed.tensors() if room is not None else ():
-                    tensor.arena = self._pool.pool  # type: ignore[attr-defined,union-attr]  # grouped views' home
+                flat, landed = self._land(key, ffn, span)
                 arriving = _Arriving(landed, flat)
             else:  # the "GPU" is the host: the resident copy is the tensor itself
                 arriving = _Arriving(ffn, None)
@@ -255,6 +250,20 @@ class DeviceWeights:
             target = arriving.weights
             self._experts[key] = target.to_ffn() if isinstance(target, QuantizedExpert) else target
             del self._partial[key]
+
+    def _land(self, key: tuple[int, int], ffn: Paged, span: HostSpan) -> tuple[torch.Tensor, Paged]:
+        """Under the lock, an expert's first page: its buffer on the device and its weights as views of
+        it; a slot of the pool where there is one (its copy waits for the slot: ExpertSlots.take)."""
+        pool = self._pool
+        if pool is None:
+            return land(ffn, span, self.devices.gpu)
+        slot = self._slots[key] = pool.take()
+        landed = pool.landed.get(slot)
+        if landed is None:
+            landed = pool.landed[slot] = land(ffn, span, self.devices.gpu, pool.room(slot))
+            for tensor in landed[1].tensors():
+                tensor.arena = pool.pool  # type: ignore[attr-defined]  # where the grouped path keeps its views
+        return landed
 
     def _size(self, layer: int, expert: int) -> int:
         size = self._sizes.get((layer, expert))
@@ -323,7 +332,8 @@ class DeviceWeights:
             return None
         if not spans:
             return None
-        first, shapes = spans[0], {tuple(t.shape for t in layers[k[0]].experts[k[1]].tensors()) for k in keys}
+        first = spans[0]
+        shapes = {tuple((t.shape, t.dtype) for t in layers[k[0]].experts[k[1]].tensors()) for k in keys}
         if (
             len(shapes) > 1
             or any(s.nbytes != first.nbytes or s.offsets != first.offsets for s in spans)
@@ -359,9 +369,7 @@ class DeviceWeights:
             self._partial.clear()
             self._spans.clear()
             self._slots.clear()
-            if (
-                self._pool is not None
-            ):  # its grouped views (kernels/grouped_experts.py) hold it: a cycle through C++
+            if self._pool is not None:  # its grouped views hold it, in a cycle gc cannot see (C++)
                 self._pool.pool.__dict__.pop("grouped_views", None)
             self._pool = None
             self.embed = self.head = None

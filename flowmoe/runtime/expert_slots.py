@@ -21,6 +21,7 @@ from attrs import define, field
 from torch import cuda
 
 from flowmoe.core.errors import FlowmoeError
+from flowmoe.runtime.paged_copy import Paged
 
 
 @define
@@ -31,6 +32,9 @@ class ExpertSlots:
     slot_bytes: int
     cuda: bool
     _free: list[int] = field(factory=list)  # slots no expert holds, the lowest taken first
+    # slot -> its bytes and an expert's weights as views of them: every expert lies in a slot alike, so
+    # the views made at a slot's first copy serve each later one (no operation per copy but the copy)
+    landed: dict[int, tuple[torch.Tensor, Paged]] = field(factory=dict)
     _events: dict[int, torch.cuda.Event] = field(factory=dict)  # slot -> its event, recorded at each eviction
     _evicted: set[int] = field(factory=set)  # free slots whose event the next copy must wait for
 
@@ -43,9 +47,9 @@ class ExpertSlots:
     def slots(self) -> int:
         return self.pool.numel() // self.slot_bytes
 
-    def take(self) -> tuple[int, torch.Tensor]:
-        """A free slot and its bytes (uint8 [slot_bytes], a view of the pool), for a copy about to be
-        enqueued on the current stream, which first waits for the slot's last eviction (CUDA)."""
+    def take(self) -> int:
+        """A free slot, for a copy about to be enqueued on the current stream, which first waits for the
+        slot's last eviction (CUDA)."""
         if not self._free:
             raise FlowmoeError(
                 f"all {self.slots} expert slots on the device are held: the memory check admitted more "
@@ -55,7 +59,11 @@ class ExpertSlots:
         if slot in self._evicted:  # the wait is enqueued now: the event may be recorded again later
             self._evicted.discard(slot)
             cuda.current_stream(self.pool.device).wait_event(self._events[slot])
-        return slot, self.pool[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+        return slot
+
+    def room(self, slot: int) -> torch.Tensor:
+        """The slot's bytes: uint8 [slot_bytes], a view of the pool."""
+        return self.pool[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
 
     def give(self, slot: int) -> None:
         """EVICT, on the lane that used the slot last: free once that lane's stream is past here."""

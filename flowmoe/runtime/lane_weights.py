@@ -9,6 +9,7 @@ from torch import cuda
 
 from flowmoe.core.plan import Lane, TaskNode
 from flowmoe.devices.cuda import EventBook
+from flowmoe.kernels.grouped_experts import switched_on
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.weights import FFNWeights, LayerWeights
 from flowmoe.runtime.device_weights import DeviceWeights, NotResident
@@ -38,13 +39,14 @@ class LaneWeights:
         """The weights of `other`'s expert (a node of node's group, ExpertGroups) for one call at `node`:
         node's own (NotResident if missing, as ever), or the other's where running it now is safe, else
         None. Without CUDA: where it is resident (every copy is done). On CUDA: where its copy lies in
-        the device's slot pool (the grouped GEMM's operand; else nothing is gained) and every producer
-        of `other` that node does not wait for itself has been launched on a GPU lane: node's stream
-        then waits for those on other streams (`wait_event`: on the device, no host wait); a producer
-        not yet launched, or on a host lane, leaves `other` to its own node."""
+        the device's slot pool (the grouped GEMM's operand; else, or with the grouped path switched
+        off, nothing is gained) and every producer of `other` that node does not wait for itself has
+        been launched on a GPU lane: node's stream then waits for those on other streams
+        (`wait_event`: on the device, no host wait); a producer not yet launched, or on a host lane,
+        leaves `other` to its own node."""
         if other.id == node.id or node.lane is Lane.CPU_COMPUTE:
             return self.ffn(node, other.expert)
-        if self.events is not None and not self.device.pooled(other.layer, other.expert):
+        if self.events is not None and not (switched_on() and self.device.pooled(other.layer, other.expert)):
             return None
         try:
             ffn = self.device.expert(other.layer, other.expert)
