@@ -51,27 +51,36 @@ def library() -> ctypes.CDLL | None:
 
 def kernel() -> Callable[..., int] | None:
     """This CPU's decode attention kernel (see the module's notes), or None where there is none."""
-    lib, name = library(), KERNELS[cpu_expert.isa()]
+    return _kernel(library(), cpu_expert.isa())
+
+
+@functools.cache
+def _kernel(lib: ctypes.CDLL | None, isa: str) -> Callable[..., int] | None:
+    name = KERNELS[isa]
     return getattr(lib, name) if lib is not None and hasattr(lib, name) else None
 
 
 def fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether `decode` takes q [T, H, D] against keys / values [slots, kv_heads, C, D]: host
     tensors of one dtype, fp32 (D a multiple of 16) or bf16 (of 32), contiguous last dimensions, no
-    autograd."""
-    dim = q.shape[-1]
+    autograd. Asked at every layer of a decode step, after the experts have streamed their weights
+    through the caches: few calls (each costs cache misses there)."""
+    dtype, dim = q.dtype, q.shape[-1]
     return (
-        kernel() is not None
-        and q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.bfloat16)
-        and keys.dtype == values.dtype == q.dtype
-        and dim % (32 if q.dtype == torch.bfloat16 else 16) == 0
+        (dtype is torch.float32 or dtype is torch.bfloat16)
+        and keys.dtype is dtype
+        and values.dtype is dtype
+        and dim % (32 if dtype is torch.bfloat16 else 16) == 0
         and keys.shape[-1] == dim
         and values.shape == keys.shape
-        and keys.device.type == values.device.type == "cpu"
-        and keys.stride(-1) == values.stride(-1) == 1
+        and q.is_cpu
+        and keys.is_cpu
+        and values.is_cpu
+        and keys.stride(-1) == 1
+        and values.stride(-1) == 1
         and q.shape[1] % keys.shape[1] == 0
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, values)))
+        and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))
+        and kernel() is not None
     )
 
 

@@ -94,13 +94,15 @@ def max_rows(dtype: torch.dtype) -> int:
 
 def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """A few fp32 or bf16 rows on the CPU (`max_rows`), a row-major weight of x's dtype, and no
-    autograd."""
-    rows = x.shape[0] if x.dim() == 2 else 0
+    autograd. Asked before every projection of a decode step, first thing after the experts have
+    streamed their weights through the caches: few calls (each costs cache misses there)."""
+    dtype = x.dtype
     return (
-        x.device.type == "cpu"
-        and x.dtype == weight.dtype
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and 0 < rows <= max_rows(x.dtype)
+        (dtype is torch.float32 or dtype is torch.bfloat16)
+        and weight.dtype is dtype
+        and x.dim() == 2
+        and 0 < x.shape[0] <= max_rows(dtype)
+        and x.is_cpu
         and weight.dim() == 2
         and weight.is_contiguous()
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
@@ -109,7 +111,7 @@ def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _bias_fits(bias: torch.Tensor | None, size: int) -> bool:
-    return bias is None or (bias.device.type == "cpu" and bias.shape == (size,))
+    return bias is None or (bias.is_cpu and bias.shape == (size,))
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -125,7 +127,13 @@ def fits_ffn(x: torch.Tensor, ffn: FFN) -> bool:
     if not fits(x, gate_up, gate_up_bias) or gate_up.shape[0] % 2:
         return False
     hidden, inter = gate_up.shape[1], gate_up.shape[0] // 2
-    return _takes(x, down) and down.shape == (hidden, inter) and _bias_fits(down_bias, hidden)
+    return (
+        down.dtype is gate_up.dtype
+        and down.shape == (hidden, inter)
+        and down.is_contiguous()
+        and not (down.requires_grad and torch.is_grad_enabled())
+        and _bias_fits(down_bias, hidden)
+    )
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
