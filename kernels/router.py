@@ -94,7 +94,7 @@ def _softmax_top(
     their experts [T, k]."""
     logits = F.linear(x, weight, bias)  # [T, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]: the same as of logits.float()
-    return torch.topk(probs, moe.top_k, dim=-1)  # type: ignore[return-value]
+    return torch.topk(probs, moe.top_k, dim=-1)
 
 
 def grouped_choice(
