@@ -13,18 +13,124 @@
 
    Keys and values are read as fp32, bf16 ones widened in registers (AVX512-BF16's dot product
    runs at half the FMA rate here and needs bf16 weights), each loaded once for up to HT heads;
-   everything accumulates in fp32. Built only for AVX-512 hosts; elsewhere the library has no
-   flowmoe_decode_attention and the caller takes torch's path. */
+   everything accumulates in fp32. The kernel is built only for AVX-512 hosts (elsewhere the library
+   has no flowmoe_decode_attention: cpu_attention_avx2.c's kernel, or torch's path); the driver that
+   shares out the items and merges them (flowmoe_attention_run) is built everywhere and runs both. */
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define HT 4 /* query heads per pass: 16 / HT keys x HT heads of scores per vector */
 #define LOG2E 1.4426950408889634f
+
+typedef struct {
+    int group, D;
+    const char *k, *v;
+    long k_slot, k_head, k_pos, v_slot, v_head, v_pos; /* bytes */
+} problem;
+
+/* Query head h (of KV head kh's group) over `items` items' (acc, m, l) at res: each item's factor
+   against their common maximum (factor[c]) and the softmax's denominator (returned), with the
+   sink where `sinks`. */
+float flowmoe_attention_weights(const problem *P, const float *res, int items, int h, int kh, const float *sinks,
+                                float *factor) {
+    int D = P->D, g = P->group;
+    float m = -INFINITY;
+    for (int c = 0; c < items; c++) {
+        float mc = res[(c * g + h) * (D + 2) + D];
+        m = mc > m ? mc : m;
+    }
+    float l = sinks ? exp2f(sinks[kh * g + h] * LOG2E - m) : 0.0f;
+    for (int c = 0; c < items; c++) {
+        const float *r = res + (c * g + h) * (D + 2);
+        factor[c] = exp2f(r[D] - m);
+        l += r[D + 1] * factor[c];
+    }
+    return l;
+}
+
+/* A kernel's parts for the driver below: one query head in fp32 times `scale` (its own order for
+   bf16), one work item's (acc, m, l) per query head, and a (sequence, KV head)'s merge into its out
+   row. */
+typedef void (*attention_prep)(const char *src, int bf16, int D, float scale, float *dst);
+typedef void (*attention_item)(const problem *P, int bf16, const float *q, long slot, int kh, long a, int n,
+                               float *res);
+typedef void (*attention_merge)(const problem *P, int bf16, const float *res, int items, int kh,
+                                const float *sinks, char *out);
+
+/* Decode attention of `batch` sequences, seqs[i] = (row, slot, lo, hi): the query q[row] [heads,
+   D] attends to keys [lo, hi) of cache slot `slot` -> out[row] [heads * D], in the cache's dtype
+   (bf16 or fp32, q's too), with a kernel's parts (this file's AVX-512 ones, cpu_attention_avx2.c's).
+   Strides in elements; every last dimension contiguous; `sinks` fp32 [heads] or null; scale: the
+   scores' factor; `pad`: zero query heads after the last (read by a kernel's widest pass). Returns
+   0, or -1 without memory. */
+int flowmoe_attention_run(int batch, const int *seqs, int heads, int kv_heads, int D, int bf16, const void *q,
+                          long q_row, long q_head, const void *k, long k_slot, long k_head, long k_pos,
+                          const void *v, long v_slot, long v_head, long v_pos, const float *sinks, float scale,
+                          int chunk, void *out, long out_row, int threads, int pad, attention_prep prep,
+                          attention_item work, attention_merge merge) {
+    long esize = bf16 ? 2 : 4;
+    problem P = {heads / kv_heads, D, k, v, k_slot * esize, k_head * esize, k_pos * esize, v_slot * esize,
+                 v_head * esize, v_pos * esize};
+    long *first = malloc((batch + 1) * sizeof *first); /* sequence i's items: first[i] .. first[i + 1] */
+    /* sequence i's queries in fp32 times scale log2(e), heads D apart, then `pad` zero heads */
+    float *qs = malloc(((long)batch * heads + pad) * D * sizeof *qs);
+    if (!first || !qs) {
+        free(first);
+        free(qs);
+        return -1;
+    }
+    memset(qs + (long)batch * heads * D, 0, pad * D * sizeof *qs);
+    first[0] = 0;
+    for (int i = 0; i < batch; i++) {
+        long n = seqs[4 * i + 3] - seqs[4 * i + 2];
+        first[i + 1] = first[i] + (n + chunk - 1) / chunk * kv_heads;
+    }
+    long items = first[batch];
+    float *res = malloc(items * P.group * (D + 2) * sizeof *res);
+    if (!res) {
+        free(first);
+        free(qs);
+        return -1;
+    }
+    float scale2 = scale * LOG2E; /* base 2 */
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (long t = 0; t < (long)batch * heads; t++)
+            prep((const char *)q + (seqs[4 * (t / heads)] * q_row + t % heads * q_head) * esize, bf16, D, scale2,
+                 qs + t * D);
+        int i = 0;
+#pragma omp for schedule(static)
+        for (long t = 0; t < items; t++) {
+            while (first[i + 1] <= t) i++;
+            while (first[i] > t) i--;
+            long per_head = (first[i + 1] - first[i]) / kv_heads, u = t - first[i];
+            int kh = (int)(u / per_head);
+            long a = seqs[4 * i + 2] + u % per_head * chunk, hi = seqs[4 * i + 3];
+            int n = (int)(hi - a < chunk ? hi - a : chunk);
+            const float *qi = qs + ((long)i * heads + kh * P.group) * D;
+            work(&P, bf16, qi, seqs[4 * i + 1], kh, a, n, res + t * P.group * (D + 2));
+        }
+#pragma omp for schedule(static)
+        for (long t = 0; t < (long)batch * kv_heads; t++) {
+            int s = (int)(t / kv_heads), kh = (int)(t % kv_heads);
+            long per_head = (first[s + 1] - first[s]) / kv_heads;
+            const float *r = res + (first[s] + kh * per_head) * P.group * (D + 2);
+            merge(&P, bf16, r, (int)per_head, kh, sinks, (char *)out + seqs[4 * s] * out_row * esize);
+        }
+    }
+    free(res);
+    free(first);
+    free(qs);
+    return 0;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define HT 4 /* query heads per pass: 16 / HT keys x HT heads of scores per vector */
 
 /* 2^x for x <= 0 (-inf gives 0): 2^round(x) times a degree-7 Taylor polynomial of e^(f ln 2),
    |f| <= 1/2 (truncation error < 1e-8 relative). */
@@ -134,12 +240,6 @@ static inline __attribute__((always_inline)) void weigh(int ht, int nv, int bf16
         for (int t = 0; t < nv; t++) _mm512_storeu_ps(acc + h * D + d0 + 16 * t, a[h][t]);
 }
 
-typedef struct {
-    int group, D;
-    const char *k, *v;
-    long k_slot, k_head, k_pos, v_slot, v_head, v_pos; /* bytes */
-} problem;
-
 /* A pass of `ht` (1, 2 or 4) query heads q [ht][D] (fp32, pre-scaled to base 2), over n keys and
    values at key / val: res[h] = (acc [D], m, l) for the first `real` heads, in base 2 (rows D + 2
    apart; the other heads' are dropped). */
@@ -223,17 +323,7 @@ static void item(const problem *P, int bf16, const float *q, long slot, int kh, 
 static void merge(const problem *P, int bf16, const float *res, int items, int kh, const float *sinks, char *out) {
     int D = P->D, g = P->group;
     for (int h = 0; h < g; h++) {
-        float m = -INFINITY;
-        for (int c = 0; c < items; c++) {
-            float mc = res[(c * g + h) * (D + 2) + D];
-            m = mc > m ? mc : m;
-        }
-        float l = sinks ? exp2f(sinks[kh * g + h] * LOG2E - m) : 0.0f, factor[items];
-        for (int c = 0; c < items; c++) {
-            const float *r = res + (c * g + h) * (D + 2);
-            factor[c] = exp2f(r[D] - m);
-            l += r[D + 1] * factor[c];
-        }
+        float factor[items], l = flowmoe_attention_weights(P, res, items, h, kh, sinks, factor);
         for (int d = 0; d < D; d += 16) {
             __m512 acc = _mm512_setzero_ps();
             for (int c = 0; c < items; c++)
@@ -248,76 +338,24 @@ static void merge(const problem *P, int bf16, const float *res, int items, int k
     }
 }
 
-/* Decode attention of `batch` sequences, seqs[i] = (row, slot, lo, hi): the query q[row] [heads,
-   D] attends to keys [lo, hi) of cache slot `slot` -> out[row] [heads * D], in the cache's dtype
-   (bf16 or fp32, q's too). Strides in elements; every last dimension contiguous; D % 16 == 0 (fp32)
-   or D % 32 == 0 (bf16);
-   `sinks` fp32 [heads] or null; scale: the scores' factor. Returns 0, or -1 without memory. */
+/* One query head [D] in fp32 times `scale` (bf16: in paired order). */
+static void prep(const char *src, int bf16, int D, float scale, float *dst) {
+    for (int d = 0; d < D; d += bf16 ? 32 : 16) {
+        __m512 x[2];
+        load_row(src, d, bf16, x);
+        for (int u = 0; u < (bf16 ? 2 : 1); u++) _mm512_storeu_ps(dst + d + 16 * u, _mm512_mul_ps(x[u], _mm512_set1_ps(scale)));
+    }
+}
+
+/* flowmoe_attention_run's arguments (but the parts) with this file's AVX-512 parts: D % 16 == 0
+   (fp32) or D % 32 == 0 (bf16); the last KV head's pass of a group of 3 reads HT - 1 zero heads. */
 int flowmoe_decode_attention(int batch, const int *seqs, int heads, int kv_heads, int D, int bf16,
                              const void *q, long q_row, long q_head, const void *k, long k_slot, long k_head,
                              long k_pos, const void *v, long v_slot, long v_head, long v_pos, const float *sinks,
                              float scale, int chunk, void *out, long out_row, int threads) {
-    long esize = bf16 ? 2 : 4;
-    problem P = {heads / kv_heads, D, k, v, k_slot * esize, k_head * esize, k_pos * esize, v_slot * esize,
-                 v_head * esize, v_pos * esize};
-    long *first = malloc((batch + 1) * sizeof *first); /* sequence i's items: first[i] .. first[i + 1] */
-    /* sequence i's queries in fp32 times scale log2(e), heads D apart (then HT - 1 zero heads, read
-       by the last KV head's pass when the group is 3) */
-    float *qs = malloc(((long)batch * heads + HT) * D * sizeof *qs);
-    if (!first || !qs) {
-        free(first);
-        free(qs);
-        return -1;
-    }
-    memset(qs + (long)batch * heads * D, 0, HT * D * sizeof *qs);
-    first[0] = 0;
-    for (int i = 0; i < batch; i++) {
-        long n = seqs[4 * i + 3] - seqs[4 * i + 2];
-        first[i + 1] = first[i] + (n + chunk - 1) / chunk * kv_heads;
-    }
-    long items = first[batch];
-    float *res = malloc(items * P.group * (D + 2) * sizeof *res);
-    if (!res) {
-        free(first);
-        free(qs);
-        return -1;
-    }
-    __m512 scale2 = _mm512_set1_ps(scale * LOG2E);
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (long t = 0; t < (long)batch * heads; t++) {
-            const char *src = (const char *)q + (seqs[4 * (t / heads)] * q_row + t % heads * q_head) * esize;
-            for (int d = 0; d < D; d += bf16 ? 32 : 16) { /* bf16: in paired order */
-                __m512 x[2];
-                load_row(src, d, bf16, x);
-                for (int u = 0; u < (bf16 ? 2 : 1); u++) _mm512_storeu_ps(qs + t * D + d + 16 * u, _mm512_mul_ps(x[u], scale2));
-            }
-        }
-        int i = 0;
-#pragma omp for schedule(static)
-        for (long t = 0; t < items; t++) {
-            while (first[i + 1] <= t) i++;
-            while (first[i] > t) i--;
-            long per_head = (first[i + 1] - first[i]) / kv_heads, u = t - first[i];
-            int kh = (int)(u / per_head);
-            long a = seqs[4 * i + 2] + u % per_head * chunk, hi = seqs[4 * i + 3];
-            int n = (int)(hi - a < chunk ? hi - a : chunk);
-            const float *qi = qs + ((long)i * heads + kh * P.group) * D;
-            item(&P, bf16, qi, seqs[4 * i + 1], kh, a, n, res + t * P.group * (D + 2));
-        }
-#pragma omp for schedule(static)
-        for (long t = 0; t < (long)batch * kv_heads; t++) {
-            int s = (int)(t / kv_heads), kh = (int)(t % kv_heads);
-            long per_head = (first[s + 1] - first[s]) / kv_heads;
-            const float *r = res + (first[s] + kh * per_head) * P.group * (D + 2);
-            merge(&P, bf16, r, (int)per_head, kh, sinks, (char *)out + seqs[4 * s] * out_row * esize);
-        }
-    }
-    free(res);
-    free(first);
-    free(qs);
-    return 0;
+    return flowmoe_attention_run(batch, seqs, heads, kv_heads, D, bf16, q, q_row, q_head, k, k_slot, k_head, k_pos,
+                                 v, v_slot, v_head, v_pos, sinks, scale, chunk, out, out_row, threads, HT, prep,
+                                 item, merge);
 }
 
 #endif

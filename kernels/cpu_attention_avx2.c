@@ -2,7 +2,7 @@
    without AVX-512 (chosen at run time by cpu_attention.py; compiled with a target attribute, so it
    is in every x86 build and runs only where the CPU has AVX2 and FMA).
 
-   The same work and the same fixed order as cpu_attention.c: items of (sequence, KV head, chunk of
+   The same work and the same fixed order as cpu_attention.c (whose driver runs this file's parts): items of (sequence, KV head, chunk of
    `chunk` keys) shared among the threads, each giving its query heads' (acc, m, l) in base 2
    against the chunk's maximum; a second pass merges each (sequence, KV head)'s items in key order,
    adds the sink and writes the output in the cache's dtype. A sequence gets the same result in any
@@ -20,7 +20,6 @@
 #define AVX2 __attribute__((target("avx2,fma")))
 #define HT 4  /* query heads per pass over an item's keys and values */
 #define KB 16 /* keys per block of the value pass (their values stay in L1 across D's tiles) */
-#define LOG2E 1.4426950408889634f
 
 /* 2^x for x <= 0 (below -126, -inf included: 0): 2^round(x) times a degree-7 Taylor polynomial of
    e^(f ln 2), |f| <= 1/2, as cpu_attention.c's. */
@@ -66,11 +65,25 @@ static inline AVX2 __m128i to_bf16(__m256 x) {
     return _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
 }
 
-typedef struct {
+typedef struct { /* cpu_attention.c's */
     int group, D;
     const char *k, *v;
     long k_slot, k_head, k_pos, v_slot, v_head, v_pos; /* bytes */
 } problem;
+
+/* cpu_attention.c's driver, with this file's parts, and its merge's weights */
+float flowmoe_attention_weights(const problem *P, const float *res, int items, int h, int kh, const float *sinks,
+                                float *factor);
+typedef void (*attention_prep)(const char *src, int bf16, int D, float scale, float *dst);
+typedef void (*attention_item)(const problem *P, int bf16, const float *q, long slot, int kh, long a, int n,
+                               float *res);
+typedef void (*attention_merge)(const problem *P, int bf16, const float *res, int items, int kh,
+                                const float *sinks, char *out);
+int flowmoe_attention_run(int batch, const int *seqs, int heads, int kv_heads, int D, int bf16, const void *q,
+                          long q_row, long q_head, const void *k, long k_slot, long k_head, long k_pos,
+                          const void *v, long v_slot, long v_head, long v_pos, const float *sinks, float scale,
+                          int chunk, void *out, long out_row, int threads, int pad, attention_prep prep,
+                          attention_item work, attention_merge merge);
 
 /* Lane j of the result = the sum of a[j]'s lanes (a transposing tree of horizontal adds). */
 static inline AVX2 __m256 sum8x8(const __m256 *a) {
@@ -178,17 +191,7 @@ static AVX2 void merge(const problem *P, int bf16, const float *res, int items, 
                        char *out) {
     int D = P->D, g = P->group;
     for (int h = 0; h < g; h++) {
-        float m = -INFINITY;
-        for (int c = 0; c < items; c++) {
-            float mc = res[(c * g + h) * (D + 2) + D];
-            m = mc > m ? mc : m;
-        }
-        float l = sinks ? exp2f(sinks[kh * g + h] * LOG2E - m) : 0.0f, factor[items];
-        for (int c = 0; c < items; c++) {
-            const float *r = res + (c * g + h) * (D + 2);
-            factor[c] = exp2f(r[D] - m);
-            l += r[D + 1] * factor[c];
-        }
+        float factor[items], l = flowmoe_attention_weights(P, res, items, h, kh, sinks, factor);
         for (int d = 0; d < D; d += 8) {
             __m256 acc = _mm256_setzero_ps();
             for (int c = 0; c < items; c++)
@@ -203,68 +206,18 @@ static AVX2 void merge(const problem *P, int bf16, const float *res, int items, 
     }
 }
 
-/* cpu_attention.c's flowmoe_decode_attention (the same arguments and results) on AVX2 + FMA:
-   seqs[i] = (row, slot, lo, hi): q[row] [heads, D] attends to keys [lo, hi) of cache slot `slot`
-   -> out[row] [heads * D] in the cache's dtype (bf16 or fp32, q's too); strides in elements, every
-   last dimension contiguous, D % 16 == 0; `sinks` fp32 [heads] or null. Returns 0, or -1 without
-   memory. */
-AVX2 int flowmoe_decode_attention_avx2(int batch, const int *seqs, int heads, int kv_heads, int D, int bf16,
-                                       const void *q, long q_row, long q_head, const void *k, long k_slot,
-                                       long k_head, long k_pos, const void *v, long v_slot, long v_head,
-                                       long v_pos, const float *sinks, float scale, int chunk, void *out,
-                                       long out_row, int threads) {
-    long esize = bf16 ? 2 : 4;
-    problem P = {heads / kv_heads, D, k, v, k_slot * esize, k_head * esize, k_pos * esize, v_slot * esize,
-                 v_head * esize, v_pos * esize};
-    long *first = malloc((batch + 1) * sizeof *first); /* sequence i's items: first[i] .. first[i + 1] */
-    float *qs = malloc((long)batch * heads * D * sizeof *qs); /* the queries in fp32 times scale log2(e) */
-    if (!first || !qs) {
-        free(first);
-        free(qs);
-        return -1;
-    }
-    first[0] = 0;
-    for (int i = 0; i < batch; i++) {
-        long n = seqs[4 * i + 3] - seqs[4 * i + 2];
-        first[i + 1] = first[i] + (n + chunk - 1) / chunk * kv_heads;
-    }
-    long items = first[batch];
-    float *res = malloc(items * P.group * (D + 2) * sizeof *res);
-    if (!res) {
-        free(first);
-        free(qs);
-        return -1;
-    }
-    __m256 scale2 = _mm256_set1_ps(scale * LOG2E);
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (long t = 0; t < (long)batch * heads; t++) {
-            const char *src = (const char *)q + (seqs[4 * (t / heads)] * q_row + t % heads * q_head) * esize;
-            for (int d = 0; d < D; d += 8) _mm256_storeu_ps(qs + t * D + d, _mm256_mul_ps(load8(src, d, bf16), scale2));
-        }
-        int i = 0;
-#pragma omp for schedule(static)
-        for (long t = 0; t < items; t++) {
-            while (first[i + 1] <= t) i++;
-            while (first[i] > t) i--;
-            long per_head = (first[i + 1] - first[i]) / kv_heads, u = t - first[i];
-            int kh = (int)(u / per_head);
-            long a = seqs[4 * i + 2] + u % per_head * chunk, hi = seqs[4 * i + 3];
-            int n = (int)(hi - a < chunk ? hi - a : chunk);
-            const float *qi = qs + ((long)i * heads + kh * P.group) * D;
-            item(&P, bf16, qi, seqs[4 * i + 1], kh, a, n, res + t * P.group * (D + 2));
-        }
-#pragma omp for schedule(static)
-        for (long t = 0; t < (long)batch * kv_heads; t++) {
-            int s = (int)(t / kv_heads), kh = (int)(t % kv_heads);
-            long per_head = (first[s + 1] - first[s]) / kv_heads;
-            const float *r = res + (first[s] + kh * per_head) * P.group * (D + 2);
-            merge(&P, bf16, r, (int)per_head, kh, sinks, (char *)out + seqs[4 * s] * out_row * esize);
-        }
-    }
-    free(res);
-    free(first);
-    free(qs);
-    return 0;
+/* One query head [D] in fp32 times `scale`. */
+static AVX2 void prep(const char *src, int bf16, int D, float scale, float *dst) {
+    for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(load8(src, d, bf16), _mm256_set1_ps(scale)));
+}
+
+/* cpu_attention.c's flowmoe_decode_attention (the same arguments and results) on AVX2 + FMA, run by
+   its driver with this file's parts: D % 16 == 0. */
+int flowmoe_decode_attention_avx2(int batch, const int *seqs, int heads, int kv_heads, int D, int bf16,
+                                  const void *q, long q_row, long q_head, const void *k, long k_slot, long k_head,
+                                  long k_pos, const void *v, long v_slot, long v_head, long v_pos,
+                                  const float *sinks, float scale, int chunk, void *out, long out_row, int threads) {
+    return flowmoe_attention_run(batch, seqs, heads, kv_heads, D, bf16, q, q_row, q_head, k, k_slot, k_head, k_pos,
+                                 v, v_slot, v_head, v_pos, sinks, scale, chunk, out, out_row, threads, 0, prep,
+                                 item, merge);
 }

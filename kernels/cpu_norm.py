@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -21,18 +22,9 @@ _P, _L, _I, _D = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_double
 GRAIN = 32768  # at::internal::GRAIN_SIZE: from this many elements torch may split one row's sum among threads
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels with flowmoe_rms_norm declared, or None (see native.library; looked up
-    there at each call, so that turning the kernels off and forgetting its lookup turns this off too)."""
-    lib = native.library()
-    return None if lib is None else _declared(lib)
-
-
-@functools.cache
-def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.flowmoe_rms_norm.argtypes = [_P, _L, _L, _L, _P, _I, _D, _I, _P, _I]
-    lib.flowmoe_rms_norm.restype = None
-    return lib
+def kernel() -> Callable[..., None] | None:
+    """flowmoe_rms_norm, or None (see native.function)."""
+    return native.function("flowmoe_rms_norm", (_P, _L, _L, _L, _P, _I, _D, _I, _P, _I))
 
 
 @functools.cache
@@ -56,21 +48,19 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.is_contiguous()
         and weight.is_contiguous()
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and library() is not None
+        and kernel() is not None
     )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., dim], weight: [dim] -> weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), the mean
     in fp32, [..., dim] in x's dtype (where `fits`)."""
-    lib = library()
-    assert lib is not None
+    run = kernel()
+    assert run is not None
     dim = x.shape[-1]
     rows = x.numel() // dim if dim else 0
     out = torch.empty_like(x)
     bf16 = int(x.dtype == torch.bfloat16)
     threads = torch.get_num_threads()
-    lib.flowmoe_rms_norm(
-        x.data_ptr(), rows, dim, dim, weight.data_ptr(), bf16, eps, vector_width(), out.data_ptr(), threads
-    )
+    run(x.data_ptr(), rows, dim, dim, weight.data_ptr(), bf16, eps, vector_width(), out.data_ptr(), threads)
     return out

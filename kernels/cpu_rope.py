@@ -7,7 +7,7 @@ in fp32 and bf16.
 from __future__ import annotations
 
 import ctypes
-import functools
+from collections.abc import Callable
 
 import torch
 
@@ -16,17 +16,9 @@ from flowmoe.kernels import native
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels with flowmoe_rope declared, or None (see native.library)."""
-    lib = native.library()
-    return None if lib is None else _declared(lib)
-
-
-@functools.cache
-def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.flowmoe_rope.argtypes = [_P, _L, _L, _L, _L, _L, _P, _P, _I, _P]
-    lib.flowmoe_rope.restype = None
-    return lib
+def kernel() -> Callable[..., None] | None:
+    """flowmoe_rope, or None (see native.function)."""
+    return native.function("flowmoe_rope", (_P, _L, _L, _L, _L, _L, _P, _P, _I, _P))
 
 
 def fits(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
@@ -44,19 +36,19 @@ def fits(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
         and cos.is_contiguous()
         and signed_sin.is_contiguous()
         and not (torch.is_grad_enabled() and x.requires_grad)
-        and library() is not None
+        and kernel() is not None
     )
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, R] -> x * cos + x.roll(R // 2, dims=-1) * signed_sin [T, heads, R] (where `fits`)."""
-    lib = library()
-    assert lib is not None
+    run = kernel()
+    assert run is not None
     tokens, heads, rotary = x.shape
     out = torch.empty(tokens, heads, rotary, dtype=x.dtype)
     bf16 = int(x.dtype == torch.bfloat16)
     ld_t, ld_h = x.stride(0), x.stride(1)
-    lib.flowmoe_rope(
+    run(
         x.data_ptr(),
         tokens,
         heads,

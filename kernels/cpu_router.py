@@ -10,7 +10,7 @@ A decode step routes a handful of tokens per layer, where torch's ~10 operations
 from __future__ import annotations
 
 import ctypes
-import functools
+from collections.abc import Callable
 
 import torch
 
@@ -20,17 +20,9 @@ from flowmoe.kernels import cpu_norm, native
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels with flowmoe_route_tail declared, or None (see native.library)."""
-    lib = native.library()
-    return None if lib is None else _declared(lib)
-
-
-@functools.cache
-def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.flowmoe_route_tail.argtypes = [_L, _I, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P]
-    lib.flowmoe_route_tail.restype = None
-    return lib
+def kernel() -> Callable[..., None] | None:
+    """flowmoe_route_tail, or None (see native.function)."""
+    return native.function("flowmoe_route_tail", (_L, _I, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P))
 
 
 def fits(x: torch.Tensor, moe: MoESpec) -> bool:
@@ -39,7 +31,7 @@ def fits(x: torch.Tensor, moe: MoESpec) -> bool:
         moe.router == "softmax_topk"
         and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
-        and library() is not None
+        and kernel() is not None
     )
 
 
@@ -49,8 +41,8 @@ def tail(
     """top [T, k] float32 (each token's top-k probabilities), indices [T, k] int64 (their experts) ->
     (weights [T, k]: top renormalised where moe.norm_topk, in `dtype` unless moe.combine_fp32;
     token rows [T * k] and their weights [T * k], sorted by expert; tokens per expert [E])."""
-    lib = library()
-    assert lib is not None
+    run = kernel()
+    assert run is not None
     top, indices = top.contiguous(), indices.contiguous()
     tokens, k = top.shape
     out = torch.float32 if moe.combine_fp32 else dtype
@@ -60,7 +52,7 @@ def tail(
     counts = (ctypes.c_int64 * moe.experts)()
     bf16 = int(out == torch.bfloat16)
     norm, width = int(moe.norm_topk), cpu_norm.vector_width()
-    lib.flowmoe_route_tail(
+    run(
         tokens, k, moe.experts, top.data_ptr(), indices.data_ptr(), norm, width,
         bf16, weights.data_ptr(), rows.data_ptr(), scales.data_ptr(), counts,
     )  # fmt: skip

@@ -19,8 +19,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -123,3 +125,18 @@ def library() -> ctypes.CDLL | None:
         reason = f"cannot build or load them in {target.parent}: {e}"
         log.warning("cpu_kernels.unavailable", reason=reason, effect=FALLBACK)
     return None
+
+
+def function(name: str, argtypes: tuple[Any, ...], restype: Any = None) -> Callable[..., Any] | None:
+    """The library's function `name` with its argument and result types declared, or None where
+    there is no library. The library is looked up at each call (it is cached), so that turning the
+    kernels off and forgetting that lookup (tests) turns the function off too."""
+    lib = library()
+    return None if lib is None else _declared(lib, name, argtypes, restype)
+
+
+@functools.cache
+def _declared(lib: ctypes.CDLL, name: str, argtypes: tuple[Any, ...], restype: Any) -> Callable[..., Any]:
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn

@@ -9,7 +9,7 @@ import torch
 
 from flowmoe.kernels import cpu_norm
 
-compiled = pytest.mark.skipif(cpu_norm.library() is None, reason="no C kernels on this host")
+compiled = pytest.mark.skipif(cpu_norm.kernel() is None, reason="no C kernels on this host")
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

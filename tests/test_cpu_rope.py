@@ -10,7 +10,7 @@ import torch
 from flowmoe.kernels import cpu_rope
 from flowmoe.kernels.rope import Rotary
 
-compiled = pytest.mark.skipif(cpu_rope.library() is None, reason="no C kernels on this host")
+compiled = pytest.mark.skipif(cpu_rope.kernel() is None, reason="no C kernels on this host")
 
 
 @compiled

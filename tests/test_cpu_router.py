@@ -10,7 +10,7 @@ import torch
 from flowmoe.core.spec import MoESpec
 from flowmoe.kernels import cpu_router, router
 
-compiled = pytest.mark.skipif(cpu_router.library() is None, reason="no C kernels on this host")
+compiled = pytest.mark.skipif(cpu_router.kernel() is None, reason="no C kernels on this host")
 
 
 @compiled
