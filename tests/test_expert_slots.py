@@ -188,6 +188,7 @@ def test_a_node_takes_another_expert_only_once_its_copies_are_launched_and_waits
     """LaneWeights.taken on CUDA (the fake): expert 2 (in the pool) joins expert 1's call only once its
     own producer (its copy, on gpu.h2d) has been launched; then node 1's stream waits for that copy's
     end event, and for nothing it waits for itself or that its own stream orders."""
+    monkeypatch.delenv("FLOWMOE_GROUPED_EXPERTS", raising=False)
     fake = FakeCuda()
     monkeypatch.setattr(cuda_worker, "cuda", fake)
     monkeypatch.setattr(lane_weights, "cuda", fake)
