@@ -6,6 +6,7 @@
 #
 #   BENCH_ARGS="--budgets t4" BENCH_S=330 TESTS_S=150 bash bench/gpu_call.sh
 #   PARTS="bench kernels tests" BENCH_ARGS="--schedulers cgopipe --budgets t4" bash bench/gpu_call.sh
+#   PARTS="slots bench" BENCH_ARGS="--schedulers cgopipe on-demand --budgets t4" bash bench/gpu_call.sh
 #
 # Packages the image lacks travel as wheels in .whl/ (the machine reaches no registry; its Python
 # is 3.12). Fetch them here first, with the versions of this checkout's venv:
@@ -19,7 +20,8 @@ BENCH_S=${BENCH_S:-330}
 TESTS_S=${TESTS_S:-150}
 KERNELS_S=${KERNELS_S:-60}
 BENCH_ARGS=${BENCH_ARGS:-}
-PARTS=${PARTS:-tests bench}  # in this order; also: kernels
+PARTS=${PARTS:-tests bench}  # in this order; also: kernels, slots
+SLOTS_S=${SLOTS_S:-240}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 {
@@ -56,6 +58,15 @@ kernels() {  # the built-in model under --trace-kernels: do CUDA's kernels land 
     python3 -m flowmoe.cli trace summarize /tmp/k.json >>"$OUT/kernels.txt" 2>&1
     [ -f /tmp/k.json ] && gzip -c /tmp/k.json >"$OUT/kernels-trace.json.gz"
     tail -n 30 "$OUT/kernels.txt"
+}
+
+slots() {  # the device's experts in slots (FLOWMOE_EXPERT_SLOTS=1, off on CUDA until checked here)
+    FLOWMOE_EXPERT_SLOTS=1 timeout "$SLOTS_S" python3 -m pytest -q -n 12 -p no:cacheprovider \
+        --timeout 120 -rfE tests/test_scheduler_contract.py tests/test_expert_slots.py \
+        tests/test_grouped_experts.py >"$OUT/slots-tests.txt" 2>&1
+    tail -n 15 "$OUT/slots-tests.txt"
+    FLOWMOE_EXPERT_SLOTS=1 timeout "$BENCH_S" python3 bench/gpu.py --hardware h200 \
+        --out "$OUT/gpu-slots.jsonl" --schedulers cgopipe on-demand --budgets t4 2>&1 | tee "$OUT/bench-slots.log"
 }
 
 for part in $PARTS; do
