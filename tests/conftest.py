@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import signal
+from collections.abc import Iterator
 
 # One OpenMP thread per process (subprocesses inherit it): on a small shared CI machine a second
 # OpenMP thread per op makes the suite several times slower whenever another process is busy.
@@ -11,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.hf_models import hf_model, save_hf
+
+_SESSION_HANDLERS = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +27,14 @@ def mixtral_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _flowmoe_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """The built-in model is written once per test session into a private cache folder."""
     monkeypatch.setenv("FLOWMOE_HOME", str(tmp_path_factory.getbasetemp() / "flowmoe-home"))
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers() -> Iterator[None]:
+    """Each test starts with the handlers the session started with: a handler something left behind
+    (SIG_IGN above all) is inherited by every flowmoe process a later test starts, which then stays
+    deaf to its Ctrl-C (flowmoe keeps an ignored signal ignored, as under nohup)."""
+    for signum, handler in _SESSION_HANDLERS.items():
+        if handler is not None and signal.getsignal(signum) != handler:
+            signal.signal(signum, handler)
+    yield
