@@ -55,6 +55,7 @@ from gpu_support import (
     read_rows,
     write_results,
 )
+from gpu_threads import thread_table
 from rich.console import Console
 from rich.table import Table
 
@@ -64,6 +65,7 @@ from flowmoe.core.memory import MemoryNeed, gpu_memory
 from flowmoe.core.plan import Lane, Op
 from flowmoe.core.policy import Policy, parse_bytes
 from flowmoe.core.scheduling import BatchShape, NodeFactory, SchedulerContext
+from flowmoe.core.thread_cpu import ThreadCpu
 from flowmoe.jobs.batching import BatchLimits
 from flowmoe.jobs.engine import Engine, Request, StepInput, StepStats, eager_step
 from flowmoe.jobs.job import first_batch
@@ -161,10 +163,16 @@ async def generate(
 
 
 def run_in(
-    runtime: Runtime, model: MoEModel, requests: list[Request], limits: BatchLimits, fail: bool = False
+    runtime: Runtime,
+    model: MoEModel,
+    requests: list[Request],
+    limits: BatchLimits,
+    fail: bool = False,
+    threads: ThreadCpu | None = None,
 ) -> tuple[list[Any], StepStats, Phases]:
-    """Generate with `runtime` (the caller's `with` block closes it), recording each step's spans;
-    `fail`: raise InjectedFailure at the first decode step, after the prefill ran."""
+    """Generate with `runtime` (the caller's `with` block closes it), recording each step's spans and,
+    into `threads`, each thread's CPU time over the decode steps; `fail`: raise InjectedFailure at the
+    first decode step, after the prefill ran."""
     phases: Phases = []
 
     async def recording(m: MoEModel, inputs: list[StepInput]) -> list[torch.Tensor]:
@@ -172,7 +180,12 @@ def run_in(
         if fail and not prefill:
             raise InjectedFailure(f"injected failure (--fail-scheduler) at step {runtime.steps}, mid-run")
         first = len(runtime.trace.spans)
+        measured = threads is not None and not prefill
+        if measured:
+            threads.start()
         out = await runtime(m, inputs)
+        if measured:
+            threads.stop()
         phases.append((prefill, first, len(runtime.trace.spans)))
         return out
 
@@ -401,9 +414,12 @@ def measure(
     policy, need = fit_policy(model, name, budget, base, batch, cost)
     if policy is None:
         return {"status": f"does not fit: needs {need.describe()}"}
+    threads = ThreadCpu()
     with Runtime.create(model, name, policy, args.device, cost) as runtime:
         with kernels_into(runtime.trace, runtime.devices.cuda, args.trace_kernels):
-            _, stats, phases = run_in(runtime, model, requests, limits, fail=name == args.fail_scheduler)
+            _, stats, phases = run_in(
+                runtime, model, requests, limits, fail=name == args.fail_scheduler, threads=threads
+            )
         peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
     write_chrome(args.trace_dir / f"{budget_name}-{name}.json", [runtime.trace])
     row = {
@@ -416,6 +432,7 @@ def measure(
         "peak_allocated_bytes": peak,
         **decode_metrics(runtime, phases, peaks["h2d_pinned"]),
         **device_metrics(runtime),
+        "thread_cpu": threads.per_step(),  # per decode step, by thread group (flowmoe/core/thread_cpu.py)
     }
     try:
         predicted = predict(model.spec, args.hardware, name, policy, batch)
@@ -480,6 +497,7 @@ def show(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
             str(r.get("tokens_match_cpu", "")),
         )
     console.print(table)
+    console.print(thread_table(rows, f"{meta['device']}, torch {meta['torch']}"))
 
 
 def memory(row: dict[str, Any]) -> str:

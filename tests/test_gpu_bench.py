@@ -56,9 +56,14 @@ def test_dry_run_isolates_a_failure_and_writes_rows_as_they_finish(tmp_path: Pat
             assert row["tokens_match_cpu"] is True, row
             assert row["tokens_per_s"] > 0 and row["predicted_tokens_per_s"] > 0, row
             assert row["measured_over_predicted"] > 0 and row["nodes_per_decode_step"] > 0, row
+            threads = row["thread_cpu"]  # each thread group's CPU per decode step (every lane inline here)
+            assert threads["steps"] > 0 and threads["thread_cpu_s_per_step"]["main"] > 0, row
+            live = sum(threads["thread_cpu_s_per_step"].values())  # schedstat lags a running thread's time
+            assert live <= threads["process_cpu_s_per_step"] * 1.1 + 0.01, row
     tokens = {r["scheduler"]: r for r in read(out) if r["kind"] == "tokens"}
     assert sorted(tokens) == schedulers and all(r["match"] is True for r in tokens.values())
     assert "InjectedFailure" in output and "on-demand" in output  # the table, printed at the end
+    assert "CPU s per decode step by thread" in output  # and the per-thread one
 
 
 def test_rows_from_a_gpu_run_become_the_results_section(tmp_path: Path) -> None:
