@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -48,6 +49,7 @@ from launch_stats import H200_TRACE, LaunchStats, read_trace_gz, readback_us, tr
 from rich.console import Console
 from rich.table import Table
 
+from flowmoe.core.bounded_read import CONFIG, read_bounded
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.hardware import hardware
 from flowmoe.core.plan import Lane, Op
@@ -55,10 +57,21 @@ from flowmoe.core.policy import Policy, parse_bytes
 from flowmoe.core.policy_search import search
 from flowmoe.core.presets import preset
 from flowmoe.core.synthetic_routing import RoutingModel
+from flowmoe.core.thread_cpu import role
 from flowmoe.core.workloads import workload
 from flowmoe.kernels.native import cpuinfo_field
 from flowmoe.study.best_policy import Given, best_policy
-from flowmoe.study.realtime import NO_LAUNCH, NODE_SECONDS, OP_SECONDS, LaunchCosts, meta_model, realtime_run
+from flowmoe.study.realtime import (
+    H200_RUN_OPS,
+    NO_LAUNCH,
+    NODE_SECONDS,
+    OP_SECONDS,
+    LaunchCosts,
+    meta_model,
+    ops_per_node,
+    other_seconds_per_node,
+    realtime_run,
+)
 from flowmoe.study.sim_report import RealtimeRun
 from flowmoe.study.simulate import Setup, Simulation
 from flowmoe.traces.chrome import chrome_trace
@@ -125,15 +138,25 @@ COUNTS = Path(__file__).with_name("step_counts.json")
 
 
 def counted_ops(path: Path = COUNTS) -> dict[Op, float]:
-    """Torch operations per node by kind, cgopipe at the H200 setting, from bench/step_counts.json (as
-    flowmoe.study.realtime.H200_OPS was taken at d976cd2; re-run bench/step_counts.py after a cut)."""
-    data = json.loads(path.read_text())
-    row = next(r for r in data["rows"] if r["scheduler"] == "cgopipe" and r["setting"].startswith("H200"))
-    ops = {Op[k]: v / row["nodes_by_op"][k] for k, v in row["ops_by_op"].items()}
-    pages = row["nodes_by_op"].get("PAGE_COPY")
-    if pages:
-        ops[Op.PAGE_COPY] = row["cuda_page_copy_ops_per_step"] / pages
-    return ops
+    """Torch operations per node by kind, cgopipe at the H200 setting, from bench/step_counts.json as
+    it is now (flowmoe.study.realtime.H200_OPS; re-run bench/step_counts.py after a cut)."""
+    data = json.loads(read_bounded(path, CONFIG).decode())
+    return ops_per_node(
+        next(r for r in data["rows"] if r["scheduler"] == "cgopipe" and r["setting"].startswith("H200"))
+    )
+
+
+def thread_record(path: Path) -> tuple[dict[str, Any], float]:
+    """The per-thread CPU record of the cgopipe row of a bench/gpu.py --out file (the H200 setting,
+    budget t4) and that row's nodes per decode step; one line and exit 2 where it holds none."""
+    rows = [json.loads(line) for line in read_bounded(path, CONFIG).decode().splitlines() if line.strip()]
+    row = next((r for r in rows if r.get("kind") == "row" and r.get("scheduler") == "cgopipe"
+                and r.get("budget") == "t4" and r.get("thread_cpu")), None)  # fmt: skip
+    if row is None:
+        print(f"{path}: no cgopipe t4 row with a per-thread record (thread_cpu): not a bench/gpu.py --out "
+              "file of this version", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    return row["thread_cpu"], row["nodes_per_decode_step"]
 
 
 def own_costs(run: RealtimeRun) -> tuple[float, float]:
@@ -159,8 +182,12 @@ def h200_costs(h200: LaunchStats, own: tuple[float, float], ops: dict[Op, float]
             "spans only (before)": spans}  # fmt: skip
 
 
-def h200_rows(steps: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The H200 run's setting on the real clock: without launch costs, then with each set compared."""
+def h200_rows(
+    steps: int, ops: dict[Op, float], other: float = 0.0
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The H200 run's setting on the real clock: without launch costs, then with each set compared
+    (`ops`: torch operations per node by kind), and with `other` CPU seconds per GPU node of threads
+    outside the stack added to the last set where a per-thread record gave it."""
     spec = preset("mixtral-8x7b", layers=12)
     setup = Setup(spec, hardware("h200"), workload("fixed:128:16"), Policy(), RoutingModel(0.5, 0.3))
     given = Given(32, 4, "gpu", None, 0.25, None, parse_bytes("16GiB"))
@@ -182,7 +209,11 @@ def h200_rows(steps: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
     first, alone = row("host stack only", NO_LAUNCH)
     own = own_costs(alone)
-    rows = [row(label, launch)[0] for label, launch in h200_costs(h200, own, counted_ops()).items()]
+    costs = h200_costs(h200, own, ops)
+    if other:
+        net = costs["net of the real clock's own"]
+        costs = {"+ other threads (per-thread record)": evolve(net, other_seconds=other), **costs}
+    rows = [row(label, launch)[0] for label, launch in costs.items()]
     sources = {"h200_trace": str(H200_TRACE.name), "h200": h200.to_json(),
                "own_host_s_per_gpu_node": own[0], "own_gate_to_expert_queued_s": own[1]}  # fmt: skip
     return [*rows, first], sources
@@ -223,22 +254,32 @@ def table(label: str, rows: list[dict[str, Any]]) -> Table:
     return t
 
 
-def h200_main(label: str, steps: int, out: Path) -> None:
+def h200_main(label: str, steps: int, out: Path, threads: Path | None) -> None:
+    """Without `threads`: the H200 run's code (its operations per node, H200_RUN_OPS) against its
+    measured 0.79 s. With `threads` (a later bench/gpu.py --out with per-thread records): the code as it
+    is now (bench/step_counts.json) against that run's process CPU per decode step, the threads outside
+    the stack charged from its record, and each role predicted beside what that run measured."""
     started = time.time()
-    rows, sources = h200_rows(steps)
+    record, nodes = thread_record(threads) if threads is not None else ({}, 0.0)
+    ops = counted_ops() if record else dict(H200_RUN_OPS)
+    other = other_seconds_per_node(record, nodes) if record else 0.0
+    target = record["process_cpu_s_per_step"] if record else H200_HOST_MEASURED
+    rows, sources = h200_rows(steps, ops, other)
     t = Table(title=f"H200 run's setting on the real clock ({label}), {machine()}")
-    for column in ("launches", "host s/decode step", "of it charged", "vs measured 0.79 s", "link s/step",
-                   "host / link", "real-clock s/step", "busiest host thread"):  # fmt: skip
+    for column in ("launches", "host s/decode step", "of it charged", f"vs measured {target:.2f} s",
+                   "link s/step", "host / link", "real-clock s/step", "busiest host thread"):  # fmt: skip
         t.add_column(column, justify="right")
     for r in rows:
         host, lanes = r["host_seconds_per_step"], r["lanes_s_per_step"]
         top = max(lanes, key=lanes.__getitem__)
         link, wall = r["link_s_per_step"], r["realtime_makespan_seconds"] / r["realtime_steps"]
         t.add_row(r["label"], f"{host:.3f}", f"{r['charged_s_per_step']:.3f}",
-                  f"{host / H200_HOST_MEASURED:.2f}", f"{link:.3f}", f"{host / link:.2f}", f"{wall:.3f}",
+                  f"{host / target:.2f}", f"{link:.3f}", f"{host / link:.2f}", f"{wall:.3f}",
                   f"{top} {lanes[top]:.3f} s")  # fmt: skip
     console.print(t)
-    console.print(f"measured on the H200: host {H200_HOST_MEASURED} s/step, link {H200_LINK_MEASURED} s/step")
+    if record:
+        console.print(by_role(rows[0]["lanes_s_per_step"], record))
+    console.print(f"measured on the H200: host {target:.3f} s/step, link {H200_LINK_MEASURED} s/step")
     console.print(
         f"per event, from {sources['h200_trace']}: {sources['h200']}; the real clock's own here: "
         f"{sources['own_host_s_per_gpu_node'] * 1e6:.1f} us host per GPU node, "
@@ -248,10 +289,29 @@ def h200_main(label: str, steps: int, out: Path) -> None:
         console.print(f"{r['label']}: " + ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in r["launch"].items()))
     data = json.loads(out.read_text()) if out.exists() else {}
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
-    measured = {"host_s_per_step": H200_HOST_MEASURED, "link_s": H200_LINK_MEASURED}
+    measured = {"host_s_per_step": target, "link_s": H200_LINK_MEASURED, "thread_record": record,
+                "record_from": str(threads) if threads else None}  # fmt: skip
     data[f"h200:{label}"] = {"machine": machine(), "date": date, "steps_per_row": steps, "rows": rows,
                              "measured": measured, "per_event": sources}  # fmt: skip
     out.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def by_role(predicted: dict[str, float], record: dict[str, Any]) -> Table:
+    """CPU s per decode step by role: the real clock's threads (its lanes as "lanes") beside the GPU
+    run's per-thread record (its flowmoe-* threads as "lanes", the rest "other", exited threads apart)."""
+    measured = {"main": 0.0, "lanes": 0.0, "other": other_seconds_per_node(record, 1.0)}
+    for group, seconds in record["thread_cpu_s_per_step"].items():
+        if role(group) != "other":
+            measured[role(group)] += seconds
+    mine = {"main": predicted.get("main", 0.0), "other": predicted.get("other threads", 0.0)}
+    mine["lanes"] = sum(predicted.values()) - mine["main"] - mine["other"]
+    t = Table(title="CPU s per decode step by role: real clock vs the GPU run's per-thread record")
+    for column in ("role", "real clock", "GPU run", "real clock / GPU run"):
+        t.add_column(column, justify="right")
+    for name in ("main", "lanes", "other"):
+        ratio = f"{mine[name] / measured[name]:.2f}" if measured[name] else "-"
+        t.add_row(name, f"{mine[name]:.3f}", f"{measured[name]:.3f}", ratio)
+    return t
 
 
 def machine() -> str:
@@ -266,9 +326,14 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated schedulers (default: the five)")
     parser.add_argument("--out", type=Path, default=OUT, help="JSON file the results are merged into")
     parser.add_argument("--h200", action="store_true", help="the H200 run's setting: predicted host per step")
+    parser.add_argument("--threads", type=Path, metavar="JSONL", help="with --h200: a bench/gpu.py --out "
+                        "whose cgopipe t4 row carries a per-thread CPU record (thread_cpu): predict that "
+                        "run's host time, the code as it is now")  # fmt: skip
     args = parser.parse_args()
+    if args.threads is not None and not args.h200:
+        parser.error("--threads goes with --h200")
     if args.h200:
-        h200_main(args.label, args.steps, args.out)
+        h200_main(args.label, args.steps, args.out, args.threads)
         return
     names = args.only.split(",") if args.only else SCHEDULERS
     model = meta_model(preset("mixtral-8x7b"))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 from attrs import evolve
@@ -10,9 +12,19 @@ from attrs import evolve
 from flowmoe.core.executor import Executor, Span
 from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.devices.realclock import RealClockWorker
-from flowmoe.study.realtime import H200_OPS, NO_LAUNCH, LaunchCosts, cross_lane_waits, realtime_run
+from flowmoe.study.realtime import (
+    H200_OPS,
+    H200_RUN_OPS,
+    NO_LAUNCH,
+    LaunchCosts,
+    cross_lane_waits,
+    ops_per_node,
+    other_seconds_per_node,
+    realtime_run,
+)
 from tests.test_realtime import simulation
 
+ROOT = Path(__file__).resolve().parent.parent
 COPY = TaskNode(0, Op.PAGE_COPY, Lane.GPU_H2D, layer=0, mb=0)
 FFN = TaskNode(1, Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer=0, mb=0, deps=(0,))
 ATTN = TaskNode(2, Op.GPU_ATTN, Lane.GPU_COMPUTE, layer=0, mb=0, deps=(1,))
@@ -111,3 +123,31 @@ def test_evicts_and_read_backs_are_charged_where_they_run() -> None:
     assert evicts > 0 and gates > 0
     assert costs.charge(nodes) == pytest.approx(2e-4 * evicts + 3e-3 * gates)
     assert run.host_seconds["main"] - none.host_seconds["main"] >= 0.5 * 3e-3 * gates
+
+
+def test_the_default_operation_counts_are_bench_step_counts() -> None:
+    """H200_OPS is bench/step_counts.json's cgopipe row at the H200 setting (regenerate it after
+    re-running bench/step_counts.py); the H200 run's own code dispatched more (H200_RUN_OPS)."""
+    data = json.loads((ROOT / "bench/step_counts.json").read_text())
+    row = next(r for r in data["rows"] if r["scheduler"] == "cgopipe" and r["setting"].startswith("H200"))
+    counted = ops_per_node(row)
+    assert set(counted) == set(H200_OPS)
+    assert all(H200_OPS[op] == pytest.approx(counted[op], abs=0.005) for op in counted), counted
+    assert sum(H200_RUN_OPS.values()) > sum(H200_OPS.values())
+
+
+def test_a_per_thread_record_charges_the_threads_outside_the_stack() -> None:
+    """A GPU run's per-thread record: its threads that are neither the loop's nor the lanes' (and
+    those that exited inside a step) per GPU node, counted in the host time on no thread."""
+    record = {"thread_cpu_s_per_step": {"main": 0.3, "flowmoe-cuda-gpu.compute": 0.2,
+                                        "native:cuda-EvtHandlr": 0.05, "native:python": 0.1},
+              "process_cpu_s_per_step": 0.7}  # fmt: skip
+    per_node = other_seconds_per_node(record, 500)
+    assert per_node == pytest.approx((0.05 + 0.1 + 0.05) / 500)
+    sim = simulation()
+    costs = evolve(NO_LAUNCH, other_seconds=per_node)
+    run = realtime_run(sim, "cgopipe", launch=costs)
+    gpu_nodes = sum(s.node.lane.on_gpu for s in run.trace.spans)
+    assert gpu_nodes > 0
+    assert run.host_seconds["other threads"] == pytest.approx(per_node * gpu_nodes)
+    assert "other threads" not in realtime_run(sim, "cgopipe", launch=NO_LAUNCH).host_seconds

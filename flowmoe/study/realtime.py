@@ -13,7 +13,8 @@ CUDA launch of the same ops, so running them would charge the host for work a GP
 do. Routing is answered from the simulation's routing (a trace or synthetic).
 What the meta tensors leave out is charged as a model (`LaunchCosts`): the host time a CUDA run spends
 launching each GPU node's torch operations, on the lane thread that launches them (`RealClockWorker`'s
-`host`), with per-operation and per-node costs measured on the H200 run (issue 29).
+`host`), with per-operation and per-node costs measured on the H200 run (issue 29), and, given a GPU
+run's per-thread CPU record, the CPU its threads outside the stack (torch's, the driver's) spent per node.
 The virtual-clock makespan of the same steps comes next to the wall clock's, so their ratio is
 what the host stack costs a GPU run that the simulator does not see.
 """
@@ -33,6 +34,7 @@ from flowmoe.core.executor import Action
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import StepShape
 from flowmoe.core.spec import ModelSpec
+from flowmoe.core.thread_cpu import role
 from flowmoe.devices.realclock import RealClockWorker, burn
 from flowmoe.model.checkpoint import TORCH_DTYPES
 from flowmoe.model.moe_model import MoEModel
@@ -67,15 +69,33 @@ META = torch.device("meta")
 # span = 80.9 us + 11.31 us x operations (r^2 = 0.92).
 OP_SECONDS = 11.31e-6  # the slope: host time per torch operation dispatched and launched
 NODE_SECONDS = 80.9e-6  # the intercept: a compute node's action's own host time beyond its operations
-# Torch operations per node by kind (views apart): bench/step_counts.json at commit d976cd2, cgopipe at
-# the H200 setting, ops_by_op / nodes_by_op; PAGE_COPY: cuda_page_copy_ops_per_step / PAGE_COPY nodes
-# (10,584 / 1,512: that commit's per-page views, slices and copy_, the code the H200 run ran; the
-# merged page runs of runtime/paged_copy.py dispatch ~2.9 per node since). Kinds that row lacks
-# are charged NODE_SECONDS only (GPU compute) or nothing (copies).
-H200_OPS: Mapping[Op, float] = {
+# Torch operations per node by kind (views apart), cgopipe at the H200 setting: ops_by_op / nodes_by_op of
+# bench/step_counts.json; PAGE_COPY: its cuda_page_copy_ops_per_step / PAGE_COPY nodes (`ops_per_node`).
+# H200_RUN_OPS: that file at commit d976cd2, the code the H200 run ran (per-page copies: 10,584 / 1,512,
+# one expert per FFN node), the counts to reproduce that run's host time with. H200_OPS: that file at
+# d625e31 (issue 29 item 3's cuts: merged page runs, a layer's experts grouped per node, the device's
+# experts in slots as CUDA takes them with FLOWMOE_EXPERT_SLOTS=1; GPU_ATTN counted on the AVX2 host's
+# flash path, which CUDA does not take: 736 -> 400 per step), the default: what the code now dispatches
+# (tests/test_realtime_launch.py checks it against the file). Kinds a row lacks are charged NODE_SECONDS
+# only (GPU compute) or nothing (copies).
+H200_RUN_OPS: Mapping[Op, float] = {
     Op.EMBED: 2.0, Op.PRE_ATTN: 32.08, Op.GPU_ATTN: 46.0, Op.POST_ATTN: 10.0, Op.GATE: 27.77,
     Op.EXPERT_FFN: 6.45, Op.COMBINE: 18.77, Op.LM_HEAD: 15.0, Op.PAGE_COPY: 7.0,
 }  # fmt: skip
+H200_OPS: Mapping[Op, float] = {
+    Op.EMBED: 1.0, Op.PRE_ATTN: 11.58, Op.GPU_ATTN: 8.33, Op.POST_ATTN: 4.0, Op.GATE: 14.0,
+    Op.EXPERT_FFN: 1.93, Op.COMBINE: 5.0, Op.LM_HEAD: 6.0, Op.PAGE_COPY: 1.47,
+}  # fmt: skip
+
+
+def ops_per_node(row: Mapping[str, Any]) -> dict[Op, float]:
+    """Torch operations per node by kind from a bench/step_counts.json row (the CUDA-only page-copy
+    operations in place of the CPU's own for PAGE_COPY)."""
+    nodes = row["nodes_by_op"]
+    ops = {Op[kind]: count / nodes[kind] for kind, count in row["ops_by_op"].items()}
+    if nodes.get("PAGE_COPY"):
+        ops[Op.PAGE_COPY] = row["cuda_page_copy_ops_per_step"] / nodes["PAGE_COPY"]
+    return ops
 
 
 # The CUDA worker's work around the spans above, read from the same trace by bench/launch_stats.py
@@ -107,7 +127,10 @@ class LaunchCosts:
     here: only their operations are charged), `node_gap_seconds` for the worker's calls between two
     nodes, `wait_seconds` per producer on another GPU lane (a `stream.wait_event`), `evict_seconds`
     per EVICT. On the thread that answers a routing request: `readback_seconds`. Host-lane nodes are
-    charged nothing (their modelled duration holds their thread)."""
+    charged nothing (their modelled duration holds their thread). `other_seconds`: per GPU node, the
+    CPU time of threads the runtime does not run (torch's, the CUDA driver's), in parallel with the
+    stack: counted in the host time, burned on no thread (from a GPU run's per-thread record,
+    `other_seconds_per_node`)."""
 
     op_seconds: float = OP_SECONDS
     node_seconds: float = NODE_SECONDS
@@ -116,6 +139,7 @@ class LaunchCosts:
     wait_seconds: float = WAIT_SECONDS
     evict_seconds: float = EVICT_SECONDS
     readback_seconds: float = READBACK_SECONDS
+    other_seconds: float = 0.0
 
     def __call__(self, node: TaskNode, waits: int = 0) -> float:
         """A GPU node's charge on its lane thread, `waits`: its producers on other GPU lanes."""
@@ -134,6 +158,10 @@ class LaunchCosts:
         launches = sum(self(node, cross_lane_waits(node, lanes)) for node in nodes)
         return launches + self.readback_seconds * reads
 
+    def other(self, nodes: Sequence[TaskNode]) -> float:
+        """The CPU seconds of threads outside the stack that `nodes` stand for (their GPU nodes')."""
+        return self.other_seconds * sum(node.lane.on_gpu for node in nodes)
+
 
 def cross_lane_waits(node: TaskNode, lanes: Mapping[int, Lane]) -> int:
     """How many of `node`'s producers ran on another GPU lane (`lanes`: node id -> lane): the CUDA
@@ -144,6 +172,17 @@ def cross_lane_waits(node: TaskNode, lanes: Mapping[int, Lane]) -> int:
 
 # the real clock without launch costs (the host stack alone)
 NO_LAUNCH = LaunchCosts(0.0, 0.0, {}, 0.0, 0.0, 0.0, 0.0)
+
+
+def other_seconds_per_node(record: Mapping[str, Any], gpu_nodes_per_step: float) -> float:
+    """From a GPU run's per-thread record (a bench/gpu.py row's "thread_cpu": CPU seconds per decode
+    step by thread group, flowmoe/core/thread_cpu.py), the CPU seconds per GPU node of the threads
+    that are neither the event loop's nor flowmoe's lanes, and of threads that exited inside a step
+    (the process's CPU time less every live thread's, never below zero)."""
+    groups = record["thread_cpu_s_per_step"]
+    other = sum(seconds for group, seconds in groups.items() if role(group) == "other")
+    exited = max(0.0, record["process_cpu_s_per_step"] - sum(groups.values()))
+    return (other + exited) / gpu_nodes_per_step
 
 
 class MetaSource:
@@ -232,6 +271,8 @@ def realtime_run(
     finally:
         runtime.close()
     host = {**worker.host_seconds(), "main": main}
+    if launch.other_seconds:
+        host["other threads"] = launch.other([s.node for s in runtime.trace.spans])
     return RealtimeRun(len(steps), sum(r.seconds for r in virtual), wall, host, runtime.trace)
 
 
