@@ -25,7 +25,10 @@ setting instead (../shared/gpu-runs/2026-11-27-h200: cgopipe, Mixtral-8x7B x12 l
 clock with the launch costs measured on that run (`flowmoe.study.realtime.LaunchCosts`, torch
 operations per node from bench/step_counts.json: re-run that bench after cutting operations) and
 without them, and prints the predicted host seconds per decode step next to the step's link time
-and the measured 0.79 s.
+and the measured 0.79 s (measured on the code before item 3's cuts: a reference, not a check).
+`--threads JSONL` (with --h200): a bench/gpu.py --out of a GPU run of this code, whose cgopipe t4 row
+carries the per-thread CPU record; the threads outside the stack are charged from it per GPU node, the
+prediction is compared with that run's process CPU per decode step, role by role (main, lanes, other).
 
 Prints a rich table; results go into bench/realtime_overhead.json under the label (other labels
 are kept, so a baseline and a later run sit side by side).
@@ -62,7 +65,6 @@ from flowmoe.core.workloads import workload
 from flowmoe.kernels.native import cpuinfo_field
 from flowmoe.study.best_policy import Given, best_policy
 from flowmoe.study.realtime import (
-    H200_RUN_OPS,
     NO_LAUNCH,
     NODE_SECONDS,
     OP_SECONDS,
@@ -255,16 +257,16 @@ def table(label: str, rows: list[dict[str, Any]]) -> Table:
 
 
 def h200_main(label: str, steps: int, out: Path, threads: Path | None) -> None:
-    """Without `threads`: the H200 run's code (its operations per node, H200_RUN_OPS) against its
-    measured 0.79 s. With `threads` (a later bench/gpu.py --out with per-thread records): the code as it
-    is now (bench/step_counts.json) against that run's process CPU per decode step, the threads outside
-    the stack charged from its record, and each role predicted beside what that run measured."""
+    """The code as it is now (its plan, its operations per node from bench/step_counts.json) on the
+    real clock. Without `threads`: against the H200 run's 0.79 s, measured on the code before issue 29
+    item 3's cuts (a reference, not a check). With `threads` (a bench/gpu.py --out of a run of this
+    code, its rows carrying per-thread records): against that run's process CPU per decode step, the
+    threads outside the stack charged from its record, each role beside what that run measured."""
     started = time.time()
     record, nodes = thread_record(threads) if threads is not None else ({}, 0.0)
-    ops = counted_ops() if record else dict(H200_RUN_OPS)
     other = other_seconds_per_node(record, nodes) if record else 0.0
     target = record["process_cpu_s_per_step"] if record else H200_HOST_MEASURED
-    rows, sources = h200_rows(steps, ops, other)
+    rows, sources = h200_rows(steps, counted_ops(), other)
     t = Table(title=f"H200 run's setting on the real clock ({label}), {machine()}")
     for column in ("launches", "host s/decode step", "of it charged", f"vs measured {target:.2f} s",
                    "link s/step", "host / link", "real-clock s/step", "busiest host thread"):  # fmt: skip
@@ -279,7 +281,10 @@ def h200_main(label: str, steps: int, out: Path, threads: Path | None) -> None:
     console.print(t)
     if record:
         console.print(by_role(rows[0]["lanes_s_per_step"], record))
-    console.print(f"measured on the H200: host {target:.3f} s/step, link {H200_LINK_MEASURED} s/step")
+    where = f"the run of {threads} (its process CPU)" if record else "the H200 run, code before the cuts"
+    console.print(
+        f"measured on {where}: host {target:.3f} s/step; the H200 run's link {H200_LINK_MEASURED} s/step"
+    )
     console.print(
         f"per event, from {sources['h200_trace']}: {sources['h200']}; the real clock's own here: "
         f"{sources['own_host_s_per_gpu_node'] * 1e6:.1f} us host per GPU node, "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,6 @@ from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.devices.realclock import RealClockWorker
 from flowmoe.study.realtime import (
     H200_OPS,
-    H200_RUN_OPS,
     NO_LAUNCH,
     LaunchCosts,
     cross_lane_waits,
@@ -127,13 +128,12 @@ def test_evicts_and_read_backs_are_charged_where_they_run() -> None:
 
 def test_the_default_operation_counts_are_bench_step_counts() -> None:
     """H200_OPS is bench/step_counts.json's cgopipe row at the H200 setting (regenerate it after
-    re-running bench/step_counts.py); the H200 run's own code dispatched more (H200_RUN_OPS)."""
+    re-running bench/step_counts.py)."""
     data = json.loads((ROOT / "bench/step_counts.json").read_text())
     row = next(r for r in data["rows"] if r["scheduler"] == "cgopipe" and r["setting"].startswith("H200"))
     counted = ops_per_node(row)
     assert set(counted) == set(H200_OPS)
     assert all(H200_OPS[op] == pytest.approx(counted[op], abs=0.005) for op in counted), counted
-    assert sum(H200_RUN_OPS.values()) > sum(H200_OPS.values())
 
 
 def test_a_per_thread_record_charges_the_threads_outside_the_stack() -> None:
@@ -151,3 +151,16 @@ def test_a_per_thread_record_charges_the_threads_outside_the_stack() -> None:
     assert gpu_nodes > 0
     assert run.host_seconds["other threads"] == pytest.approx(per_node * gpu_nodes)
     assert "other threads" not in realtime_run(sim, "cgopipe", launch=NO_LAUNCH).host_seconds
+
+
+def test_a_rows_file_without_a_per_thread_record_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    rows = tmp_path / "gpu.jsonl"  # the H200 run's rows, before the per-thread records
+    rows.write_text((ROOT / "bench/gpu-runs/2026-11-27-h200-after-item3/gpu.jsonl").read_text())
+    command = [sys.executable, "bench/realtime_overhead.py", "--h200", "--threads", str(rows),
+               "--out", str(tmp_path / "out.json")]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"{rows}: no cgopipe t4 row with a per-thread record (thread_cpu): not a bench/gpu.py --out file "
+        "of this version"
+    ]
