@@ -2,7 +2,10 @@
 # One call on a lent GPU machine: flowmoe installed (editable, no dependencies) into the machine's
 # own Python beside its CUDA torch, then the parts named in $PARTS: the test suite with CUDA
 # visible, bench/gpu.py (its rows synced to $OUT as each finishes), a --trace-kernels run of the
-# built-in model. Each part has its own time limit so one that runs long leaves the others their share; everything worth keeping lands in $OUT (at most 8 files come back).
+# built-in model. Every bench row carries each thread group's CPU seconds per decode step ("thread_cpu";
+# the bench prints them as a table at the end): feed gpu.jsonl to
+# `python bench/realtime_overhead.py --h200 --threads gpu.jsonl` for item 4's check.
+# Each part has its own time limit so one that runs long leaves the others their share; everything worth keeping lands in $OUT (at most 8 files come back).
 #
 #   BENCH_ARGS="--budgets t4" BENCH_S=330 TESTS_S=150 bash bench/gpu_call.sh
 #   PARTS="bench kernels tests" BENCH_ARGS="--schedulers cgopipe --budgets t4" bash bench/gpu_call.sh
