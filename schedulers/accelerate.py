@@ -16,11 +16,19 @@ Which expert modules a MoE layer calls depends on the transformers version (`fus
   routed experts move, three tensors each.
 
 `device_map="auto"` fills the GPU with whole layers in order: here the first
-`weights_gpu_share` of the MoE layers keep their experts on the GPU, the others are offloaded; the
-dense part of every layer (attention, router, shared expert) stays resident (Accelerate would
-offload whole layers past the budget; flowmoe keeps them, as every scheduler does). Each tensor is
-one PAGE_COPY node, marked pageable and synchronous; the scheduler's `host_family` prices each
-with Accelerate's measured hook costs (`core.host_costs.ACCELERATE`).
+`weights_gpu_share` of the MoE layers keep their experts on the GPU, the others are offloaded. The
+dense part of every layer (attention, router, shared expert or dense MLP) stays resident by default;
+`offload_dense` 1 moves it too, as DeepSpeed ZeRO-3 (ZeRO-Inference) does: it partitions every
+parameter larger than `stage3_param_persistence_threshold` (1e5 elements by default) and gathers a
+module's parameters in its pre-forward hook, releasing them after (deepspeed/runtime/zero/
+parameter_offload.py, partitioned_param_coordinator.py), so an offloaded layer's attention and shared
+expert cross the link every step like its experts. The dense part is one PAGE_COPY before the layer's
+attention (the runtime moves a layer's dense part in one piece), evicted after the layer's last
+micro-batch; from the first offloaded layer on (at weights share 0: every layer). Each expert tensor
+is one PAGE_COPY node, marked pageable and synchronous; the scheduler's `host_family` prices each
+node with Accelerate's measured hook costs (`core.host_costs.ACCELERATE`; a dense part's several
+tensors are charged as one). Not moved: the embedding and the LM head (resident here, gathered by
+ZeRO-3 too).
 """
 
 from __future__ import annotations
@@ -41,7 +49,16 @@ from flowmoe.core.scheduling import (
     StepShape,
     SubPlan,
 )
-from flowmoe.schedulers.layer_nodes import check_placement, gate_and_route, model_order, moe_layers
+from flowmoe.schedulers.layer_nodes import (
+    check_placement,
+    embeddings,
+    gate_and_route,
+    gpu_attention,
+    layer_tail,
+    lm_heads,
+    model_order,
+    moe_layers,
+)
 
 ROUTED_TENSORS = 3  # w1, w3, w2 of one expert module (transformers 4.x)
 FUSED_TENSORS = 2  # gate_up_proj and down_proj of a layer's experts module (transformers >= 5)
@@ -49,12 +66,18 @@ FUSED_TENSORS = 2  # gate_up_proj and down_proj of a layer's experts module (tra
 
 @frozen
 class AccelerateOptions:
-    """Whether a layer's experts are one module (every expert moves) or one module each."""
+    """Whether a layer's experts are one module (every expert moves) or one module each, and whether
+    the offloaded layers' dense parts move too."""
 
     fused_experts: int = option(
         1, "1: a layer's experts are one module, all of them copied per call (transformers >= 5); "
         "0: one module per expert, only the routed ones copied (transformers 4.x)", IntRange(0, 1),
         label="fused",
+    )  # fmt: skip
+    offload_dense: int = option(
+        0, "1: each offloaded layer's dense part (attention, router, shared expert or dense MLP) is copied "
+        "in before its attention and freed after the layer, as DeepSpeed ZeRO-3 gathers every parameter; "
+        "0: it stays resident", IntRange(0, 1), label="dense",
     )  # fmt: skip
 
 
@@ -73,20 +96,52 @@ class AccelerateScheduler(Scheduler):
         self.options = context.policy.options_for(self.Options)
         moe = moe_layers(context.spec)
         self.resident = frozenset(moe[: int(context.policy.weights_gpu_share * len(moe) + 1e-9)])
+        offloaded = [layer for layer in moe if layer not in self.resident]
+        # device_map's order: the layers before the first offloaded MoE layer keep their dense parts
+        first = (offloaded[0] if self.resident else 0) if offloaded else context.spec.layers
+        self.dense_offloaded = range(first, context.spec.layers) if self.options.offload_dense else range(0)
 
     def residency(self) -> Residency:
         spec = self.context.spec
         experts = {(layer, e) for layer in self.resident for e in range(spec.moe.experts)}
-        return Residency(frozenset(range(spec.layers)), frozenset(experts))
+        dense = frozenset(range(spec.layers)) - frozenset(self.dense_offloaded)
+        return Residency(dense, frozenset(experts))
 
     def weight_buffer_bytes(self) -> int:
         spec = self.context.spec
+        dense = max((spec.layer_dense_bytes(layer) for layer in self.dense_offloaded), default=0)
         if len(self.resident) == len(moe_layers(spec)):
-            return 0
-        return spec.expert_bytes * (spec.moe.experts if self.options.fused_experts else 1)
+            return dense
+        return dense + spec.expert_bytes * (spec.moe.experts if self.options.fused_experts else 1)
 
     def plan(self, step: StepShape) -> PlanStream:
-        return model_order(self.context.factory, self.context.spec, step, self._experts)
+        if not self.dense_offloaded:
+            return model_order(self.context.factory, self.context.spec, step, self._experts)
+        return self._plan_dense_offloaded(step)
+
+    def _plan_dense_offloaded(self, step: StepShape) -> PlanStream:
+        """`model_order` with each offloaded layer's dense part copied in (synchronous, pageable) before
+        its first micro-batch's attention and evicted after its last micro-batch's tail."""
+        f, spec = self.context.factory, self.context.spec
+        nodes, last = embeddings(f, step)
+        yield from nodes
+        for layer in range(spec.layers):
+            copy = None
+            if layer in self.dense_offloaded:
+                after = list(last.values())
+                copy = f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, deps=after, pageable=True, sync=True)
+                yield copy
+            for mb in step.micro_batches:
+                attention = gpu_attention(f, layer, mb, last[mb.index] if copy is None else copy.id)
+                yield from attention
+                post = attention[-1].id
+                outputs = (yield from self._experts(layer, mb, post)) if spec.is_moe_layer(layer) else []
+                tail = layer_tail(f, spec, layer, mb, post, outputs)
+                yield from tail
+                last[mb.index] = tail[-1].id
+            if copy is not None:
+                yield f.node(Op.EVICT, Lane.GPU_H2D, layer, deps=list(last.values()))
+        yield from lm_heads(f, step, last)
 
     def _experts(self, layer: int, mb: MicroBatchShape, post: int) -> SubPlan[list[int]]:
         """Gate, then the hooks: copy a module's tensors, its forward, free them; one module at a time.

@@ -114,3 +114,42 @@ def test_one_module_per_expert_gives_eager_tokens(tiny_model) -> None:
     (results, _), _ = run_scheduler(tiny_model, "accelerate", policy, device="cpu")
     (reference, _) = run_eager(tiny_model)
     assert [r.output_ids for r in results] == [r.output_ids for r in reference]
+
+
+def test_offload_dense_copies_each_offloaded_layers_dense_part_before_its_attention_and_frees_it_after() -> (
+    None
+):
+    steps = [prefill(4, 256), decode(4, 256)]
+    options = (AccelerateOptions(fused_experts=0, offload_dense=1),)
+    sched = scheduler("accelerate", weights_gpu_share=1 / 3, options=options)
+    spans = simulate(sched, steps, trace_of(steps, ROUTES), COST)
+    dense = [c for c in of(spans, Op.PAGE_COPY) if c.node.expert < 0]
+    offloaded = sorted({c.node.layer for c in of(spans, Op.PAGE_COPY) if c.node.expert >= 0})
+    assert offloaded == [1, 2] and sorted(c.node.layer for c in dense) == [1, 1, 2, 2]  # once a layer a step
+    assert all(c.node.pageable and c.node.sync and c.node.bytes == SPEC.layer_dense_bytes(1) for c in dense)
+    assert sched.residency().dense == frozenset({0})
+    assert sched.weight_buffer_bytes() == SPEC.layer_dense_bytes(1) + SPEC.expert_bytes
+    ids = by_id(spans)
+    evicts = sorted((s for s in of(spans, Op.EVICT) if s.node.expert < 0), key=lambda s: s.start)
+    for copy, evict in zip(sorted(dense, key=lambda s: s.start), evicts, strict=True):
+        assert evict.node.layer == copy.node.layer
+        pres = [s for s in of(spans, Op.PRE_ATTN) if s.node.layer == copy.node.layer and copy.end <= s.start]
+        assert len([p for p in pres if p.start <= evict.start]) == 2  # both micro-batches attend in between
+        tails = [ids[d] for d in evict.node.deps]
+        assert {t.node.op for t in tails} == {Op.COMBINE} and len(tails) == 2  # freed after both tails
+    unchanged = scheduler(
+        "accelerate", weights_gpu_share=1 / 3, options=(AccelerateOptions(fused_experts=0),)
+    )
+    assert unchanged.residency().dense == frozenset({0, 1, 2})
+
+
+def test_offload_dense_gives_eager_tokens(tiny_model) -> None:
+    policy = Policy(
+        micro_batch_size=3,
+        micro_batches=2,
+        weights_gpu_share=0.0,
+        options=(AccelerateOptions(fused_experts=0, offload_dense=1),),
+    )
+    (results, _), _ = run_scheduler(tiny_model, "accelerate", policy, device="cpu")
+    (reference, _) = run_eager(tiny_model)
+    assert [r.output_ids for r in results] == [r.output_ids for r in reference]

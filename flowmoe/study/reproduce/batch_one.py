@@ -2,10 +2,11 @@
 at a time, on the Fiddler presets (`fiddler-env1`, `fiddler-env2`, the paper's Table 1 machines).
 
 Stand-ins: Fiddler -> `fiddler` with its GPU experts (Table 1) at the 16 CPU threads its code sets;
-DeepSpeed-MII (ZeRO-Infinity) -> `accelerate` with one module per expert and the hooks' host costs, as
-`generic-offloaders` runs DeepSpeed; Mixtral-offloading in 16 bits (Fiddler's port) -> `lru-cache
---gpu-misses 1`, 8 - `offload_per_layer` ways in one set per MoE layer (a miss fetched to the GPU at
-once, computed there, nothing prefetched). Every figure is in `batch_one_numbers` with its source.
+DeepSpeed-MII (ZeRO-Infinity) -> `accelerate` with one module per expert, the dense parts moving too
+(ZeRO-3 gathers every parameter) and the hooks' host costs, as `generic-offloaders` runs DeepSpeed;
+Mixtral-offloading in 16 bits (Fiddler's port) -> `lru-cache --gpu-misses 1`, 8 - `offload_per_layer`
+ways in one set per MoE layer (a miss fetched to the GPU at once, computed there, nothing prefetched).
+Every figure is in `batch_one_numbers` with its source.
 """
 
 from __future__ import annotations
