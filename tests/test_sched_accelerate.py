@@ -143,13 +143,21 @@ def test_offload_dense_copies_each_offloaded_layers_dense_part_before_its_attent
     assert unchanged.residency().dense == frozenset({0, 1, 2})
 
 
-def test_offload_dense_gives_eager_tokens(tiny_model) -> None:
+@pytest.mark.parametrize(("family", "share"), [("mixtral", 0.0), ("deepseek_v2_lite", 0.5)])
+def test_offload_dense_gives_eager_tokens(
+    family: str, share: float, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Mixtral with every layer offloaded; DeepSeek-V2-Lite's shape (MLA, shared experts, a dense first
+    layer) with its first MoE layer kept: the dense first layer stays, the last layer's dense part moves."""
+    from tests.hf_models import hf_model, save_hf
+
+    model = load_model(save_hf(hf_model(family), tmp_path_factory.mktemp("dense") / family))
     policy = Policy(
         micro_batch_size=3,
         micro_batches=2,
-        weights_gpu_share=0.0,
+        weights_gpu_share=share,
         options=(AccelerateOptions(fused_experts=0, offload_dense=1),),
     )
-    (results, _), _ = run_scheduler(tiny_model, "accelerate", policy, device="cpu")
-    (reference, _) = run_eager(tiny_model)
+    (results, _), _ = run_scheduler(model, "accelerate", policy, device="cpu")
+    (reference, _) = run_eager(model)
     assert [r.output_ids for r in results] == [r.output_ids for r in reference]
