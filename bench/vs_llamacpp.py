@@ -23,6 +23,16 @@ the load average is noted for each cell. Medians over the repeats, spread = max 
     python bench/vs_llamacpp.py --quick         # a small model, printed only: checks the script
     python bench/vs_llamacpp.py --from-json     # the table of the last run
     python bench/vs_llamacpp.py --threads 1 --out /tmp/part.json   # a part of the grid, kept apart
+    python bench/vs_llamacpp.py --formats int8,int4 --threads 1      # quantized experts (issue 26)
+
+--formats: flowmoe with `--expert-format int8` (int4) against llama.cpp Q8_0 (Q4_0) on the same
+checkpoint: the flowmoe model loaded in --quant-dtype (bf16) with its routed experts quantized on
+load, the GGUF converted to Q8_0 by the converter (--outtype q8_0) and to Q4_0 by llama.cpp's
+llama_model_quantize from the f32 GGUF (its default mix for the type). llama.cpp quantizes the
+attention, embedding and output weights too (the table's `weights` column, read from the GGUF),
+flowmoe the routed experts only. A third tool, `flowmoe-torch`, is flowmoe at the same commit with
+the packed CPU kernels bypassed (each expert dequantized in torch per call: the path before them).
+Saved to bench/vs_llamacpp_quant.json unless --out says otherwise.
 
 It runs outside CI: the first build of llama-cpp-python takes minutes.
 """
@@ -43,7 +53,8 @@ HERE = Path(__file__).resolve().parent
 CACHE = Path.home() / ".cache" / "flowmoe-bench"
 LLAMA_CPP_VERSION = "0.3.36"  # the version issue 25 measured with
 TOOLS = ("flowmoe", "llama.cpp")
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
+QUANT_TOOLS = ("flowmoe", "flowmoe-torch", "llama.cpp")  # flowmoe-torch: the packed kernels bypassed
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0"}
 
 
 def arguments() -> argparse.Namespace:
@@ -63,19 +74,23 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--threads", default=f"1,{len(os.sched_getaffinity(0))}")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--formats", default="", help="int8,int4: quantized experts against Q8_0 / Q4_0")
+    parser.add_argument("--quant-dtype", default="bfloat16", help="flowmoe's dtype beside --formats")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=CACHE, help="the llama.cpp venv, checkpoint and GGUFs")
     parser.add_argument("--quick", action="store_true", help="a small model, 1 repeat (checks the script)")
     parser.add_argument(
         "--out",
         type=Path,
-        default=HERE / "vs_llamacpp.json",
+        default=None,
         help="where the run is saved (a part run: elsewhere)",
     )
     parser.add_argument("--from-json", action="store_true", help="print the last run's table only")
     parser.add_argument("--worker", choices=TOOLS, help=argparse.SUPPRESS)  # one measuring subprocess
     parser.add_argument("--job", help=argparse.SUPPRESS)  # its job, as JSON
     args = parser.parse_args()
+    if args.out is None:
+        args.out = HERE / ("vs_llamacpp_quant.json" if args.formats else "vs_llamacpp.json")
     if args.quick:
         args.hidden, args.intermediate, args.layers, args.vocab, args.heads, args.kv_heads = (
             256,
@@ -199,9 +214,19 @@ def flowmoe_worker(job: dict) -> dict:
     from flowmoe.runtime.runner import Runtime
 
     model = load_model(job["model"], job["dtype"])
+    form = job.get("expert_format", "native")
+    if form != "native":
+        from flowmoe.model.loading import pack_experts
+
+        pack_experts(model, job["model"], form)
+    if job.get("torch_dequantize"):  # the path before the packed kernels: each expert dequantized in torch
+        import flowmoe.model.moe_model as moe_model
+
+        moe_model.packed_routed = moe_model.packed_scaled = lambda *_: None
     cells = []
     for batch, threads in job["cells"]:
-        runtime = Runtime.create(model, "eager", evolve(Policy(), cpu_threads=threads), record=False)
+        policy = evolve(Policy(), cpu_threads=threads, expert_format=form)
+        runtime = Runtime.create(model, "eager", policy, record=False)
         try:
             flowmoe_generate(model, runtime, [job["prompts"][0][:8]], 2)  # warm: first use of the kernels
             load = os.getloadavg()[0]
@@ -252,9 +277,13 @@ def converter(cache: Path) -> Path:
 
 def gguf(args: argparse.Namespace, folder: Path, dtype: str) -> Path:
     """The checkpoint converted by llama.cpp's own converter (its tokenizer reading needs sentencepiece,
-    installed beside it; gguf-py from the same tree)."""
+    installed beside it; gguf-py from the same tree); Q4_0, which the converter does not write, by
+    llama.cpp's llama_model_quantize from the f32 GGUF."""
     out = folder.with_name(f"{folder.name}-{GGUF_TYPES[dtype]}.gguf")
     if out.exists():
+        return out
+    if dtype == "int4":
+        quantize_gguf(llamacpp_python(args.cache), gguf(args, folder, "float32"), out)
         return out
     script = converter(args.cache)
     deps = args.cache / "convert-deps"
@@ -274,6 +303,34 @@ def gguf(args: argparse.Namespace, folder: Path, dtype: str) -> Path:
     ]
     subprocess.run(command, check=True, env=env, capture_output=True)
     return out
+
+
+QUANTIZE = """
+import ctypes, sys
+import llama_cpp as L
+params = L.llama_model_quantize_default_params()
+params.ftype = L.LLAMA_FTYPE_MOSTLY_Q4_0
+if L.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)) != 0:
+    sys.exit("llama_model_quantize failed")
+"""
+
+
+def quantize_gguf(python: Path, source: Path, out: Path) -> None:
+    """`source` quantized to Q4_0 by llama.cpp (its default mix for the type), in the llama.cpp venv."""
+    partial = out.with_suffix(".partial")
+    subprocess.run([str(python), "-c", QUANTIZE, str(source), str(partial)], check=True, capture_output=True)
+    partial.rename(out)
+
+
+def gguf_weights(args: argparse.Namespace, path: Path) -> str:
+    """What a GGUF holds, by tensor type: "Q4_0 57, Q6_K 1, F32 33" (by gguf-py from the converter's tree)."""
+    sys.path.insert(0, str(converter(args.cache).parent / "gguf-py"))
+    from gguf import GGUFReader
+
+    counts: dict[str, int] = {}
+    for tensor in GGUFReader(path).tensors:
+        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    return ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items(), key=lambda item: -item[1]))
 
 
 def write_checkpoint(args: argparse.Namespace, folder: Path) -> None:
@@ -383,8 +440,15 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def cells(row: dict) -> list[str]:
-    return [form.format(**row) for _, form in COLUMNS]
+def columns(rows: list[dict]) -> tuple[tuple[str, str], ...]:
+    """COLUMNS, with what each tool quantized after the tool where the rows say (--formats)."""
+    if not any("weights" in row for row in rows):
+        return COLUMNS
+    return (*COLUMNS[:4], ("weights", "{weights}"), *COLUMNS[4:])
+
+
+def cells(row: dict, shown: tuple[tuple[str, str], ...]) -> list[str]:
+    return [form.format(**row) for _, form in shown]
 
 
 def report(saved: dict) -> None:
@@ -392,20 +456,21 @@ def report(saved: dict) -> None:
     from rich.table import Table
 
     meta = saved["meta"]
+    shown = columns(saved["rows"])
     table = Table(title=f"flowmoe vs llama.cpp — {meta['model']} — {meta['machine']}")
-    for title, _ in COLUMNS:
-        table.add_column(title, justify="left" if title in ("dtype", "tool") else "right")
+    for title, _ in shown:
+        table.add_column(title, justify="left" if title in ("dtype", "tool", "weights") else "right")
     for row in saved["rows"]:
-        table.add_row(*cells(row))
+        table.add_row(*cells(row, shown))
     console = Console(width=250)
     console.print(table)
     console.print(
         f"weights: {meta['weights_gib']:.3f} GiB fp32; {meta['repeats']} repeats, tools alternated; "
         f"{meta['date']}"
     )
-    print("| " + " | ".join(t for t, _ in COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
+    print("| " + " | ".join(t for t, _ in shown) + " |\n|" + "---|" * len(shown))
     for row in saved["rows"]:
-        print("| " + " | ".join(cells(row)) + " |")
+        print("| " + " | ".join(cells(row, shown)) + " |")
 
 
 def machine() -> dict:
@@ -434,23 +499,29 @@ def main() -> None:
     folder = args.cache / name
     if not (folder / "config.json").exists():
         write_checkpoint(args, folder)
-    ggufs = {dtype: gguf(args, folder, dtype) for dtype in args.dtypes.split(",")}
+    kinds = args.formats.split(",") if args.formats else args.dtypes.split(",")  # the rows' "dtype"
+    tools = QUANT_TOOLS if args.formats else TOOLS
+    ggufs = {kind: gguf(args, folder, kind) for kind in kinds}
     rng = random.Random(1)
     batches, threads = [int(b) for b in args.batches.split(",")], [int(t) for t in args.threads.split(",")]
     prompts = [[rng.randrange(3, args.vocab) for _ in range(args.prompt)] for _ in range(max(batches))]
     grid = [(b, t) for b in batches for t in threads]
     runs: dict[tuple[str, str], list[dict]] = {}
     for repeat in range(args.repeats):
-        for dtype in args.dtypes.split(","):
-            order = TOOLS if repeat % 2 == 0 else TOOLS[::-1]  # alternated, so a load change hits both
+        for kind in kinds:
+            order = tools if repeat % 2 == 0 else tools[::-1]  # alternated, so a load change hits all
             for tool in order:
-                model = str(folder) if tool == "flowmoe" else str(ggufs[dtype])
+                ours = tool != "llama.cpp"
+                model = str(folder) if ours else str(ggufs[kind])
+                dtype = args.quant_dtype if args.formats else kind
                 job = {"model": model, "dtype": dtype, "prompts": prompts, "cells": grid,
                        "prompt": args.prompt, "new_tokens": args.new_tokens}  # fmt: skip
-                result = run_worker(sys.executable if tool == "flowmoe" else python, tool, job)
-                runs.setdefault((dtype, tool), []).append(result)
+                if args.formats and ours:
+                    job |= {"expert_format": kind, "torch_dequantize": tool == "flowmoe-torch"}
+                result = run_worker(sys.executable if ours else python, "flowmoe" if ours else tool, job)
+                runs.setdefault((kind, tool), []).append(result)
                 print(
-                    f"repeat {repeat} {dtype} {tool}: peak RSS {result['peak_rss'] / 2**30:.2f} GiB",
+                    f"repeat {repeat} {kind} {tool}: peak RSS {result['peak_rss'] / 2**30:.2f} GiB",
                     flush=True,
                 )
     system = next(r["system"] for (_, tool), rs in runs.items() if tool == "llama.cpp" for r in rs)
@@ -463,7 +534,16 @@ def main() -> None:
         "repeats": args.repeats, "prompt": args.prompt, "new_tokens": args.new_tokens,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }  # fmt: skip
-    saved = {"meta": meta, "rows": rows_from(runs, args.prompt)}
+    rows = rows_from(runs, args.prompt)
+    if args.formats:  # what each tool quantized: flowmoe the routed experts, llama.cpp (nearly) every matrix
+        held = {kind: gguf_weights(args, path) for kind, path in ggufs.items()}
+        for row in rows:
+            dense = GGUF_TYPES[args.quant_dtype]
+            row["weights"] = (
+                held[row["dtype"]] if row["tool"] == "llama.cpp" else f"{row['dtype']} experts, {dense} rest"
+            )
+        meta["model"] += f"; flowmoe in {args.quant_dtype} with its routed experts quantized on load"
+    saved = {"meta": meta, "rows": rows}
     if not args.quick:  # a check of the script: printed only
         out.write_text(json.dumps(saved, indent=1) + "\n")
     report(saved)

@@ -26,6 +26,7 @@ from flowmoe.kernels.norm import l2_norm, norm_of_kind, rms_norm
 from flowmoe.kernels.query_scale import scale_queries
 from flowmoe.kernels.rope import Rotary, inverse_frequencies, longrope_scaling
 from flowmoe.kernels.router import Routing, route
+from flowmoe.model.packed_experts import packed_routed, packed_scaled
 from flowmoe.model.weights import FFNWeights, LayerWeights, ModelWeights
 
 
@@ -175,6 +176,9 @@ class MoEModel:
         order, the device's slots (runtime/expert_slots.py) in any; each expert's floats are its own."""
         if not ffns:
             return {}
+        packed = packed_routed(x, routing, ffns, self.spec.moe)  # int8 / int4 experts read packed on the CPU
+        if packed is not None:
+            return packed
         ffns = dict(sorted(ffns.items(), key=lambda item: (item[1].gate_up.data_ptr(), item[0])))
         counts = [len(routing.tokens[e]) for e in ffns]
         rows, scales = (on(t, x.device) for t in routing.rows_of(list(ffns)))  # [sum n_e] each
@@ -188,6 +192,9 @@ class MoEModel:
         scales [sum n_e, 1] their combine weights -> each expert's scaled outputs [n_e, hidden], in one
         kernel call where the CPU kernels take them, else in one grouped GEMM per projection and one
         scale where that takes them (kernels/grouped_experts.py), else expert by expert."""
+        packed = packed_scaled(gathered, scales, counts, ffns, self.spec.moe)  # int8 / int4 read packed
+        if packed is not None:
+            return packed
         if self.spec.moe.scale_input:  # Llama 4 scales the expert's input, the others its output
             gathered = gathered * scales.to(gathered.dtype)
         weights = [(f.gate_up, f.down, f.gate_up_bias, f.down_bias) for f in ffns]

@@ -3,9 +3,13 @@
 
 A `QuantizedExpert` holds its projections as `PackedWeight`s, each a few tensors (packed values,
 scales, zeros) and a rule to dequantize them, plus its biases, if any, in the model's dtype. Under a
-packed format a layer keeps only these in host memory (`LayerWeights.packed`); every use of an expert
-dequantizes it: on the GPU after its copy (flowmoe/runtime/device_weights.py), on the CPU per call
-(`LayerWeights.expert`: torch, not the C kernels, which read the model's dtype only).
+packed format a layer keeps only these in host memory (`LayerWeights.packed`). On the GPU an expert
+is dequantized after its copy (flowmoe/runtime/device_weights.py). On the CPU (`LayerWeights.expert`
+hands it out as a `PackedFFN`) int8 and int4 / hqq4 experts of up to 32 rows are computed by C
+kernels that read the packed bytes as they are (kernels/cpu_packed.py, dispatched by
+model/packed_experts.py); anything else (more rows, fp8 and the GPTQ / AWQ / compressed-tensors
+layouts, fp16, no compiler) dequantizes the expert in torch for the call, when its tensors are first
+read.
 
 The formats (`quantize.py` makes the quantize-on-load ones):
 
@@ -159,9 +163,37 @@ class QuantizedExpert:
         """On `device` (the same tensors where they already are), copied asynchronously."""
         return self.mapped(lambda t: t.to(device, non_blocking=True))
 
+    def as_ffn(self) -> PackedFFN:
+        """This expert where an FFNWeights is expected, dequantized only where its tensors are read."""
+        return PackedFFN(self)
+
     def to_ffn(self) -> FFNWeights:
         """The expert in flowmoe's layout, in the model's dtype, on the device its tensors are on:
         gate_up [2I, hidden] (gate rows first), down [hidden, I]."""
         blocks = [w.dequantize(self.dtype) for w in self.gate_up]
         gate_up = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         return FFNWeights(gate_up, self.down.dequantize(self.dtype), self.gate_up_bias, self.down_bias)
+
+
+FFN_FIELDS = ("gate_up", "down", "gate_up_bias", "down_bias")  # FFNWeights's
+
+
+class PackedFFN(FFNWeights):
+    """A packed routed expert handed out where an `FFNWeights` is expected (`LayerWeights.expert`):
+    the CPU's packed kernels read `expert` as it is (model/packed_experts.py); any other reader of its
+    tensors (gate_up, down, the biases) gets them dequantized into the model's dtype, in torch, once
+    per object, on first access."""
+
+    __slots__ = ("expert",)
+
+    def __init__(self, expert: QuantizedExpert) -> None:  # the FFNWeights fields stay unset until read
+        self.expert = expert
+
+    def __getattr__(self, name: str) -> torch.Tensor | None:
+        """Called for an FFNWeights field not yet set: dequantize them all, then read it."""
+        if name not in FFN_FIELDS:
+            raise AttributeError(name)
+        ffn = self.expert.to_ffn()
+        for field in FFN_FIELDS:
+            setattr(self, field, getattr(ffn, field))
+        return getattr(self, name)  # one of the four just set

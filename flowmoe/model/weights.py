@@ -87,9 +87,9 @@ class LayerWeights:
     selection_bias: torch.Tensor | None = None  # [1, E] added to the scores for the choice only
 
     def expert(self, expert: int) -> FFNWeights:
-        """Routed expert `expert` in the model's dtype: as loaded, or dequantized (in torch, for this
-        call) from its packed copy where only that is kept."""
-        return self.experts[expert] if self.experts else self.packed[expert].to_ffn()
+        """Routed expert `expert`: as loaded, or its packed copy where only that is kept (a PackedFFN:
+        the CPU's packed kernels read it as it is, other readers get its tensors dequantized)."""
+        return self.experts[expert] if self.experts else self.packed[expert].as_ffn()
 
     def expert_nbytes(self, expert: int) -> int:
         """Bytes of routed expert `expert` in the model's dtype (as the GPU holds it)."""

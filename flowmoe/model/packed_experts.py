@@ -1,0 +1,96 @@
+"""Routed experts kept packed (int8, int4, hqq4), computed on the CPU from their packed bytes: the
+dispatch from `MoEModel.routed_experts` / `scaled_experts` to kernels/cpu_packed.py.
+
+A group of experts goes to the packed kernels in one call where every one of them is a `PackedFFN`
+(`LayerWeights.expert` under a packed expert format) whose projections are all `Int8Weight`s or all
+`Int4Weight`s of one group size the kernels take, with at most cpu_packed.MAX_ROWS rows each, on the
+CPU, in the model's dtype (fp32 or bf16); otherwise None, and the caller dequantizes them in torch
+(a PackedFFN's tensors, read). The result is the callers': each expert's outputs times the rows'
+combine weights (or its input scaled first, Llama 4's `scale_input`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flowmoe.core.spec import MoESpec
+from flowmoe.kernels import cpu_packed
+from flowmoe.kernels.no_copy import on
+from flowmoe.kernels.router import Routing
+from flowmoe.model.quantized import Int4Weight, Int8Weight, PackedFFN, PackedWeight, QuantizedExpert
+from flowmoe.model.weights import FFNWeights
+
+
+def _projection(w: PackedWeight, rows: slice) -> cpu_packed.Projection:
+    """Rows `rows` of a packed projection as the kernels read it: (q, scale, zero), views."""
+    if isinstance(w, Int8Weight):
+        return w.values[rows], w.scale[rows], None
+    assert isinstance(w, Int4Weight)
+    return w.packed[rows], w.scale[rows], w.zero[rows]
+
+
+def kernel_form(expert: QuantizedExpert) -> tuple[str, int, cpu_packed.PackedFFN] | None:
+    """(format, group, the expert as cpu_packed reads it) where every projection is an Int8Weight
+    ("int8", group 0) or an Int4Weight of one group ("int4"), gate and up as one [2I, hidden] block
+    or two [I, hidden] ones; None otherwise (fp8, the checkpoint layouts)."""
+    weights = expert.weights()
+    if all(isinstance(w, Int8Weight) for w in weights):
+        fmt, group = "int8", 0
+    elif all(isinstance(w, Int4Weight) for w in weights):
+        fmt, group = "int4", weights[0].group  # type: ignore[attr-defined]  # an Int4Weight, checked
+        if any(w.group != group for w in weights):  # type: ignore[attr-defined]
+            return None
+    else:
+        return None
+    if len(expert.gate_up) == 1:  # [2I, hidden], gate rows first
+        both, inter = expert.gate_up[0], expert.down.shape[1]
+        gate, up = _projection(both, slice(0, inter)), _projection(both, slice(inter, 2 * inter))
+    elif len(expert.gate_up) == 2:
+        gate, up = (_projection(w, slice(None)) for w in expert.gate_up)
+    else:
+        return None
+    down = _projection(expert.down, slice(None))
+    return fmt, group, (gate, up, down, expert.gate_up_bias, expert.down_bias)
+
+
+def packed_scaled(
+    gathered: torch.Tensor, scales: torch.Tensor, counts: list[int], ffns: list[FFNWeights], moe: MoESpec
+) -> list[torch.Tensor] | None:
+    """`MoEModel.scaled_experts` by the packed kernels: gathered [sum n_e, hidden] (each expert's rows
+    in turn), scales [sum n_e, 1] -> each expert's scaled outputs [n_e, hidden]; None where they do
+    not take them all (the module docstring)."""
+    if not all(isinstance(f, PackedFFN) for f in ffns) or max(counts, default=0) > cpu_packed.MAX_ROWS:
+        return None
+    forms = [kernel_form(f.expert) for f in ffns]  # type: ignore[attr-defined]  # PackedFFNs, checked
+    first = forms[0]
+    if first is None or any(f is None or f[:2] != first[:2] for f in forms):
+        return None
+    fmt, group = first[:2]
+    kernel_ffns = [f[2] for f in forms if f is not None]
+    xs = list(gathered.split(counts))  # [n_e, hidden] each
+    dtype = ffns[0].expert.dtype  # type: ignore[attr-defined]
+    if not all(
+        x.dtype == dtype and cpu_packed.fits(x, f, fmt, group) for x, f in zip(xs, kernel_ffns, strict=True)
+    ):
+        return None
+    if moe.scale_input:  # Llama 4 scales the expert's input, the others its output
+        scaled = gathered * scales.to(gathered.dtype)  # [sum n_e, hidden]
+        return cpu_packed.swiglu_group(list(scaled.split(counts)), kernel_ffns, fmt, group, moe)
+    outs = cpu_packed.swiglu_group(xs, kernel_ffns, fmt, group, moe)
+    return list((torch.cat(outs) * scales).split(counts))  # float32 scales give a float32 product
+
+
+def packed_routed(
+    x: torch.Tensor, routing: Routing, ffns: dict[int, FFNWeights], moe: MoESpec
+) -> dict[int, torch.Tensor] | None:
+    """`MoEModel.routed_experts` by the packed kernels: x [T, hidden] -> expert -> its scaled outputs
+    [n_e, hidden]; None where they do not take them all (checked before the rows are gathered)."""
+    if not all(isinstance(f, PackedFFN) for f in ffns.values()):
+        return None
+    experts = sorted(ffns)  # ascending: a view of the routing's sorted rows
+    counts = [len(routing.tokens[e]) for e in experts]
+    if max(counts, default=0) > cpu_packed.MAX_ROWS or x.device.type != "cpu":
+        return None
+    rows, scales = (on(t, x.device) for t in routing.rows_of(experts))  # [sum n_e] each
+    outs = packed_scaled(x[rows], scales[:, None], counts, [ffns[e] for e in experts], moe)
+    return None if outs is None else dict(zip(experts, outs, strict=True))
