@@ -293,36 +293,45 @@ static inline float activation(float g, float u, int clamped, float alpha, float
     return (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
 }
 
+/* Where a group's output rows go: out [sum n_e, H] in bf16 where `bf16` else fp32; with `scales`
+   [sum n_e] (fp32, or bf16 where scales_bf16) each row is first rounded to the weights' dtype, then
+   multiplied by its scale (torch's product of the expert's output and its combine weight). */
+typedef struct {
+    void *out;
+    int bf16;
+    const void *scales;
+    int scales_bf16;
+} rows_out;
+
+static inline float scale_at(const void *scales, long i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)scales)[i]) : ((const float *)scales)[i];
+}
+
+/* An output row's value v (res + bias) for row i of the group, stored as `to` says. */
+static inline void store_row(rows_out to, long i, long at, float v, int weights_bf16) {
+    if (to.scales) {
+        if (weights_bf16) v = bf16_to_f32(f32_to_bf16(v));
+        v = v * scale_at(to.scales, i, to.scales_bf16);
+    }
+    store(to.out, at, v, to.bf16);
+}
+
 /* The expert FFNs of a group of experts (a layer's routed experts, or one) in one parallel pass:
    for expert e, act_e [n_e, I] = activation(x_e @ gate^T + bg, x_e @ up^T + bu) with gate_up_e
    [2I, H] (gate rows, then up rows), then out_e [n_e, H] = act_e @ down_e^T + bd with down_e
-   [H, I]. x_e (contiguous rows) and out (every expert's rows in turn, [sum n_e, H]) in the
-   weights' dtype, acts in fp32 in a buffer of the kernel's own (in bf16 column order where the isa
-   reads x so, as a bf16 x_e is widened first). Threads share the blocks of all experts; the biases
-   may be null. Returns 0, or 1 where there is no memory for the buffers. */
-int flowmoe_ffn_group(int experts, const void *const *xs, const int *ns, long H, long I,
-                      const void *const *gate_ups, const void *const *downs, int bf16,
-                      const float *const *gate_up_biases, const float *const *down_biases, int clamped,
-                      float alpha, float limit, void *out, int isa, int threads) {
+   [H, I]. fx[e]: expert e's rows of x in fp32 (row stride H; in bf16 column order where the isa
+   reads x so), first[e]: its first row in the group; the acts in fp32 in a buffer of the kernel's
+   own (in bf16 column order likewise). Threads share the blocks of all experts; the biases may be
+   null. Returns 0, or 1 where there is no memory for the buffer. */
+static int ffn_rows(int experts, const float *const *fx, const int *ns, const long *first, long rows, long H,
+                    long I, const void *const *gate_ups, const void *const *downs, int bf16,
+                    const float *const *gate_up_biases, const float *const *down_biases, int clamped, float alpha,
+                    float limit, rows_out to, int isa, int threads) {
     int bs = block_rows(isa);
-    long up_blocks = (I + bs - 1) / bs, down_blocks = (H + bs - 1) / bs, rows = 0;
+    long up_blocks = (I + bs - 1) / bs, down_blocks = (H + bs - 1) / bs;
     int reorder = reorders(isa, bf16);
-    long first[experts > 0 ? experts : 1]; /* expert e's first row in out and the buffers */
-    for (int e = 0; e < experts; e++) first[e] = rows, rows += ns[e];
-    float *acts = malloc(sizeof(float) * (rows > 0 ? rows : 1) * I), *wide = 0;
-    const float *fx[experts > 0 ? experts : 1];
-    if (bf16) wide = malloc(sizeof(float) * (rows > 0 ? rows : 1) * H);
-    if (!acts || (bf16 && !wide)) {
-        free(acts), free(wide);
-        return 1;
-    }
-    for (int e = 0; e < experts; e++) {
-        fx[e] = (const float *)xs[e];
-        if (bf16) {
-            widen_rows(xs[e], H, ns[e], H, reorder, wide + first[e] * H);
-            fx[e] = wide + first[e] * H;
-        }
-    }
+    float *acts = malloc(sizeof(float) * (rows > 0 ? rows : 1) * I);
+    if (!acts) return 1;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -355,10 +364,69 @@ int flowmoe_ffn_group(int experts, const void *const *xs, const int *ns, long H,
             block_of(isa, acts + first[e] * I, I, n, I, downs[e], bf16, o0, ob, row_at(downs[e], o0 + bs, I, bf16),
                      rows_at(H, o0 + bs, bs), res);
             for (int r = 0; r < n; r++)
-                for (int j = 0; j < ob; j++)
-                    store(out, (first[e] + r) * H + o0 + j, res[r * bs + j] + (bias ? bias[o0 + j] : 0.0f), bf16);
+                for (int j = 0; j < ob; j++) {
+                    long i = first[e] + r;
+                    store_row(to, i, i * H + o0 + j, res[r * bs + j] + (bias ? bias[o0 + j] : 0.0f), bf16);
+                }
         }
     }
-    free(acts), free(wide);
+    free(acts);
     return 0;
+}
+
+/* The group's FFNs for xs[e] [n_e, H] (contiguous rows, in the weights' dtype) -> out [sum n_e, H]
+   (every expert's rows in turn) in the weights' dtype; a bf16 x_e is widened into a buffer first.
+   Returns 0, or 1 where there is no memory for the buffers. */
+int flowmoe_ffn_group(int experts, const void *const *xs, const int *ns, long H, long I,
+                      const void *const *gate_ups, const void *const *downs, int bf16,
+                      const float *const *gate_up_biases, const float *const *down_biases, int clamped,
+                      float alpha, float limit, void *out, int isa, int threads) {
+    int n_experts = experts > 0 ? experts : 1;
+    long first[n_experts], rows = 0; /* expert e's first row in out and the buffers */
+    for (int e = 0; e < experts; e++) first[e] = rows, rows += ns[e];
+    float *wide = 0;
+    const float *fx[n_experts];
+    if (bf16 && !(wide = malloc(sizeof(float) * (rows > 0 ? rows : 1) * H))) return 1;
+    for (int e = 0; e < experts; e++) {
+        fx[e] = (const float *)xs[e];
+        if (bf16) {
+            widen_rows(xs[e], H, ns[e], H, reorders(isa, bf16), wide + first[e] * H);
+            fx[e] = wide + first[e] * H;
+        }
+    }
+    rows_out to = {out, bf16, 0, 0};
+    int status = ffn_rows(experts, fx, ns, first, rows, H, I, gate_ups, downs, bf16, gate_up_biases, down_biases,
+                          clamped, alpha, limit, to, isa, threads);
+    free(wide);
+    return status;
+}
+
+/* A layer's routed experts from the rows of x they take: expert e's n_e rows are x's rows
+   rows[first[e]...] (x [T, H] in the weights' dtype, row stride ldx; gathered and widened into
+   an fp32 buffer), and each output row is multiplied by its scale (see rows_out): out [sum n_e, H]
+   in bf16 where out_bf16, else fp32. Returns 0, or 1 where there is no memory for the buffers. */
+int flowmoe_ffn_routed(int experts, const void *x, long ldx, const int64_t *rows_of_x, const int *ns, long H,
+                       long I, const void *const *gate_ups, const void *const *downs, int bf16,
+                       const float *const *gate_up_biases, const float *const *down_biases, int clamped,
+                       float alpha, float limit, const void *scales, int scales_bf16, void *out, int out_bf16,
+                       int isa, int threads) {
+    int n_experts = experts > 0 ? experts : 1, reorder = reorders(isa, bf16);
+    long first[n_experts], rows = 0;
+    for (int e = 0; e < experts; e++) first[e] = rows, rows += ns[e];
+    float *gathered = malloc(sizeof(float) * (rows > 0 ? rows : 1) * H);
+    if (!gathered) return 1;
+    const float *fx[n_experts];
+    for (long i = 0; i < rows; i++) {
+        const char *row = (const char *)x + rows_of_x[i] * ldx * (bf16 ? 2 : 4);
+        if (bf16)
+            widen_rows((const uint16_t *)row, ldx, 1, H, reorder, gathered + i * H);
+        else
+            memcpy(gathered + i * H, row, sizeof(float) * H);
+    }
+    for (int e = 0; e < experts; e++) fx[e] = gathered + first[e] * H;
+    rows_out to = {out, out_bf16, scales, scales_bf16};
+    int status = ffn_rows(experts, fx, ns, first, rows, H, I, gate_ups, downs, bf16, gate_up_biases, down_biases,
+                          clamped, alpha, limit, to, isa, threads);
+    free(gathered);
+    return status;
 }

@@ -52,6 +52,9 @@ def library() -> ctypes.CDLL | None:
     lib.flowmoe_ffn_group.argtypes = [_I, _PP, _PI, _L, _L, _PP, _PP, _I, _PP, _PP, _I, _F, _F, _P]
     lib.flowmoe_ffn_group.argtypes += [_I, _I]  # isa, threads
     lib.flowmoe_ffn_group.restype = _I
+    lib.flowmoe_ffn_routed.argtypes = [_I, _P, _L, _P, _PI, _L, _L, _PP, _PP, _I, _PP, _PP, _I, _F, _F]
+    lib.flowmoe_ffn_routed.argtypes += [_P, _I, _P, _I, _I, _I]  # scales, bf16?, out, bf16?, isa, threads
+    lib.flowmoe_ffn_routed.restype = _I
     return lib
 
 
@@ -92,16 +95,17 @@ def max_rows(dtype: torch.dtype) -> int:
     return MAX_ROWS if dtype == torch.float32 or emulated(dtype) else 1
 
 
-def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _takes(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None) -> bool:
     """A few fp32 or bf16 rows on the CPU (`max_rows`), a row-major weight of x's dtype, and no
     autograd. Asked before every projection of a decode step, first thing after the experts have
-    streamed their weights through the caches: few calls (each costs cache misses there)."""
+    streamed their weights through the caches: few calls (each costs cache misses there). `rows`: the
+    rows of x the kernel reads (default all)."""
     dtype = x.dtype
     return (
         (dtype is torch.float32 or dtype is torch.bfloat16)
         and weight.dtype is dtype
         and x.dim() == 2
-        and 0 < x.shape[0] <= max_rows(dtype)
+        and 0 < (x.shape[0] if rows is None else rows) <= max_rows(dtype)
         and x.is_cpu
         and weight.dim() == 2
         and weight.is_contiguous()
@@ -114,17 +118,19 @@ def _bias_fits(bias: torch.Tensor | None, size: int) -> bool:
     return bias is None or (bias.is_cpu and bias.shape == (size,))
 
 
-def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+def fits(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int | None = None
+) -> bool:
     """Whether `linear_rows` takes x [n, in] against weight [out, in] and bias [out] (else torch,
-    which also names any mismatch)."""
-    return _takes(x, weight) and x.shape[1] == weight.shape[1] and _bias_fits(bias, weight.shape[0])
+    which also names any mismatch); `rows` as for `_takes`."""
+    return _takes(x, weight, rows) and x.shape[1] == weight.shape[1] and _bias_fits(bias, weight.shape[0])
 
 
-def fits_ffn(x: torch.Tensor, ffn: FFN) -> bool:
+def fits_ffn(x: torch.Tensor, ffn: FFN, rows: int | None = None) -> bool:
     """Whether `swiglu_group` takes x [n, hidden] through ffn = (gate_up [2I, hidden], down
-    [hidden, I], gate_up_bias [2I] | None, down_bias [hidden] | None)."""
+    [hidden, I], gate_up_bias [2I] | None, down_bias [hidden] | None); `rows` as for `_takes`."""
     gate_up, down, gate_up_bias, down_bias = ffn
-    if not fits(x, gate_up, gate_up_bias) or gate_up.shape[0] % 2:
+    if not fits(x, gate_up, gate_up_bias, rows) or gate_up.shape[0] % 2:
         return False
     hidden, inter = gate_up.shape[1], gate_up.shape[0] // 2
     return (
@@ -187,29 +193,79 @@ def swiglu_group(
     rows = [x.contiguous() for x in xs]  # each [n_e, hidden], in the experts' dtype
     counts = [r.shape[0] for r in rows]
     outs = torch.empty(sum(counts), hidden, dtype=xs[0].dtype)  # [sum n_e, hidden]: the kernel writes it
-    biased = any(b is not None for f in ffns for b in f[2:])
-    gate_up_biases = [_float(f[2]) for f in ffns] if biased else [None] * len(ffns)
-    down_biases = [_float(f[3]) for f in ffns] if biased else gate_up_biases
     status = lib.flowmoe_ffn_group(
-        len(rows),
-        _array([r.data_ptr() for r in rows]),
-        (ctypes.c_int * len(rows))(*counts),
-        hidden,
-        inter,
-        _array([f[0].data_ptr() for f in ffns]),
-        _array([f[1].data_ptr() for f in ffns]),
-        int(ffns[0][0].dtype == torch.bfloat16),
-        _array([_ptr(b) for b in gate_up_biases]),
-        _array([_ptr(b) for b in down_biases]),
-        int(moe.activation == "clamped_swiglu"),
-        moe.swiglu_alpha,
-        moe.swiglu_limit,
-        outs.data_ptr(),
-        ISAS[block or isa()],
+        len(rows), _array([r.data_ptr() for r in rows]), (ctypes.c_int * len(rows))(*counts), hidden, inter,
+        *_weights(ffns, biases := _biases(ffns)), *_activation(moe), outs.data_ptr(), ISAS[block or isa()],
         torch.get_num_threads(),
-    )
+    )  # fmt: skip
+    del biases  # alive through the call
     _check(status, "swiglu_group")
     return list(outs.split(counts))
+
+
+def fits_routed(x: torch.Tensor, counts: list[int], ffns: list[FFN]) -> bool:
+    """Whether `swiglu_routed` takes counts[e] rows of x [T, hidden] through each of `ffns`: every
+    (rows, ffn) one `fits_ffn` takes, all of one shape, and x's rows contiguous."""
+    first = ffns[0][0]
+    return (
+        x.dim() == 2
+        and x.stride(1) == 1
+        and 0 < max(counts) <= max_rows(x.dtype)
+        and all(f[0].shape == first.shape and fits_ffn(x, f, rows=1) for f in ffns)
+    )
+
+
+def swiglu_routed(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    scales: torch.Tensor,
+    counts: list[int],
+    ffns: list[FFN],
+    moe: MoESpec,
+    block: str | None = None,
+) -> torch.Tensor:
+    """A layer's routed experts in one call from the rows of x [T, hidden] they take: expert e's
+    counts[e] rows are x[rows[...]] (rows [sum n_e] int64, each expert's in turn), each output row
+    times its scale (scales [sum n_e], fp32 or x's dtype) -> [sum n_e, hidden] in the product's dtype
+    (torch's: the experts' output, rounded to their dtype, times the scales). Every expert must take
+    at most `max_rows` rows and `fits_routed` hold; `block` as for `linear_rows`."""
+    lib = library()
+    assert lib is not None
+    hidden, inter = ffns[0][1].shape
+    index, weight = rows.contiguous(), scales.contiguous()  # [sum n_e] each
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(len(index), hidden, dtype=dtype)  # [sum n_e, hidden]: the kernel writes it
+    status = lib.flowmoe_ffn_routed(
+        len(counts), x.data_ptr(), x.stride(0), index.data_ptr(), (ctypes.c_int * len(counts))(*counts),
+        hidden, inter, *_weights(ffns, biases := _biases(ffns)), *_activation(moe), weight.data_ptr(),
+        int(weight.dtype == torch.bfloat16), out.data_ptr(), int(dtype == torch.bfloat16),
+        ISAS[block or isa()], torch.get_num_threads(),
+    )  # fmt: skip
+    del biases  # alive through the call
+    _check(status, "swiglu_routed")
+    return out
+
+
+def _biases(ffns: list[FFN]) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """The experts' gate_up and down biases as the kernels read them (fp32; all None where none has
+    any), kept alive by the caller through the kernel's call."""
+    if not any(b is not None for f in ffns for b in f[2:]):
+        return [None] * len(ffns), [None] * len(ffns)
+    return [_float(f[2]) for f in ffns], [_float(f[3]) for f in ffns]
+
+
+def _weights(
+    ffns: list[FFN], biases: tuple[list[torch.Tensor | None], list[torch.Tensor | None]]
+) -> tuple[object, ...]:
+    """The kernels' weight arguments: gate_ups, downs, bf16, gate_up_biases, down_biases."""
+    gate_ups, downs = _array([f[0].data_ptr() for f in ffns]), _array([f[1].data_ptr() for f in ffns])
+    bf16 = int(ffns[0][0].dtype == torch.bfloat16)
+    return gate_ups, downs, bf16, _array([_ptr(b) for b in biases[0]]), _array([_ptr(b) for b in biases[1]])
+
+
+def _activation(moe: MoESpec) -> tuple[int, float, float]:
+    """The kernels' activation arguments: clamped, alpha, limit."""
+    return int(moe.activation == "clamped_swiglu"), moe.swiglu_alpha, moe.swiglu_limit
 
 
 def _float(bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -8,6 +8,9 @@ Public entry points (stable; bench/cpu_kernels.py measures them):
 * `swiglu_ffn_gathered(x, counts, ffns, moe)`: several experts' rows gathered in one tensor, in
   one grouped GEMM per projection (kernels/grouped_experts.py) where the CPU kernels take none of
   them and the grouped path takes them all; None otherwise (then `swiglu_ffn_group`).
+* `swiglu_ffn_routed(x, rows, scales, counts, ffns, moe)`: a layer's routed experts straight from
+  the rows of x they take, each output row times its combine weight, in one CPU kernel call (the
+  gather and the scale inside it); None where the CPU kernels do not take them all.
 * `swiglu_ffn_torch(x, (gate_up, down, gate_up_bias, down_bias), moe)`: the same math composed of
   torch ops (the reference, and the path for what the CPU kernels do not take).
 
@@ -73,6 +76,23 @@ def swiglu_ffn_gathered(
     if c_kernels and any(cpu_expert.fits_ffn(rows, f) for rows, f in zip(x.split(counts), ffns, strict=True)):
         return None
     return swiglu_grouped(x, counts, ffns, moe)
+
+
+def swiglu_ffn_routed(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    scales: torch.Tensor,
+    counts: list[int],
+    ffns: list[FFN],
+    moe: MoESpec,
+) -> torch.Tensor | None:
+    """x [T, hidden]; expert e of `ffns` takes counts[e] rows of it, x[rows[...]] (rows [sum n_e], each
+    expert's in turn), scales [sum n_e] their combine weights -> the scaled outputs [sum n_e, hidden]
+    (the floats of `swiglu_ffn_group` on the gathered rows times the scales), or None where the CPU
+    kernels do not take them all."""
+    if x.device.type != "cpu" or not cpu_expert.fits_routed(x, counts, ffns):
+        return None
+    return cpu_expert.swiglu_routed(x, rows, scales, counts, ffns, moe)
 
 
 def swiglu_ffn_torch(x: torch.Tensor, ffn: FFN, moe: MoESpec) -> torch.Tensor:

@@ -307,6 +307,34 @@ def test_ffn_group_every_isa(isa: str, dtype: torch.dtype, hidden: int, inter: i
             assert _error(out, x, ffn, moe) <= TOLERANCE[dtype]
 
 
+@compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hidden", "inter"), [(40, 24), (1100, 37)])
+def test_routed_group_is_gather_group_and_scale(
+    isa: str, dtype: torch.dtype, scale_dtype: torch.dtype, hidden: int, inter: int
+) -> None:
+    """swiglu_routed (the gather and the scale in the kernel's call) gives the bits of gathering the
+    rows, swiglu_group and torch's product with the scales, at 1 and 2 threads; the product's dtype
+    is torch's (bf16 only for bf16 experts with bf16 scales)."""
+    generator = torch.Generator().manual_seed(hidden * inter)
+    moe = _moe("silu")
+    counts = [1, 3, 2, cpu_expert.MAX_ROWS]
+    ffns = [_ffn(generator, hidden, inter, dtype, bias=i == 1) for i in range(len(counts))]
+    wide = _tensor(generator, cpu_expert.MAX_ROWS + 3, hidden + 5).to(dtype)
+    x = wide[:, 2 : 2 + hidden]  # [T, hidden]: rows with a stride of their own
+    rows = torch.cat([torch.randperm(len(x), generator=generator)[:n] for n in counts])  # [sum n_e]
+    scales = torch.rand(len(rows), generator=generator).to(scale_dtype)  # [sum n_e]
+    assert cpu_expert.fits_routed(x, counts, ffns)
+    routed = _threads(1, lambda: cpu_expert.swiglu_routed(x, rows, scales, counts, ffns, moe))
+    grouped = cpu_expert.swiglu_group(list(x[rows].split(counts)), ffns, moe)
+    expected = torch.cat(grouped) * scales[:, None]  # [sum n_e, hidden]
+    assert routed.dtype == expected.dtype and torch.equal(routed, expected)
+    two = _threads(2, lambda: cpu_expert.swiglu_routed(x, rows, scales, counts, ffns, moe))
+    assert torch.equal(routed, two)
+    assert not cpu_expert.fits_routed(x, [*counts[:-1], cpu_expert.MAX_ROWS + 1], ffns)
+
+
 def test_isa_follows_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """AVX2 + FMA without AVX-512: the AVX2 block; AVX-512 or no AVX2: the portable one (compiled
     for the host); FLOWMOE_CPU_ISA forces either where the CPU can run it, and names bad values."""

@@ -15,8 +15,9 @@ from attrs import define, frozen
 
 from flowmoe.core.plan import deferred_by_rank
 from flowmoe.core.spec import ModelSpec
+from flowmoe.kernels import cpu_combine
 from flowmoe.kernels.attention import attend
-from flowmoe.kernels.experts import swiglu_ffn, swiglu_ffn_gathered, swiglu_ffn_group
+from flowmoe.kernels.experts import swiglu_ffn, swiglu_ffn_gathered, swiglu_ffn_group, swiglu_ffn_routed
 from flowmoe.kernels.kv_cache import Homes, KVCache, write_kv
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.kernels.linear import linear
@@ -169,11 +170,12 @@ class MoEModel:
         self, x: torch.Tensor, routing: Routing, ffns: dict[int, FFNWeights]
     ) -> dict[int, torch.Tensor]:
         """The scaled outputs of routed experts for their tokens, in one kernel call where the CPU
-        kernels take them, else one grouped GEMM per projection where that takes them (one dispatch
-        per layer at decode, not one per expert): expert -> [n_e, hidden] on x's device (the routing
-        may live on another device when experts run on the CPU). The experts go in the order their
-        weights lie (a grouped GEMM views them in place): a layer's host arena holds them in ascending
-        order, the device's slots (runtime/expert_slots.py) in any; each expert's floats are its own."""
+        kernels take them (the gather and the scale in it), else one grouped GEMM per projection where
+        that takes them (one dispatch per layer at decode, not one per expert): expert -> [n_e, hidden]
+        on x's device (the routing may live on another device when experts run on the CPU). The experts
+        go in the order their weights lie (a grouped GEMM views them in place): a layer's host arena
+        holds them in ascending order, the device's slots (runtime/expert_slots.py) in any; each
+        expert's floats are its own."""
         if not ffns:
             return {}
         packed = packed_routed(x, routing, ffns, self.spec.moe)  # int8 / int4 experts read packed on the CPU
@@ -182,6 +184,11 @@ class MoEModel:
         ffns = dict(sorted(ffns.items(), key=lambda item: (item[1].gate_up.data_ptr(), item[0])))
         counts = [len(routing.tokens[e]) for e in ffns]
         rows, scales = (on(t, x.device) for t in routing.rows_of(list(ffns)))  # [sum n_e] each
+        if not self.spec.moe.scale_input:
+            weights = [(f.gate_up, f.down, f.gate_up_bias, f.down_bias) for f in ffns.values()]
+            fused = swiglu_ffn_routed(x, rows, scales, counts, weights, self.spec.moe)  # [sum n_e, hidden]
+            if fused is not None:
+                return dict(zip(ffns, fused.split(counts), strict=True))
         outs = self.scaled_experts(x[rows], scales[:, None], counts, list(ffns.values()))  # one gather
         return dict(zip(ffns, outs, strict=True))
 
@@ -233,7 +240,16 @@ class MoEModel:
         if routing is None:
             moe = torch.zeros_like(hidden)
         else:
-            moe = self.routed_sum(hidden, routing, outputs, [e for e in routing.experts if e not in deferred])
+            experts = [e for e in routing.experts if e not in deferred]
+            routed = [outputs[e] for e in experts]  # [n_e, hidden] each
+            if (
+                carry is None
+                and shared is None
+                and self.spec.residual_multiplier == 1.0
+                and cpu_combine.fits(hidden, routed)
+            ):  # the same floats in one C call
+                return cpu_combine.combine(hidden, on(routing.rows_of(experts)[0], hidden.device), routed)
+            moe = self.routed_sum(hidden, routing, outputs, experts)
         if carry is not None:
             moe = moe + carry
         if shared is not None:
