@@ -14,7 +14,13 @@ import pytest
 
 from tests.hf_models import hf_model, save_hf
 
-_SESSION_HANDLERS = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+# The tests send Ctrl-C as a user at a terminal would. A non-interactive shell starts a background job
+# (`bash .ci/run &`, nohup) with SIGINT ignored, which every flowmoe process a test starts would inherit
+# and keep (flowmoe keeps an ignored signal ignored): the tests start from Python's default instead.
+_SESSION_HANDLERS = {
+    signal.SIGINT: signal.default_int_handler,
+    signal.SIGTERM: signal.getsignal(signal.SIGTERM),
+}
 
 
 @pytest.fixture(scope="session")
@@ -31,9 +37,8 @@ def _flowmoe_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
 
 @pytest.fixture(autouse=True)
 def _signal_handlers() -> Iterator[None]:
-    """Each test starts with the handlers the session started with: a handler something left behind
-    (SIG_IGN above all) is inherited by every flowmoe process a later test starts, which then stays
-    deaf to its Ctrl-C (flowmoe keeps an ignored signal ignored, as under nohup)."""
+    """Each test starts with `_SESSION_HANDLERS`: a handler something left behind (SIG_IGN above all)
+    is inherited by every flowmoe process a later test starts, which then stays deaf to its Ctrl-C."""
     for signum, handler in _SESSION_HANDLERS.items():
         if handler is not None and signal.getsignal(signum) != handler:
             signal.signal(signum, handler)

@@ -55,7 +55,7 @@ def test_gpu_nodes_queue_like_a_stream_and_host_nodes_wait_for_their_producers()
         worker.close()
     assert ran[:3] == [0, 1, 2] and set(ran) == set(cost)
     for i, span in spans.items():
-        assert span.end - span.start >= cost[i] * (1 - 1e-9)
+        assert span.end - span.start >= cost[i] - 1e-9  # absolute: a clock near 3e4 s keeps ~1e-11 s
     assert all(spans[i].end <= spans[i + 1].start for i in range(2))  # one lane, in emission order
     assert spans[3].start >= spans[2].end and spans[4].start >= spans[3].end
     assert set(worker.host_seconds()) == {"gpu.h2d", "gpu.compute", "cpu.compute"}
