@@ -1,7 +1,8 @@
 """RealClockWorker: the CUDA worker's timing on the real clock, with every device action replaced by
 the cost model's duration.
 
-Each lane has a thread of its own, as with `CudaStreamWorker`. A GPU-lane node runs its host-side
+Each lane has a thread of its own, handed its nodes as `CudaStreamWorker`'s are (`LaneThreads`: one
+queue put per node). A GPU-lane node runs its host-side
 action and is then *enqueued*: its device time starts when the action is done, its lane's previous
 node has ended and every producer has ended (the stream's event waits), and lasts `cost(node)`;
 the executor hears `finish` at once, so the lane's next node launches while this one "runs", as
@@ -18,18 +19,18 @@ its device work comes out host-bound. The modelled charge is counted apart (`cha
 
 Waits sleep while far (releasing the GIL) and spin the last `spin` seconds, yielding the GIL at
 every turn, because a sleep overshoots by the kernel's timer slack. Each lane thread's CPU time is
-counted without its waits, so what the host stack costs per lane is measured next to the wall clock.
+counted without its waits and without working out the model (`cost` and `host`, which a GPU run does
+not compute), so what the host stack costs per lane is measured next to the wall clock.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from flowmoe.core.executor import Action, Finish
-from flowmoe.core.plan import Lane, TaskNode
+from flowmoe.core.plan import GPU_LANES, Lane, TaskNode
+from flowmoe.devices.threadpool import LaneThreads
 
 Cost = Callable[[TaskNode], float]
 SPIN_SECONDS = 50e-6
@@ -58,29 +59,25 @@ class RealClockWorker:
         self._host = host
         self._charged: dict[Lane, float] = {}  # lane -> modelled launch seconds charged (its thread only)
         self._spin = spin
-        self._pools: dict[Lane, ThreadPoolExecutor] = {}
-        self._lock = threading.Lock()
+        self._lanes = LaneThreads(self._serve, prefix="flowmoe-realclock")
         self._ends: dict[int, float] = {}  # node id -> end of its device time (this step's nodes)
         self._free: dict[Lane, float] = {}  # GPU lane -> end of its last enqueued node
         self._busy: dict[Lane, float] = {}  # lane -> host CPU seconds (written by that lane's thread only)
         self.sync_cpu_seconds = 0.0  # CPU the caller of sync / synchronize spent waiting (spinning)
 
     def start(self, node: TaskNode, action: Action, finish: Finish) -> None:
-        pool = self._pools.get(node.lane)
-        if pool is None:
-            with self._lock:
-                pool = self._pools.get(node.lane)
-                if pool is None:
-                    pool = ThreadPoolExecutor(1, thread_name_prefix=f"flowmoe-realclock-{node.lane}")
-                    self._pools[node.lane] = pool
-        pool.submit(self._launch if node.lane.on_gpu else self._run, node, action, finish)
+        self._lanes.put(node, action, finish)
+
+    def _serve(self, node: TaskNode, action: Action, finish: Finish) -> None:
+        (self._launch if node.lane in GPU_LANES else self._run)(node, action, finish)
 
     def _launch(self, node: TaskNode, action: Action, finish: Finish) -> None:
         """A GPU node: the action on the host, then the device time queued behind lane and producers."""
+        cost, charge, error = self._model(node)
         cpu = time.thread_time()
-        cost, error = self._act(node, action)
+        if error is None:
+            cost, error = self._act(action, cost)
         if self._host is not None and error is None:
-            charge = max(0.0, self._host(node))
             self._charged[node.lane] = self._charged.get(node.lane, 0.0) + charge
             burn(charge)  # the launches, on this thread: the device time begins after them
         begin = max(time.perf_counter(), self._free.get(node.lane, 0.0), self._after(node))
@@ -90,10 +87,12 @@ class RealClockWorker:
 
     def _run(self, node: TaskNode, action: Action, finish: Finish) -> None:
         """A host node: wait for its GPU producers, run the action, hold the thread for its cost."""
+        cost, _, error = self._model(node)
         wait_until(self._after(node), self._spin)
         cpu = time.thread_time()
         start = time.perf_counter()
-        cost, error = self._act(node, action)
+        if error is None:
+            cost, error = self._act(action, cost)
         host = time.thread_time() - cpu
         wait_until(start + cost, self._spin)
         end = self._ends[node.id] = time.perf_counter()
@@ -101,13 +100,23 @@ class RealClockWorker:
         finish(start, end, error)
         self._busy[node.lane] = self._busy.get(node.lane, 0.0) + host + time.thread_time() - cpu
 
-    def _act(self, node: TaskNode, action: Action) -> tuple[float, BaseException | None]:
-        """Run the node's host-side action; its modelled duration, or the error (reported through
-        the executor, which names the node) and no duration."""
+    def _model(self, node: TaskNode) -> tuple[float, float, BaseException | None]:
+        """The node's modelled device seconds and, on a GPU lane, its launches' charge (`host`), or
+        the error (reported through the executor, which names the node): the model's work, not the
+        host stack's, so worked out before the lane's CPU time is counted."""
+        try:
+            charge = max(0.0, self._host(node)) if self._host is not None and node.lane in GPU_LANES else 0.0
+            return max(0.0, self._cost(node)), charge, None
+        except BaseException as exc:
+            return 0.0, 0.0, exc
+
+    @staticmethod
+    def _act(action: Action, cost: float) -> tuple[float, BaseException | None]:
+        """Run the node's host-side action: `cost`, or the error and no duration."""
         try:
             if action is not None:
                 action()
-            return max(0.0, self._cost(node)), None
+            return cost, None
         except BaseException as exc:
             return 0.0, exc
 
@@ -139,6 +148,4 @@ class RealClockWorker:
         return {str(lane): seconds for lane, seconds in sorted(self._charged.items())}
 
     def close(self) -> None:
-        for pool in self._pools.values():
-            pool.shutdown(wait=True)
-        self._pools.clear()
+        self._lanes.close()

@@ -125,6 +125,7 @@ class CGOPipeScheduler(Scheduler):
         self.paged = {m: sorted(rest) for m, (_, rest) in split.items()}  # paged in for every use
         self.parts = max(1, -(-spec.expert_bytes // self.options.page_bytes))  # pages per expert
         self.per_page = max(1, self.options.page_bytes // spec.expert_bytes)  # whole experts per page
+        self.chunks: dict[tuple[int, int, int], tuple[Page, ...]] = {}  # (layer, chunk, chunks) -> its pages
 
     def residency(self) -> Residency:
         experts = frozenset((m, e) for m, kept in self.resident.items() for e in kept)
@@ -230,15 +231,23 @@ class _Plan:
         yield from (pre, qkv, attn)
         yield from self._stage(layer + 1, mb.index, len(self.step.micro_batches))  # W_CTOPIN(i + 1, j)
 
-    def _chunk(self, layer: int, chunk: int, chunks: int) -> list[Page]:
+    def _chunk(self, layer: int, chunk: int, chunks: int) -> tuple[Page, ...]:
         """The pages of chunk `chunk` of `chunks` of `layer`'s offloaded experts, `page_bytes` each:
-        whole experts per page where a page holds one or more, else each expert in `parts` pages."""
+        whole experts per page where a page holds one or more, else each expert in `parts` pages.
+        The same every step: worked out once per scheduler."""
+        key = (layer, chunk, chunks)
+        pages = self.scheduler.chunks.get(key)
+        if pages is None:
+            pages = self.scheduler.chunks[key] = self._chunk_pages(layer, chunk, chunks)
+        return pages
+
+    def _chunk_pages(self, layer: int, chunk: int, chunks: int) -> tuple[Page, ...]:
         paged, parts, per_page = self.scheduler.paged[layer], self.scheduler.parts, self.scheduler.per_page
         if per_page > 1:
             mine = paged[len(paged) * chunk // chunks : len(paged) * (chunk + 1) // chunks]
-            return [(tuple(mine[i : i + per_page]), -1) for i in range(0, len(mine), per_page)]
+            return tuple((tuple(mine[i : i + per_page]), -1) for i in range(0, len(mine), per_page))
         pages: list[Page] = [((e,), p) for e in paged for p in range(parts)]
-        return pages[len(pages) * chunk // chunks : len(pages) * (chunk + 1) // chunks]
+        return tuple(pages[len(pages) * chunk // chunks : len(pages) * (chunk + 1) // chunks])
 
     def _stage(self, layer: int, chunk: int, chunks: int) -> Iterator[TaskNode]:
         """W_CTOPIN: where the weights are not pinned, the chunk's pages copied into pinned buffers on

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from types import TracebackType
+from typing import Any
 
 from attrs import frozen
 
@@ -24,18 +26,29 @@ class NodeBudget:
     refusal: str
 
 
-def _within(plan: PlanStream, budget: NodeBudget) -> PlanStream:
-    """`plan`, refused (PlanError) at its node past `budget`."""
-    left, items = budget.limit, PlanItems(plan)
-    try:
-        for item in items:
-            if isinstance(item, TaskNode):
-                left -= 1
-                if left < 0:
-                    raise PlanError(f"{budget.refusal} (more than {budget.limit} nodes in one step)")
-            items.reply = yield item
-    finally:
-        plan.close()
+class _Within(Generator[TaskNode | RoutingRequest, ExpertCounts | None, None]):
+    """`plan`, refused (PlanError) at its node past `budget`: a plan stream of its own, not a generator
+    wrapped round it, so each item costs one call more, not two generator frames."""
+
+    def __init__(self, plan: PlanStream, budget: NodeBudget) -> None:
+        self.plan, self.budget, self.left = plan, budget, budget.limit
+
+    def send(self, reply: ExpertCounts | None) -> TaskNode | RoutingRequest:
+        item = self.plan.send(reply)
+        if isinstance(item, TaskNode):
+            self.left -= 1
+            if self.left < 0:
+                self.plan.close()
+                raise PlanError(f"{self.budget.refusal} (more than {self.budget.limit} nodes in one step)")
+        return item
+
+    def throw(
+        self, typ: Any, val: Any = None, tb: TracebackType | None = None
+    ) -> TaskNode | RoutingRequest:  # Any: Generator.throw's two overloads, (type, value) and (exception)
+        return self.plan.throw(typ, val, tb)
+
+    def close(self) -> None:
+        self.plan.close()
 
 
 async def drive(
@@ -54,7 +67,7 @@ async def drive(
     in-flight nodes before it propagates, so what ran is fully recorded. Runs of pages the plan
     emits back to back go as one node each (`page_runs`), in a real run and a simulated one alike;
     the budget counts the plan's own nodes."""
-    plan = page_runs(plan if budget is None else _within(plan, budget))
+    plan = page_runs(plan if budget is None else _Within(plan, budget))
     items = PlanItems(plan)
     try:
         for item in items:

@@ -25,64 +25,82 @@ from flowmoe.core.scheduling import PlanItems, PlanStream
 
 def page_runs(plan: PlanStream) -> PlanStream:
     """`plan` with each run of consecutive pages of one expert merged into one PAGE_COPY node."""
-    run: list[TaskNode] = []
+    run = _Run()
     merged: dict[int, int] = {}  # id of a page merged into a run -> the run's node id
     items = PlanItems(plan)
     try:
         for item in items:
             if isinstance(item, RoutingRequest):
-                yield from _flushed(run, merged)
+                yield from run.flushed(merged)
                 items.reply = yield evolve(item, after=merged.get(item.after, item.after))
                 continue
             node = _pointed(item, merged)
-            if run and _extends(run, node):
-                run.append(node)
+            if run.extended(node):
                 continue
-            yield from _flushed(run, merged)
-            node = _pointed(node, merged)  # its deps on the run just ended
+            if run.pages:
+                yield from run.flushed(merged)
+                node = _pointed(node, merged)  # its deps on the run just ended
             if node.op is Op.PAGE_COPY and node.part >= 0 and not node.sync:
-                run.append(node)
+                run.begin(node)
             else:
                 yield node
-        yield from _flushed(run, merged)
+        yield from run.flushed(merged)
     finally:
         plan.close()
 
 
 def _pointed(node: TaskNode, merged: dict[int, int]) -> TaskNode:
     """`node` with its deps on merged pages pointed at their run's node."""
-    if not merged or not any(d in merged for d in node.deps):
+    if not merged or merged.keys().isdisjoint(node.deps):
         return node
     return evolve(node, deps=tuple(dict.fromkeys(merged.get(d, d) for d in node.deps)))
 
 
-def _extends(run: list[TaskNode], node: TaskNode) -> bool:
-    """Whether `node` is the next page of `run`'s expert and waits for nothing new."""
-    first, last = run[0], run[-1]
-    if _kind(node) != _kind(first) or node.sync or not last.part + last.pages == node.part < node.parts:
-        return False
-    allowed = {*first.deps, *(n.id for n in run)}
-    return all(d in allowed for d in node.deps)
+class _Run:
+    """The pages of the run being merged, what they share, and what its next page may wait for."""
+
+    def __init__(self) -> None:
+        self.pages: list[TaskNode] = []
+        self.kind: tuple[object, ...] = ()
+        self.allowed: set[int] = set()  # the first page's deps and the run's pages
+
+    def begin(self, node: TaskNode) -> None:
+        self.pages.append(node)
+        self.kind = _kind(node)
+        self.allowed = {*node.deps, node.id}
+
+    def extended(self, node: TaskNode) -> bool:
+        """Whether `node` is the next page of the run's expert and waits for nothing new (it joins)."""
+        if not self.pages or node.sync:
+            return False
+        last = self.pages[-1]
+        if not last.part + last.pages == node.part < node.parts or _kind(node) != self.kind:
+            return False
+        if not self.allowed.issuperset(node.deps):
+            return False
+        self.pages.append(node)
+        self.allowed.add(node.id)
+        return True
+
+    def flushed(self, merged: dict[int, int]) -> list[TaskNode]:
+        """The run as one node (and the run emptied): the last page's id, the first page's deps."""
+        pages = self.pages
+        if not pages:
+            return []
+        first, last = pages[0], pages[-1]
+        merged.update((n.id, last.id) for n in pages[:-1])
+        node = evolve(
+            last,
+            deps=first.deps,
+            part=first.part,
+            pages=sum(n.pages for n in pages),
+            bytes=sum(n.bytes for n in pages),
+            flops=sum(n.flops for n in pages),
+        )
+        self.pages = []
+        return [node]
 
 
 def _kind(node: TaskNode) -> tuple[object, ...]:
     """What the pages of one run share."""
     return node.op, node.lane, node.layer, node.mb, node.expert, node.more, node.parts, node.pageable
-
-
-def _flushed(run: list[TaskNode], merged: dict[int, int]) -> list[TaskNode]:
-    """The run as one node (empties `run`): the last page's id, the first page's deps."""
-    if not run:
-        return []
-    first, last = run[0], run[-1]
-    merged.update((n.id, last.id) for n in run[:-1])
-    node = evolve(
-        last,
-        deps=first.deps,
-        part=first.part,
-        pages=sum(n.pages for n in run),
-        bytes=sum(n.bytes for n in run),
-        flops=sum(n.flops for n in run),
-    )
-    run.clear()
-    return [node]

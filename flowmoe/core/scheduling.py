@@ -29,6 +29,7 @@ PlanStream = Generator[TaskNode | RoutingRequest, ExpertCounts | None, None]
 R = TypeVar("R")
 # part of a plan, run with `yield from`, that returns an R (node ids, a layer's routing, ...)
 SubPlan = Generator[TaskNode | RoutingRequest, ExpertCounts | None, R]
+WEIGHT_OPS = frozenset({Op.PAGE_COPY, Op.W_STAGE, Op.EVICT, Op.DISK_LOAD})  # nodes priced by weights alone
 
 
 class PlanItems:
@@ -255,6 +256,10 @@ class NodeFactory:
     _ids: itertools.count = field(factory=itertools.count)
     expert_format: ExpertFormat = "native"  # the policy's: how an expert's PAGE_COPY crosses the link
     attention_format: AttentionFormat = "native"  # the policy's: how a dense part's attention crosses it
+    # what `_cost` works out once: a weight's figures by (op, layer, expert's or dense, formats), and the
+    # (weights read, activation elements per token) of the ops priced by those alone
+    _weight_costs: dict[tuple[object, ...], tuple[int, int]] = field(factory=dict, init=False, eq=False)
+    _per_token: dict[Op, tuple[int, int]] = field(factory=dict, init=False, eq=False)
 
     def node(
         self,
@@ -284,7 +289,8 @@ class NodeFactory:
         if part >= 0:
             n_bytes = n_bytes * (part + 1) // parts - n_bytes * part // parts
             flops = flops * (part + 1) // parts - flops * part // parts
-        n_bytes, flops = n_bytes * (1 + len(more)), flops * (1 + len(more))
+        if more:
+            n_bytes, flops = n_bytes * (1 + len(more)), flops * (1 + len(more))
         index = mb.index if mb else -1
         rowless = flops == 0 and op is not Op.COMBINE  # COMBINE: no GEMM, but its rows are all-reduced (TP)
         rows = 0 if rowless else (mb.sequences if op is Op.LM_HEAD and mb else tokens if tokens is not None
@@ -296,41 +302,42 @@ class NodeFactory:
         self, op: Op, layer: int, mb: MicroBatchShape | None, expert: int, tokens: int | None
     ) -> tuple[int, int]:
         """-> (bytes moved or read, flops): weights read once, activations per token."""
+        if op in WEIGHT_OPS:  # a figure per layer and kind of weight (a plan pages thousands a step)
+            key = (op, layer, expert >= 0, self.expert_format, self.attention_format)
+            cost = self._weight_costs.get(key)
+            if cost is None:
+                cost = self._weight_costs[key] = self._weight_cost(op, layer, expert)
+            return cost
         s, a, b = self.spec, self.spec.attention, self.spec.dtype_bytes
         t = mb.tokens if mb else 0
-        q, kv, out = a.q_width, a.kv_width, a.out_width
-        if op in (Op.PAGE_COPY, Op.W_STAGE) and expert >= 0 and self.expert_format != "native":
-            packed = packed_expert_bytes(s, self.expert_format)  # a copy's flops: a dequantized weight each
-            return (packed, 3 * s.hidden * s.moe.intermediate) if op is Op.PAGE_COPY else (2 * packed, 0)
-        if op in (Op.PAGE_COPY, Op.W_STAGE) and expert < 0 and self.attention_format != "native":
-            dense = dense_layer_bytes(s, layer, self.attention_format)  # flops: its projections dequantized
-            dequantized = sum(r * c for r, c in attention_projections(s))
-            return (dense, dequantized) if op is Op.PAGE_COPY else (2 * dense, 0)
-        if op in (Op.PAGE_COPY, Op.EVICT):
-            return (s.expert_bytes if expert >= 0 else s.layer_dense_bytes(layer)), 0
-        if op is Op.DISK_LOAD:  # a whole layer's weights
-            return s.layer_dense_bytes(layer) + s.layer_expert_bytes(layer), 0
-        if op is Op.W_STAGE:  # a memcpy: every byte read and written once
-            return 2 * (s.expert_bytes if expert >= 0 else s.layer_dense_bytes(layer)), 0
         if op in (Op.EXPERT_FFN, Op.SHARED_FFN):
             inter = s.moe.intermediate if op is Op.EXPERT_FFN else self._shared_inter(layer)
             n = t if tokens is None else tokens
             return 3 * s.hidden * inter * b + 2 * n * s.hidden * b, 6 * n * s.hidden * inter
         if op in (Op.CPU_ATTN, Op.GPU_ATTN):
             kv_tokens, attended = (mb.kv_tokens, mb.attended) if mb else (0, 0)
-            return kv_tokens * 2 * kv * b + t * (q + out) * b, attended * a.pair_flops()
+            kv_bytes = kv_tokens * 2 * a.kv_width * b
+            return kv_bytes + t * (a.q_width + a.out_width) * b, attended * a.pair_flops()
         if op in (Op.KV_LOAD, Op.KV_STORE):  # load: the tokens cached before this step; store: its new ones
             cached = (mb.kv_tokens - t if mb else 0) if op is Op.KV_LOAD else t
-            return cached * 2 * kv * b, 0
+            return cached * 2 * a.kv_width * b, 0
         if op is Op.LM_HEAD:
             rows = mb.sequences if mb else 0
             return s.vocab * s.hidden * b + rows * s.hidden * b, 2 * rows * s.hidden * s.vocab
+        params, activations = (self._per_token or self._per_token_costs())[op]
+        return params * b + t * activations * b, 2 * params * t
+
+    def _per_token_costs(self) -> dict[Op, tuple[int, int]]:
+        """Fill `_per_token`: each op's (weights read, activation elements per token), weights 0 where
+        it reads none."""
+        s, a = self.spec, self.spec.attention
+        q, kv, out = a.q_width, a.kv_width, a.out_width
         params = {
             Op.PRE_ATTN: a.pre_params(s.hidden),
             Op.POST_ATTN: out * s.hidden,
             Op.GATE: s.moe.experts * s.hidden,
             Op.PREGATE: s.moe.experts * s.hidden,
-        }.get(op, 0)
+        }
         activations = {
             Op.EMBED: s.hidden,
             Op.PRE_ATTN: s.hidden + q + 2 * kv,
@@ -344,8 +351,25 @@ class NodeFactory:
             Op.ACT_LOAD: s.hidden,
             Op.EXPERT_LOAD: s.hidden,
             Op.COMBINE: s.hidden * (s.moe.top_k + 2),
-        }[op]
-        return params * b + t * activations * b, 2 * params * t
+        }
+        self._per_token.update((op, (params.get(op, 0), n)) for op, n in activations.items())
+        return self._per_token
+
+    def _weight_cost(self, op: Op, layer: int, expert: int) -> tuple[int, int]:
+        """`_cost` of a weight's copy, staging copy, eviction or disk read (expert >= 0: an expert's)."""
+        s = self.spec
+        if op in (Op.PAGE_COPY, Op.W_STAGE) and expert >= 0 and self.expert_format != "native":
+            packed = packed_expert_bytes(s, self.expert_format)  # a copy's flops: a dequantized weight each
+            return (packed, 3 * s.hidden * s.moe.intermediate) if op is Op.PAGE_COPY else (2 * packed, 0)
+        if op in (Op.PAGE_COPY, Op.W_STAGE) and expert < 0 and self.attention_format != "native":
+            dense = dense_layer_bytes(s, layer, self.attention_format)  # flops: its projections dequantized
+            dequantized = sum(r * c for r, c in attention_projections(s))
+            return (dense, dequantized) if op is Op.PAGE_COPY else (2 * dense, 0)
+        if op in (Op.PAGE_COPY, Op.EVICT):
+            return (s.expert_bytes if expert >= 0 else s.layer_dense_bytes(layer)), 0
+        if op is Op.DISK_LOAD:  # a whole layer's weights
+            return s.layer_dense_bytes(layer) + s.layer_expert_bytes(layer), 0
+        return 2 * (s.expert_bytes if expert >= 0 else s.layer_dense_bytes(layer)), 0  # W_STAGE: a memcpy
 
     def _shared_inter(self, layer: int) -> int:
         moe = self.spec.moe

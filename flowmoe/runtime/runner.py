@@ -46,6 +46,7 @@ from flowmoe.schedulers.shared_options import MAX_PAGES_PER_EXPERT
 from flowmoe.traces.trace import CounterSample, Trace
 
 NODES_PER_WEIGHT = 16  # compute, copy and evict nodes one expert (or dense part) may need per micro-batch
+SAMPLED_AFTER = frozenset({Op.PAGE_COPY, Op.EVICT, Op.EMBED})  # memory counters move (EMBED: a step begins)
 
 
 def node_budget(spec: ModelSpec, scheduler: str, micro_batches: int) -> NodeBudget:
@@ -226,7 +227,7 @@ class Runtime:
 
     def _sample(self, span: Span) -> None:
         """Memory counters after every node that changes them (and at each step's first node)."""
-        if span.node.op not in (Op.PAGE_COPY, Op.EVICT, Op.EMBED):
+        if span.node.op not in SAMPLED_AFTER:
             return
         if self.devices.cuda:
             gpu_bytes = torch.cuda.memory_allocated(self.devices.gpu)
