@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.workloads import workload
-from flowmoe.devices.realclock import RealClockWorker
+from flowmoe.devices.realclock import RealClockWorker, burn
 from flowmoe.runtime.device_weights import DeviceWeights, NotResident
 from flowmoe.study.realtime import meta_model, realtime_run
 from flowmoe.study.simulate import Setup, Simulation
@@ -77,6 +78,39 @@ def test_an_action_that_raises_fails_the_run_naming_the_node() -> None:
             asyncio.run(run())
     finally:
         worker.close()
+
+
+def test_the_model_is_not_counted_as_the_lanes_host_time() -> None:
+    """Working out a node's modelled duration and launch charge is the real clock's own work, which a
+    GPU run never does: the lane's host seconds leave it out (a model that burns 30 ms of CPU per
+    node, lanes that do microseconds of host work)."""
+
+    def slow(seconds: float) -> Callable[[TaskNode], float]:
+        def model(node: TaskNode) -> float:
+            burn(0.03)
+            return seconds
+
+        return model
+
+    worker = RealClockWorker(slow(1e-4), host=slow(0.0))
+    nodes = [
+        TaskNode(0, Op.GATE, Lane.GPU_COMPUTE, layer=0, mb=0),
+        TaskNode(1, Op.CPU_ATTN, Lane.CPU_COMPUTE),
+    ]
+
+    async def run() -> None:
+        executor = Executor(dict.fromkeys(Lane, worker))
+        for node in nodes:
+            executor.submit(node)
+        await executor.drain()
+
+    try:
+        asyncio.run(run())
+    finally:
+        worker.close()
+    host = worker.host_seconds()
+    assert set(host) == {"gpu.compute", "cpu.compute"}
+    assert all(seconds < 0.03 for seconds in host.values()), host
 
 
 def test_meta_model_has_real_shapes_and_no_storage() -> None:
