@@ -4,17 +4,25 @@ are what MoEModel runs for packed experts on the CPU (else the torch fallback)."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from attrs import evolve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flowmoe.core.policy import Policy
+from flowmoe.core.scheduling import Residency
 from flowmoe.kernels import cpu_packed, native
+from flowmoe.model.loading import load_model, pack_experts
 from flowmoe.model.packed_experts import kernel_form, packed_scaled
 from flowmoe.model.quantize import quantize_expert
 from flowmoe.model.quantized import PackedFFN, QuantizedExpert
 from flowmoe.model.weights import FFNWeights
+from flowmoe.runtime.device_weights import Devices, DeviceWeights
+from tests.hf_models import hf_model, save_hf
+from tests.schedule_fixtures import run_scheduler
 from tests.test_cpu_experts import _error, _moe, _threads
 
 pytestmark = pytest.mark.skipif(cpu_packed.library() is None, reason="no C compiler for the CPU kernels here")
@@ -154,3 +162,29 @@ def test_the_model_runs_packed_experts_by_the_kernels_else_dequantizes() -> None
     packed = ffns[0]
     assert isinstance(packed, PackedFFN)
     assert torch.equal(packed.gate_up, experts[0].to_ffn().gate_up)
+
+
+def test_a_host_only_runtime_keeps_packed_experts_packed_and_runs_them_by_the_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the "GPU" is the host, a resident packed expert (copied whole or in pages) is the host's
+    packed expert itself, handed out as a PackedFFN, and a run computes its decode steps' experts by
+    the packed kernels (their tokens are eager's: tests/test_quantized_experts.py)."""
+    folder = save_hf(hf_model("mixtral"), tmp_path / "mixtral")
+    model = load_model(folder)
+    pack_experts(model, folder, "int4")
+    weights = DeviceWeights(model, Devices(torch.device("cpu")), expert_format="int4")
+    weights.setup(Residency.dense_only(model.spec), 2 * model.spec.expert_bytes)  # room for two
+    weights.load(0, 1)
+    weights.load(0, 2, 0, 2, 1)
+    weights.load(0, 2, 1, 2, 1)
+    for expert in (1, 2):
+        resident = weights.expert(0, expert)
+        assert isinstance(resident, PackedFFN) and resident.expert is model.weights.layers[0].packed[expert]
+    weights.close()
+    calls = []
+    kernel = cpu_packed.swiglu_group
+    monkeypatch.setattr(cpu_packed, "swiglu_group", lambda *args: calls.append(1) or kernel(*args))
+    policy = Policy(micro_batch_size=3, micro_batches=2, expert_format="int4")
+    run_scheduler(model, "eager", policy, device="cpu")
+    assert calls

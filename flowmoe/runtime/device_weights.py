@@ -157,7 +157,8 @@ class DeviceWeights:
     model: MoEModel
     devices: Devices
     _dense: dict[int, LayerWeights] = field(factory=dict)
-    _experts: dict[tuple[int, int], FFNWeights] = field(factory=dict)
+    # a packed expert stays packed where the "GPU" is the host (`expert` hands it out as a PackedFFN)
+    _experts: dict[tuple[int, int], FFNWeights | QuantizedExpert] = field(factory=dict)
     _partial: dict[tuple[int, int], _Arriving] = field(factory=dict)
     _spans: dict[tuple[int, int], HostSpan] = field(factory=dict)  # (layer, expert) -> its host bytes, once
     limit: int | None = None  # bytes of layer weights allowed on the GPU (set by setup)
@@ -221,11 +222,14 @@ class DeviceWeights:
             else:
                 self._load_pages(layer, expert, part, parts, pages)
 
-    def _expert_to(self, lw: LayerWeights, expert: int) -> FFNWeights:
+    def _expert_to(self, lw: LayerWeights, expert: int) -> FFNWeights | QuantizedExpert:
         """A whole expert onto the GPU: in the model's dtype, or packed and dequantized on the GPU (on
-        the copy lane's stream, after the copy) into the model's dtype."""
+        the copy lane's stream, after the copy) into the model's dtype; packed as it is where the
+        "GPU" is the host (the CPU's packed kernels read it so: model/packed_experts.py)."""
         if self.expert_format == "native":
             return _ffn_to(self.devices, lw.expert(expert))
+        if not self.devices.copies:
+            return lw.packed[expert]
         return lw.packed[expert].to(self.devices.gpu).to_ffn()
 
     def _load_pages(self, layer: int, expert: int, part: int, parts: int, pages: int) -> None:
@@ -248,7 +252,9 @@ class DeviceWeights:
         arriving.pages.update(range(part, part + pages))
         if len(arriving.pages) == parts:
             target = arriving.weights
-            self._experts[key] = target.to_ffn() if isinstance(target, QuantizedExpert) else target
+            if isinstance(target, QuantizedExpert) and arriving.flat is not None:  # else the host's own
+                target = target.to_ffn()
+            self._experts[key] = target
             del self._partial[key]
 
     def _land(self, key: tuple[int, int], ffn: Paged, span: HostSpan) -> tuple[torch.Tensor, Paged]:
@@ -359,7 +365,7 @@ class DeviceWeights:
         ffn = self._experts.get((layer, expert))
         if ffn is None:
             raise NotResident(f"expert {expert} of layer {layer} is not resident on the GPU")
-        return ffn
+        return ffn.as_ffn() if isinstance(ffn, QuantizedExpert) else ffn
 
     def close(self) -> None:
         """Drop every weight held on the device and this object's entry in the process's ledger."""
