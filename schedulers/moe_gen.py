@@ -37,6 +37,21 @@ Per layer, in flowmoe's nodes, for each expert group (below):
    those rows, and the others wait for it and find their outputs done;
 3. the tail (shared expert, combine) of each micro-batch.
 
+Dense parts (`--stream-dense 1`, the default): MoE-Gen's released code keeps no layer's attention or
+shared expert on the GPU. Its parameter server lists every layer's attention ("attn_<layer>") and
+every MoE layer's shared expert ("shared_expert_<layer>") as weight-copy tasks beside the routed
+experts (moe_gen/models/deepseek/deepseek_parameter_server.py lines 109-144, at EfficientMoE/MoE-Gen
+f83b812; the same in deepseekv2_initializer.py lines 924-957, Mixtral_Initializer.py lines 672-689
+for the attention, Qwen_Initializer.py lines 541-550), unconditionally, whatever the GPU's memory;
+its GPU holds one module buffer each for them (deepseekv2_initializer.py lines 587-596:
+num_{prefill,decoding}_module_buffer "attn": 1, "shared_expert": 1), and the wrappers read them from
+that buffer before each forward (models/Wrapper.py lines 265-277, 479-491). Here each MoE layer's
+dense part (attention, router, shared expert: the runtime moves a dense part in one piece; the router
+is 0.1% of it) is one PAGE_COPY issued behind the layer before's expert copies, so it crosses the link
+while that layer's experts compute, into a buffer of two dense parts (the copy waits for the EVICT of
+the dense part two layers back), and is evicted after the layer's last tail. `--stream-dense 0` keeps
+them resident (flowmoe's model before issue 28).
+
 Expert groups: the expert batch is every micro-batch of the step (a decode
 step's whole batch) unless its activations do not fit the GPU next to the
 weights and buffers (a prefill of thousands of prompts): then consecutive
@@ -62,7 +77,7 @@ GPU (or the CPU) attends.
 
 Memory (`core.memory.gpu_memory` from its answers): one layer's offloaded
 experts (the expert buffer: the released config's 8 routed-expert module
-buffers), the KV buffers of the largest micro-batch at its longest context
+buffers), two layers' streamed dense parts, the KV buffers of the largest micro-batch at its longest context
 (`kv_working_bytes`, not the default two slices of one layer), the
 post-attention activations of one layer for every micro-batch of the step
 (flowmoe's runtime keeps them until the next layer's combine) and the expert
@@ -70,7 +85,12 @@ group's residual stream and top-k expert outputs (`gpu_working_bytes`), and
 one micro-batch's working set, at the prefill and at the last decode step;
 host memory holds the whole KV cache.
 
-Deviations, each with its reason: MoE-Gen can split one step's attention
+Deviations, each with its reason: the dense layers (DeepSeek's first_k_dense_replace) keep their
+dense part resident, where MoE-Gen streams their attention and keeps their dense MLP (a dense part
+moves whole, and their attention is the smaller share); the dense buffer holds two layers where
+MoE-Gen has one attention and one shared-expert buffer, so that the next layer's part loads during
+this layer's experts as MoE-Gen's attention does (its buffer frees after the layer's attention).
+MoE-Gen can split one step's attention
 between the GPU and the CPU by a ratio (its attention mode 2, `SPLIT_RATIO_W`);
 here a run attends on one of them (`--attention-on`), since where attention
 runs is one placement per run in flowmoe. A decode step's residual stream
@@ -92,13 +112,15 @@ import math
 from collections.abc import Sequence
 from typing import ClassVar
 
-from attrs import evolve
+from attrs import evolve, frozen
 
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.memory import gpu_memory, host_need, resident_bytes, step_activation_bytes
+from flowmoe.core.options import option
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.policy import Place, Policy
+from flowmoe.core.ranges import IntRange
 from flowmoe.core.scheduling import (
     BatchShape,
     MicroBatchShape,
@@ -117,14 +139,37 @@ from flowmoe.schedulers.layer_nodes import (
     kept_per_layer,
     latency_model,
     layer_tail,
+    moe_layers,
     offloaded_kv_attention,
     routing_of,
+    two_layers_bytes,
 )
 
 KV_BUFFERS = 3  # the released config: num_k_buffer = num_v_buffer = 3
 EXPERT_ROWS = 2048  # the released config: expert_{prefill,decoding}_batch_size_upper_bound = 2048
 GPU_USABLE, CPU_USABLE = 0.86, 0.8  # the headroom `flowmoe plan` leaves (policy_search)
 BATCH_SHARES = (1.0, 0.8, 0.6, 0.4)  # of the host-bound batch, tried where host memory bounds it
+
+
+@frozen
+class MoEGenOptions:
+    """Whether the MoE layers' dense parts are streamed, as MoE-Gen's released code does."""
+
+    stream_dense: int = option(
+        1, "1: each MoE layer's dense part (attention, router, shared expert) is copied in during the "
+        "layer before's experts and freed after the layer, as MoE-Gen's released code streams every "
+        "attention and shared expert; 0: they stay resident", IntRange(0, 1), label="dense",
+    )  # fmt: skip
+
+
+def streamed_layers(spec: ModelSpec, options: MoEGenOptions) -> frozenset[int]:
+    """The layers whose dense part crosses the link every step: the MoE layers, where streamed."""
+    return frozenset(moe_layers(spec)) if options.stream_dense else frozenset()
+
+
+def moe_gen_residency(spec: ModelSpec, options: MoEGenOptions) -> Residency:
+    """No expert resident; the dense parts of the layers not streamed."""
+    return Residency(frozenset(range(spec.layers)) - streamed_layers(spec, options), frozenset())
 
 
 def group_token_bytes(spec: ModelSpec) -> int:
@@ -161,6 +206,7 @@ class MoEGenScheduler(Scheduler):
         "MoE-Gen module-based batching: KV cache and tokens in host memory, attention per micro-batch "
         "(KV slices copied in, or on the CPU), then each expert once over the whole batch's tokens"
     )
+    Options: ClassVar[type[MoEGenOptions]] = MoEGenOptions
 
     @classmethod
     def own_policies(cls, request: PolicyRequest) -> list[Policy]:
@@ -176,6 +222,8 @@ class MoEGenScheduler(Scheduler):
         spec, policy = context.spec, context.policy
         check_placement(self.name, policy, attention=("gpu", "cpu"))
         self.cpu_attention = policy.attention_on == "cpu"
+        self.options = policy.options_for(self.Options)
+        self.streamed = streamed_layers(spec, self.options)
         split = kept_per_layer(spec, context.popularity, policy.weights_gpu_share)
         self.resident = {m: frozenset(kept) for m, (kept, _) in split.items()}
         self.order = {m: rest for m, (_, rest) in split.items()}  # offloaded, most popular first
@@ -183,11 +231,14 @@ class MoEGenScheduler(Scheduler):
 
     def residency(self) -> Residency:
         experts = frozenset((m, e) for m, kept in self.resident.items() for e in kept)
-        return Residency(Residency.dense_only(self.context.spec).dense, experts)
+        return Residency(moe_gen_residency(self.context.spec, self.options).dense, experts)
 
     def weight_buffer_bytes(self) -> int:
+        """One layer's offloaded experts and two layers' streamed dense parts."""
+        spec = self.context.spec
         widest = max((len(rest) for rest in self.order.values()), default=0)
-        return widest * self.context.spec.expert_bytes
+        dense = [spec.layer_dense_bytes(m) if m in self.streamed else 0 for m in range(spec.layers)]
+        return widest * spec.expert_bytes + two_layers_bytes(dense)
 
     def kv_on_gpu(self) -> bool:
         return False
@@ -245,18 +296,20 @@ class MoEGenScheduler(Scheduler):
         copy = cost(probe)
         return max(1, min(offloaded, int(max(0.0, attend - kv) // copy) if copy > 0 else offloaded))
 
-    def _attention(self, layer: int, mb: MicroBatchShape, after: int, kv_free: list[int]) -> list[TaskNode]:
+    def _attention(
+        self, layer: int, mb: MicroBatchShape, after: int, kv_free: list[int], weights: int | None
+    ) -> list[TaskNode]:
         """GPU attention after this micro-batch's KV slice came in (KV_LOAD, in a free KV buffer), or
         PRE_ATTN, q/k/v to the CPU, CPU_ATTN next to the cache, the output back (HIDDEN_LOAD),
-        POST_ATTN. The last node is POST_ATTN."""
+        POST_ATTN; PRE_ATTN after `weights` (the dense part's copy) too. The last node is POST_ATTN."""
         f = self.context.factory
         if not self.cpu_attention:
             slot = kv_free[-KV_BUFFERS] if len(kv_free) >= KV_BUFFERS else None
             load = f.node(Op.KV_LOAD, Lane.GPU_H2D, layer, mb, deps=[slot])
-            nodes = offloaded_kv_attention(f, layer, mb, after, load.id)
+            nodes = offloaded_kv_attention(f, layer, mb, after, load.id, weights)
             kv_free.append(nodes.store.id)  # the KV_STORE frees the buffer
             return [load, *nodes]
-        pre = f.node(Op.PRE_ATTN, Lane.GPU_COMPUTE, layer, mb, deps=[after])
+        pre = f.node(Op.PRE_ATTN, Lane.GPU_COMPUTE, layer, mb, deps=[after, weights])
         qkv = f.node(Op.QKV_OFFLOAD, Lane.GPU_D2H, layer, mb, deps=[pre.id])
         attn = f.node(Op.CPU_ATTN, Lane.CPU_COMPUTE, layer, mb, deps=[qkv.id])
         load = f.node(Op.HIDDEN_LOAD, Lane.GPU_H2D, layer, mb, deps=[attn.id])
@@ -269,9 +322,13 @@ class MoEGenScheduler(Scheduler):
         last: dict[int, int] = {}
         freed: list[TaskNode] = []  # the previous expert phase's EVICTs, in order: the expert buffer's slots
         kv_free: list[int] = []  # KV_STOREs, in order: the KV buffers' slots
+        dense: dict[int, int] = {}  # layer -> the PAGE_COPY of its streamed dense part, then its EVICT
+        if 0 in self.streamed:
+            yield self._dense_copy(0, dense)
         for layer in range(spec.layers):
             moe = spec.is_moe_layer(layer)
             final = layer == spec.layers - 1
+            combines: list[int] = []
             for group in groups:
                 if layer == 0:
                     embeds = [f.node(Op.EMBED, Lane.GPU_COMPUTE, mb=mb) for mb in group]
@@ -283,20 +340,36 @@ class MoEGenScheduler(Scheduler):
                     ]
                     yield from loads
                     last.update({mb.index: n.id for mb, n in zip(group, loads, strict=True)})
-                posts, gates, copies = yield from self._attend(layer, group, last, freed, kv_free, moe)
+                posts, gates, copies = yield from self._attend(
+                    layer, group, last, freed, kv_free, moe, dense.get(layer)
+                )
                 outputs: dict[int, list[int]] = {mb.index: [] for mb in group}
                 if moe:
                     freed = yield from self._experts(layer, group, gates, copies, freed, outputs)
+                if group is groups[-1] and layer + 1 in self.streamed:  # behind this layer's expert copies
+                    yield self._dense_copy(layer + 1, dense)
                 for mb in group:
                     tail = layer_tail(f, spec, layer, mb, posts[mb.index], outputs[mb.index])
                     yield from tail
                     last[mb.index] = tail[-1].id
+                    combines.append(tail[-1].id)
                     if final:
                         yield f.node(Op.LM_HEAD, Lane.GPU_COMPUTE, mb=mb, deps=[last[mb.index]])
                     elif stored:
                         store = f.node(Op.ACT_STORE, Lane.GPU_D2H, layer, mb, deps=[last[mb.index]])
                         yield store
                         last[mb.index] = store.id
+            if layer in self.streamed:
+                evict = f.node(Op.EVICT, Lane.GPU_COMPUTE, layer, deps=combines)
+                dense[layer] = evict.id
+                yield evict
+
+    def _dense_copy(self, layer: int, dense: dict[int, int]) -> TaskNode:
+        """PAGE_COPY of the layer's dense part into the dense buffer of two layers: after the EVICT of
+        the dense part two layers back (that of the layer before is still in use)."""
+        node = self.context.factory.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, deps=[dense.get(layer - 2)])
+        dense[layer] = node.id
+        return node
 
     def _attend(
         self,
@@ -306,12 +379,14 @@ class MoEGenScheduler(Scheduler):
         freed: list[TaskNode],
         kv_free: list[int],
         moe: bool,
+        weights: int | None,
     ) -> SubPlan[tuple[dict[int, int], dict[int, int], dict[int, int]]]:
-        """Attention and gate of each micro-batch of the group, a share of the layer's early copies
-        behind each one's KV slice (GPU) or attention output (CPU). -> (POST_ATTN ids, GATE ids,
-        the copies issued: expert -> PAGE_COPY id)."""
+        """Attention and gate of each micro-batch of the group (after `weights`, the copy of the
+        layer's streamed dense part, if any), a share of the layer's early copies behind each one's KV
+        slice (GPU) or attention output (CPU). -> (POST_ATTN ids, GATE ids, the copies issued: expert ->
+        PAGE_COPY id)."""
         f = self.context.factory
-        attention = {mb.index: self._attention(layer, mb, last[mb.index], kv_free) for mb in group}
+        attention = {mb.index: self._attention(layer, mb, last[mb.index], kv_free, weights) for mb in group}
         copies: dict[int, int] = {}
         ahead = (
             self.order[layer][: self.ahead(layer, [n for a in attention.values() for n in a])] if moe else []
@@ -427,7 +502,7 @@ def moe_gen_policy(
     else the device's) by the scheduler's own accounting (N shrinks by a tenth while none fits); the
     candidate whose decode step the cost model prices fastest per sequence wins (§4: the sizes chosen
     so GPU computation and the copies overlap)."""
-    homed = host_need(spec, Residency.dense_only(spec), 0).total
+    homed = host_need(spec, moe_gen_residency(spec, MoEGenOptions()), 0).total
     most = max(1, int((CPU_USABLE * hw.cpu_memory - homed) // ((prompt + gen) * spec.kv_bytes_per_token)))
     budget = int(GPU_USABLE * (gpu_memory if gpu_memory is not None else hw.gpu_memory))
     if max_batch and max_batch <= most:
