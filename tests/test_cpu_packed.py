@@ -139,8 +139,9 @@ def test_what_the_kernels_take() -> None:
 
 def test_the_model_runs_packed_experts_by_the_kernels_else_dequantizes() -> None:
     """packed_scaled takes a group of PackedFFNs (the floats of the kernel, scaled by the combine
-    weights) and gives None (the caller's torch path) for more rows than the kernels take or an
-    expert in a layout they do not read; a PackedFFN's tensors read are its dequantization."""
+    weights), an expert of more rows than one call takes in pieces with each piece's bits, and gives
+    None (the caller's torch path) for an expert in a layout they do not read; a PackedFFN's tensors
+    read are its dequantization."""
     moe = _moe("silu")
     experts = [_expert(seed, 72, 24, "int4", False, torch.float32) for seed in range(2)]
     ffns: list[FFNWeights] = [e.as_ffn() for e in experts]
@@ -153,8 +154,16 @@ def test_the_model_runs_packed_experts_by_the_kernels_else_dequantizes() -> None
     )
     for out, expected, rows in zip(outs, kernel, scales.split(counts), strict=True):
         assert torch.equal(out, expected * rows)
-    many = cpu_packed.MAX_ROWS + 1
-    assert packed_scaled(torch.randn(many, 72), torch.rand(many, 1), [many], ffns[:1], moe) is None
+    many = [2 * cpu_packed.MAX_ROWS + 5, 3]  # prefill: three pieces, then one
+    x, w = torch.randn(sum(many), 72), torch.rand(sum(many), 1)
+    outs = packed_scaled(x, w, many, ffns, moe)
+    assert outs is not None and [len(o) for o in outs] == many
+    pieces = [cpu_packed.MAX_ROWS, cpu_packed.MAX_ROWS, 5, 3]
+    alone = [
+        cpu_packed.swiglu_group([piece], [_kernel(experts[e])[2]], "int4", 128, moe)[0]
+        for piece, e in zip(x.split(pieces), [0, 0, 0, 1], strict=True)
+    ]
+    assert torch.equal(torch.cat(outs), torch.cat(alone) * w)
     dense = FFNWeights(*_dequantized(experts[0]))
     assert packed_scaled(gathered[:3], scales[:3], [3], [dense], moe) is None  # not packed
     mixed = [ffns[0], _expert(0, 72, 24, "int8", False, torch.float32).as_ffn()]

@@ -3,10 +3,13 @@ dispatch from `MoEModel.routed_experts` / `scaled_experts` to kernels/cpu_packed
 
 A group of experts goes to the packed kernels in one call where every one of them is a `PackedFFN`
 (`LayerWeights.expert` under a packed expert format) whose projections are all `Int8Weight`s or all
-`Int4Weight`s of one group size the kernels take, with at most cpu_packed.MAX_ROWS rows each, on the
-CPU, in the model's dtype (fp32 or bf16); otherwise None, and the caller dequantizes them in torch
-(a PackedFFN's tensors, read). The result is the callers': each expert's outputs times the rows'
-combine weights (or its input scaled first, Llama 4's `scale_input`).
+`Int4Weight`s of one group size the kernels take, on the CPU, in the model's dtype (fp32 or bf16);
+otherwise None, and the caller dequantizes them in torch (a PackedFFN's tensors, read). An expert with
+more than cpu_packed.MAX_ROWS rows (prefill) goes in pieces of at most that many, each reading the
+packed weights again: a row's result does not depend on the rows beside it (tests/test_cpu_packed.py),
+and re-reading the packed bytes costs far less than dequantizing the expert in torch per call. The
+result is the callers': each expert's outputs times the rows' combine weights (or its input scaled
+first, Llama 4's `scale_input`).
 """
 
 from __future__ import annotations
@@ -59,15 +62,17 @@ def packed_scaled(
     """`MoEModel.scaled_experts` by the packed kernels: gathered [sum n_e, hidden] (each expert's rows
     in turn), scales [sum n_e, 1] -> each expert's scaled outputs [n_e, hidden]; None where they do
     not take them all (the module docstring)."""
-    if not all(isinstance(f, PackedFFN) for f in ffns) or max(counts, default=0) > cpu_packed.MAX_ROWS:
+    if not ffns or not all(isinstance(f, PackedFFN) for f in ffns) or 0 in counts:
         return None
     forms = [kernel_form(f.expert) for f in ffns]  # type: ignore[attr-defined]  # PackedFFNs, checked
     first = forms[0]
     if first is None or any(f is None or f[:2] != first[:2] for f in forms):
         return None
     fmt, group = first[:2]
-    kernel_ffns = [f[2] for f in forms if f is not None]
-    xs = list(gathered.split(counts))  # [n_e, hidden] each
+    step = cpu_packed.MAX_ROWS
+    pieces = [min(step, n - at) for n in counts for at in range(0, n, step)]  # rows per kernel call
+    kernel_ffns = [f[2] for f, n in zip(forms, counts, strict=True) if f for _ in range(0, n, step)]
+    xs = list(gathered.split(pieces))  # [<= MAX_ROWS, hidden] each, an expert's rows in order
     dtype = ffns[0].expert.dtype  # type: ignore[attr-defined]
     if not all(
         x.dtype == dtype and cpu_packed.fits(x, f, fmt, group) for x, f in zip(xs, kernel_ffns, strict=True)
@@ -75,7 +80,8 @@ def packed_scaled(
         return None
     if moe.scale_input:  # Llama 4 scales the expert's input, the others its output
         scaled = gathered * scales.to(gathered.dtype)  # [sum n_e, hidden]
-        return cpu_packed.swiglu_group(list(scaled.split(counts)), kernel_ffns, fmt, group, moe)
+        outs = cpu_packed.swiglu_group(list(scaled.split(pieces)), kernel_ffns, fmt, group, moe)
+        return list(torch.cat(outs).split(counts))
     outs = cpu_packed.swiglu_group(xs, kernel_ffns, fmt, group, moe)
     return list((torch.cat(outs) * scales).split(counts))  # float32 scales give a float32 product
 
@@ -89,7 +95,7 @@ def packed_routed(
         return None
     experts = sorted(ffns)  # ascending: a view of the routing's sorted rows
     counts = [len(routing.tokens[e]) for e in experts]
-    if max(counts, default=0) > cpu_packed.MAX_ROWS or x.device.type != "cpu":
+    if x.device.type != "cpu":
         return None
     rows, scales = (on(t, x.device) for t in routing.rows_of(experts))  # [sum n_e] each
     outs = packed_scaled(x[rows], scales[:, None], counts, [ffns[e] for e in experts], moe)
