@@ -8,16 +8,20 @@
    * int8 (fmt 0): q int8 [R, K], one float32 scale per row: y = scale x sum_k q x.
    * int4 (fmt 1): q two 4-bit levels per byte [R, ceil(K / 2)] (column 2i in the low nibble of
      byte i, 2i + 1 in the high one), a float16 scale and zero per group of `group` columns of a row
-     (group a multiple of 16): y = sum_groups scale x sum_k (q - zero) x.
+     (group a multiple of 16): y = sum_groups scale x sum_k (q - zero) x
+     = sum_groups scale x (sum_k q x - zero x sum_k x), as the blocks compute it: the group's sums
+     of x (group_sums) are a row's, once per call, shared by all the weight rows it meets.
 
    Each output is summed in one fixed order, whatever the number of rows and threads: 8 lanes,
    lane l taking the columns k = l mod 8 (int8) or, within each 16 columns, 2l (the even lanes)
-   and 2l + 1 (the odd lanes: a second accumulator), each in k order with a fused multiply-add
-   where the block has one; int4 adds each group's even + odd lanes times the group's scale into
-   the row's lanes; then the 8 lanes in a fixed tree (hsum8: i + i + 4, then + 2, + 1), then the
-   last K % 8 (int8) or K % 16 (int4) columns in order, each dequantized as (q - zero) x scale.
-   (q - zero) is exact in fp32 (a 4-bit level less a float16), so the one rounding that differs from
-   dequantize-then-multiply is the scale's, taken per group instead of per weight.
+   and 2l + 1 (the odd lanes: a second accumulator) of q x, each in k order with a fused
+   multiply-add where the block has one; int4 adds each group's (even + odd lanes - zero x the
+   lane's sum of the same columns of x) times the group's scale into the row's lanes; then the 8
+   lanes in a fixed tree (hsum8: i + i + 4, then + 2, + 1), then the last K % 8 (int8) or K % 16
+   (int4) columns in order, each dequantized as (q - zero) x scale. int8 differs from
+   dequantize-then-multiply by the scale's rounding, taken once per row instead of per weight; int4
+   also sums the levels q (0..15) and not q - zero, so its sums' rounding scales with
+   sum |q| |x| <= sum |q - zero| |x| + |zero| sum |x| (tests/test_cpu_packed.py's bound).
    x is read in int4 column order for int4 weights: within each 16 columns the 8 even ones, then the
    8 odd ones (those past the last full 16 in place), as the low and high nibbles of 8 bytes give them.
 
@@ -36,8 +40,8 @@
 #define CHUNK 256     /* int8 columns per chunk of the portable block */
 
 /* cpu_packed_avx2.c */
-void flowmoe_packed_block_avx2(int fmt, const float *x, long ldx, int n, long K, long group, const void *q,
-                               const void *scale, const void *zero, long o0, int ob, float *res);
+void flowmoe_packed_block_avx2(int fmt, const float *x, long ldx, const float *sums, int n, long K, long group,
+                               const void *q, const void *scale, const void *zero, long o0, int ob, float *res);
 
 /* IEEE half -> float, exactly (subnormals, infinities and NaN included). */
 float flowmoe_half_to_float(uint16_t h) {
@@ -77,6 +81,25 @@ static inline int int4_level(const uint8_t *row, long k) {
     return k & 1 ? row[k >> 1] >> 4 : row[k >> 1] & 15;
 }
 
+/* int4's group sums of x [n, K] (int4 column order) into sums [n, groups, 8]: lane l of group g
+   is the sum of the columns c + l, then c + 8 + l, for each 16 columns c of the group in order
+   (those before the last full 16 only; the tail's are 0), the columns that lane l of a block's
+   even and odd accumulators meets. */
+static void group_sums(const float *x, int n, long K, long group, float *sums) {
+    long k16 = K / 16 * 16, groups = (K + group - 1) / group;
+    for (int r = 0; r < n; r++)
+        for (long g = 0; g < groups; g++) {
+            float b[8] = {0};
+            long end = (g + 1) * group < k16 ? (g + 1) * group : k16;
+            for (long c = g * group; c < end; c += 16)
+                for (int l = 0; l < 8; l++) {
+                    b[l] += x[r * K + c + l];
+                    b[l] += x[r * K + c + 8 + l];
+                }
+            memcpy(sums + (r * groups + g) * 8, b, sizeof b);
+        }
+}
+
 /* The last columns [k0, K) of weight row o against x's row (in order; int4: (q - zero) x scale). */
 float flowmoe_packed_tail(int fmt, const float *xr, long K, long group, const void *q, const void *scale,
                           const void *zero, long o, long k0, float s) {
@@ -97,10 +120,10 @@ float flowmoe_packed_tail(int fmt, const float *xr, long K, long group, const vo
 }
 
 /* The portable block: res[r * PB + j] = x[r] . weight row o0 + j for r < n, j < ob, each weight
-   chunk widened once into a buffer (int8: q; int4: q - zero, one group) and multiplied there
-   against every row. */
-static void block_portable(int fmt, const float *x, long ldx, int n, long K, long group, const void *q,
-                           const void *scale, const void *zero, long o0, int ob, float *res) {
+   chunk widened once into a buffer (int8: q; int4: q, one group) and multiplied there against
+   every row; int4: `sums` x's group sums (group_sums, a row's groups x 8 floats on). */
+static void block_portable(int fmt, const float *x, long ldx, const float *sums, int n, long K, long group,
+                           const void *q, const void *scale, const void *zero, long o0, int ob, float *res) {
     float buf[PB][MAX_GROUP > CHUNK ? MAX_GROUP : CHUNK];
     float total[n][PB][8];
     memset(total, 0, sizeof total);
@@ -125,15 +148,15 @@ static void block_portable(int fmt, const float *x, long ldx, int n, long K, lon
     long k16 = K / 16 * 16, bytes = (K + 1) / 2, groups = (K + group - 1) / group;
     for (long g0 = 0; g0 < k16; g0 += group) {
         long gc = k16 - g0 < group ? k16 - g0 : group, g = g0 / group;
-        float sc[PB];
+        float sc[PB], z[PB];
         for (int j = 0; j < ob; j++) {
             const uint8_t *row = (const uint8_t *)q + (o0 + j) * bytes + g0 / 2;
-            float z = flowmoe_half_to_float(((const uint16_t *)zero)[(o0 + j) * groups + g]);
+            z[j] = flowmoe_half_to_float(((const uint16_t *)zero)[(o0 + j) * groups + g]);
             sc[j] = flowmoe_half_to_float(((const uint16_t *)scale)[(o0 + j) * groups + g]);
             for (long c = 0; c < gc; c += 16)
                 for (int i = 0; i < 8; i++) {
-                    buf[j][c + i] = (float)(row[c / 2 + i] & 15) - z;
-                    buf[j][c + 8 + i] = (float)(row[c / 2 + i] >> 4) - z;
+                    buf[j][c + i] = (float)(row[c / 2 + i] & 15);
+                    buf[j][c + 8 + i] = (float)(row[c / 2 + i] >> 4);
                 }
         }
         for (int r = 0; r < n; r++)
@@ -145,7 +168,8 @@ static void block_portable(int fmt, const float *x, long ldx, int n, long K, lon
                         even[i] += xr[c + i] * buf[j][c + i];
                         odd[i] += xr[c + 8 + i] * buf[j][c + 8 + i];
                     }
-                for (int i = 0; i < 8; i++) total[r][j][i] += sc[j] * (even[i] + odd[i]);
+                const float *b = sums + (r * groups + g) * 8;
+                for (int i = 0; i < 8; i++) total[r][j][i] += sc[j] * ((even[i] + odd[i]) - z[j] * b[i]);
             }
     }
     for (int r = 0; r < n; r++)
@@ -154,12 +178,12 @@ static void block_portable(int fmt, const float *x, long ldx, int n, long K, lon
                                                   hsum8(total[r][j]));
 }
 
-static inline void packed_block(int isa, int fmt, const float *x, long ldx, int n, long K, long group,
-                                const void *const *p, long o0, int ob, float *res) {
+static inline void packed_block(int isa, int fmt, const float *x, long ldx, const float *sums, int n, long K,
+                                long group, const void *const *p, long o0, int ob, float *res) {
     if (isa == 1)
-        flowmoe_packed_block_avx2(fmt, x, ldx, n, K, group, p[0], p[1], p[2], o0, ob, res);
+        flowmoe_packed_block_avx2(fmt, x, ldx, sums, n, K, group, p[0], p[1], p[2], o0, ob, res);
     else
-        block_portable(fmt, x, ldx, n, K, group, p[0], p[1], p[2], o0, ob, res);
+        block_portable(fmt, x, ldx, sums, n, K, group, p[0], p[1], p[2], o0, ob, res);
 }
 
 static inline float bf16_to_float(uint16_t h) {
@@ -207,14 +231,18 @@ int flowmoe_packed_ffn_group(int experts, const void *const *xs, const int *ns, 
     long up_blocks = (I + PB - 1) / PB, down_blocks = (H + PB - 1) / PB, rows = 0;
     long first[experts > 0 ? experts : 1];
     for (int e = 0; e < experts; e++) first[e] = rows, rows += ns[e];
-    float *xw = malloc(sizeof(float) * (rows > 0 ? rows : 1) * H);
-    float *acts = malloc(sizeof(float) * (rows > 0 ? rows : 1) * I);
-    if (!xw || !acts) {
-        free(xw), free(acts);
+    int ordered = fmt == 1;
+    long at_least = rows > 0 ? rows : 1; /* int4: a row's group sums of x and of the activations */
+    long hidden_sums = ordered ? 8 * ((H + group - 1) / group) : 0, act_sums = ordered ? 8 * ((I + group - 1) / group) : 0;
+    float *xw = malloc(sizeof(float) * at_least * H), *acts = malloc(sizeof(float) * at_least * I);
+    float *xsums = ordered ? malloc(sizeof(float) * at_least * hidden_sums) : NULL; /* [rows, groups, 8] */
+    float *asums = ordered ? malloc(sizeof(float) * at_least * act_sums) : NULL;
+    if (!xw || !acts || (ordered && (!xsums || !asums))) {
+        free(xw), free(acts), free(xsums), free(asums);
         return 1;
     }
-    int ordered = fmt == 1;
     for (int e = 0; e < experts; e++) widen(xs[e], ns[e], H, bf16, ordered, xw + first[e] * H);
+    if (ordered) group_sums(xw, (int)rows, H, group, xsums);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -225,8 +253,9 @@ int flowmoe_packed_ffn_group(int experts, const void *const *xs, const int *ns, 
             const void *const *w = weights + 9L * e;
             const float *bias = gate_up_biases[e], *x = xw + first[e] * H;
             float g[n * PB], u[n * PB], *act = acts + first[e] * I;
-            packed_block(isa, fmt, x, H, n, H, group, w, o0, ob, g);
-            packed_block(isa, fmt, x, H, n, H, group, w + 3, o0, ob, u);
+            const float *sums = ordered ? xsums + first[e] * hidden_sums : NULL;
+            packed_block(isa, fmt, x, H, sums, n, H, group, w, o0, ob, g);
+            packed_block(isa, fmt, x, H, sums, n, H, group, w + 3, o0, ob, u);
             for (int r = 0; r < n; r++)
                 for (int j = 0; j < ob; j++) {
                     float gv = g[r * PB + j] + (bias ? bias[o0 + j] : 0.0f);
@@ -235,6 +264,10 @@ int flowmoe_packed_ffn_group(int experts, const void *const *xs, const int *ns, 
                     act[r * I + at] = swiglu(gv, uv, clamped, alpha, limit);
                 }
         }
+        if (ordered) {
+#pragma omp for schedule(static)
+            for (long r = 0; r < rows; r++) group_sums(acts + r * I, 1, I, group, asums + r * act_sums);
+        }
 #pragma omp for schedule(static)
         for (long t = 0; t < experts * down_blocks; t++) {
             int e = (int)(t / down_blocks), n = ns[e];
@@ -242,7 +275,8 @@ int flowmoe_packed_ffn_group(int experts, const void *const *xs, const int *ns, 
             int ob = (int)(H - o0 < PB ? H - o0 : PB);
             const float *bias = down_biases[e];
             float res[n * PB];
-            packed_block(isa, fmt, acts + first[e] * I, I, n, I, group, weights + 9L * e + 6, o0, ob, res);
+            const float *sums = ordered ? asums + first[e] * act_sums : NULL;
+            packed_block(isa, fmt, acts + first[e] * I, I, sums, n, I, group, weights + 9L * e + 6, o0, ob, res);
             for (int r = 0; r < n; r++)
                 for (int j = 0; j < ob; j++) {
                     float v = res[r * PB + j] + (bias ? bias[o0 + j] : 0.0f);
@@ -254,6 +288,6 @@ int flowmoe_packed_ffn_group(int experts, const void *const *xs, const int *ns, 
                 }
         }
     }
-    free(xw), free(acts);
+    free(xw), free(acts), free(xsums), free(asums);
     return 0;
 }

@@ -7,8 +7,8 @@ activation as cpu_expert.c does for bf16 / fp32 weights. Formats: "int8" (an int
 scale per output row) and "int4" (two 4-bit levels per byte, a float16 scale and zero per group of a
 row's columns; the group a multiple of 16, at most MAX_GROUP). x and the output in fp32 or bf16 (the
 model's dtype), accumulated in fp32; each output summed in one order whatever the rows and threads
-(cpu_packed.c's header), which differs from dequantize-then-multiply by the rounding of the scale's
-product only.
+(cpu_packed.c's header), which differs from dequantize-then-multiply by taking the scale once per
+row (int8) or group (int4) and, for int4, the zero once per group from x's sums over it.
 
 The block is chosen as cpu_expert.py chooses its own (`cpu_expert.isa()`, FLOWMOE_CPU_ISA): the AVX2 +
 FMA + F16C intrinsics of cpu_packed_avx2.c on a CPU with them but no AVX-512, else the portable C

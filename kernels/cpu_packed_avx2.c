@@ -4,8 +4,8 @@
 
    One row of x (a decode step's expert, mostly): each 8 (int8) or 16 (int4) packed weights are
    loaded, widened to fp32 in registers (int8: sign-extend, convert; int4: zero-extend 8 bytes to 8
-   lanes, mask the low nibbles and shift the high ones, convert, subtract the group's zero) and
-   multiplied into the row's lanes. More rows: the block's PB rows are widened once per chunk (int8:
+   lanes, mask the low nibbles and shift the high ones, convert) and multiplied into the row's
+   lanes; int4's zero is taken once per group and lane, from x's group sums (cpu_packed.c's header). More rows: the block's PB rows are widened once per chunk (int8:
    CHUNK columns; int4: a group) into a buffer in L1, which RT rows of x at a time then read, so the
    widening is paid once whatever the number of rows (the same values, the same order: a row gets
    the same bits alone as among others). */
@@ -36,11 +36,17 @@ static inline AVX2 __m256 int8_weights(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* 16 int4 levels (8 bytes) less the zero as fp32: the even columns (low nibbles), the odd ones. */
-static inline AVX2 void int4_weights(const uint8_t *p, __m256 zero, __m256 *even, __m256 *odd) {
+/* 16 int4 levels (8 bytes) as fp32: the even columns (low nibbles), the odd ones. */
+static inline AVX2 void int4_weights(const uint8_t *p, __m256 *even, __m256 *odd) {
     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    *even = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), zero);
-    *odd = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), zero);
+    *even = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    *odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
+
+/* A group's lanes into a row's: acc + scale x (even + odd - zero x the row's group sums `sums`). */
+static inline AVX2 __m256 int4_group(__m256 acc, float scale, float zero, const float *sums, __m256 even, __m256 odd) {
+    __m256 levels = _mm256_fnmadd_ps(_mm256_set1_ps(zero), _mm256_loadu_ps(sums), _mm256_add_ps(even, odd));
+    return _mm256_fmadd_ps(_mm256_set1_ps(scale), levels, acc);
 }
 
 /* The next block's copy of a row's next 64 bytes (the same row PB rows on: `ahead` bytes past p),
@@ -93,30 +99,34 @@ static AVX2 void int8_rows(const float *x, long ldx, int n, long K, const int8_t
     }
 }
 
-/* int4, one row of x, one group [g0, g0 + gc) of the PB weight rows: even and odd lanes per row. */
+_Static_assert(PB == 4, "int4_row_group keeps PB == 4 weight rows' pointers and lanes in registers");
+
+/* int4, one row of x, one group [g0, g0 + gc) of the PB weight rows: even and odd lanes of the
+   levels per row. */
 static AVX2 void int4_row_group(const float *x, long g0, long gc, long bytes, const uint8_t *const *wr,
-                                const float *zero, __m256 *even, __m256 *odd) {
-    __m256 z[PB];
-    for (int j = 0; j < PB; j++) {
-        z[j] = _mm256_set1_ps(zero[j]), even[j] = odd[j] = _mm256_setzero_ps();
-        for (long b = g0 / 2; b < (g0 + gc) / 2; b += 64) prefetch_next(wr[j] + b, PB * bytes);
+                                __m256 *even, __m256 *odd) {
+    const uint8_t *w0 = wr[0] + g0 / 2, *w1 = wr[1] + g0 / 2, *w2 = wr[2] + g0 / 2, *w3 = wr[3] + g0 / 2;
+    for (long b = 0; b < gc / 2; b += 64)
+        prefetch_next(w0 + b, PB * bytes), prefetch_next(w1 + b, PB * bytes), prefetch_next(w2 + b, PB * bytes),
+            prefetch_next(w3 + b, PB * bytes);
+    __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+    const float *xp = x + g0;
+    for (long i = 0; i < gc / 2; i += 8, xp += 16) {
+        __m256 xe = _mm256_loadu_ps(xp), xo = _mm256_loadu_ps(xp + 8), we, wo;
+        int4_weights(w0 + i, &we, &wo), e0 = _mm256_fmadd_ps(xe, we, e0), o0 = _mm256_fmadd_ps(xo, wo, o0);
+        int4_weights(w1 + i, &we, &wo), e1 = _mm256_fmadd_ps(xe, we, e1), o1 = _mm256_fmadd_ps(xo, wo, o1);
+        int4_weights(w2 + i, &we, &wo), e2 = _mm256_fmadd_ps(xe, we, e2), o2 = _mm256_fmadd_ps(xo, wo, o2);
+        int4_weights(w3 + i, &we, &wo), e3 = _mm256_fmadd_ps(xe, we, e3), o3 = _mm256_fmadd_ps(xo, wo, o3);
     }
-    for (long c = g0; c < g0 + gc; c += 16) {
-        __m256 xe = _mm256_loadu_ps(x + c), xo = _mm256_loadu_ps(x + c + 8);
-        for (int j = 0; j < PB; j++) {
-            __m256 we, wo;
-            int4_weights(wr[j] + c / 2, z[j], &we, &wo);
-            even[j] = _mm256_fmadd_ps(xe, we, even[j]);
-            odd[j] = _mm256_fmadd_ps(xo, wo, odd[j]);
-        }
-    }
+    even[0] = e0, even[1] = e1, even[2] = e2, even[3] = e3, odd[0] = o0, odd[1] = o1, odd[2] = o2, odd[3] = o3;
 }
 
 /* int4, several rows, one group: the rows' even and odd lanes against the widened group in buf
-   (16 columns: 8 even weights, then 8 odd), `jn` weight rows from j0 at a time. */
+   (16 columns: 8 even levels, then 8 odd), `jn` weight rows from j0 at a time; `sums`: the first
+   row's sums of this group, a row's `lds` floats on. */
 static inline AVX2 __attribute__((always_inline)) void int4_tile(
     int rt, int jn, const float *x, long ldx, int r0, int j0, long g0, long gc, float (*buf)[MAX_GROUP],
-    const float *scale, __m256 (*acc)[PB]) {
+    const float *scale, const float *zero, const float *sums, long lds, __m256 (*acc)[PB]) {
     __m256 e[RT][PB], o[RT][PB];
     for (int r = 0; r < rt; r++)
         for (int j = 0; j < jn; j++) e[r][j] = o[r][j] = _mm256_setzero_ps();
@@ -136,12 +146,13 @@ static inline AVX2 __attribute__((always_inline)) void int4_tile(
     }
     for (int r = 0; r < rt; r++)
         for (int j = 0; j < jn; j++)
-            acc[r0 + r][j0 + j] =
-                _mm256_fmadd_ps(_mm256_set1_ps(scale[j0 + j]), _mm256_add_ps(e[r][j], o[r][j]), acc[r0 + r][j0 + j]);
+            acc[r0 + r][j0 + j] = int4_group(acc[r0 + r][j0 + j], scale[j0 + j], zero[j0 + j],
+                                             sums + (r0 + r) * lds, e[r][j], o[r][j]);
 }
 
-AVX2 void flowmoe_packed_block_avx2(int fmt, const float *x, long ldx, int n, long K, long group, const void *q,
-                                    const void *scale, const void *zero, long o0, int ob, float *res) {
+AVX2 void flowmoe_packed_block_avx2(int fmt, const float *x, long ldx, const float *sums, int n, long K, long group,
+                                    const void *q, const void *scale, const void *zero, long o0, int ob,
+                                    float *res) {
     __m256 acc[n][PB];
     for (int r = 0; r < n; r++)
         for (int j = 0; j < PB; j++) acc[r][j] = _mm256_setzero_ps();
@@ -164,8 +175,8 @@ AVX2 void flowmoe_packed_block_avx2(int fmt, const float *x, long ldx, int n, lo
             wr[j] = (const uint8_t *)q + at[j] * bytes;
         }
         float buf[PB][MAX_GROUP] __attribute__((aligned(32)));
-        for (long g0 = 0; g0 < k16; g0 += group) {
-            long gc = k16 - g0 < group ? k16 - g0 : group, g = g0 / group;
+        for (long g0 = 0, g = 0; g0 < k16; g0 += group, g++) {
+            long gc = k16 - g0 < group ? k16 - g0 : group;
             float z[PB], s[PB];
             for (int j = 0; j < PB; j++) {
                 z[j] = _cvtsh_ss(((const uint16_t *)zero)[at[j] * groups + g]);
@@ -173,26 +184,24 @@ AVX2 void flowmoe_packed_block_avx2(int fmt, const float *x, long ldx, int n, lo
             }
             if (n == 1) {
                 __m256 even[PB], odd[PB];
-                int4_row_group(x, g0, gc, bytes, wr, z, even, odd);
-                for (int j = 0; j < PB; j++)
-                    acc[0][j] = _mm256_fmadd_ps(_mm256_set1_ps(s[j]), _mm256_add_ps(even[j], odd[j]), acc[0][j]);
+                int4_row_group(x, g0, gc, bytes, wr, even, odd);
+                for (int j = 0; j < PB; j++) acc[0][j] = int4_group(acc[0][j], s[j], z[j], sums + g * 8, even[j], odd[j]);
                 continue;
             }
             for (int j = 0; j < PB; j++) {
-                __m256 zj = _mm256_set1_ps(z[j]);
                 for (long c = 0; c < gc; c += 16) {
                     __m256 we, wo;
                     if (c % 128 == 0) prefetch_next(wr[j] + (g0 + c) / 2, PB * bytes);
-                    int4_weights(wr[j] + (g0 + c) / 2, zj, &we, &wo);
+                    int4_weights(wr[j] + (g0 + c) / 2, &we, &wo);
                     _mm256_store_ps(buf[j] + c, we), _mm256_store_ps(buf[j] + c + 8, wo);
                 }
             }
             for (int r0 = 0; r0 < n; r0 += RT)
                 for (int j0 = 0; j0 < PB; j0 += PB / 2) {
                     if (n - r0 == 1)
-                        int4_tile(1, PB / 2, x, ldx, r0, j0, g0, gc, buf, s, acc);
+                        int4_tile(1, PB / 2, x, ldx, r0, j0, g0, gc, buf, s, z, sums + g * 8, groups * 8, acc);
                     else
-                        int4_tile(RT, PB / 2, x, ldx, r0, j0, g0, gc, buf, s, acc);
+                        int4_tile(RT, PB / 2, x, ldx, r0, j0, g0, gc, buf, s, z, sums + g * 8, groups * 8, acc);
                 }
         }
         tail_from = k16;
