@@ -147,7 +147,8 @@ def test_every_scheduler_gives_eager_tokens_with_the_pool(model: MoEModel, name:
     finally:
         runtime.close()
     assert [r.output_ids for r in results] == [r.output_ids for r in reference]
-    assert (pool is None) == (name == "klotski")  # it copies dense parts in: its buffer is not slots
+    # klotski and moe-gen (--stream-dense 1) copy dense parts in: their buffer is not slots alone
+    assert (pool is None) == (name in ("klotski", "moe-gen"))
     assert grouped or name in ("klotski", "moe-gen")  # MoE-Gen's nodes are one expert over micro-batches
     assert held_bytes(COPYING.gpu) <= before
 
