@@ -17,13 +17,18 @@ import pkgutil
 from collections.abc import Generator
 from functools import cache
 from importlib.metadata import EntryPoint, entry_points
-from types import TracebackType
-from typing import Any
 
 from flowmoe.core.errors import ConfigError, FlowmoeError, PlanError
 from flowmoe.core.options import knobs
 from flowmoe.core.plan import ExpertCounts, RoutingRequest, TaskNode
-from flowmoe.core.scheduling import PlanStream, Residency, Scheduler, SchedulerContext, StepShape
+from flowmoe.core.scheduling import (
+    PlanStream,
+    Residency,
+    Scheduler,
+    SchedulerContext,
+    StepShape,
+    WrappedPlan,
+)
 from flowmoe.core.spec import ModelSpec
 
 ENTRY_POINT_GROUP = "flowmoe.schedulers"
@@ -173,7 +178,7 @@ def checked_plan(scheduler: Scheduler, step: StepShape) -> PlanStream:
     return CheckedPlan(name, step, plan)
 
 
-class CheckedPlan(Generator[TaskNode | RoutingRequest, ExpertCounts | None, None]):
+class CheckedPlan(WrappedPlan):
     """A plan stream that turns a plugin's faults into a PlanError naming it."""
 
     def __init__(self, name: str, step: StepShape, plan: PlanStream) -> None:
@@ -202,14 +207,6 @@ class CheckedPlan(Generator[TaskNode | RoutingRequest, ExpertCounts | None, None
                 "neither a TaskNode nor a RoutingRequest"
             )
         return item
-
-    def throw(
-        self, typ: Any, val: Any = None, tb: TracebackType | None = None
-    ) -> TaskNode | RoutingRequest:  # Any: Generator.throw's two overloads, (type, value) and (exception)
-        return self.plan.throw(typ, val, tb)
-
-    def close(self) -> None:
-        self.plan.close()
 
 
 def _why(exc: BaseException) -> str:

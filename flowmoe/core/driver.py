@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from types import TracebackType
-from typing import Any
+from collections.abc import Callable
 
 from attrs import frozen
 
@@ -12,7 +10,7 @@ from flowmoe.core.errors import PlanError
 from flowmoe.core.executor import Action, Executor
 from flowmoe.core.page_runs import page_runs
 from flowmoe.core.plan import ExpertCounts, RoutingRequest, TaskNode
-from flowmoe.core.scheduling import PlanItems, PlanStream
+from flowmoe.core.scheduling import PlanItems, PlanStream, WrappedPlan
 
 ActionFor = Callable[[TaskNode], Action]
 Answer = Callable[[RoutingRequest], ExpertCounts]
@@ -26,7 +24,7 @@ class NodeBudget:
     refusal: str
 
 
-class _Within(Generator[TaskNode | RoutingRequest, ExpertCounts | None, None]):
+class _Within(WrappedPlan):
     """`plan`, refused (PlanError) at its node past `budget`: a plan stream of its own, not a generator
     wrapped round it, so each item costs one call more, not two generator frames."""
 
@@ -41,14 +39,6 @@ class _Within(Generator[TaskNode | RoutingRequest, ExpertCounts | None, None]):
                 self.plan.close()
                 raise PlanError(f"{self.budget.refusal} (more than {self.budget.limit} nodes in one step)")
         return item
-
-    def throw(
-        self, typ: Any, val: Any = None, tb: TracebackType | None = None
-    ) -> TaskNode | RoutingRequest:  # Any: Generator.throw's two overloads, (type, value) and (exception)
-        return self.plan.throw(typ, val, tb)
-
-    def close(self) -> None:
-        self.plan.close()
 
 
 async def drive(

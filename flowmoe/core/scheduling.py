@@ -13,7 +13,8 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterator, Sequence
-from typing import ClassVar, TypeVar
+from types import TracebackType
+from typing import Any, ClassVar, TypeVar
 
 from attrs import define, field, frozen
 
@@ -30,6 +31,21 @@ R = TypeVar("R")
 # part of a plan, run with `yield from`, that returns an R (node ids, a layer's routing, ...)
 SubPlan = Generator[TaskNode | RoutingRequest, ExpertCounts | None, R]
 WEIGHT_OPS = frozenset({Op.PAGE_COPY, Op.W_STAGE, Op.EVICT, Op.DISK_LOAD})  # nodes priced by weights alone
+
+
+class WrappedPlan(Generator[TaskNode | RoutingRequest, ExpertCounts | None, None]):
+    """A plan stream round another (`plan`): a subclass's `send` checks or counts its items; a fault
+    thrown in and the close go straight to `plan`."""
+
+    plan: PlanStream
+
+    def throw(
+        self, typ: Any, val: Any = None, tb: TracebackType | None = None
+    ) -> TaskNode | RoutingRequest:  # Any: Generator.throw's two overloads, (type, value) and (exception)
+        return self.plan.throw(typ, val, tb)
+
+    def close(self) -> None:
+        self.plan.close()
 
 
 class PlanItems:
