@@ -57,7 +57,7 @@ def combine(hidden: torch.Tensor, rows: torch.Tensor, outputs: list[torch.Tensor
     index = rows.contiguous()  # [sum n_e]
     tokens, width = hidden.shape
     out = torch.empty(tokens, width, dtype=hidden.dtype)  # [T, H]
-    pointers = (ctypes.c_void_p * len(outputs))(*[o.data_ptr() for o in outputs])
+    pointers = native.pointers([o.data_ptr() for o in outputs])
     counts = (ctypes.c_int * len(outputs))(*[len(o) for o in outputs])
     bf16, values_bf16 = int(hidden.dtype == torch.bfloat16), int(outputs[0].dtype == torch.bfloat16)
     status = run(

@@ -39,6 +39,7 @@ FFN = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None
 MAX_ROWS = 32  # beyond this many rows the GEMM is compute-bound and MKL's blocking wins
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _PP, _PI = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int)
+_array = native.pointers
 
 
 @functools.cache
@@ -144,10 +145,6 @@ def fits_ffn(x: torch.Tensor, ffn: FFN, rows: int | None = None) -> bool:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
-
-
-def _array(values: list[int | None]) -> ctypes.Array[ctypes.c_void_p]:
-    return (ctypes.c_void_p * len(values))(*values)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ the caller dequantizes in torch.
 from __future__ import annotations
 
 import ctypes
-import functools
+from collections.abc import Callable
 
 import torch
 
@@ -41,16 +41,13 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _PP, _PI = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int)
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels with flowmoe_packed_ffn_group declared, or None (see native.library)."""
-    lib = native.library()
-    if lib is None:
-        return None
-    lib.flowmoe_packed_ffn_group.argtypes = [_I, _PP, _PI, _L, _L, _I, _L, _PP, _PP, _PP, _I, _F, _F, _I, _P]
-    lib.flowmoe_packed_ffn_group.argtypes += [_I, _I]  # isa, threads
-    lib.flowmoe_packed_ffn_group.restype = _I
-    return lib
+def kernel() -> Callable[..., int] | None:
+    """flowmoe_packed_ffn_group, or None (see native.function)."""
+    return native.function(
+        "flowmoe_packed_ffn_group",
+        (_I, _PP, _PI, _L, _L, _I, _L, _PP, _PP, _PP, _I, _F, _F, _I, _P, _I, _I),  # ..., isa, threads
+        _I,
+    )
 
 
 def isa() -> str:
@@ -91,7 +88,7 @@ def fits(x: torch.Tensor, ffn: PackedFFN, fmt: str, group: int) -> bool:
         and not (torch.is_grad_enabled() and x.requires_grad)
         and fmt in FORMATS
         and (fmt == "int8" or (group % 16 == 0 and 0 < group <= MAX_GROUP))
-        and library() is not None
+        and kernel() is not None
     ):
         return False
     hidden, inter = x.shape[1], gate[0].shape[0]
@@ -113,25 +110,25 @@ def swiglu_group(
     """xs[e] [n_e, hidden] through ffns[e] -> [n_e, hidden] each, in x's dtype (views of one output
     buffer), in one call. Every (x, ffn) must `fits` at `fmt` and `group`, and all share one shape
     and x's dtype; `block`: one of cpu_expert.ISAS the CPU runs (default `isa()`)."""
-    lib = library()
-    assert lib is not None
+    run = kernel()
+    assert run is not None
     hidden, inter = xs[0].shape[1], ffns[0][0][0].shape[0]
     rows = [x.contiguous() for x in xs]  # each [n_e, hidden]
     counts = [r.shape[0] for r in rows]
     outs = torch.empty(sum(counts), hidden, dtype=xs[0].dtype)  # [sum n_e, hidden]: the kernel writes it
     pointers = [t.data_ptr() if t is not None else None for f in ffns for p in f[:3] for t in p]
     biases = [[None if b is None else b.float().contiguous() for b in f[3:]] for f in ffns]  # kept alive
-    status = lib.flowmoe_packed_ffn_group(
+    status = run(
         len(rows),
-        _array([r.data_ptr() for r in rows]),
+        native.pointers([r.data_ptr() for r in rows]),
         (ctypes.c_int * len(rows))(*counts),
         hidden,
         inter,
         FORMATS[fmt],
         group,
-        _array(pointers),
-        _array([None if b[0] is None else b[0].data_ptr() for b in biases]),
-        _array([None if b[1] is None else b[1].data_ptr() for b in biases]),
+        native.pointers(pointers),
+        native.pointers([None if b[0] is None else b[0].data_ptr() for b in biases]),
+        native.pointers([None if b[1] is None else b[1].data_ptr() for b in biases]),
         int(moe.activation == "clamped_swiglu"),
         moe.swiglu_alpha,
         moe.swiglu_limit,
@@ -143,7 +140,3 @@ def swiglu_group(
     if status != 0:
         raise MemoryError("swiglu_group (packed): no memory for the kernel's fp32 buffers")
     return list(outs.split(counts))
-
-
-def _array(values: list[int | None]) -> ctypes.Array[ctypes.c_void_p]:
-    return (ctypes.c_void_p * len(values))(*values)

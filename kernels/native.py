@@ -135,6 +135,11 @@ def function(name: str, argtypes: tuple[Any, ...], restype: Any = None) -> Calla
     return None if lib is None else _declared(lib, name, argtypes, restype)
 
 
+def pointers(values: list[int | None]) -> ctypes.Array[ctypes.c_void_p]:
+    """A C array of pointers (None: NULL), for a kernel's per-expert or per-tensor arguments."""
+    return (ctypes.c_void_p * len(values))(*values)
+
+
 @functools.cache
 def _declared(lib: ctypes.CDLL, name: str, argtypes: tuple[Any, ...], restype: Any) -> Callable[..., Any]:
     fn = getattr(lib, name)

@@ -25,7 +25,7 @@ from tests.hf_models import hf_model, save_hf
 from tests.schedule_fixtures import run_scheduler
 from tests.test_cpu_experts import _error, _moe, _threads
 
-pytestmark = pytest.mark.skipif(cpu_packed.library() is None, reason="no C compiler for the CPU kernels here")
+pytestmark = pytest.mark.skipif(cpu_packed.kernel() is None, reason="no C compiler for the CPU kernels here")
 ISAS = ["portable", *(["avx2"] if {"avx2", "fma", "f16c"} <= native.cpu_flags() else [])]
 FORMATS = ["int8", "int4", "hqq4"]  # hqq4: int4's layout at group 64
 # As tests/test_cpu_experts.py's fp32 bound (max error over a first-order bound of fp32 rounding, with
