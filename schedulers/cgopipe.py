@@ -38,10 +38,13 @@ in use, one filling). A layer's experts are evicted after its last
 micro-batch, and the first page of an expert waits for the eviction of the
 matching expert two MoE layers back.
 
-A page (`page_bytes`, the policy's knob) is one PAGE_COPY node: with pages of
-an expert or more, a node copies as many whole experts of the chunk as fit
-(one node per chunk once a page holds the chunk); with smaller pages each
-expert goes in ceil(expert / page) nodes.
+A page (`page_bytes`, the policy's knob): with pages of an expert or more, a
+PAGE_COPY node copies as many whole experts of the chunk as fit (one node per
+chunk once a page holds the chunk); with smaller pages each expert goes in
+ceil(expert / page) pages, the chunks cutting experts at page bounds. Where
+pages are staged (below) each is its own node, after its own W_STAGE; where
+not, nothing is issued between an expert's pages of a chunk on h2d, so they go
+as one node (the run core/page_runs.py would merge them into).
 
 Staging (Algorithm 1's W_CTOPIN; Appendix A, Fig. 11): MoE-Lightning copies
 each page from pageable memory into a pinned buffer on the CPU before the
@@ -126,6 +129,7 @@ class CGOPipeScheduler(Scheduler):
         self.parts = max(1, -(-spec.expert_bytes // self.options.page_bytes))  # pages per expert
         self.per_page = max(1, self.options.page_bytes // spec.expert_bytes)  # whole experts per page
         self.chunks: dict[tuple[int, int, int], tuple[Page, ...]] = {}  # (layer, chunk, chunks) -> its pages
+        self.runs: dict[tuple[int, int, int], list[tuple[tuple[int, ...], int, int]]] = {}  # -> its copies
 
     def residency(self) -> Residency:
         experts = frozenset((m, e) for m, kept in self.resident.items() for e in kept)
@@ -266,21 +270,43 @@ class _Plan:
 
     def _pages(self, layer: int, chunk: int, chunks: int) -> Iterator[TaskNode]:
         """W_PINTOG: the chunk's pages to the GPU, each after its staging copy (if any) and, for an
-        expert's first page, the eviction whose buffer it reuses."""
+        expert's first page, the eviction whose buffer it reuses. Where nothing is staged, an expert's
+        consecutive pages of the chunk go as one node (nothing is issued between them on their lane,
+        so this is the node core/page_runs.py would merge them into, built once instead of per page)."""
         position = self.scheduler.moe.index(layer)
         freed = self.evicted.get(self.scheduler.moe[position - 2], []) if position >= 2 else []
         room = dict(zip(self.scheduler.paged[layer], freed, strict=False))
-        for group, part in self._chunk(layer, chunk, chunks):
+        for group, part, pages in self._runs(layer, chunk, chunks):
             parts = self.scheduler.parts if part >= 0 else 1
             deps = [self.staged.pop((layer, group, part), None), *(room.get(e) for e in group if part <= 0)]
             node = self.factory.node(
                 Op.PAGE_COPY, Lane.GPU_H2D, layer, expert=group[0], deps=deps, more=group[1:],
-                part=part, parts=parts,
+                part=part, parts=parts, pages=pages,
             )  # fmt: skip
-            if part in (-1, parts - 1):
+            if part + pages in (0, parts):
                 self.arrived.update(dict.fromkeys(((layer, e) for e in group), node.id))
             self.sent[chunk] = node.id
             yield node
+
+    def _runs(self, layer: int, chunk: int, chunks: int) -> list[tuple[tuple[int, ...], int, int]]:
+        """(experts, first part, pages) of the chunk's copies: each page alone where pages are staged
+        (each waits for its own W_STAGE), else an expert's consecutive pages together. The same every
+        step: worked out once per scheduler."""
+        chunk_pages = self._chunk(layer, chunk, chunks)
+        if not self.scheduler.context.weights_pinned:
+            return [(group, part, 1) for group, part in chunk_pages]
+        key = (layer, chunk, chunks)
+        runs = self.scheduler.runs.get(key)
+        if runs is None:
+            runs = []
+            for group, part in chunk_pages:
+                last = runs[-1] if runs else None
+                if last is not None and part >= 0 and last[0] == group and last[1] + last[2] == part:
+                    runs[-1] = (group, last[1], last[2] + 1)
+                else:
+                    runs.append((group, part, 1))
+            self.scheduler.runs[key] = runs
+        return runs
 
     def _ffn(self, layer: int, mb: MicroBatchShape, post: int) -> PlanStream:
         """After POST_ATTN: the gate, every routed expert on the GPU, the tail."""

@@ -79,7 +79,7 @@ class TaskNode:
     flops: int = 0
     part: int = -1  # PAGE_COPY: page index within the expert (or dense part) being copied
     parts: int = 1  # PAGE_COPY: pages that expert is copied in
-    pages: int = 1  # PAGE_COPY: pages `part`, `part` + 1, ... it copies (a run merged by core/page_runs.py)
+    pages: int = 1  # PAGE_COPY: pages `part`, `part` + 1, ... it copies (its scheduler's run, or page_runs')
     rows: int = 0  # tokens (GEMM rows) a compute node processes; the cost model's GEMM efficiency
     pageable: bool = False  # a copy from (or to) pageable host memory, not pinned
     sync: bool = False  # the host waits for this node before it issues more (a synchronisation point)

@@ -288,6 +288,7 @@ class NodeFactory:
         tokens: int | None = None,
         part: int = -1,
         parts: int = 1,
+        pages: int = 1,
         pageable: bool = False,
         sync: bool = False,
         more: Sequence[int] = (),
@@ -295,6 +296,7 @@ class NodeFactory:
     ) -> TaskNode:
         """`tokens`: tokens an expert FFN processes (default: the micro-batch's tokens).
         `part`/`parts`: a PAGE_COPY of page `part` of `parts` (its bytes are that page's share);
+        `pages`: of the pages `part` .. `part + pages - 1` together (their shares summed: a run);
         `more`: a PAGE_COPY of whole experts, `expert` and these after it, as one page.
         `pageable`: a copy whose host side is not pinned; `sync`: the host waits for this node.
         `serves`: the micro-batches whose tokens an EXPERT_FFN's one GEMM takes (TaskNode.serves); the
@@ -303,8 +305,9 @@ class NodeFactory:
         clean = tuple(dict.fromkeys(d for d in deps if d is not None))
         n_bytes, flops = self._cost(op, layer, mb, expert, tokens)
         if part >= 0:
-            n_bytes = n_bytes * (part + 1) // parts - n_bytes * part // parts
-            flops = flops * (part + 1) // parts - flops * part // parts
+            end = part + pages
+            n_bytes = n_bytes * end // parts - n_bytes * part // parts
+            flops = flops * end // parts - flops * part // parts
         if more:
             n_bytes, flops = n_bytes * (1 + len(more)), flops * (1 + len(more))
         index = mb.index if mb else -1
@@ -312,7 +315,7 @@ class NodeFactory:
         rows = 0 if rowless else (mb.sequences if op is Op.LM_HEAD and mb else tokens if tokens is not None
                                   else mb.tokens if mb else 0)  # fmt: skip
         return TaskNode(next(self._ids), op, lane, layer, index, expert, clean, n_bytes, flops, part, parts,
-                        1, rows, pageable, sync, tuple(more), tuple(serves))  # fmt: skip
+                        pages, rows, pageable, sync, tuple(more), tuple(serves))  # fmt: skip
 
     def _cost(
         self, op: Op, layer: int, mb: MicroBatchShape | None, expert: int, tokens: int | None
