@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from flowmoe.core.page_runs import page_runs
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.policy import Policy
+from flowmoe.core.routing_trace import replay
 from flowmoe.core.scheduling import NodeFactory, PlanStream, Residency
 from flowmoe.model.arena import ALIGN
 from flowmoe.model.fp8 import FP8Weight
@@ -102,6 +103,25 @@ def test_cgopipe_merges_its_pinned_pages_and_keeps_the_staged_ones(pinned: bool)
     pages = sum(n.pages for n in copies)
     assert sum(n.bytes for n in copies) * 21 == pages * MIXTRAL.expert_bytes  # 21 pages per expert
     assert (len(copies) < pages) == pinned and all(n.pages == 1 for n in copies) != pinned
+
+
+def test_cgopipe_emits_its_pinned_runs_as_page_runs_would_merge_them() -> None:
+    """Pinned, cgopipe emits each chunk's pages of one expert as one node already (built once per run,
+    not per page): `page_runs` has nothing left to merge, and each run carries the bytes of its pages
+    one by one (NodeFactory.node's `pages`)."""
+    policy = Policy(micro_batch_size=256, micro_batches=4, attention_on="cpu", weights_gpu_share=0.75)
+    step = decode_step(4, 256, 512)
+    trace = uniform_trace(MIXTRAL, [step])
+    plan: list[TaskNode | RoutingRequest] = [
+        *replay(scheduler("cgopipe", MIXTRAL, policy).plan(step), lambda r: trace.answer(0, r))
+    ]
+    copies = [n for n in plan if isinstance(n, TaskNode) and n.op is Op.PAGE_COPY]
+    assert any(n.pages > 1 for n in copies)
+    assert [n for n in _merged(plan) if isinstance(n, TaskNode) and n.op is Op.PAGE_COPY] == copies
+    for n in copies:
+        one_by_one = [F.node(Op.PAGE_COPY, n.lane, n.layer, expert=n.expert, part=p, parts=n.parts) for p in
+                      range(n.part, n.part + n.pages)]  # fmt: skip
+        assert n.bytes == sum(page.bytes for page in one_by_one)
 
 
 def _packed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
