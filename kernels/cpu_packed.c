@@ -1,47 +1,60 @@
 /* Expert FFNs on the CPU reading quantized weights as they are packed (built by cpu_packed.py).
 
    The same SwiGLU FFN as cpu_expert.c's flowmoe_ffn_group (gate/up -> activation -> down), but each
-   weight is read in its packed form and widened in registers, never dequantized in memory: a decode
-   step reads 1 byte per int8 weight and ~0.52 per int4 weight instead of the 2-4 of bf16/fp32.
-   Formats (flowmoe/model/quantized.py):
+   weight is read in its packed form, never dequantized in memory: a decode step reads 1 byte per int8
+   weight and ~0.52 per int4 weight instead of the 2-4 of bf16/fp32. Formats (flowmoe/model/quantized.py):
 
    * int8 (fmt 0): q int8 [R, K], one float32 scale per row: y = scale x sum_k q x.
    * int4 (fmt 1): q two 4-bit levels per byte [R, ceil(K / 2)] (column 2i in the low nibble of
      byte i, 2i + 1 in the high one), a float16 scale and zero per group of `group` columns of a row
-     (group a multiple of 16): y = sum_groups scale x sum_k (q - zero) x
-     = sum_groups scale x (sum_k q x - zero x sum_k x), as the blocks compute it: the group's sums
-     of x (group_sums) are a row's, once per call, shared by all the weight rows it meets.
+     (group a multiple of SB): y = sum_groups scale x sum_k (q - zero) x
+     = sum_groups scale x (sum_k q x - zero x sum_k x).
 
-   Each output is summed in one fixed order, whatever the number of rows and threads: 8 lanes,
-   lane l taking the columns k = l mod 8 (int8) or, within each 16 columns, 2l (the even lanes)
-   and 2l + 1 (the odd lanes: a second accumulator) of q x, each in k order with a fused
-   multiply-add where the block has one; int4 adds each group's (even + odd lanes - zero x the
-   lane's sum of the same columns of x) times the group's scale into the row's lanes; then the 8
-   lanes in a fixed tree (hsum8: i + i + 4, then + 2, + 1), then the last K % 8 (int8) or K % 16
-   (int4) columns in order, each dequantized as (q - zero) x scale. int8 differs from
-   dequantize-then-multiply by the scale's rounding, taken once per row instead of per weight; int4
-   also sums the levels q (0..15) and not q - zero, so its sums' rounding scales with
-   sum |q| |x| <= sum |q - zero| |x| + |zero| sum |x| (tests/test_cpu_packed.py's bound).
-   x is read in int4 column order for int4 weights: within each 16 columns the 8 even ones, then the
-   8 odd ones (those past the last full 16 in place), as the low and high nibbles of 8 bytes give them.
+   The activations are quantized too, as llama.cpp's Q8_0 does (the idea's source: ggml's
+   quantize_row_q8_0 and its integer dot products; this code is written from that description):
+   each row of x, and of the activation between the projections, in blocks of QB columns, each block
+   an int8 level per value and one float32 scale d = max |x| / 127, x ~ d x level (level =
+   round(x / d), half away from zero). Each weight row then meets a row of levels in exact integer
+   sums, taken to float once per block: 8 lanes, lane l the int32 sum of the 4 products of the
+   block's columns 4l..4l + 3 (int8), or of a superblock's (SB columns: the levels of 32 bytes, two
+   blocks) columns 8l..8l + 7 (int4; lanes 0-3 the first block, 4-7 the second), each added into
+   the output's fp32 lanes as fma(float(sum), the block's d, lane). int4 sums a group's superblocks
+   so into its own lanes, then adds fma(scale, fma(-zero, the row's lane sums of d x level over the
+   group, group lanes), row lanes): the zero stays out of the integer sums (levels 0..15 unsigned,
+   the activations' levels signed, as AVX2's maddubs multiplies them). Then the 8 lanes in a fixed
+   tree (hsum8: i + i + 4, then + 2, + 1), then the columns past the last full block (int8) or
+   superblock (int4) in order, each as fma(d x level, weight, sum) with the weight (q - zero) x scale;
+   int8 times the row's scale last. Every float operation is in that one order, whatever the rows,
+   threads and block (the integer sums are exact), so the portable and AVX2 blocks give the same bits
+   and a row the same bits alone as among others.
+
+   Numerics: the levels' integer sums are exact, so the output is, up to fp32 rounding of a few
+   terms per block, the dequantized weights times the dequantized activations (d x level): each
+   activation moved by at most d / 2 = max |x of its block| / 254 (tests/test_cpu_packed.py's
+   bounds). A NaN or infinite activation has no level (its block's levels are undefined).
+
+   Layout of a row's levels (quantize_row): int8, the columns in order; int4, each full superblock's
+   64 columns as its 32 bytes' low nibbles meet them (the even columns), then the high nibbles'
+   (the odd ones), the columns past the last full superblock in order.
 
    Blocks: `isa` 1 takes cpu_packed_avx2.c's (AVX2 + FMA + F16C intrinsics, chosen by the CPU's
-   features in cpu_packed.py), 0 the portable one here; both give each output the order above (the
-   portable one in plain C with 8-element arrays, which the compiler vectorizes for the host).
-   Threads: OpenMP over blocks of PB weight rows of all experts, the count the caller passes. */
+   features in cpu_packed.py), 0 the portable one here (plain C, the same operations one output at
+   a time). Threads: OpenMP over blocks of PB weight rows of all experts, the count the caller passes. */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define PB 4          /* weight rows per block */
-#define MAX_GROUP 256 /* the most columns per int4 group (a block dequantizes one group into a buffer) */
-#define CHUNK 256     /* int8 columns per chunk of the portable block */
+#define PB 4        /* weight rows per block */
+#define QB 32       /* activations per quantization block: llama.cpp's Q8_0 block (QK8_0, ggml-common.h) */
+#define SB 64       /* int4 columns per superblock: 32 bytes of levels, two activation blocks */
+#define QMAX 127.0f /* the largest activation level: Q8_0's d = max |x| / ((1 << 7) - 1) */
 
 /* cpu_packed_avx2.c */
-void flowmoe_packed_block_avx2(int fmt, const float *x, long ldx, const float *sums, int n, long K, long group,
-                               const void *q, const void *scale, const void *zero, long o0, int ob, float *res);
+void flowmoe_packed_block_avx2(int fmt, const int8_t *xq, long ldq, const float *xd, const float *xl,
+                               const float *xs, long ldf, int n, long K, long group, const void *q,
+                               const void *scale, const void *zero, long o0, int ob, float *res);
 
 /* IEEE half -> float, exactly (subnormals, infinities and NaN included). */
 float flowmoe_half_to_float(uint16_t h) {
@@ -69,11 +82,11 @@ static inline float hsum8(const float *a) {
     return (b0 + b2) + (b1 + b3);
 }
 
-/* Where column k of K goes in int4 column order (the header). */
+/* Where column k of K goes in a row of int4 levels (the header's layout). */
 static inline long int4_position(long k, long K) {
-    if (k >= K / 16 * 16) return k;
-    long i = k & 15;
-    return (k & ~15L) + (i & 1 ? 8 : 0) + (i >> 1);
+    if (k >= K / SB * SB) return k;
+    long c = k % SB;
+    return k - c + (c & 1 ? SB / 2 : 0) + c / 2;
 }
 
 /* Level k of an int4 row. */
@@ -81,31 +94,51 @@ static inline int int4_level(const uint8_t *row, long k) {
     return k & 1 ? row[k >> 1] >> 4 : row[k >> 1] & 15;
 }
 
-/* int4's group sums of x [n, K] (int4 column order) into sums [n, groups, 8]: lane l of group g
-   is the sum of the columns c + l, then c + 8 + l, for each 16 columns c of the group in order
-   (those before the last full 16 only; the tail's are 0), the columns that lane l of a block's
-   even and odd accumulators meets. */
-static void group_sums(const float *x, int n, long K, long group, float *sums) {
-    long k16 = K / 16 * 16, groups = (K + group - 1) / group;
-    for (int r = 0; r < n; r++)
-        for (long g = 0; g < groups; g++) {
-            float b[8] = {0};
-            long end = (g + 1) * group < k16 ? (g + 1) * group : k16;
-            for (long c = g * group; c < end; c += 16)
-                for (int l = 0; l < 8; l++) {
-                    b[l] += x[r * K + c + l];
-                    b[l] += x[r * K + c + 8 + l];
-                }
-            memcpy(sums + (r * groups + g) * 8, b, sizeof b);
-        }
+/* The floats of a row of levels (quantize_row): d [ceil(K / QB)], then int4's lanes' scales
+   [K / SB, 8] and group sums [groups, 8]. */
+static inline long row_floats(int fmt, long K, long group) {
+    return (K + QB - 1) / QB + (fmt == 1 ? K / SB * 8 + (K + group - 1) / group * 8 : 0);
 }
 
-/* The last columns [k0, K) of weight row o against x's row (in order; int4: (q - zero) x scale). */
-float flowmoe_packed_tail(int fmt, const float *xr, long K, long group, const void *q, const void *scale,
-                          const void *zero, long o, long k0, float s) {
+/* x [K] fp32 -> its levels xq [K] (int8 in order, int4 in int4_position's) and floats xf
+   (row_floats): each block's d = max |x| / QMAX; int4 also each superblock's lanes' d (lane l:
+   its first block's for l < 4, else its second's) and each group's lane sums: for each superblock
+   of the group before the last full one in order, lane l += the int sum of the levels of the
+   superblock's columns 8l..8l + 7 times the lane's d (fma): the sums of d x level that the blocks'
+   lanes meet. */
+static void quantize_row(const float *x, long K, int fmt, long group, int8_t *xq, float *xf) {
+    for (long b = 0; b * QB < K; b++) {
+        long end = (b + 1) * QB < K ? (b + 1) * QB : K;
+        float largest = 0.0f;
+        for (long k = b * QB; k < end; k++) largest = fmaxf(largest, fabsf(x[k]));
+        float d = largest / QMAX, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        xf[b] = d;
+        for (long k = b * QB; k < end; k++) xq[fmt == 1 ? int4_position(k, K) : k] = (int8_t)roundf(x[k] * inverse);
+    }
+    if (fmt == 0) return;
+    long supers = K / SB, groups = (K + group - 1) / group;
+    float *lanes = xf + (K + QB - 1) / QB, *sums = lanes + supers * 8;
+    for (long s = 0; s < supers; s++)
+        for (int l = 0; l < 8; l++) lanes[s * 8 + l] = xf[2 * s + l / 4];
+    for (long g = 0; g < groups; g++) {
+        float acc[8] = {0};
+        for (long s = g * group / SB; s < (g + 1) * group / SB && s < supers; s++)
+            for (int l = 0; l < 8; l++) {
+                int sum = 0;
+                for (int c = 0; c < 4; c++) sum += xq[s * SB + 4 * l + c] + xq[s * SB + SB / 2 + 4 * l + c];
+                acc[l] = fmaf((float)sum, lanes[s * 8 + l], acc[l]);
+            }
+        memcpy(sums + g * 8, acc, sizeof acc);
+    }
+}
+
+/* The last columns [k0, K) of weight row o against a row of levels xq and its block scales xd (in
+   order; int4: each weight (q - zero) x scale). */
+float flowmoe_packed_tail(int fmt, const int8_t *xq, const float *xd, long K, long group, const void *q,
+                          const void *scale, const void *zero, long o, long k0, float s) {
     if (fmt == 0) {
         const int8_t *row = (const int8_t *)q + o * K;
-        for (long k = k0; k < K; k++) s += xr[k] * (float)row[k];
+        for (long k = k0; k < K; k++) s = fmaf((float)xq[k] * xd[k / QB], (float)row[k], s);
         return s;
     }
     const uint8_t *row = (const uint8_t *)q + o * ((K + 1) / 2);
@@ -114,76 +147,65 @@ float flowmoe_packed_tail(int fmt, const float *xr, long K, long group, const vo
         long g = o * groups + k / group;
         float z = flowmoe_half_to_float(((const uint16_t *)zero)[g]);
         float sc = flowmoe_half_to_float(((const uint16_t *)scale)[g]);
-        s += xr[k] * (((float)int4_level(row, k) - z) * sc);
+        s = fmaf((float)xq[k] * xd[k / QB], ((float)int4_level(row, k) - z) * sc, s);
     }
     return s;
 }
 
-/* The portable block: res[r * PB + j] = x[r] . weight row o0 + j for r < n, j < ob, each weight
-   chunk widened once into a buffer (int8: q; int4: q, one group) and multiplied there against
-   every row; int4: `sums` x's group sums (group_sums, a row's groups x 8 floats on). */
-static void block_portable(int fmt, const float *x, long ldx, const float *sums, int n, long K, long group,
-                           const void *q, const void *scale, const void *zero, long o0, int ob, float *res) {
-    float buf[PB][MAX_GROUP > CHUNK ? MAX_GROUP : CHUNK];
-    float total[n][PB][8];
-    memset(total, 0, sizeof total);
-    if (fmt == 0) {
-        long kv = K / 8 * 8;
-        for (long k0 = 0; k0 < kv; k0 += CHUNK) {
-            long kc = kv - k0 < CHUNK ? kv - k0 : CHUNK;
-            for (int j = 0; j < ob; j++)
-                for (long k = 0; k < kc; k++) buf[j][k] = (float)((const int8_t *)q)[(o0 + j) * K + k0 + k];
-            for (int r = 0; r < n; r++)
-                for (int j = 0; j < ob; j++)
-                    for (long k = 0; k < kc; k += 8)
-                        for (int l = 0; l < 8; l++) total[r][j][l] += x[r * ldx + k0 + k + l] * buf[j][k + l];
-        }
-        for (int r = 0; r < n; r++)
-            for (int j = 0; j < ob; j++) {
-                float s = flowmoe_packed_tail(0, x + r * ldx, K, group, q, scale, zero, o0 + j, kv, hsum8(total[r][j]));
-                res[r * PB + j] = s * ((const float *)scale)[o0 + j];
-            }
-        return;
-    }
-    long k16 = K / 16 * 16, bytes = (K + 1) / 2, groups = (K + group - 1) / group;
-    for (long g0 = 0; g0 < k16; g0 += group) {
-        long gc = k16 - g0 < group ? k16 - g0 : group, g = g0 / group;
-        float sc[PB], z[PB];
-        for (int j = 0; j < ob; j++) {
-            const uint8_t *row = (const uint8_t *)q + (o0 + j) * bytes + g0 / 2;
-            z[j] = flowmoe_half_to_float(((const uint16_t *)zero)[(o0 + j) * groups + g]);
-            sc[j] = flowmoe_half_to_float(((const uint16_t *)scale)[(o0 + j) * groups + g]);
-            for (long c = 0; c < gc; c += 16)
-                for (int i = 0; i < 8; i++) {
-                    buf[j][c + i] = (float)(row[c / 2 + i] & 15);
-                    buf[j][c + 8 + i] = (float)(row[c / 2 + i] >> 4);
-                }
-        }
-        for (int r = 0; r < n; r++)
-            for (int j = 0; j < ob; j++) {
-                float even[8] = {0}, odd[8] = {0};
-                const float *xr = x + r * ldx + g0;
-                for (long c = 0; c < gc; c += 16)
-                    for (int i = 0; i < 8; i++) {
-                        even[i] += xr[c + i] * buf[j][c + i];
-                        odd[i] += xr[c + 8 + i] * buf[j][c + 8 + i];
-                    }
-                const float *b = sums + (r * groups + g) * 8;
-                for (int i = 0; i < 8; i++) total[r][j][i] += sc[j] * ((even[i] + odd[i]) - z[j] * b[i]);
-            }
-    }
+/* The portable block: res[r * PB + j] = levels row r . weight row o0 + j for r < n, j < ob, in the
+   header's order; xq [n, ldq] the rows' levels, xd / xl / xs their block scales, int4 lanes' scales
+   and group sums (quantize_row), a row's ldf floats on. */
+static void block_portable(int fmt, const int8_t *xq, long ldq, const float *xd, const float *xl, const float *xs,
+                           long ldf, int n, long K, long group, const void *q, const void *scale, const void *zero,
+                           long o0, int ob, float *res) {
+    long bytes = (K + 1) / 2, groups = fmt == 1 ? (K + group - 1) / group : 0, supers = K / SB;
     for (int r = 0; r < n; r++)
-        for (int j = 0; j < ob; j++)
-            res[r * PB + j] = flowmoe_packed_tail(1, x + r * ldx, K, group, q, scale, zero, o0 + j, k16,
-                                                  hsum8(total[r][j]));
+        for (int j = 0; j < ob; j++) {
+            long o = o0 + j;
+            const int8_t *x = xq + r * ldq;
+            float acc[8] = {0};
+            if (fmt == 0) {
+                const int8_t *w = (const int8_t *)q + o * K;
+                for (long b = 0; b < K / QB; b++)
+                    for (int l = 0; l < 8; l++) {
+                        int sum = 0;
+                        for (int c = 0; c < 4; c++) sum += w[b * QB + 4 * l + c] * x[b * QB + 4 * l + c];
+                        acc[l] = fmaf((float)sum, xd[r * ldf + b], acc[l]);
+                    }
+                float s = flowmoe_packed_tail(0, x, xd + r * ldf, K, group, q, scale, zero, o, K / QB * QB, hsum8(acc));
+                res[r * PB + j] = s * ((const float *)scale)[o];
+                continue;
+            }
+            const uint8_t *w = (const uint8_t *)q + o * bytes;
+            for (long g = 0; g * group < supers * SB; g++) {
+                float lanes[8] = {0};
+                for (long s = g * group / SB; s < (g + 1) * group / SB && s < supers; s++)
+                    for (int l = 0; l < 8; l++) {
+                        int sum = 0;
+                        for (int c = 0; c < 4; c++) {
+                            int at = (int)s * SB / 2 + 4 * l + c;
+                            sum += (w[at] & 15) * x[s * SB + 4 * l + c] + (w[at] >> 4) * x[s * SB + SB / 2 + 4 * l + c];
+                        }
+                        lanes[l] = fmaf((float)sum, xl[r * ldf + s * 8 + l], lanes[l]);
+                    }
+                float sc = flowmoe_half_to_float(((const uint16_t *)scale)[o * groups + g]);
+                float z = flowmoe_half_to_float(((const uint16_t *)zero)[o * groups + g]);
+                for (int l = 0; l < 8; l++) acc[l] = fmaf(sc, fmaf(-z, xs[r * ldf + g * 8 + l], lanes[l]), acc[l]);
+            }
+            res[r * PB + j] = flowmoe_packed_tail(1, x, xd + r * ldf, K, group, q, scale, zero, o, supers * SB, hsum8(acc));
+        }
 }
 
-static inline void packed_block(int isa, int fmt, const float *x, long ldx, const float *sums, int n, long K,
-                                long group, const void *const *p, long o0, int ob, float *res) {
+/* res = the block of weight rows o0.. (p: q, scale, zero) against n rows of levels (quantize_row's
+   xq [n, K] and xf [n, row_floats]). */
+static inline void packed_block(int isa, int fmt, const int8_t *xq, const float *xf, int n, long K, long group,
+                                const void *const *p, long o0, int ob, float *res) {
+    long ldf = row_floats(fmt, K, group), supers = fmt == 1 ? K / SB : 0;
+    const float *xl = xf + (K + QB - 1) / QB, *xs = xl + supers * 8;
     if (isa == 1)
-        flowmoe_packed_block_avx2(fmt, x, ldx, sums, n, K, group, p[0], p[1], p[2], o0, ob, res);
+        flowmoe_packed_block_avx2(fmt, xq, K, xf, xl, xs, ldf, n, K, group, p[0], p[1], p[2], o0, ob, res);
     else
-        block_portable(fmt, x, ldx, sums, n, K, group, p[0], p[1], p[2], o0, ob, res);
+        block_portable(fmt, xq, K, xf, xl, xs, ldf, n, K, group, p[0], p[1], p[2], o0, ob, res);
 }
 
 static inline float bf16_to_float(uint16_t h) {
@@ -209,21 +231,17 @@ static inline float swiglu(float g, float u, int clamped, float alpha, float lim
     return (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
 }
 
-/* dst [n, K] fp32 = x [n, K] (fp32, or bf16 where `bf16`), in int4 column order where `ordered`. */
-static void widen(const void *x, int n, long K, int bf16, int ordered, float *dst) {
-    for (int r = 0; r < n; r++)
-        for (long k = 0; k < K; k++) {
-            float v = bf16 ? bf16_to_float(((const uint16_t *)x)[r * K + k]) : ((const float *)x)[r * K + k];
-            dst[r * K + (ordered ? int4_position(k, K) : k)] = v;
-        }
+/* dst [n, K] fp32 = x [n, K] (fp32, or bf16 where `bf16`). */
+static void widen(const void *x, int n, long K, int bf16, float *dst) {
+    for (long i = 0; i < n * K; i++) dst[i] = bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
 /* The expert FFNs of a group of experts in one parallel pass, as flowmoe_ffn_group (cpu_expert.c)
    computes them from weights in the model's dtype: act_e [n_e, I] = activation(x_e gate^T + bg,
-   x_e up^T + bu), out_e [n_e, H] = act_e down^T + bd. weights: 9 pointers per expert, (q, scale,
-   zero) of gate [I, H], up [I, H] and down [H, I] in `fmt` (zero null for int8); x_e (contiguous
-   rows) and out ([sum n_e, H]) in bf16 where `bf16`, else fp32; biases fp32 or null. Returns 0, or 1
-   where there is no memory for the fp32 buffers. */
+   x_e up^T + bu), out_e [n_e, H] = act_e down^T + bd, x_e and act_e quantized per block (the
+   header). weights: 9 pointers per expert, (q, scale, zero) of gate [I, H], up [I, H] and down
+   [H, I] in `fmt` (zero null for int8); x_e (contiguous rows) and out ([sum n_e, H]) in bf16 where
+   `bf16`, else fp32; biases fp32 or null. Returns 0, or 1 where there is no memory for the buffers. */
 int flowmoe_packed_ffn_group(int experts, const void *const *xs, const int *ns, long H, long I, int fmt,
                              long group, const void *const *weights, const float *const *gate_up_biases,
                              const float *const *down_biases, int clamped, float alpha, float limit, int bf16,
@@ -231,43 +249,38 @@ int flowmoe_packed_ffn_group(int experts, const void *const *xs, const int *ns, 
     long up_blocks = (I + PB - 1) / PB, down_blocks = (H + PB - 1) / PB, rows = 0;
     long first[experts > 0 ? experts : 1];
     for (int e = 0; e < experts; e++) first[e] = rows, rows += ns[e];
-    int ordered = fmt == 1;
-    long at_least = rows > 0 ? rows : 1; /* int4: a row's group sums of x and of the activations */
-    long hidden_sums = ordered ? 8 * ((H + group - 1) / group) : 0, act_sums = ordered ? 8 * ((I + group - 1) / group) : 0;
+    long at_least = rows > 0 ? rows : 1, xfl = row_floats(fmt, H, group), afl = row_floats(fmt, I, group);
     float *xw = malloc(sizeof(float) * at_least * H), *acts = malloc(sizeof(float) * at_least * I);
-    float *xsums = ordered ? malloc(sizeof(float) * at_least * hidden_sums) : NULL; /* [rows, groups, 8] */
-    float *asums = ordered ? malloc(sizeof(float) * at_least * act_sums) : NULL;
-    if (!xw || !acts || (ordered && (!xsums || !asums))) {
-        free(xw), free(acts), free(xsums), free(asums);
+    float *xf = malloc(sizeof(float) * at_least * xfl), *af = malloc(sizeof(float) * at_least * afl);
+    int8_t *xq = malloc(at_least * H), *aq = malloc(at_least * I); /* the rows' levels */
+    if (!xw || !acts || !xf || !af || !xq || !aq) {
+        free(xw), free(acts), free(xf), free(af), free(xq), free(aq);
         return 1;
     }
-    for (int e = 0; e < experts; e++) widen(xs[e], ns[e], H, bf16, ordered, xw + first[e] * H);
-    if (ordered) group_sums(xw, (int)rows, H, group, xsums);
+    for (int e = 0; e < experts; e++) widen(xs[e], ns[e], H, bf16, xw + first[e] * H);
 #pragma omp parallel num_threads(threads)
     {
+#pragma omp for schedule(static)
+        for (long r = 0; r < rows; r++) quantize_row(xw + r * H, H, fmt, group, xq + r * H, xf + r * xfl);
 #pragma omp for schedule(static)
         for (long t = 0; t < experts * up_blocks; t++) {
             int e = (int)(t / up_blocks), n = ns[e];
             long o0 = t % up_blocks * PB;
             int ob = (int)(I - o0 < PB ? I - o0 : PB);
             const void *const *w = weights + 9L * e;
-            const float *bias = gate_up_biases[e], *x = xw + first[e] * H;
+            const float *bias = gate_up_biases[e];
             float g[n * PB], u[n * PB], *act = acts + first[e] * I;
-            const float *sums = ordered ? xsums + first[e] * hidden_sums : NULL;
-            packed_block(isa, fmt, x, H, sums, n, H, group, w, o0, ob, g);
-            packed_block(isa, fmt, x, H, sums, n, H, group, w + 3, o0, ob, u);
+            packed_block(isa, fmt, xq + first[e] * H, xf + first[e] * xfl, n, H, group, w, o0, ob, g);
+            packed_block(isa, fmt, xq + first[e] * H, xf + first[e] * xfl, n, H, group, w + 3, o0, ob, u);
             for (int r = 0; r < n; r++)
                 for (int j = 0; j < ob; j++) {
                     float gv = g[r * PB + j] + (bias ? bias[o0 + j] : 0.0f);
                     float uv = u[r * PB + j] + (bias ? bias[I + o0 + j] : 0.0f);
-                    long at = ordered ? int4_position(o0 + j, I) : o0 + j;
-                    act[r * I + at] = swiglu(gv, uv, clamped, alpha, limit);
+                    act[r * I + o0 + j] = swiglu(gv, uv, clamped, alpha, limit);
                 }
         }
-        if (ordered) {
 #pragma omp for schedule(static)
-            for (long r = 0; r < rows; r++) group_sums(acts + r * I, 1, I, group, asums + r * act_sums);
-        }
+        for (long r = 0; r < rows; r++) quantize_row(acts + r * I, I, fmt, group, aq + r * I, af + r * afl);
 #pragma omp for schedule(static)
         for (long t = 0; t < experts * down_blocks; t++) {
             int e = (int)(t / down_blocks), n = ns[e];
@@ -275,8 +288,8 @@ int flowmoe_packed_ffn_group(int experts, const void *const *xs, const int *ns, 
             int ob = (int)(H - o0 < PB ? H - o0 : PB);
             const float *bias = down_biases[e];
             float res[n * PB];
-            const float *sums = ordered ? asums + first[e] * act_sums : NULL;
-            packed_block(isa, fmt, acts + first[e] * I, I, sums, n, I, group, weights + 9L * e + 6, o0, ob, res);
+            packed_block(isa, fmt, aq + first[e] * I, af + first[e] * afl, n, I, group, weights + 9L * e + 6, o0, ob,
+                         res);
             for (int r = 0; r < n; r++)
                 for (int j = 0; j < ob; j++) {
                     float v = res[r * PB + j] + (bias ? bias[o0 + j] : 0.0f);
@@ -288,6 +301,6 @@ int flowmoe_packed_ffn_group(int experts, const void *const *xs, const int *ns, 
                 }
         }
     }
-    free(xw), free(acts), free(xsums), free(asums);
+    free(xw), free(acts), free(xf), free(af), free(xq), free(aq);
     return 0;
 }

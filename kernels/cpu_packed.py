@@ -2,13 +2,15 @@
 
 Under a packed expert format (`--expert-format int8|int4|hqq4`) the host keeps the routed experts
 quantized (flowmoe/model/quantized.py); this computes a few rows of such an expert (<= MAX_ROWS) reading
-those bytes directly, widened to fp32 in registers, with the gate/up projections fused with the
-activation as cpu_expert.c does for bf16 / fp32 weights. Formats: "int8" (an int8 per weight, a float32
-scale per output row) and "int4" (two 4-bit levels per byte, a float16 scale and zero per group of a
-row's columns; the group a multiple of 16, at most MAX_GROUP). x and the output in fp32 or bf16 (the
-model's dtype), accumulated in fp32; each output summed in one order whatever the rows and threads
-(cpu_packed.c's header), which differs from dequantize-then-multiply by taking the scale once per
-row (int8) or group (int4) and, for int4, the zero once per group from x's sums over it.
+those bytes directly, with the gate/up projections fused with the activation as cpu_expert.c does for
+bf16 / fp32 weights. Formats: "int8" (an int8 per weight, a float32 scale per output row) and "int4"
+(two 4-bit levels per byte, a float16 scale and zero per group of a row's columns; the group a
+multiple of GROUP_STEP). x and the output in fp32 or bf16 (the model's dtype). As llama.cpp's Q8_0
+does, the kernel quantizes each row of x, and of the activation between the projections, to int8
+per block of 32 values (one scale max |x| / 127 each) and multiplies in exact integer sums, taken to
+fp32 once per block: the result is the dequantized weights times those quantized activations (each
+value off by at most its block's max |x| / 254), summed in one order whatever the rows, threads and
+block (cpu_packed.c's header: the portable and AVX2 blocks give the same bits).
 
 The block is chosen as cpu_expert.py chooses its own (`cpu_expert.isa()`, FLOWMOE_CPU_ISA): the AVX2 +
 FMA + F16C intrinsics of cpu_packed_avx2.c on a CPU with them but no AVX-512, else the portable C
@@ -28,7 +30,7 @@ from flowmoe.core.spec import MoESpec
 from flowmoe.kernels import cpu_expert, native
 
 MAX_ROWS = 32  # as cpu_expert: beyond it the GEMM is compute-bound and a dequantized matmul wins
-MAX_GROUP = 256  # cpu_packed.c's: a block widens one group of its rows into an L1 buffer
+GROUP_STEP = 64  # cpu_packed.c's SB: an int4 group is whole superblocks of 64 columns (32 bytes)
 FORMATS = {"int8": 0, "int4": 1}  # cpu_packed.c's `fmt`
 
 # (q, scale, zero): int8 q [R, C] int8, scale [R] or [R, 1] float32, zero None;
@@ -87,7 +89,7 @@ def fits(x: torch.Tensor, ffn: PackedFFN, fmt: str, group: int) -> bool:
         and x.is_cpu
         and not (torch.is_grad_enabled() and x.requires_grad)
         and fmt in FORMATS
-        and (fmt == "int8" or (group % 16 == 0 and 0 < group <= MAX_GROUP))
+        and (fmt == "int8" or (group > 0 and group % GROUP_STEP == 0))
         and kernel() is not None
     ):
         return False

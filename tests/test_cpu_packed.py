@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from attrs import evolve
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowmoe.core.policy import Policy
 from flowmoe.core.scheduling import Residency
+from flowmoe.core.spec import MoESpec
 from flowmoe.kernels import cpu_packed, native
 from flowmoe.model.loading import load_model, pack_experts
 from flowmoe.model.packed_experts import kernel_form, packed_scaled
@@ -23,21 +24,33 @@ from flowmoe.model.weights import FFNWeights
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
 from tests.hf_models import hf_model, save_hf
 from tests.schedule_fixtures import run_scheduler
-from tests.test_cpu_experts import _error, _moe, _threads
+from tests.test_cpu_experts import _moe, _reference, _threads
 
 pytestmark = pytest.mark.skipif(cpu_packed.kernel() is None, reason="no C compiler for the CPU kernels here")
 ISAS = ["portable", *(["avx2"] if {"avx2", "fma", "f16c"} <= native.cpu_flags() else [])]
 FORMATS = ["int8", "int4", "hqq4"]  # hqq4: int4's layout at group 64
-# As tests/test_cpu_experts.py's fp32 bound (max error over a first-order bound of fp32 rounding, with
-# the dequantized weights as the weights): the kernel rounds like dequantize-then-multiply but for
-# taking each group's scale (int8: the row's) once per sum instead of once per weight, one rounding
-# within that bound; a wrong level, zero, scale, row or column is off by O(1). int4 also sums the
-# levels q x and takes zero x sum x once per group (cpu_packed.c's header): its sums round terms of
-# scale (|q| + |zero|) |x| where dequantize-then-multiply's are scale |q - zero| |x|, so to first order
-# its error is that bound times the expert's largest row ratio sum (|q| + |zero|) / sum |q - zero|
-# (_level_spread: 1 for int8; ~9-12 for the normal weights here, whose levels gather at the zero).
+# The kernels quantize the activations (x, and the activation between the projections) per block of
+# QB values to levels times a scale d = max |x| / QMAX (cpu_packed.c's header, llama.cpp's Q8_0), and
+# are checked twice:
+# * against the same quantization in float64 (_levels, bit for bit the kernels' levels of x), to
+#   tests/test_cpu_experts.py's fp32 bound (max error over a first-order bound of fp32 rounding, the
+#   dequantized weights as the weights) plus, for the activation between the projections, what its
+#   fp32 error can move its levels by: its scale's share and one level where it lies within that
+#   error of a rounding boundary (_same_quantization_error). The integer sums are exact and the
+#   floats sum one product per block, within TOLERANCE; int4 sums the levels q x and takes zero x
+#   sum x once per group: its sums round terms of scale (|q| + |zero|) |x| where a sum of the
+#   dequantized weights' are scale |q - zero| |x|, so to first order its error is that bound times
+#   the expert's largest row ratio sum (|q| + |zero|) / sum |q - zero| (_level_spread: 1 for int8;
+#   ~9-12 for the normal weights here, whose levels gather at the zero). A wrong level, zero, scale,
+#   row or column is off by O(1).
+# * against dequantize-then-multiply on the unquantized activations, to the first-order bound of
+#   each activation off by at most d / 2 (round to nearest), carried through the FFN as the fp32
+#   bound carries rounding, times QUANTIZATION_HEADROOM for the second-order terms
+#   (_quantization_bound).
 TOLERANCE = 1e-5
-BF16_TOLERANCE = 3 * 2**-8  # of the largest output: the output's one bf16 rounding, 3 ulp
+QB = 32  # cpu_packed.c's activations per block (llama.cpp's QK8_0)
+QMAX = 127  # cpu_packed.c's largest activation level (Q8_0's)
+QUANTIZATION_HEADROOM = 2.0
 
 
 def _expert(seed: int, hidden: int, inter: int, form: str, bias: bool, dtype: torch.dtype) -> QuantizedExpert:
@@ -79,6 +92,16 @@ def _dequantized(expert: QuantizedExpert) -> tuple:
     return ffn.gate_up, ffn.down, ffn.gate_up_bias, ffn.down_bias
 
 
+Float64FFN = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def _float64(expert: QuantizedExpert) -> Float64FFN:
+    """The dequantized expert in float64: gate_up [2I, hidden], down [hidden, I] and their biases."""
+    ffn = expert.to_ffn()
+    gate_up_bias, down_bias = (None if b is None else b.double() for b in (ffn.gate_up_bias, ffn.down_bias))
+    return ffn.gate_up.double(), ffn.down.double(), gate_up_bias, down_bias
+
+
 @pytest.fixture(params=ISAS)
 def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("FLOWMOE_CPU_ISA", request.param)
@@ -86,18 +109,89 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     return str(request.param)
 
 
+def _levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, K] as the kernels quantize it (cpu_packed.c's quantize_row, in float32 as it does):
+    (its values d x level [n, K] and each value's block scale d [n, K], float64)."""
+    n, k = x.shape
+    blocks = F.pad(x.float(), (0, -k % QB)).view(n, -1, QB)  # [n, ceil(K / QB), QB]
+    d = blocks.abs().amax(dim=-1, keepdim=True) / QMAX  # [n, blocks, 1]
+    v = blocks * torch.where(d != 0, 1 / d, 0)  # [n, blocks, QB]
+    whole = torch.trunc(v)
+    level = torch.where((v - whole).abs() == 0.5, whole + torch.sign(v), torch.round(v))  # roundf's ties
+    values = (level.double() * d.double()).view(n, -1)[:, :k]  # [n, K]
+    return values, d.double().expand_as(blocks).reshape(n, -1)[:, :k]
+
+
+def _block_max(t: torch.Tensor) -> torch.Tensor:
+    """t [n, K] -> each value's block's largest value [n, K]."""
+    n, k = t.shape
+    blocks = F.pad(t, (0, -k % QB)).view(n, -1, QB)  # [n, blocks, QB]
+    return blocks.amax(dim=-1, keepdim=True).expand_as(blocks).reshape(n, -1)[:, :k]
+
+
+def _projections(x: torch.Tensor, expert: QuantizedExpert, moe: MoESpec) -> tuple:
+    """x [n, hidden] float64 through the dequantized expert's gate/up: (act, gate, up, |gate| spread,
+    |up| spread) [n, I] each, the spreads |W| @ |x| + |bias| (the first-order bound of fp32 rounding)."""
+    gate_up, down, gate_up_bias, _ = _float64(expert)
+    eye = torch.eye(down.shape[1], dtype=torch.float64)
+    act = _reference(x, (gate_up, eye, gate_up_bias, None), moe)  # [n, I]: the identity keeps it exact
+    gate, up = F.linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
+    bias = gate_up_bias.abs() if gate_up_bias is not None else None
+    spread_gate, spread_up = F.linear(x.abs(), gate_up.abs(), bias).chunk(2, dim=-1)
+    return act, gate, up, spread_gate, spread_up
+
+
+def _act_bound(
+    gate: torch.Tensor, up: torch.Tensor, d_gate: torch.Tensor, d_up: torch.Tensor, moe: MoESpec
+) -> torch.Tensor:
+    """First order, what the activation moves by where gate and up move by d_gate and d_up (as
+    tests/test_cpu_experts.py's _error: slopes within (|up| + 1)(1 + alpha) and |gate| + 1)."""
+    return (up.abs() + 1) * (1 + moe.swiglu_alpha) * d_gate + (gate.abs() + 1) * d_up
+
+
+def _same_quantization_error(
+    out: torch.Tensor, x: torch.Tensor, expert: QuantizedExpert, moe: MoESpec, spread: float
+) -> float:
+    """max |out - reference| over its bound (the header), the reference the dequantized weights
+    times the kernels' quantized x and activation in float64."""
+    _, down, _, down_bias = _float64(expert)
+    act, gate, up, spread_gate, spread_up = _projections(_levels(x)[0], expert, moe)
+    spread_act = (up.abs() + 1) * gate.abs() + _act_bound(gate, up, spread_gate, spread_up, moe)  # [n, I]
+    rounding = TOLERANCE * spread * spread_act
+    values, d = _levels(act)
+    moved = rounding + _block_max(rounding)  # the act's fp32 error, and its share of its block's d x level
+    near = ((act / d).abs().frac() - 0.5).abs() <= moved / d  # [n, I]: a level the kernel may round apart
+    reference = F.linear(values, down, down_bias)  # [n, hidden]
+    bound = F.linear(moved + d * near, down.abs()) + TOLERANCE * spread * F.linear(values.abs(), down.abs())
+    if down_bias is not None:
+        bound = bound + TOLERANCE * down_bias.abs()
+    return float(((out.double() - reference).abs() / bound.clamp(min=1e-30)).max())
+
+
+def _quantization_bound(x: torch.Tensor, expert: QuantizedExpert, moe: MoESpec) -> torch.Tensor:
+    """[n, hidden]: how far the kernels may be from dequantize-then-multiply (the header): each value
+    of x and of the activation off by d / 2 of its block, to first order, times the headroom (which
+    also holds the fp32 rounding, 1e-5 of a like bound)."""
+    gate_up, down = _float64(expert)[:2]
+    act, gate, up = _projections(x.double(), expert, moe)[:3]
+    moved_gate, moved_up = F.linear(_levels(x)[1] / 2, gate_up.abs()).chunk(2, dim=-1)  # [n, I] each
+    moved = _act_bound(gate, up, moved_gate, moved_up, moe)  # [n, I]
+    d_act = _block_max(act.abs() + moved) / QMAX  # [n, I]: at least the scale of the kernel's act's blocks
+    return QUANTIZATION_HEADROOM * F.linear(moved + d_act / 2, down.abs())
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(1, cpu_packed.MAX_ROWS),
-    hidden=st.sampled_from([16, 40, 72, 136]),  # int4 groups ragged at the row's end, tails past 16
-    inter=st.sampled_from([8, 24, 48]),
+    hidden=st.sampled_from([16, 40, 72, 136, 320]),  # groups ragged at the row's end, tails past 64
+    inter=st.sampled_from([8, 24, 48, 192]),
     form=st.sampled_from(FORMATS),
     bias=st.booleans(),
     activation=st.sampled_from(["silu", "clamped_swiglu"]),
     block=st.sampled_from(ISAS),
     seed=st.integers(0, 2**16),
 )
-def test_matches_dequantize_then_multiply(
+def test_matches_the_quantized_activations_in_float64_and_dequantize_then_multiply(
     rows: int, hidden: int, inter: int, form: str, bias: bool, activation: str, block: str, seed: int
 ) -> None:
     moe = _moe(activation)
@@ -107,22 +201,41 @@ def test_matches_dequantize_then_multiply(
     assert cpu_packed.fits(x, ffn, fmt, group)
     out = cpu_packed.swiglu_group([x], [ffn], fmt, group, moe, block)[0]
     assert out.shape == (rows, hidden) and out.dtype == torch.float32
-    assert _error(out, x, _dequantized(expert), moe) <= TOLERANCE * _level_spread(fmt, group, ffn)
+    spread = _level_spread(fmt, group, ffn)
+    assert _same_quantization_error(out, x, expert, moe, spread) <= 1
+    dequantized = _reference(x, _dequantized(expert), moe)  # [rows, hidden]
+    assert bool(((out.double() - dequantized).abs() <= _quantization_bound(x, expert, moe)).all())
 
 
 @pytest.mark.parametrize("form", FORMATS)
-def test_bf16_rows_round_once(form: str) -> None:
-    """A bf16 model: x widened, fp32 throughout, the output rounded to bf16 once."""
+def test_bf16_rows_are_fp32_rows_rounded_once(form: str) -> None:
+    """A bf16 model: x widened (exactly), fp32 throughout, the output rounded to bf16 once: the fp32
+    kernel's bits on the widened x, rounded."""
     moe = _moe("silu")
-    expert = _expert(3, 72, 24, form, False, torch.bfloat16)
+    expert = _expert(3, 136, 48, form, False, torch.bfloat16)
     fmt, group, ffn = _kernel(expert)
-    x = torch.randn(5, 72).bfloat16()
+    x = torch.randn(5, 136).bfloat16()
     out = cpu_packed.swiglu_group([x], [ffn], fmt, group, moe)[0]
-    weights = evolve(expert, dtype=torch.float32).to_ffn()  # dequantized to float32 (to bf16 it would round)
-    gate, up = (x.double() @ weights.gate_up.double().T).chunk(2, dim=-1)  # [5, 24] each
-    reference = (torch.nn.functional.silu(gate) * up) @ weights.down.double().T  # [5, 72]
     assert out.dtype == torch.bfloat16
-    assert float((out.double() - reference).abs().max() / reference.abs().max()) <= BF16_TOLERANCE
+    assert torch.equal(out, cpu_packed.swiglu_group([x.float()], [ffn], fmt, group, moe)[0].bfloat16())
+
+
+@pytest.mark.skipif(len(ISAS) < 2, reason="no AVX2 + FMA + F16C here")
+@pytest.mark.parametrize("form", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_portable_and_avx2_blocks_give_the_same_bits(form: str, dtype: torch.dtype) -> None:
+    """Every float operation in one order in both blocks (cpu_packed.c's header), over full blocks
+    and superblocks, ragged groups and tails."""
+    moe = _moe("clamped_swiglu")
+    for hidden, inter in ((136, 48), (320, 192)):
+        expert = _expert(hidden, hidden, inter, form, True, dtype)
+        fmt, group, ffn = _kernel(expert)
+        xs = [
+            torch.randn(n, hidden, generator=torch.Generator().manual_seed(n)).to(dtype) for n in (1, 7, 32)
+        ]
+        portable = cpu_packed.swiglu_group(xs, [ffn] * 3, fmt, group, moe, "portable")
+        avx2 = cpu_packed.swiglu_group(xs, [ffn] * 3, fmt, group, moe, "avx2")
+        assert all(torch.equal(a, b) for a, b in zip(portable, avx2, strict=True))
 
 
 @pytest.mark.parametrize("form", FORMATS)
@@ -151,8 +264,7 @@ def test_what_the_kernels_take() -> None:
     assert not cpu_packed.fits(torch.randn(cpu_packed.MAX_ROWS + 1, 72), ffn, fmt, group)  # a GEMM's rows
     assert not cpu_packed.fits(x.half(), ffn, fmt, group)
     assert not cpu_packed.fits(torch.randn(4, 64), ffn, fmt, group)  # another hidden size
-    assert not cpu_packed.fits(x, ffn, fmt, 24)  # a group not a multiple of 16
-    assert not cpu_packed.fits(x, ffn, fmt, 2 * cpu_packed.MAX_GROUP)
+    assert not cpu_packed.fits(x, ffn, fmt, 96)  # a group not whole superblocks (cpu_packed.GROUP_STEP)
     assert not cpu_packed.fits(x, ffn, "int8", 0)  # int4 tensors read as int8
 
 
