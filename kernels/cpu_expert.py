@@ -36,7 +36,12 @@ from flowmoe.kernels import native
 # (gate_up [2I, hidden], down [hidden, I], gate_up_bias [2I] | None, down_bias [hidden] | None)
 FFN = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
-MAX_ROWS = 32  # beyond this many rows the GEMM is compute-bound and MKL's blocking wins
+MAX_ROWS = 32  # beyond this many rows the GEMM is compute-bound and MKL's blocking wins (portable block)
+# cpu_rows_avx2.c's 3-row tiles against a widened chunk, from 16 rows on: at the issue-25 checkpoint's
+# shapes (hidden 1024, intermediate 3584; 2-vCPU AMD EPYC, 1 thread) its expert FFN and projections
+# keep up with torch's (MKL fp32; bf16 widened to fp32 first) up to 128 rows and pass them in bf16
+# (bench/RESULTS.md, issue 25 prefill): a 128-token prefill's experts all go to the kernels
+AVX2_MAX_ROWS = 128
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _PP, _PI = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int)
 _array = native.pointers
@@ -91,9 +96,12 @@ def emulated(dtype: torch.dtype) -> bool:
 
 
 def max_rows(dtype: torch.dtype) -> int:
-    """The most rows the kernels take in `dtype`: MAX_ROWS, but one bf16 row where torch's bf16
-    matmuls are native (from two rows on oneDNN's AMX / AVX512-BF16 kernels read bf16 faster)."""
-    return MAX_ROWS if dtype == torch.float32 or emulated(dtype) else 1
+    """The most rows the kernels take in `dtype`: MAX_ROWS (AVX2_MAX_ROWS with the AVX2 block), but
+    one bf16 row where torch's bf16 matmuls are native (from two rows on oneDNN's AMX / AVX512-BF16
+    kernels read bf16 faster)."""
+    if dtype != torch.float32 and not emulated(dtype):
+        return 1
+    return AVX2_MAX_ROWS if isa() == "avx2" else MAX_ROWS
 
 
 def _takes(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None) -> bool:

@@ -17,7 +17,9 @@
 
    Each output is summed in an order that depends on neither n nor the thread count: lane i of one
    accumulator takes k = i mod 8 (fp32) or the pair 2i, 2i + 1 of each 16 columns (bf16) in k
-   order, then the 8 lanes in a fixed tree, then the last K % 8 (K % 16) columns in order. */
+   order, then the 8 lanes in a fixed tree, then the last K % 8 (K % 16) columns in order. The
+   wide tiles (from WIDE_ROWS rows on) keep that order: a bf16 chunk widened in bf16 column order
+   gives each lane the same products in the same sequence. */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -27,6 +29,9 @@
 #define OB 8             /* weight rows per block: 8 accumulators for one row of x (FMA latency 4 x 2 pipes) */
 #define RT 2             /* x rows per register tile beyond one: 2 x OB / 2 accumulators, 2 RT x vectors */
 #define CHUNK_BYTES 1024 /* of each weight row per chunk when several passes share it (8 KiB in L1) */
+#define WIDE_RT 3        /* x rows per tile against fp32 weights: 3 x OB / 2 accumulators + 3 x + 1 w = 16 */
+#define WIDE_ROWS 16     /* from this many rows of x on, tiles of WIDE_RT rows against a widened chunk */
+#define WIDE_CHUNK 256   /* columns per chunk there (fp32: CHUNK_BYTES; a widened bf16 chunk: 8 KiB) */
 
 /* The 8 lanes' sum: lane i + lane i + 4, then + 2, + 1. */
 static inline AVX2 float hsum8(__m256 v) {
@@ -41,22 +46,23 @@ static inline AVX2 __attribute__((always_inline)) void in_register(__m256 *v) {
     __asm__("" : "+x"(*v));
 }
 
-/* acc[r0 + r][j] += x[r0 + r, k0:k1] . wp[j][k0:k1] for r < rt, j0 <= j < j0 + jn (compile-time
-   constants in each caller, so that the accumulators live in registers). next != 0: the step at
-   column k also prefetches [next + k / step * per_step, + per_step) into L2. */
+/* acc[r0 + r][j] += x[r0 + r, k0:k1] . wp[j][k0 - wk0:k1 - wk0] for r < rt, j0 <= j < j0 + jn
+   (compile-time constants in each caller, so that the accumulators live in registers; wk0: the
+   column wp[j] starts at, 0 but for a widened chunk). next != 0: the step at column k also
+   prefetches [next + k / step * per_step, + per_step) into L2. */
 static inline AVX2 __attribute__((always_inline)) void tile(
     int rt, int jn, int bf16, const float *x, long ldx, int r0, int j0, long k0, long k1, const void *const *wp,
-    __m256 (*acc)[OB], const char *next, long per_step) {
-    __m256 a[RT][OB];
+    long wk0, __m256 (*acc)[OB], const char *next, long per_step) {
+    __m256 a[WIDE_RT][OB];
     for (int r = 0; r < rt; r++)
         for (int j = 0; j < jn; j++) a[r][j] = acc[r0 + r][j0 + j];
-    const float *xr[RT];
+    const float *xr[WIDE_RT];
     for (int r = 0; r < rt; r++) xr[r] = x + (long)(r0 + r) * ldx;
     if (bf16) {
         const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32((int)0xFFFF0000u));
         for (long k = k0; k < k1; k += 16) {
             for (long b = 0; next && b < per_step; b += 64) _mm_prefetch(next + k / 16 * per_step + b, _MM_HINT_T1);
-            __m256 xe[RT], xo[RT];
+            __m256 xe[RT], xo[RT]; /* bf16 tiles have at most RT rows */
             for (int r = 0; r < rt; r++) {
                 xe[r] = _mm256_loadu_ps(xr[r] + k);
                 xo[r] = _mm256_loadu_ps(xr[r] + k + 8);
@@ -73,10 +79,11 @@ static inline AVX2 __attribute__((always_inline)) void tile(
     } else {
         for (long k = k0; k < k1; k += 8) {
             for (long b = 0; next && b < per_step; b += 64) _mm_prefetch(next + k / 8 * per_step + b, _MM_HINT_T1);
-            __m256 xv[RT];
+            __m256 xv[WIDE_RT];
             for (int r = 0; r < rt; r++) xv[r] = _mm256_loadu_ps(xr[r] + k), in_register(&xv[r]);
             for (int j = 0; j < jn; j++) {
-                __m256 wv = _mm256_loadu_ps((const float *)wp[j0 + j] + k);
+                __m256 wv = _mm256_loadu_ps((const float *)wp[j0 + j] + k - wk0);
+                in_register(&wv); /* one load for the rt FMAs, not one memory operand each */
                 for (int r = 0; r < rt; r++) a[r][j] = _mm256_fmadd_ps(xv[r], wv, a[r][j]);
             }
         }
@@ -85,12 +92,64 @@ static inline AVX2 __attribute__((always_inline)) void tile(
         for (int j = 0; j < jn; j++) acc[r0 + r][j0 + j] = a[r][j];
 }
 
+/* buf[j][0:k1 - k0] = wp[j][k0:k1] in fp32 for j < OB: an fp32 weight copied, a bf16 one widened in
+   bf16 column order (each 16 columns: the 8 even ones, then the 8 odd ones, so that an fp32 tile over
+   buf multiplies what the bf16 tile does in the same order: the even 8 columns' FMA, then the odd
+   8's). Also prefetches the chunk's share of the next block into L2: [next + k0 / step * per_step,
+   next + k1 / step * per_step) with step = 8 columns in fp32, 16 in bf16 (next != 0). */
+static inline AVX2 void widen(const void *const *wp, int bf16, long k0, long k1, float (*buf)[WIDE_CHUNK],
+                              const char *next, long per_step) {
+    const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32((int)0xFFFF0000u));
+    int step = bf16 ? 16 : 8;
+    for (long b = k0 / step * per_step; next && b < k1 / step * per_step; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+    for (int j = 0; j < OB; j++) {
+        float *to = buf[j] - k0;
+        if (bf16) {
+            const uint16_t *from = wp[j];
+            for (long k = k0; k < k1; k += 16) {
+                __m256 u = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(from + k)));
+                _mm256_store_ps(to + k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(u), 16)));
+                _mm256_store_ps(to + k + 8, _mm256_and_ps(u, high));
+            }
+        } else {
+            memcpy(to + k0, (const float *)wp[j] + k0, sizeof(float) * (size_t)(k1 - k0));
+        }
+    }
+}
+
+/* acc += the n >= WIDE_ROWS rows of x against the block wp over columns [0, kv): WIDE_CHUNK columns at
+   a time, each first copied (fp32) or widened (bf16) into a buffer in L1 (prefetching the next
+   block meanwhile), then WIDE_RT rows of x against half the buffer at a time: 12 of 16 registers
+   accumulating, the weight read from L1 once per tile, x once per half. The buffer's rows sit 1 KiB
+   apart: straight from the weight, a block's 8 rows and a tile's 3 rows of x (4 KiB apart each at
+   K 1024 in fp32) share L1 sets beyond its 8 ways (one thread, [8, 1024] fp32 block, 33 rows, in
+   L2: 33 GFLOP/s straight vs 63 in bf16 through a buffer, AMD EPYC Zen 3). */
+static AVX2 void wide_rows(const float *x, long ldx, int n, long kv, const void *const *wp, int bf16,
+                           __m256 (*acc)[OB], const char *ahead, long per_step) {
+    float buf[OB][WIDE_CHUNK] __attribute__((aligned(32)));
+    const void *bp[OB];
+    for (int j = 0; j < OB; j++) bp[j] = buf[j];
+    for (long k0 = 0; k0 < kv; k0 += WIDE_CHUNK) {
+        long k1 = kv - k0 < WIDE_CHUNK ? kv : k0 + WIDE_CHUNK;
+        widen(wp, bf16, k0, k1, buf, ahead, per_step);
+        for (int r0 = 0; r0 < n; r0 += WIDE_RT)
+            for (int j0 = 0; j0 < OB; j0 += OB / 2) {
+                if (n - r0 >= WIDE_RT)
+                    tile(WIDE_RT, OB / 2, 0, x, ldx, r0, j0, k0, k1, bp, k0, acc, 0, 0);
+                else if (n - r0 == 2)
+                    tile(2, OB / 2, 0, x, ldx, r0, j0, k0, k1, bp, k0, acc, 0, 0);
+                else
+                    tile(1, OB / 2, 0, x, ldx, r0, j0, k0, k1, bp, k0, acc, 0, 0);
+            }
+    }
+}
+
 /* The rows [o0, o0 + ob) of w [O, K] (fp32, or bf16 with x in bf16 column order) against the n
    rows of x: one row of x runs over the whole weight row with all OB weight rows at once (bf16: two
    at a time, fewer streams for the prefetchers: a 2-expert decode FFN call at issue 25's shapes,
    median of 6 interleaved runs 3.98 -> 3.83 ms, 1 thread, AMD EPYC 2 vCPU); more
    rows take turns, RT rows against half the block at a time, chunk by chunk, the later passes
-   finding the chunk in L1. */
+   finding the chunk in L1; from WIDE_ROWS rows on (prefill), `wide_rows`. */
 AVX2 void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void *w, int bf16, long o0, int ob,
                              const void *next, long next_rows, float *res) {
     int esize = bf16 ? 2 : 4, step = bf16 ? 16 : 8;
@@ -106,26 +165,27 @@ AVX2 void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void
        of a short K (2 KiB in bf16 at K 1024) end before its prefetchers have picked them up */
     long steps = kv / step > 0 ? kv / step : 1, per_step = (next_rows * K * esize / steps + 63) / 64 * 64;
     const char *ahead = next_rows > 0 ? (const char *)next : 0;
-    for (long k0 = 0; k0 < kv; k0 += chunk) {
+    if (n >= WIDE_ROWS) wide_rows(x, ldx, n, kv, wp, bf16, acc, ahead, per_step);
+    for (long k0 = 0; n < WIDE_ROWS && k0 < kv; k0 += chunk) {
         long k1 = kv - k0 < chunk ? kv : k0 + chunk;
         if (n == 1 && bf16) /* two weight rows at a time, each pair prefetching its share of the next block */
             for (int j0 = 0; j0 < OB; j0 += 2) {
                 long share = (per_step * steps / (OB / 2) + 63) / 64 * 64, pair_step = (share / steps + 63) / 64 * 64;
-                tile(1, 2, 1, x, ldx, 0, j0, k0, k1, wp, acc, ahead ? ahead + j0 / 2 * share : 0, pair_step);
+                tile(1, 2, 1, x, ldx, 0, j0, k0, k1, wp, 0, acc, ahead ? ahead + j0 / 2 * share : 0, pair_step);
             }
         else if (n == 1)
-            tile(1, OB, 0, x, ldx, 0, 0, k0, k1, wp, acc, ahead, per_step);
+            tile(1, OB, 0, x, ldx, 0, 0, k0, k1, wp, 0, acc, ahead, per_step);
         for (int r0 = 0; n > 1 && r0 < n; r0 += RT)
             for (int j0 = 0; j0 < OB; j0 += OB / 2) {
                 const char *pf = r0 == 0 && j0 == 0 ? ahead : 0;
                 if (n - r0 == 1 && bf16)
-                    tile(1, OB / 2, 1, x, ldx, r0, j0, k0, k1, wp, acc, pf, per_step);
+                    tile(1, OB / 2, 1, x, ldx, r0, j0, k0, k1, wp, 0, acc, pf, per_step);
                 else if (n - r0 == 1)
-                    tile(1, OB / 2, 0, x, ldx, r0, j0, k0, k1, wp, acc, pf, per_step);
+                    tile(1, OB / 2, 0, x, ldx, r0, j0, k0, k1, wp, 0, acc, pf, per_step);
                 else if (bf16)
-                    tile(RT, OB / 2, 1, x, ldx, r0, j0, k0, k1, wp, acc, pf, per_step);
+                    tile(RT, OB / 2, 1, x, ldx, r0, j0, k0, k1, wp, 0, acc, pf, per_step);
                 else
-                    tile(RT, OB / 2, 0, x, ldx, r0, j0, k0, k1, wp, acc, pf, per_step);
+                    tile(RT, OB / 2, 0, x, ldx, r0, j0, k0, k1, wp, 0, acc, pf, per_step);
             }
     }
     for (int r = 0; r < n; r++)

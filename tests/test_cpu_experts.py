@@ -148,8 +148,10 @@ def test_group_and_row_splits_give_identical_results(
 @compiled
 def test_which_shapes_take_the_kernels() -> None:
     w32, w16 = torch.zeros(8, 16), torch.zeros(8, 16, dtype=torch.bfloat16)
-    assert cpu_expert.fits(torch.zeros(cpu_expert.MAX_ROWS, 16), w32)
-    assert not cpu_expert.fits(torch.zeros(cpu_expert.MAX_ROWS + 1, 16), w32)  # compute-bound: MKL
+    limit = cpu_expert.max_rows(torch.float32)  # MAX_ROWS, AVX2_MAX_ROWS with the AVX2 block
+    assert limit == (cpu_expert.AVX2_MAX_ROWS if cpu_expert.isa() == "avx2" else cpu_expert.MAX_ROWS)
+    assert cpu_expert.fits(torch.zeros(limit, 16), w32)
+    assert not cpu_expert.fits(torch.zeros(limit + 1, 16), w32)  # compute-bound: MKL
     assert cpu_expert.fits(torch.zeros(1, 16, dtype=torch.bfloat16), w16)
     # from two bf16 rows on: oneDNN's where torch has native bf16 (AMX, AVX512-BF16), else the kernels
     bf16_rows = torch.zeros(2, 16, dtype=torch.bfloat16)
@@ -173,7 +175,7 @@ def test_mixed_group_falls_back_per_expert() -> None:
     moe = _moe("silu")
     ffns = [_ffn(generator, 24, 16, torch.float32, True) for _ in range(3)]
     ffns += [_ffn(generator, 24, 8, torch.float32, False), _ffn(generator, 24, 16, torch.bfloat16, True)]
-    xs = [_tensor(generator, n, 24).float() for n in (2, cpu_expert.MAX_ROWS + 5, 1, 3)]
+    xs = [_tensor(generator, n, 24).float() for n in (2, cpu_expert.max_rows(torch.float32) + 5, 1, 3)]
     xs.append(_tensor(generator, 1, 24).bfloat16())
     for x, ffn, out in zip(xs, ffns, swiglu_ffn_group(xs, ffns, moe), strict=True):
         assert out.dtype == x.dtype
