@@ -116,37 +116,42 @@ INLINE void int4_tile(int rt, int jn, const int8_t *xq, long ldq, const float *x
         for (int j = 0; j < jn; j++) acc[r0 + r][j0 + j] = a[r][j];
 }
 
+/* Rows [r0, r0 + rt) of levels against the block's PB weight rows: one tile of all PB where rt is 1
+   (its 4 weight vectors, 8 for int8 with their magnitudes, and 4 lanes in registers), else tiles of
+   JT weight rows. */
+INLINE void tile_rows(int rt, int fmt, const int8_t *xq, long ldq, const float *xd, const float *xl, const float *xs,
+                      long ldf, int r0, long K, long group, const void *const *wr, const long *at, const void *scale,
+                      const void *zero, __m256 (*acc)[PB]) {
+    int jn = rt == 1 ? PB : JT;
+    for (int j0 = 0; j0 < PB; j0 += jn)
+        if (fmt == 0)
+            int8_tile(rt, jn, xq, ldq, xd, ldf, r0, K, (const int8_t *const *)wr + j0, acc, j0);
+        else
+            int4_tile(rt, jn, xq, ldq, xl, xs, ldf, r0, K, group, (const uint8_t *const *)wr + j0, at + j0, scale,
+                      zero, acc, j0);
+}
+
 AVX2 void flowmoe_packed_block_avx2(int fmt, const int8_t *xq, long ldq, const float *xd, const float *xl,
                                     const float *xs, long ldf, int n, long K, long group, const void *q,
                                     const void *scale, const void *zero, long o0, int ob, float *res) {
     __m256 acc[n][PB];
-    long at[PB], tail_from = fmt == 0 ? K / QB * QB : K / SB * SB;
-    for (int j = 0; j < PB; j++) at[j] = o0 + (j < ob ? j : ob - 1); /* a short block repeats its last row */
-    if (fmt == 0) {
-        const int8_t *wr[PB];
-        for (int j = 0; j < PB; j++) wr[j] = (const int8_t *)q + at[j] * K;
-        if (n == 1)
-            int8_tile(1, PB, xq, ldq, xd, ldf, 0, K, wr, acc, 0);
+    const void *wr[PB];
+    long at[PB], tail_from = fmt == 0 ? K / QB * QB : K / SB * SB, row_bytes = fmt == 0 ? K : (K + 1) / 2;
+    for (int j = 0; j < PB; j++) {
+        at[j] = o0 + (j < ob ? j : ob - 1); /* a short block repeats its last row (its results not kept) */
+        wr[j] = (const uint8_t *)q + at[j] * row_bytes;
+    }
+    _Static_assert(RT == 4, "the tiles below: 1, 2, 3 or RT rows");
+    for (int r0 = 0; r0 < n; r0 += RT) {
+        int rt = n - r0 < RT ? n - r0 : RT;
+        if (rt == 1)
+            tile_rows(1, fmt, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, at, scale, zero, acc);
+        else if (rt == 2)
+            tile_rows(2, fmt, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, at, scale, zero, acc);
+        else if (rt == 3)
+            tile_rows(3, fmt, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, at, scale, zero, acc);
         else
-            for (int r0 = 0; r0 < n; r0 += RT)
-                for (int j0 = 0; j0 < PB; j0 += JT)
-                    if (n - r0 >= RT)
-                        int8_tile(RT, JT, xq, ldq, xd, ldf, r0, K, wr + j0, acc, j0);
-                    else
-                        for (int r = r0; r < n; r++) int8_tile(1, JT, xq, ldq, xd, ldf, r, K, wr + j0, acc, j0);
-    } else {
-        const uint8_t *wr[PB];
-        for (int j = 0; j < PB; j++) wr[j] = (const uint8_t *)q + at[j] * ((K + 1) / 2);
-        if (n == 1)
-            int4_tile(1, PB, xq, ldq, xl, xs, ldf, 0, K, group, wr, at, scale, zero, acc, 0);
-        else
-            for (int r0 = 0; r0 < n; r0 += RT)
-                for (int j0 = 0; j0 < PB; j0 += JT)
-                    if (n - r0 >= RT)
-                        int4_tile(RT, JT, xq, ldq, xl, xs, ldf, r0, K, group, wr + j0, at + j0, scale, zero, acc, j0);
-                    else
-                        for (int r = r0; r < n; r++)
-                            int4_tile(1, JT, xq, ldq, xl, xs, ldf, r, K, group, wr + j0, at + j0, scale, zero, acc, j0);
+            tile_rows(RT, fmt, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, at, scale, zero, acc);
     }
     for (int r = 0; r < n; r++)
         for (int j = 0; j < ob; j++) {
