@@ -19,9 +19,9 @@
    block's columns 4l..4l + 3 (int8), or of a superblock's (SB columns: the levels of 32 bytes, two
    blocks) columns 8l..8l + 7 (int4; lanes 0-3 the first block, 4-7 the second), each added into
    the output's fp32 lanes as fma(float(sum), the block's d, lane). int4 sums a group's superblocks
-   so into its own lanes, then adds fma(scale, fma(-zero, the row's lane sums of d x level over the
-   group, group lanes), row lanes): the zero stays out of the integer sums (levels 0..15 unsigned,
-   the activations' levels signed, as AVX2's maddubs multiplies them). Then the 8 lanes in a fixed
+   so into its own lanes, then lanes = fma(scale, group lanes, lanes), lanes = fma(-(scale x zero),
+   the row's lane sums of d x level over the group, lanes): the zero stays out of the integer sums
+   (levels 0..15 unsigned, the activations' levels signed, as AVX2's maddubs multiplies them). Then the 8 lanes in a fixed
    tree (hsum8: i + i + 4, then + 2, + 1), then the columns past the last full block (int8) or
    superblock (int4) in order, each as fma(d x level, weight, sum) with the weight (q - zero) x scale;
    int8 times the row's scale last. Every float operation is in that one order, whatever the rows,
@@ -189,8 +189,8 @@ static void block_portable(int fmt, const int8_t *xq, long ldq, const float *xd,
                         lanes[l] = fmaf((float)sum, xl[r * ldf + s * 8 + l], lanes[l]);
                     }
                 float sc = flowmoe_half_to_float(((const uint16_t *)scale)[o * groups + g]);
-                float z = flowmoe_half_to_float(((const uint16_t *)zero)[o * groups + g]);
-                for (int l = 0; l < 8; l++) acc[l] = fmaf(sc, fmaf(-z, xs[r * ldf + g * 8 + l], lanes[l]), acc[l]);
+                float sz = sc * flowmoe_half_to_float(((const uint16_t *)zero)[o * groups + g]);
+                for (int l = 0; l < 8; l++) acc[l] = fmaf(-sz, xs[r * ldf + g * 8 + l], fmaf(sc, lanes[l], acc[l]));
             }
             res[r * PB + j] = flowmoe_packed_tail(1, x, xd + r * ldf, K, group, q, scale, zero, o, supers * SB, hsum8(acc));
         }

@@ -69,11 +69,12 @@ INLINE void int8_tile(int rt, int jn, const int8_t *xq, long ldq, const float *x
         for (int j = 0; j < jn; j++) acc[r0 + r][j0 + j] = a[r][j];
 }
 
-/* int4: as int8_tile, group by group: a group's lanes, then fma(scale, fma(-zero, the row's group
-   sums, group lanes), lanes); `at` the weight rows' indices (their scales and zeros). */
+/* int4: as int8_tile, group by group: a group's lanes, then lanes = fma(scale, group lanes, lanes),
+   lanes = fma(-(scale x zero), the row's group sums, lanes); sc and sz the weight rows' scales and
+   scale x zero, a row's `groups` on (group_scales). */
 INLINE void int4_tile(int rt, int jn, const int8_t *xq, long ldq, const float *xl, const float *xs, long ldf, int r0,
-                      long K, long group, const uint8_t *const *wr, const long *at, const void *scale,
-                      const void *zero, __m256 (*acc)[PB], int j0) {
+                      long K, long group, const uint8_t *const *wr, const float *sc, const float *sz,
+                      __m256 (*acc)[PB], int j0) {
     long supers = K / SB, groups = (K + group - 1) / group, bytes = (K + 1) / 2;
     __m256 a[RT][PB];
     for (int r = 0; r < rt; r++)
@@ -104,11 +105,10 @@ INLINE void int4_tile(int rt, int jn, const int8_t *xq, long ldq, const float *x
             }
         }
         for (int j = 0; j < jn; j++) {
-            __m256 sc = _mm256_set1_ps(_cvtsh_ss(((const uint16_t *)scale)[at[j] * groups + g]));
-            __m256 z = _mm256_set1_ps(_cvtsh_ss(((const uint16_t *)zero)[at[j] * groups + g]));
+            __m256 s = _mm256_broadcast_ss(sc + j * groups + g), s_zero = _mm256_broadcast_ss(sz + j * groups + g);
             for (int r = 0; r < rt; r++) {
                 __m256 sums = _mm256_loadu_ps(xs + (r0 + r) * ldf + g * 8);
-                a[r][j] = _mm256_fmadd_ps(sc, _mm256_fnmadd_ps(z, sums, lanes[r][j]), a[r][j]);
+                a[r][j] = _mm256_fnmadd_ps(s_zero, sums, _mm256_fmadd_ps(s, lanes[r][j], a[r][j]));
             }
         }
     }
@@ -120,15 +120,16 @@ INLINE void int4_tile(int rt, int jn, const int8_t *xq, long ldq, const float *x
    (its 4 weight vectors, 8 for int8 with their magnitudes, and 4 lanes in registers), else tiles of
    JT weight rows. */
 INLINE void tile_rows(int rt, int fmt, const int8_t *xq, long ldq, const float *xd, const float *xl, const float *xs,
-                      long ldf, int r0, long K, long group, const void *const *wr, const long *at, const void *scale,
-                      const void *zero, __m256 (*acc)[PB]) {
+                      long ldf, int r0, long K, long group, const void *const *wr, const float *sc, const float *sz,
+                      __m256 (*acc)[PB]) {
     int jn = rt == 1 ? PB : JT;
+    long groups = fmt == 1 ? (K + group - 1) / group : 0;
     for (int j0 = 0; j0 < PB; j0 += jn)
         if (fmt == 0)
             int8_tile(rt, jn, xq, ldq, xd, ldf, r0, K, (const int8_t *const *)wr + j0, acc, j0);
         else
-            int4_tile(rt, jn, xq, ldq, xl, xs, ldf, r0, K, group, (const uint8_t *const *)wr + j0, at + j0, scale,
-                      zero, acc, j0);
+            int4_tile(rt, jn, xq, ldq, xl, xs, ldf, r0, K, group, (const uint8_t *const *)wr + j0, sc + j0 * groups,
+                      sz + j0 * groups, acc, j0);
 }
 
 AVX2 void flowmoe_packed_block_avx2(int fmt, const int8_t *xq, long ldq, const float *xd, const float *xl,
@@ -141,17 +142,31 @@ AVX2 void flowmoe_packed_block_avx2(int fmt, const int8_t *xq, long ldq, const f
         at[j] = o0 + (j < ob ? j : ob - 1); /* a short block repeats its last row (its results not kept) */
         wr[j] = (const uint8_t *)q + at[j] * row_bytes;
     }
+    long groups = fmt == 1 ? (K + group - 1) / group : 1;
+    float sc[PB * groups], sz[PB * groups]; /* int4: the rows' scales and scale x zero */
+    if (fmt == 1)
+        for (int j = 0; j < PB; j++) {
+            const uint16_t *s = (const uint16_t *)scale + at[j] * groups, *z = (const uint16_t *)zero + at[j] * groups;
+            float *to = sc + j * groups, *to_zero = sz + j * groups;
+            long g = 0;
+            for (; g + 8 <= groups; g += 8) {
+                __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g)));
+                __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + g)));
+                _mm256_storeu_ps(to + g, sv), _mm256_storeu_ps(to_zero + g, _mm256_mul_ps(sv, zv));
+            }
+            for (; g < groups; g++) to[g] = _cvtsh_ss(s[g]), to_zero[g] = to[g] * _cvtsh_ss(z[g]);
+        }
     _Static_assert(RT == 4, "the tiles below: 1, 2, 3 or RT rows");
     for (int r0 = 0; r0 < n; r0 += RT) {
         int rt = n - r0 < RT ? n - r0 : RT;
         if (rt == 1)
-            tile_rows(1, fmt, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, at, scale, zero, acc);
+            tile_rows(1, fmt, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
         else if (rt == 2)
-            tile_rows(2, fmt, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, at, scale, zero, acc);
+            tile_rows(2, fmt, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
         else if (rt == 3)
-            tile_rows(3, fmt, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, at, scale, zero, acc);
+            tile_rows(3, fmt, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
         else
-            tile_rows(RT, fmt, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, at, scale, zero, acc);
+            tile_rows(RT, fmt, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
     }
     for (int r = 0; r < n; r++)
         for (int j = 0; j < ob; j++) {
