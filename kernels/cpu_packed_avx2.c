@@ -71,7 +71,7 @@ INLINE void int8_tile(int rt, int jn, const int8_t *xq, long ldq, const float *x
 
 /* int4: as int8_tile, group by group: a group's lanes, then lanes = fma(scale, group lanes, lanes),
    lanes = fma(-(scale x zero), the row's group sums, lanes); sc and sz the weight rows' scales and
-   scale x zero, a row's `groups` on (group_scales). */
+   scale x zero, a row's `groups` on (flowmoe_packed_block_avx2 converts them). */
 INLINE void int4_tile(int rt, int jn, const int8_t *xq, long ldq, const float *xl, const float *xs, long ldf, int r0,
                       long K, long group, const uint8_t *const *wr, const float *sc, const float *sz,
                       __m256 (*acc)[PB], int j0) {
