@@ -103,3 +103,19 @@ void flowmoe_rms_norm(const void *x, long rows, long dim, long ldx, const void *
         }
     }
 }
+
+/* The residual add before a norm, then the norm (cpu_norm.py `add_rms_norm`): sum [rows, dim]
+   (contiguous) += residual [rows, dim] (contiguous), each element rounded to the dtype as torch's
+   add rounds it (the sum of two floats in fp32, then to bf16 nearest even), then out = RMSNorm of
+   the sum as flowmoe_rms_norm gives it. */
+void flowmoe_add_rms_norm(void *sum, const void *residual, long rows, long dim, const void *weight, int bf16,
+                          double eps, int width, void *out, int threads) {
+    long n = rows * dim;
+    if (bf16)
+        for (long i = 0; i < n; i++)
+            ((uint16_t *)sum)[i] = flowmoe_bf16_bits(bf16_value(((const uint16_t *)sum)[i]) +
+                                                     bf16_value(((const uint16_t *)residual)[i]));
+    else
+        for (long i = 0; i < n; i++) ((float *)sum)[i] += ((const float *)residual)[i];
+    flowmoe_rms_norm(sum, rows, dim, dim, weight, bf16, eps, width, out, threads);
+}

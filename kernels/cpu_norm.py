@@ -33,6 +33,11 @@ def vector_width() -> int:
     return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
 
 
+def add_kernel() -> Callable[..., None] | None:
+    """flowmoe_add_rms_norm, or None (see native.function)."""
+    return native.function("flowmoe_add_rms_norm", (_P, _P, _L, _L, _P, _I, _D, _I, _P, _I))
+
+
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `rms_norm` takes x [..., dim] with weight [dim]: host tensors of one dtype, fp32 or
     bf16, contiguous, dim < GRAIN (torch's order for one row then depends on its threads), no
@@ -64,3 +69,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     threads = torch.get_num_threads()
     run(x.data_ptr(), rows, dim, dim, weight.data_ptr(), bf16, eps, vector_width(), out.data_ptr(), threads)
     return out
+
+
+def fits_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `add_rms_norm` takes x and residual [..., dim]: `fits(x, weight)`, and residual a
+    contiguous host tensor of x's shape and dtype, no autograd."""
+    return (
+        residual.device.type == "cpu"
+        and residual.dtype == x.dtype
+        and residual.shape == x.shape
+        and residual.is_contiguous()
+        and not (torch.is_grad_enabled() and residual.requires_grad)
+        and fits(x, weight)
+    )
+
+
+def add_rms_norm(out: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """out += residual in place (out, residual: [..., dim], one dtype and shape, contiguous), then
+    `rms_norm` of that sum -> [..., dim]: the floats of `rms_norm(out + residual)` in one C call and
+    one allocation, where `fits_add(out, residual, weight)`."""
+    run = add_kernel()
+    assert run is not None
+    dim = out.shape[-1]
+    rows = out.numel() // dim if dim else 0
+    normed = torch.empty_like(out)
+    bf16 = int(out.dtype == torch.bfloat16)
+    threads = torch.get_num_threads()
+    run(out.data_ptr(), residual.data_ptr(), rows, dim, weight.data_ptr(), bf16, eps, vector_width(),
+        normed.data_ptr(), threads)  # fmt: skip
+    return normed

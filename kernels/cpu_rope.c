@@ -61,3 +61,21 @@ void flowmoe_rope(const void *x, long T, long heads, long R, long ld_t, long ld_
                 rotate_row(x, row, cos, sin, t * R, R, 0, out, at);
         }
 }
+
+/* The same rotation in place: x [T, heads, R'] (strides ld_t, ld_h, 1; R' >= R) has the first R
+   dims of each row replaced by their rotation, the rest left as they are (a partial rotary's pass-
+   through dims); each row is read whole before it is written. */
+void flowmoe_rope_inplace(void *x, long T, long heads, long R, long ld_t, long ld_h, const void *cos,
+                          const void *sin, int bf16) {
+    size_t size = bf16 ? sizeof(uint16_t) : sizeof(float);
+    float row_copy[R > 0 ? R : 1]; /* R values of either dtype: a float each is room enough */
+    for (long t = 0; t < T; t++)
+        for (long h = 0; h < heads; h++) {
+            long row = t * ld_t + h * ld_h;
+            memcpy(row_copy, (char *)x + row * size, R * size);
+            if (bf16)
+                rotate_row(row_copy, 0, cos, sin, t * R, R, 1, x, row);
+            else
+                rotate_row(row_copy, 0, cos, sin, t * R, R, 0, x, row);
+        }
+}

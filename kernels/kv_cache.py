@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from attrs import define, field, frozen
 
+from flowmoe.kernels import cpu_kv
 from flowmoe.kernels.host_memory import huge_zeros
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.kernels.no_copy import on
@@ -114,7 +115,10 @@ def write_kv(
     keys: torch.Tensor, values: torch.Tensor, layout: TokenLayout, k: torch.Tensor, v: torch.Tensor
 ) -> None:
     """k, v: [T, kv_heads, head_dim] written into keys/values [slots, kv_heads, capacity, head_dim]
-    at each token's (slot, position)."""
+    at each token's (slot, position): on the host in one C call where `cpu_kv.fits` (the same bytes)."""
+    if cpu_kv.fits(keys, values, layout, k, v):
+        cpu_kv.write(keys, values, layout, k, v)
+        return
     write_rows(keys, values, layout.token_slots, layout.positions, k, v)
 
 

@@ -30,6 +30,18 @@ def norm_of_kind(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str = 
     return rms_norm(x, weight, eps)
 
 
+def add_then_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, kind: str = "rms"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, its `norm_of_kind`) [..., dim] each. x must be a tensor of the caller's own (a
+    block's fresh output): where `cpu_norm.fits_add`, the sum is written over it and both come from
+    one C call (the same floats), else from torch's add and norm."""
+    if kind == "rms" and cpu_norm.fits_add(x, residual, weight):
+        return x, cpu_norm.add_rms_norm(x, residual, weight, eps)
+    total = residual + x
+    return total, norm_of_kind(total, weight, eps, kind)
+
+
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Weightless RMS normalisation over the last dim (Llama 4's QK-norm): [..., dim] -> same."""
     return _normed(x, eps)

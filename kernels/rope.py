@@ -103,3 +103,13 @@ class Rotary:
         if cpu_rope.fits(x, self.cos, self.signed_sin):  # one C call, the same floats
             return cpu_rope.rotate(x, self.cos, self.signed_sin)
         return x * self.cos + x.roll(rotary // 2, dims=-1) * self.signed_sin
+
+    def rotates_in_place(self, x: torch.Tensor) -> bool:
+        """Whether `rotate_` takes x [T, heads, D] (one C call on the host, see cpu_rope)."""
+        return cpu_rope.fits_inplace(x, self.cos, self.signed_sin)
+
+    def rotate_(self, x: torch.Tensor, heads: int) -> None:
+        """x [T, heads', D]'s first `heads` heads rotated in place, the first R dims of each (where
+        `rotates_in_place`): the floats of `self(x[:, :heads])`, no new tensor. For a tensor of the
+        caller's own (a projection's fresh output)."""
+        cpu_rope.rotate_(x, heads, self.cos, self.signed_sin)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from itertools import accumulate
 
 import torch
@@ -20,14 +21,24 @@ class Routing:
     indices: torch.Tensor  # [T, k] int64 expert of each (token, slot)
     weights: torch.Tensor  # [T, k] combine weight of each (token, slot)
     experts: tuple[int, ...]  # experts with at least one token, ascending
-    tokens: dict[int, torch.Tensor]  # expert -> [n_e] int64 token rows (a view of `rows`)
-    scales: dict[int, torch.Tensor]  # expert -> [n_e] combine weights (a view of `sorted_scales`)
     rows: torch.Tensor  # [T * k] every expert's token rows, experts ascending
     sorted_scales: torch.Tensor  # [T * k] their combine weights
     starts: dict[int, int]  # expert -> where its rows begin in `rows`
+    sizes: dict[int, int]  # expert -> its tokens
+
+    @cached_property
+    def tokens(self) -> dict[int, torch.Tensor]:
+        """expert -> [n_e] int64 token rows (views of `rows`), split on first use: the kernels that
+        take a layer's experts at once read `rows` whole, so a gate dispatches no split."""
+        return dict(zip(self.experts, self.rows.split(list(self.sizes.values())), strict=True))
+
+    @cached_property
+    def scales(self) -> dict[int, torch.Tensor]:
+        """expert -> [n_e] combine weights (views of `sorted_scales`), split on first use."""
+        return dict(zip(self.experts, self.sorted_scales.split(list(self.sizes.values())), strict=True))
 
     def counts(self) -> dict[int, int]:
-        return {e: int(self.tokens[e].numel()) for e in self.experts}
+        return dict(self.sizes)
 
     def rows_of(self, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The token rows and combine weights of `experts` in that order, [sum n_e] each: where they
@@ -40,7 +51,7 @@ class Routing:
                 return torch.cat([self.tokens[e] for e in experts]), torch.cat(
                     [self.scales[e] for e in experts]
                 )
-            end += len(self.tokens[expert])
+            end += self.sizes[expert]
         if start == 0 and end == len(self.rows):
             return self.rows, self.sorted_scales
         return self.rows[start:end], self.sorted_scales[start:end]
@@ -144,11 +155,9 @@ def sort_by_expert(
 def split_by_expert(
     indices: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor, counts: list[int]
 ) -> Routing:
-    """The host half: the sorted rows and scales split by the counts read back (views, no kernel;
-    one split of each for every expert)."""
+    """The host half: the experts with tokens, where each one's rows begin and how many (no kernel:
+    each expert's views of the sorted rows and scales are split when first read)."""
     experts = tuple(e for e, count in enumerate(counts) if count)
-    sizes = [counts[e] for e in experts]  # an expert without tokens takes no rows
-    starts = dict(zip(experts, accumulate(sizes, initial=0), strict=False))
-    tokens = dict(zip(experts, rows.split(sizes), strict=True))
-    return Routing(indices, weights, experts, tokens, dict(zip(experts, scales.split(sizes), strict=True)),
-                   rows, scales, starts)  # fmt: skip
+    sizes = {e: counts[e] for e in experts}  # an expert without tokens takes no rows
+    starts = dict(zip(experts, accumulate(sizes.values(), initial=0), strict=False))
+    return Routing(indices, weights, experts, rows, scales, starts, sizes)

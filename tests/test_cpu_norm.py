@@ -42,3 +42,20 @@ def test_what_it_leaves_to_torch() -> None:
     assert not cpu_norm.fits(x.requires_grad_(), weight)
     wide = torch.randn(1, cpu_norm.GRAIN)
     assert not cpu_norm.fits(wide, torch.randn(cpu_norm.GRAIN))
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_add_rms_norm_is_torchs_add_then_norm(dtype: torch.dtype, rows: int) -> None:
+    """post_attention's residual add and norm in one call: the sum written over the block's output."""
+    generator = torch.Generator().manual_seed(rows)
+    out, residual = ((torch.randn(rows, 1024, generator=generator) * 4).to(dtype) for _ in range(2))
+    weight = torch.randn(1024, generator=generator).to(dtype)
+    total = residual + out
+    assert cpu_norm.fits_add(out, residual, weight)
+    normed = cpu_norm.add_rms_norm(out, residual, weight, 1e-6)
+    assert torch.equal(out, total) and torch.equal(normed, _reference(total, weight, 1e-6))
+    other = residual.float() if dtype == torch.bfloat16 else residual.bfloat16()
+    assert not cpu_norm.fits_add(out, other, weight)  # dtypes differ
+    assert not cpu_norm.fits_add(out, residual.repeat(1, 2)[:, ::2], weight)  # not contiguous

@@ -28,10 +28,30 @@ def test_rotate_is_the_torch_form_bit_for_bit(dtype: torch.dtype, tokens: int, d
     assert torch.equal(rotary(qk), want)
 
 
+@compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 37])
+@pytest.mark.parametrize("rotated", [64, 32])  # every dim, and a partial rotary
+def test_rotate_in_place_is_the_torch_form_bit_for_bit(dtype: torch.dtype, tokens: int, rotated: int) -> None:
+    """pre_attention's q and k heads rotated in place in the fused projection, v's left as they are."""
+    generator = torch.Generator().manual_seed(tokens * rotated)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotated, 2).float() / rotated))
+    rotary = Rotary.at(inv_freq, 1.0, torch.randint(0, 4096, (tokens,), generator=generator), dtype)
+    heads = (torch.randn(tokens, 12, 64, generator=generator) * 5).to(dtype)  # q, k and v heads
+    want = heads.clone()
+    want[:, :10] = rotary(heads[:, :10])
+    assert rotary.rotates_in_place(heads)
+    rotary.rotate_(heads, 10)
+    assert torch.equal(heads, want)
+
+
 def test_what_it_leaves_to_torch() -> None:
     rotary = Rotary.at(torch.ones(8), 1.0, torch.arange(3), torch.float32)
     x = torch.randn(3, 4, 16)
     assert not cpu_rope.fits(x.bfloat16(), rotary.cos, rotary.signed_sin)  # dtypes differ
     assert not cpu_rope.fits(x.half(), rotary.cos.half(), rotary.signed_sin.half())
     assert not cpu_rope.fits(x[..., ::2], rotary.cos[..., :8], rotary.signed_sin[..., :8])  # strided dims
+    assert not cpu_rope.fits_inplace(x.bfloat16(), rotary.cos, rotary.signed_sin)
+    assert not cpu_rope.fits_inplace(x[:, :, :8], rotary.cos, rotary.signed_sin)  # fewer dims than rotated
     assert not cpu_rope.fits(x.requires_grad_(), rotary.cos, rotary.signed_sin)
+    assert not cpu_rope.fits_inplace(x, rotary.cos, rotary.signed_sin)

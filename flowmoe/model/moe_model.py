@@ -23,7 +23,7 @@ from flowmoe.kernels.layout import TokenLayout
 from flowmoe.kernels.linear import linear
 from flowmoe.kernels.mla import mla_attend, mla_project
 from flowmoe.kernels.no_copy import on
-from flowmoe.kernels.norm import l2_norm, norm_of_kind, rms_norm
+from flowmoe.kernels.norm import add_then_norm, l2_norm, norm_of_kind, rms_norm
 from flowmoe.kernels.query_scale import scale_queries
 from flowmoe.kernels.rope import Rotary, inverse_frequencies, longrope_scaling
 from flowmoe.kernels.router import Routing, route
@@ -110,6 +110,10 @@ class MoEModel:
         if a.clip_qkv is not None:
             qkv = qkv.clamp(-a.clip_qkv, a.clip_qkv)
         heads = qkv.view(hidden.shape[0], a.heads + 2 * a.kv_heads, a.head_dim)  # [T, H + 2 KVH, D]
+        if a.qk_norm == "none" and a.uses_rope(layer) and rope.rotates_in_place(heads):
+            rope.rotate_(heads, a.heads + a.kv_heads)  # q and k, in qkv (this call's own)
+            q, k, v = heads.split([a.heads, a.kv_heads, a.kv_heads], dim=1)
+            return q, k, v
         qk, v = heads.split([a.heads + a.kv_heads, a.kv_heads], dim=1)  # q and k together: [T, H + KVH, D]
         if a.qk_norm == "head":
             assert w.q_norm is not None and w.k_norm is not None, "qk_norm has q and k norms"
@@ -153,8 +157,8 @@ class MoEModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden + O(attn_out) [T, hidden], its post-attention norm [T, hidden])."""
         w = (lw or self.weights.layers[layer]).attn
-        hidden = hidden + self._residual(linear(attn_out, w.o, w.o_bias))
-        return hidden, norm_of_kind(hidden, w.post_norm, self.spec.norm_eps, self.spec.norm)
+        out = self._residual(linear(attn_out, w.o, w.o_bias))  # [T, hidden], fresh: the sum may go over it
+        return add_then_norm(out, hidden, w.post_norm, self.spec.norm_eps, self.spec.norm)
 
     def _residual(self, out: torch.Tensor) -> torch.Tensor:
         """A block's output as added to the residual stream (Granite scales it)."""
@@ -182,7 +186,7 @@ class MoEModel:
         if packed is not None:
             return packed
         ffns = dict(sorted(ffns.items(), key=lambda item: (item[1].gate_up.data_ptr(), item[0])))
-        counts = [len(routing.tokens[e]) for e in ffns]
+        counts = [routing.sizes[e] for e in ffns]
         rows, scales = (on(t, x.device) for t in routing.rows_of(list(ffns)))  # [sum n_e] each
         if not self.spec.moe.scale_input:
             weights = [(f.gate_up, f.down, f.gate_up_bias, f.down_bias) for f in ffns.values()]

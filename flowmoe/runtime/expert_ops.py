@@ -60,7 +60,7 @@ def _expert_batch(s: StepState, n: TaskNode) -> None:
     order: the same floats every run."""
     ffn = s.weights.ffn(n, n.expert)
     routings = {key: s.routings.decided(key) for key in [(n.layer, mb) for mb in n.serves]}
-    routed = {key: r for key, r in routings.items() if n.expert in r.tokens}  # those routed to it, in order
+    routed = {key: r for key, r in routings.items() if n.expert in r.sizes}  # those routed to it, in order
     inputs = [s.acts.expert_input(key, n.lane) for key in routed]  # [T_mb, hidden] each
     gathered = torch.cat(
         [x[on(r.tokens[n.expert], x.device)] for x, r in zip(inputs, routed.values(), strict=True)]
@@ -69,7 +69,7 @@ def _expert_batch(s: StepState, n: TaskNode) -> None:
     rows = n.rows or len(gathered)  # [N, hidden] in chunks of `rows`
     outs = [s.model.scaled_experts(chunk, weight, [len(chunk)], [ffn])[0]
             for chunk, weight in zip(gathered.split(rows), scales.split(rows), strict=True)]  # fmt: skip
-    counts = [r.tokens[n.expert].numel() for r in routed.values()]
+    counts = [r.sizes[n.expert] for r in routed.values()]
     for key, out in zip(routed, torch.cat(outs).split(counts), strict=True):
         s.outputs.keep(key, n.expert, out)
 
