@@ -22,6 +22,12 @@ weights by host_memory.huge_copy, as the model's host weights):
   `swiglu_ffn_group` over 8 experts (bytes x 8) and `swiglu_ffn_torch` (torch ops), and where the
   CPU kernels choose another block than the portable one (AVX2 without AVX-512: kernels/cpu_rows_avx2.c),
   `swiglu_ffn portable block` (the block they used before, kernels/cpu_expert.c's);
+* expert FFN at prefill's rows, FLOP-bound (2 x rows x 3 x hidden x intermediate FLOPs, against the
+  GEMM roof): issue 25's checkpoint's expert (hidden 1024, intermediate 3584), 16-128 rows (a
+  128-token prefill gives its 8 experts 32 rows each on average), four experts' weights in turn
+  (beyond the LLC). Variants: `swiglu_ffn` (the AVX2 block's wide tiles from 16 rows on, up to
+  cpu_expert.max_rows), `swiglu_ffn_torch` (torch ops; bf16 widened to fp32 where torch emulates it)
+  and the portable block where the CPU kernels choose another;
 * projection (a decode step's few-row linear, bytes = the weight) at issue 25's checkpoint's shapes
   (bench/vs_llamacpp.py: hidden 1024, intermediate 3584, vocab 32000): an expert's gate_up
   [7168, 1024], down [1024, 3584] and the LM head [32000, 1024], 1-8 rows. Variants: `linear_rows`
@@ -337,6 +343,41 @@ def expert_rows(experts: dict, row_counts, roofs: Roofs, repeats: int) -> list[d
     return rows
 
 
+PREFILL_EXPERT = (1024, 3584)  # issue 25's checkpoint (bench/vs_llamacpp.py's defaults): hidden, intermediate
+PREFILL_SETS = 4  # experts' weights cycled per row: 4 x 21 MiB (bf16) > the 32 MiB L3 of the EPYC here
+
+
+def prefill_expert_rows(row_counts, roofs: Roofs, repeats: int) -> list[dict]:
+    rows = []
+    moe = MoESpec(experts=GROUP, top_k=2, intermediate=0)
+    hidden, inter = PREFILL_EXPERT
+    for dtype_name, dtype in DTYPES.items():
+        gate_up = torch.randn(2 * inter, hidden).to(dtype) * hidden**-0.5  # [2I, hidden]
+        down = torch.randn(hidden, inter).to(dtype) * inter**-0.5  # [hidden, I]
+        sets = [(huge_copy(gate_up), huge_copy(down)) for _ in range(PREFILL_SETS)]
+        for n in row_counts:
+            x = torch.randn(n, hidden).to(dtype)  # [n, hidden]
+            variants = {
+                "swiglu_ffn": lambda g, d, x=x: swiglu_ffn(x, g, d, moe),
+                "swiglu_ffn_torch": lambda g, d, x=x: swiglu_ffn_torch(x, (g, d, None, None), moe),
+            }
+            if _other_block():
+                variants[f"swiglu_ffn {PORTABLE} block"] = lambda g, d, x=x: cpu_expert.swiglu_group(
+                    [x], [(g, d, None, None)], moe, PORTABLE
+                )
+            row = {
+                "op": "expert FFN prefill",
+                "shape": f"{hidden}x{inter} rows {n}",
+                "dtype": dtype_name,
+                "flops": 2 * n * 3 * hidden * inter,
+                "bound": f"gemm {dtype_name}",
+                "variants": measure(variants, sets, repeats, lambda d=dtype_name: roofs.sample_gemm(d)),
+            }
+            rows.append(progress(row))
+        del sets
+    return rows
+
+
 def _other_block() -> bool:
     """Whether the CPU kernels multiply with another block than the portable one here."""
     return cpu_expert.library() is not None and cpu_expert.isa() != PORTABLE
@@ -437,6 +478,7 @@ def main() -> None:
     rows = decode_rows(decode, roofs, repeats, before)
     rows += prefill_rows(prefill, roofs, repeats, before)
     rows += expert_rows(experts, counts, roofs, repeats)
+    rows += prefill_expert_rows((32, 64) if args.quick else (16, 32, 64, 128), roofs, repeats)
     projections = {k: v for k, v in PROJECTIONS.items() if not args.quick or k != "down 1024x3584"}
     rows += projection_rows(projections, (1, 2, 4, 8), roofs, repeats)
     for row in rows:
@@ -453,6 +495,7 @@ def main() -> None:
         ("decode attention", "GB/s", 1e9),
         ("prefill attention", "GFLOP/s", 1e9),
         ("expert FFN", "GB/s", 1e9),
+        ("expert FFN prefill", "GFLOP/s", 1e9),
         ("projection", "GB/s", 1e9),
     ):
         CONSOLE.print(
