@@ -110,10 +110,14 @@ static void quantize_row(const float *x, long K, int fmt, long group, int8_t *xq
     for (long b = 0; b * QB < K; b++) {
         long end = (b + 1) * QB < K ? (b + 1) * QB : K;
         float largest = 0.0f;
-        for (long k = b * QB; k < end; k++) largest = fmaxf(largest, fabsf(x[k]));
+        for (long k = b * QB; k < end; k++) largest = fabsf(x[k]) > largest ? fabsf(x[k]) : largest;
         float d = largest / QMAX, inverse = d != 0.0f ? 1.0f / d : 0.0f;
         xf[b] = d;
-        for (long k = b * QB; k < end; k++) xq[fmt == 1 ? int4_position(k, K) : k] = (int8_t)roundf(x[k] * inverse);
+        for (long k = b * QB; k < end; k++) {
+            float v = x[k] * inverse, whole = truncf(v); /* roundf's: half away from zero (v - whole is exact) */
+            int8_t level = (int8_t)(whole + (fabsf(v - whole) >= 0.5f ? copysignf(1.0f, v) : 0.0f));
+            xq[fmt == 1 ? int4_position(k, K) : k] = level;
+        }
     }
     if (fmt == 0) return;
     long supers = K / SB, groups = (K + group - 1) / group;

@@ -144,6 +144,10 @@ AVX2 void flowmoe_packed_block_avx2(int fmt, const int8_t *xq, long ldq, const f
     }
     long groups = fmt == 1 ? (K + group - 1) / group : 1;
     float sc[PB * groups], sz[PB * groups]; /* int4: the rows' scales and scale x zero */
+    if (fmt == 1) /* the next block's scales and zeros too: a miss here would stall the block's start */
+        for (long b = 0; b < PB * groups * 2; b += 64)
+            prefetch_next((const char *)scale + o0 * groups * 2 + b, PB * groups * 2),
+                prefetch_next((const char *)zero + o0 * groups * 2 + b, PB * groups * 2);
     if (fmt == 1)
         for (int j = 0; j < PB; j++) {
             const uint16_t *s = (const uint16_t *)scale + at[j] * groups, *z = (const uint16_t *)zero + at[j] * groups;
