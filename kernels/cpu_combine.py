@@ -29,23 +29,20 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 def fits(hidden: torch.Tensor, outputs: list[torch.Tensor]) -> bool:
     """Whether `combine` takes hidden [T, H] and the experts' outputs [n_e, H]: host tensors, fp32
-    or bf16, rows of unit column stride (the outputs contiguous), no autograd."""
+    or bf16, rows of unit column stride (the outputs contiguous), no autograd. Asked first thing after
+    a layer's experts streamed their weights through the caches, where each attribute read misses:
+    `is_cpu` (no device object made), each output's dtype and width against the first's."""
+    if not outputs or not hidden.is_cpu or hidden.dtype not in _DTYPES or hidden.dim() != 2:
+        return False
+    dtype, width = outputs[0].dtype, hidden.shape[1]
     return (
-        hidden.device.type == "cpu"
-        and hidden.dtype in _DTYPES
-        and hidden.dim() == 2
-        and hidden.stride(1) == 1
-        and bool(outputs)
-        and outputs[0].dtype in _DTYPES
-        and all(_fits_output(o, outputs[0].dtype, hidden.shape[1]) for o in outputs)
+        hidden.stride(1) == 1
+        and dtype in _DTYPES
+        and all(
+            o.is_cpu and o.dtype is dtype and o.shape[1:] == (width,) and o.is_contiguous() for o in outputs
+        )
         and not (torch.is_grad_enabled() and (hidden.requires_grad or any(o.requires_grad for o in outputs)))
         and kernel() is not None
-    )
-
-
-def _fits_output(out: torch.Tensor, dtype: torch.dtype, width: int) -> bool:
-    return (
-        out.device.type == "cpu" and out.dtype is dtype and out.shape[1:] == (width,) and out.is_contiguous()
     )
 
 

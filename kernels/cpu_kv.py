@@ -33,10 +33,10 @@ def fits(
     last strides, every position inside the cache, no autograd."""
     slots, _, capacity, dim = keys.shape
     return (
-        keys.device.type == "cpu"
-        and values.device.type == "cpu"
-        and k.device.type == "cpu"
-        and v.device.type == "cpu"
+        keys.is_cpu  # `is_cpu`: no device object made (asked at every layer, with the caches cold)
+        and values.is_cpu
+        and k.is_cpu
+        and v.is_cpu
         and keys.dtype == values.dtype == k.dtype == v.dtype
         and values.shape == keys.shape
         and k.shape == v.shape == (layout.tokens, keys.shape[1], dim)
