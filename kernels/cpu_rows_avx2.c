@@ -95,31 +95,28 @@ static inline AVX2 __attribute__((always_inline)) void tile(
 /* buf[j][0:k1 - k0] = wp[j][k0:k1] in fp32 for j < OB: an fp32 weight copied, a bf16 one widened in
    bf16 column order (each 16 columns: the 8 even ones, then the 8 odd ones, so that an fp32 tile over
    buf multiplies what the bf16 tile does in the same order: the even 8 columns' FMA, then the odd
-   8's). Also prefetches the chunk's share of the next block into L2: [next + k0 / step * per_step,
-   next + k1 / step * per_step) with step = 8 columns in fp32, 16 in bf16 (next != 0). */
-static inline AVX2 void widen(const void *const *wp, int bf16, long k0, long k1, float (*buf)[WIDE_CHUNK],
-                              const char *next, long per_step) {
+   8's). */
+static inline AVX2 void widen(const void *const *wp, int bf16, long k0, long k1, float (*buf)[WIDE_CHUNK]) {
     const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32((int)0xFFFF0000u));
-    int step = bf16 ? 16 : 8;
-    for (long b = k0 / step * per_step; next && b < k1 / step * per_step; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
     for (int j = 0; j < OB; j++) {
-        float *to = buf[j] - k0;
         if (bf16) {
-            const uint16_t *from = wp[j];
-            for (long k = k0; k < k1; k += 16) {
+            const uint16_t *from = (const uint16_t *)wp[j] + k0;
+            for (long k = 0; k < k1 - k0; k += 16) {
                 __m256 u = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(from + k)));
-                _mm256_store_ps(to + k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(u), 16)));
-                _mm256_store_ps(to + k + 8, _mm256_and_ps(u, high));
+                _mm256_store_ps(buf[j] + k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(u), 16)));
+                _mm256_store_ps(buf[j] + k + 8, _mm256_and_ps(u, high));
             }
         } else {
-            memcpy(to + k0, (const float *)wp[j] + k0, sizeof(float) * (size_t)(k1 - k0));
+            memcpy(buf[j], (const float *)wp[j] + k0, sizeof(float) * (size_t)(k1 - k0));
         }
     }
 }
 
 /* acc += the n >= WIDE_ROWS rows of x against the block wp over columns [0, kv): WIDE_CHUNK columns at
-   a time, each first copied (fp32) or widened (bf16) into a buffer in L1 (prefetching the next
-   block meanwhile), then WIDE_RT rows of x against half the buffer at a time: 12 of 16 registers
+   a time, each first copied (fp32) or widened (bf16) into a buffer in L1, then WIDE_RT rows of x
+   against half the buffer at a time, the first such tile prefetching the chunk's share of the next
+   block into L2 step by step (`per_step` bytes per `step` columns of the weight: spread over the
+   tile, not a burst at the copy: FFN 1.01-1.17x at 16-128 rows): 12 of 16 registers
    accumulating, the weight read from L1 once per tile, x once per half. The buffer is contiguous:
    straight from the weight, a block's 8 rows and a tile's 3 rows of x (4 KiB apart each at K 1024
    in fp32) share L1 sets beyond its 8 ways (one thread, [8, 1024] fp32 block, 33 rows, in L2: 33
@@ -128,18 +125,21 @@ static inline AVX2 void widen(const void *const *wp, int bf16, long k0, long k1,
    1024 columns per call, 93 never leaving registers). */
 static AVX2 void wide_rows(const float *x, long ldx, int n, long kv, const void *const *wp, int bf16,
                            __m256 (*acc)[OB], const char *ahead, long per_step) {
+    long per_8 = bf16 ? per_step / 2 : per_step; /* per 8 columns: the fp32 tile's step over the buffer */
     float buf[OB][WIDE_CHUNK] __attribute__((aligned(32)));
     const void *bp[OB];
     for (int j = 0; j < OB; j++) bp[j] = buf[j];
     for (long k0 = 0; k0 < kv; k0 += WIDE_CHUNK) {
         long k1 = kv - k0 < WIDE_CHUNK ? kv : k0 + WIDE_CHUNK;
-        widen(wp, bf16, k0, k1, buf, ahead, per_step);
+        widen(wp, bf16, k0, k1, buf);
         for (int r0 = 0; r0 < n; r0 += WIDE_RT)
             if (n - r0 == 1) /* a last row alone: all OB rows at once (8 FMA chains, not 4) */
                 tile(1, OB, 0, x, ldx, r0, 0, k0, k1, bp, k0, acc, 0, 0);
             else
                 for (int j0 = 0; j0 < OB; j0 += OB / 2) {
-                    if (n - r0 >= WIDE_RT)
+                    if (n - r0 >= WIDE_RT && r0 == 0 && j0 == 0)
+                        tile(WIDE_RT, OB / 2, 0, x, ldx, r0, j0, k0, k1, bp, k0, acc, ahead, per_8);
+                    else if (n - r0 >= WIDE_RT)
                         tile(WIDE_RT, OB / 2, 0, x, ldx, r0, j0, k0, k1, bp, k0, acc, 0, 0);
                     else
                         tile(2, OB / 2, 0, x, ldx, r0, j0, k0, k1, bp, k0, acc, 0, 0);
