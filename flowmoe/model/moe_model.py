@@ -9,6 +9,8 @@ composes them eagerly.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from attrs import define, frozen
@@ -376,8 +378,10 @@ def expert_ranks(routing: Routing) -> dict[int, int]:
 
 def all_finite(tensor: torch.Tensor) -> bool:
     """No NaN or Inf in `tensor`. Its min and max propagate NaN, so checking those two is enough:
-    ~10x faster than torch.isfinite(t).all() on a decode step's [16, 32000] logits (56 vs 515 us)."""
+    ~10x faster than torch.isfinite(t).all() on a decode step's [16, 32000] logits (56 vs 515 us);
+    the two read back as Python floats (1 + 2 operations; torch.isfinite on each and their `&`, 11):
+    39-47 vs 237 us for one [1, 32000] row on a 2-vCPU AMD EPYC."""
     if tensor.numel() == 0:
         return True
     low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
+    return math.isfinite(low.item()) and math.isfinite(high.item())
