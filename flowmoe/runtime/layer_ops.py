@@ -129,11 +129,13 @@ def _evict(s: StepState, n: TaskNode) -> None:
 
 
 def _lm_head(s: StepState, n: TaskNode) -> None:
-    rows = on(s.inputs.layout(n.mb, n.lane).last_rows, s.devices.gpu)  # uploaded with the lane's layout
+    layout, hidden = s.inputs.layout(n.mb, n.lane), s.acts.hidden[n.mb]
+    if not layout.is_decode:  # a decode step's every row is its sequence's last: no gather
+        hidden = hidden[on(layout.last_rows, s.devices.gpu)]  # uploaded with the lane's layout
     ends = s.weights.device.head
     assert ends is not None, "the device weights were released (Runtime.close)"
     norm, head = ends
-    s.acts.logits[n.mb] = s.devices.to_cpu(s.model.logits(s.acts.hidden[n.mb][rows], norm, head))
+    s.acts.logits[n.mb] = s.devices.to_cpu(s.model.logits(hidden, norm, head))
 
 
 LAYER_OPS = {
