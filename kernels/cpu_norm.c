@@ -104,13 +104,13 @@ void flowmoe_rms_norm(const void *x, long rows, long dim, long ldx, const void *
     }
 }
 
-/* The residual add before a norm, then the norm (cpu_norm.py `add_rms_norm`): sum [rows, dim]
-   (contiguous) += residual [rows, dim] (contiguous), each element rounded to the dtype as torch's
-   add rounds it (the sum of two floats in fp32, then to bf16 nearest even), then out = RMSNorm of
-   the sum as flowmoe_rms_norm gives it. */
+/* The residual add before a norm, then the norm (cpu_norm.py's entry): sum [rows, dim] (contiguous)
+   += residual [rows, dim] (contiguous; NULL: nothing added, sum left as it is), each element rounded
+   to the dtype as torch's add rounds it (the sum of two floats in fp32, then to bf16 nearest even),
+   then out = RMSNorm of the sum as flowmoe_rms_norm gives it. */
 void flowmoe_add_rms_norm(void *sum, const void *residual, long rows, long dim, const void *weight, int bf16,
                           double eps, int width, void *out, int threads) {
-    long n = rows * dim;
+    long n = residual ? rows * dim : 0;
     if (bf16)
         for (long i = 0; i < n; i++)
             ((uint16_t *)sum)[i] = flowmoe_bf16_bits(bf16_value(((const uint16_t *)sum)[i]) +

@@ -23,19 +23,14 @@ GRAIN = 32768  # at::internal::GRAIN_SIZE: from this many elements torch may spl
 
 
 def kernel() -> Callable[..., None] | None:
-    """flowmoe_rms_norm, or None (see native.function)."""
-    return native.function("flowmoe_rms_norm", (_P, _L, _L, _L, _P, _I, _D, _I, _P, _I))
+    """flowmoe_add_rms_norm (a residual added first, or none), or None (see native.function)."""
+    return native.function("flowmoe_add_rms_norm", (_P, _P, _L, _L, _P, _I, _D, _I, _P, _I))
 
 
 @functools.cache
 def vector_width() -> int:
     """Floats per Vectorized<float> in the kernels torch runs here (its reduction order)."""
     return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
-
-
-def add_kernel() -> Callable[..., None] | None:
-    """flowmoe_add_rms_norm, or None (see native.function)."""
-    return native.function("flowmoe_add_rms_norm", (_P, _P, _L, _L, _P, _I, _D, _I, _P, _I))
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -60,15 +55,7 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., dim], weight: [dim] -> weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), the mean
     in fp32, [..., dim] in x's dtype (where `fits`)."""
-    run = kernel()
-    assert run is not None
-    dim = x.shape[-1]
-    rows = x.numel() // dim if dim else 0
-    out = torch.empty_like(x)
-    bf16 = int(x.dtype == torch.bfloat16)
-    threads = torch.get_num_threads()
-    run(x.data_ptr(), rows, dim, dim, weight.data_ptr(), bf16, eps, vector_width(), out.data_ptr(), threads)
-    return out
+    return _normed(x, None, weight, eps)
 
 
 def fits_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -88,13 +75,29 @@ def add_rms_norm(out: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     """out += residual in place (out, residual: [..., dim], one dtype and shape, contiguous), then
     `rms_norm` of that sum -> [..., dim]: the floats of `rms_norm(out + residual)` in one C call and
     one allocation, where `fits_add(out, residual, weight)`."""
-    run = add_kernel()
+    return _normed(out, residual, weight, eps)
+
+
+def _normed(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., dim] -> [..., dim], residual (None: none) first added into x in place."""
+    run = kernel()
     assert run is not None
-    dim = out.shape[-1]
-    rows = out.numel() // dim if dim else 0
-    normed = torch.empty_like(out)
-    bf16 = int(out.dtype == torch.bfloat16)
+    dim = x.shape[-1]
+    rows = x.numel() // dim if dim else 0
+    normed = torch.empty_like(x)
+    bf16 = int(x.dtype == torch.bfloat16)
     threads = torch.get_num_threads()
-    run(out.data_ptr(), residual.data_ptr(), rows, dim, weight.data_ptr(), bf16, eps, vector_width(),
-        normed.data_ptr(), threads)  # fmt: skip
+    added = residual.data_ptr() if residual is not None else None
+    run(
+        x.data_ptr(),
+        added,
+        rows,
+        dim,
+        weight.data_ptr(),
+        bf16,
+        eps,
+        vector_width(),
+        normed.data_ptr(),
+        threads,
+    )
     return normed
