@@ -70,9 +70,10 @@ META = torch.device("meta")
 OP_SECONDS = 11.31e-6  # the slope: host time per torch operation dispatched and launched
 NODE_SECONDS = 80.9e-6  # the intercept: a compute node's action's own host time beyond its operations
 # Torch operations per node by kind (views apart), cgopipe at the H200 setting: ops_by_op / nodes_by_op of
-# bench/step_counts.json at d625e31, GATE at c5c3321 (a routing's splits left to their readers)
-# (`ops_per_node`; tests/test_realtime_launch.py checks it against the file: re-run
-# bench/step_counts.py after a cut, then regenerate this). That is the code as it is after
+# bench/step_counts.json at d625e31, GATE and LM_HEAD at eb265e2 (a routing's splits left to their
+# readers; no gather of a decode step's last rows) (`ops_per_node`; tests/test_realtime_launch.py
+# checks it against the file: re-run bench/step_counts.py after a cut, then regenerate this). That is
+# the code as it is after
 # issue 29 item 3's cuts: merged page runs, a layer's experts grouped per node, the device's experts in
 # slots as CUDA takes them with FLOWMOE_EXPERT_SLOTS=1; GPU_ATTN counted on the AVX2 host's flash path,
 # which CUDA does not take (736 -> 400 per step). The fit above used the counts of the code the H200 run
@@ -80,7 +81,7 @@ NODE_SECONDS = 80.9e-6  # the intercept: a compute node's action's own host time
 # charged NODE_SECONDS only (GPU compute) or nothing (copies).
 H200_OPS: Mapping[Op, float] = {
     Op.EMBED: 1.0, Op.PRE_ATTN: 11.58, Op.GPU_ATTN: 8.33, Op.POST_ATTN: 4.0, Op.GATE: 12.0,
-    Op.EXPERT_FFN: 1.93, Op.COMBINE: 5.0, Op.LM_HEAD: 6.0, Op.PAGE_COPY: 1.47,
+    Op.EXPERT_FFN: 1.93, Op.COMBINE: 5.0, Op.LM_HEAD: 5.0, Op.PAGE_COPY: 1.47,
 }  # fmt: skip
 
 
