@@ -290,21 +290,21 @@ class _Plan:
 
     def _runs(self, layer: int, chunk: int, chunks: int) -> list[tuple[tuple[int, ...], int, int]]:
         """(experts, first part, pages) of the chunk's copies: each page alone where pages are staged
-        (each waits for its own W_STAGE), else an expert's consecutive pages together. The same every
-        step: worked out once per scheduler."""
-        chunk_pages = self._chunk(layer, chunk, chunks)
-        if not self.scheduler.context.weights_pinned:
-            return [(group, part, 1) for group, part in chunk_pages]
+        (each waits for its own W_STAGE) or hold whole experts, else an expert's consecutive pages of
+        the chunk together, worked out from the chunk's bounds (as `_chunk_pages` cuts them) without
+        listing its pages: a tiny page costs no memory. The same every step: once per scheduler."""
+        if not self.scheduler.context.weights_pinned or self.scheduler.per_page > 1:
+            return [(group, part, 1) for group, part in self._chunk(layer, chunk, chunks)]
         key = (layer, chunk, chunks)
         runs = self.scheduler.runs.get(key)
         if runs is None:
+            paged, parts = self.scheduler.paged[layer], self.scheduler.parts
+            total = len(paged) * parts  # the layer's pages, expert by expert
+            lo, hi = total * chunk // chunks, total * (chunk + 1) // chunks  # the chunk's pages [lo, hi)
             runs = []
-            for group, part in chunk_pages:
-                last = runs[-1] if runs else None
-                if last is not None and part >= 0 and last[0] == group and last[1] + last[2] == part:
-                    runs[-1] = (group, last[1], last[2] + 1)
-                else:
-                    runs.append((group, part, 1))
+            for i in range(lo // parts, -(-hi // parts) if hi > lo else 0):
+                first, end = max(lo, i * parts), min(hi, (i + 1) * parts)
+                runs.append(((paged[i],), first - i * parts, end - first))
             self.scheduler.runs[key] = runs
         return runs
 

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 from attrs import evolve
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowmoe.core.page_runs import page_runs
@@ -25,6 +27,7 @@ from flowmoe.model.weights import FFNWeights
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
 from flowmoe.runtime.paged_copy import HostSpan, copy_run, land
 from flowmoe.runtime.pinned import pin_layers
+from flowmoe.schedulers.cgopipe import _Plan
 from flowmoe.study.simulate import simulate
 from tests.hf_models import hf_model, save_hf
 from tests.test_sched_pipelines import MIXTRAL, T4, decode_step, scheduler, uniform_trace
@@ -122,6 +125,27 @@ def test_cgopipe_emits_its_pinned_runs_as_page_runs_would_merge_them() -> None:
         one_by_one = [F.node(Op.PAGE_COPY, n.lane, n.layer, expert=n.expert, part=p, parts=n.parts) for p in
                       range(n.part, n.part + n.pages)]  # fmt: skip
         assert n.bytes == sum(page.bytes for page in one_by_one)
+
+
+@given(st.integers(0, 6), st.integers(1, 9), st.integers(1, 9))
+def test_cgopipe_works_out_its_runs_from_the_chunk_bounds_as_its_pages_list_them(
+    experts: int, parts: int, chunks: int
+) -> None:
+    """The runs cgopipe emits pinned (worked out from each chunk's bounds, no page listed) are its
+    listed pages of each chunk grouped by expert, part after part."""
+    policy = Policy(micro_batch_size=4, micro_batches=chunks, weights_gpu_share=0.0)
+    plugin = scheduler("cgopipe", MIXTRAL, policy)
+    plugin.paged, plugin.parts, plugin.per_page = {0: list(range(3, 3 + experts))}, parts, 1
+    plan = _Plan(plugin, decode_step(chunks, 4, 8))
+    for chunk in range(chunks):
+        grouped: list[tuple[tuple[int, ...], int, int]] = []
+        for group, part in plan._chunk_pages(0, chunk, chunks):
+            last = grouped[-1] if grouped else None
+            if last is not None and last[0] == group and last[1] + last[2] == part:
+                grouped[-1] = (group, last[1], last[2] + 1)
+            else:
+                grouped.append((group, part, 1))
+        assert plan._runs(0, chunk, chunks) == grouped
 
 
 def _packed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

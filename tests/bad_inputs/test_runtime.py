@@ -17,9 +17,10 @@ from flowmoe.core.policy import Policy
 from flowmoe.devices.inline import InlineWorker
 from flowmoe.model.loading import load_model
 from flowmoe.runtime.runner import node_budget
+from flowmoe.schedulers.lru_cache import LRUCacheOptions
 from flowmoe.schedulers.shared_options import PagedOptions
 from tests.hf_models import hf_model, save_hf
-from tests.schedule_fixtures import run_scheduler
+from tests.schedule_fixtures import run_eager, run_scheduler
 
 
 def test_an_endless_plan_is_refused_at_the_budget() -> None:
@@ -48,15 +49,29 @@ def test_the_budget_is_far_above_a_paper_scale_plan() -> None:
 
 
 def test_a_one_byte_page_is_refused_naming_the_scheduler_and_the_knob(tmp_path) -> None:
-    """`--scheduler cgopipe --weights-gpu-share 0 --page-size 1B`: 3 GB RSS and no progress before;
-    the CLI checks --page-size against the model's experts, and the runtime refuses any plan past its
-    budget."""
+    """`--scheduler lru-cache --page-size 1B`: the CLI checks --page-size against the model's experts,
+    and the runtime refuses any plan past its budget (cgopipe at 1 B pages took 3 GB of RSS and made no
+    progress before; it now copies an expert's pages of a chunk as one node, next test)."""
     model = load_model(save_hf(hf_model("mixtral"), tmp_path / "mixtral"))
-    policy = Policy(3, 2, weights_gpu_share=0.0, options=(PagedOptions(page_bytes=1),))
+    policy = Policy(3, 2, weights_gpu_share=0.5, options=(LRUCacheOptions(page_bytes=1),))
     with pytest.raises(PlanError) as info:
-        run_scheduler(model, "cgopipe", policy)
+        run_scheduler(model, "lru-cache", policy)
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("scheduler cgopipe plans too many nodes for one step of this model: ")
+    assert message.startswith("scheduler lru-cache plans too many nodes for one step of this model: ")
     assert "--page-size" in message
     assert f"at least {-(-model.spec.expert_bytes // 256)} B" in message
+
+
+def test_cgopipe_at_one_byte_pages_copies_each_experts_pages_of_a_chunk_as_one_node(tmp_path) -> None:
+    """Pinned (as the runtime keeps them), cgopipe's pages of one expert in a chunk go as one node,
+    worked out without listing the pages: a 1 B page plans no more nodes than a large one, and the
+    tokens are eager's."""
+    model = load_model(save_hf(hf_model("mixtral"), tmp_path / "mixtral"))
+    policy = Policy(3, 2, weights_gpu_share=0.0, options=(PagedOptions(page_bytes=1),))
+    (tokens, _), runtime = run_scheduler(model, "cgopipe", policy)
+    assert tokens == run_eager(model)[0]
+    copies = [s.node for s in runtime.trace.spans if s.node.op is Op.PAGE_COPY]
+    assert copies and all(n.parts == model.spec.expert_bytes for n in copies)
+    chunks = policy.micro_batches  # per layer and step: each chunk cuts at most one expert in two
+    assert len(copies) <= runtime.steps * model.spec.layers * (model.spec.moe.experts + chunks)
