@@ -14,9 +14,10 @@ Public entry points (stable; bench/cpu_kernels.py measures them):
 * `swiglu_ffn_torch(x, (gate_up, down, gate_up_bias, down_bias), moe)`: the same math composed of
   torch ops (the reference, and the path for what the CPU kernels do not take).
 
-A few fp32 rows on the CPU (<= cpu_expert.MAX_ROWS; one row in bf16) run cpu_expert.c: gate/up
-projections fused with the activation, each weight read once at memory speed. Everything else
-(more rows, bf16 from two rows on, fp16, CUDA) is `swiglu_ffn_torch`.
+fp32 or bf16 rows on the CPU, up to `cpu_expert.max_rows` (32; 128 with the AVX2 block, whose tiles
+from 16 rows on reuse each weight across rows), run cpu_expert.c: gate/up projections fused with the
+activation, each weight read once per call. Everything else (more rows, fp16, CUDA) is
+`swiglu_ffn_torch`.
 """
 
 from __future__ import annotations
