@@ -150,11 +150,7 @@ static AVX2 void wide_rows(const float *x, long ldx, int n, long kv, const void 
 /* The rows [o0, o0 + ob) of w [O, K] (fp32, or bf16 with x in bf16 column order) against the n
    rows of x: one row of x runs over the whole weight row with all OB weight rows at once (bf16: two
    at a time, fewer streams for the prefetchers: a 2-expert decode FFN call at issue 25's shapes,
-   median of 6 interleaved runs 3.98 -> 3.83 ms, 1 thread, AMD EPYC 2 vCPU; fp32: all OB rows at
-   once and no software prefetch of the next block, the hardware's alone: an fp32 row at K 1024 is
-   one 4 KiB page, streamed whole, and the prefetches only competed with it: a 1-row FFN over 16
-   experts' huge-page weights at issue 25's shapes, 1 thread, AMD EPYC Zen 3 2 vCPU, 1.18-1.22x
-   (median of 8 interleaved rounds; bf16 without them: 0.55x, in pairs or all 8 rows at once)); more
+   median of 6 interleaved runs 3.98 -> 3.83 ms, 1 thread, AMD EPYC 2 vCPU); more
    rows take turns, RT rows against half the block at a time, chunk by chunk, the later passes
    finding the chunk in L1; from WIDE_ROWS rows on (prefill), `wide_rows`. */
 AVX2 void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void *w, int bf16, long o0, int ob,
@@ -171,7 +167,11 @@ AVX2 void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void
        over each chunk): one sequential stream for the hardware to follow, where the block's OB rows
        of a short K (2 KiB in bf16 at K 1024) end before its prefetchers have picked them up */
     long steps = kv / step > 0 ? kv / step : 1, per_step = (next_rows * K * esize / steps + 63) / 64 * 64;
-    const char *ahead = next_rows > 0 ? (const char *)next : 0;
+    /* fp32 below WIDE_ROWS rows prefetches nothing: its rows (4 KiB, a page, at K 1024) are streamed
+       by the hardware, which the prefetches only competed with: an FFN over 16 experts' huge-page
+       weights at issue 25's shapes, 1 thread, AMD EPYC Zen 3 2 vCPU, medians of 6-12 interleaved
+       rounds: 1 row 1.18x, 2 rows 1.12x, 4 / 8 / 12 rows 1.05-1.06x; bf16 without them: 0.55x */
+    const char *ahead = next_rows > 0 && (bf16 || n >= WIDE_ROWS) ? (const char *)next : 0;
     if (n >= WIDE_ROWS) wide_rows(x, ldx, n, kv, wp, bf16, acc, ahead, per_step);
     for (long k0 = 0; n < WIDE_ROWS && k0 < kv; k0 += chunk) {
         long k1 = kv - k0 < chunk ? kv : k0 + chunk;
@@ -180,8 +180,8 @@ AVX2 void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void
                 long share = (per_step * steps / (OB / 2) + 63) / 64 * 64, pair_step = (share / steps + 63) / 64 * 64;
                 tile(1, 2, 1, x, ldx, 0, j0, k0, k1, wp, 0, acc, ahead ? ahead + j0 / 2 * share : 0, pair_step);
             }
-        else if (n == 1) /* all OB rows at once, no software prefetch: see the comment above */
-            tile(1, OB, 0, x, ldx, 0, 0, k0, k1, wp, 0, acc, 0, 0);
+        else if (n == 1)
+            tile(1, OB, 0, x, ldx, 0, 0, k0, k1, wp, 0, acc, ahead, per_step);
         for (int r0 = 0; n > 1 && r0 < n; r0 += RT)
             for (int j0 = 0; j0 < OB; j0 += OB / 2) {
                 const char *pf = r0 == 0 && j0 == 0 ? ahead : 0;
