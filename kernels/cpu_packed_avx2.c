@@ -20,7 +20,7 @@
 #define QB 32 /* cpu_packed.c's */
 #define SB 64 /* cpu_packed.c's */
 #define RT 4  /* rows of levels per tile of several rows */
-#define JT 2  /* weight rows per tile of several rows */
+#define JT 2  /* weight rows per tile */
 
 /* cpu_packed.c */
 float flowmoe_packed_tail(int fmt, const int8_t *xq, const float *xd, long K, long group, const void *q,
@@ -45,14 +45,14 @@ INLINE __m256 add_pairs(__m256 acc, __m256i p, __m256 d) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1))), d, acc);
 }
 
-/* int8: rows [r0, r0 + rt) of levels against weight rows wr[0..jn) into acc (lanes from 0). */
+/* int8: rows [r0, r0 + rt) of levels against weight rows wr[0..jn), jn <= JT, into acc[r0..][j0..]. */
 INLINE void int8_tile(int rt, int jn, const int8_t *xq, long ldq, const float *xd, long ldf, int r0, long K,
                       const int8_t *const *wr, __m256 (*acc)[PB], int j0) {
-    __m256 a[RT][PB];
+    __m256 a[RT][JT];
     for (int r = 0; r < rt; r++)
         for (int j = 0; j < jn; j++) a[r][j] = _mm256_setzero_ps();
     for (long b = 0; b < K / QB; b++) {
-        __m256i w[PB], magnitude[PB];
+        __m256i w[JT], magnitude[JT];
         for (int j = 0; j < jn; j++) {
             if (b % 2 == 0) prefetch_next(wr[j] + b * QB, PB * K);
             w[j] = _mm256_loadu_si256((const __m256i *)(wr[j] + b * QB));
@@ -76,17 +76,17 @@ INLINE void int4_tile(int rt, int jn, const int8_t *xq, long ldq, const float *x
                       long K, long group, const uint8_t *const *wr, const float *sc, const float *sz,
                       __m256 (*acc)[PB], int j0) {
     long supers = K / SB, groups = (K + group - 1) / group, bytes = (K + 1) / 2;
-    __m256 a[RT][PB];
+    __m256 a[RT][JT];
     for (int r = 0; r < rt; r++)
         for (int j = 0; j < jn; j++) a[r][j] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(15);
     for (long g = 0; g * group < supers * SB; g++) {
-        __m256 lanes[RT][PB];
+        __m256 lanes[RT][JT];
         for (int r = 0; r < rt; r++)
             for (int j = 0; j < jn; j++) lanes[r][j] = _mm256_setzero_ps();
         long end = (g + 1) * group / SB < supers ? (g + 1) * group / SB : supers;
         for (long s = g * group / SB; s < end; s++) {
-            __m256i lo[PB], hi[PB];
+            __m256i lo[JT], hi[JT];
             for (int j = 0; j < jn; j++) {
                 if (s % 2 == 0) prefetch_next(wr[j] + s * SB / 2, PB * bytes);
                 __m256i w = _mm256_loadu_si256((const __m256i *)(wr[j] + s * SB / 2));
@@ -116,19 +116,20 @@ INLINE void int4_tile(int rt, int jn, const int8_t *xq, long ldq, const float *x
         for (int j = 0; j < jn; j++) acc[r0 + r][j0 + j] = a[r][j];
 }
 
-/* Rows [r0, r0 + rt) of levels against the block's PB weight rows: one tile of all PB where rt is 1
-   (its 4 weight vectors, 8 for int8 with their magnitudes, and 4 lanes in registers), else tiles of
-   JT weight rows. */
+/* Rows [r0, r0 + rt) of levels against the block's PB weight rows, JT weight rows at a time: at one
+   row too, fewer streams at once for the prefetchers (as cpu_rows_avx2.c's bf16 row, two weight rows
+   at a time): a decode step's experts at bench/vs_llamacpp.py's shapes (8 layers x 2, 1 row each),
+   1 thread, AMD EPYC Zen 3 2 vCPU, medians of 5 interleaved rounds against all PB at once:
+   int8 29.7 -> 27.1 ms, int4 20.5 -> 17.8 ms, the same bits. */
 INLINE void tile_rows(int rt, int fmt, const int8_t *xq, long ldq, const float *xd, const float *xl, const float *xs,
                       long ldf, int r0, long K, long group, const void *const *wr, const float *sc, const float *sz,
                       __m256 (*acc)[PB]) {
-    int jn = rt == 1 ? PB : JT;
     long groups = fmt == 1 ? (K + group - 1) / group : 0;
-    for (int j0 = 0; j0 < PB; j0 += jn)
+    for (int j0 = 0; j0 < PB; j0 += JT)
         if (fmt == 0)
-            int8_tile(rt, jn, xq, ldq, xd, ldf, r0, K, (const int8_t *const *)wr + j0, acc, j0);
+            int8_tile(rt, JT, xq, ldq, xd, ldf, r0, K, (const int8_t *const *)wr + j0, acc, j0);
         else
-            int4_tile(rt, jn, xq, ldq, xl, xs, ldf, r0, K, group, (const uint8_t *const *)wr + j0, sc + j0 * groups,
+            int4_tile(rt, JT, xq, ldq, xl, xs, ldf, r0, K, group, (const uint8_t *const *)wr + j0, sc + j0 * groups,
                       sz + j0 * groups, acc, j0);
 }
 
