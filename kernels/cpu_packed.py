@@ -25,6 +25,7 @@ import ctypes
 from collections.abc import Callable
 
 import torch
+from attrs import frozen
 
 from flowmoe.core.spec import MoESpec
 from flowmoe.kernels import cpu_expert, native
@@ -78,27 +79,55 @@ def _projection_fits(p: Projection, fmt: str, rows: int, cols: int, group: int) 
     )
 
 
-def fits(x: torch.Tensor, ffn: PackedFFN, fmt: str, group: int) -> bool:
-    """Whether `swiglu_group` takes x [n, hidden] (1 <= n <= MAX_ROWS, fp32 or bf16 on the CPU, no
-    autograd) through `ffn` in `fmt` ("int8", or "int4" at `group` columns per group)."""
+@frozen
+class Prepared:
+    """An expert as the kernel call takes it, checked once (`prepare`): its 9 weight pointers
+    ((q, scale, zero) of gate, up, down; zero None for int8) and biases in fp32 (kept alive here)."""
+
+    fmt: str
+    group: int
+    hidden: int
+    inter: int
+    pointers: tuple[int | None, ...]
+    gate_up_bias: torch.Tensor | None  # [2I] float32
+    down_bias: torch.Tensor | None  # [hidden] float32
+
+
+def prepare(ffn: PackedFFN, fmt: str, group: int, hidden: int) -> Prepared | None:
+    """`ffn` in `fmt` ("int8", or "int4" at `group` columns per group) as `swiglu_prepared` takes it
+    for rows of `hidden` columns; None where the kernel does not read it (or there is no kernel)."""
     gate, up, down, gate_up_bias, down_bias = ffn
-    if not (
-        x.dtype in (torch.float32, torch.bfloat16)
-        and x.dim() == 2
-        and 0 < x.shape[0] <= MAX_ROWS
-        and x.is_cpu
-        and not (torch.is_grad_enabled() and x.requires_grad)
-        and fmt in FORMATS
-        and (fmt == "int8" or (group > 0 and group % GROUP_STEP == 0))
-        and kernel() is not None
-    ):
-        return False
-    hidden, inter = x.shape[1], gate[0].shape[0]
+    if fmt not in FORMATS or (fmt == "int4" and (group <= 0 or group % GROUP_STEP)) or kernel() is None:
+        return None
+    inter = gate[0].shape[0]
     projections = ((gate, inter, hidden), (up, inter, hidden), (down, hidden, inter))
-    return all(_projection_fits(p, fmt, rows, cols, group) for p, rows, cols in projections) and all(
+    if not all(_projection_fits(p, fmt, rows, cols, group) for p, rows, cols in projections) or not all(
         b is None or (b.is_cpu and b.shape == (size,))
         for b, size in ((gate_up_bias, 2 * inter), (down_bias, hidden))
+    ):
+        return None
+    pointers = tuple(None if t is None else t.data_ptr() for p in (gate, up, down) for t in p)
+    biases = [None if b is None else b.float().contiguous() for b in (gate_up_bias, down_bias)]
+    return Prepared(fmt, group, hidden, inter, pointers, *biases)
+
+
+def takes(x: torch.Tensor, hidden: int) -> bool:
+    """Whether the kernel takes x's rows: [n, hidden] fp32 or bf16 on the CPU, no autograd (at most
+    MAX_ROWS rows a call: the caller's pieces)."""
+    return (
+        x.dtype in (torch.float32, torch.bfloat16)
+        and x.dim() == 2
+        and x.shape[1] == hidden
+        and x.is_cpu
+        and not (torch.is_grad_enabled() and x.requires_grad)
     )
+
+
+def fits(x: torch.Tensor, ffn: PackedFFN, fmt: str, group: int) -> bool:
+    """Whether `swiglu_group` takes x [n, hidden] (1 <= n <= MAX_ROWS, `takes`) through `ffn` in
+    `fmt` ("int8", or "int4" at `group` columns per group)."""
+    hidden = x.shape[-1]
+    return 0 < x.shape[0] <= MAX_ROWS and takes(x, hidden) and prepare(ffn, fmt, group, hidden) is not None
 
 
 def swiglu_group(
@@ -112,33 +141,49 @@ def swiglu_group(
     """xs[e] [n_e, hidden] through ffns[e] -> [n_e, hidden] each, in x's dtype (views of one output
     buffer), in one call. Every (x, ffn) must `fits` at `fmt` and `group`, and all share one shape
     and x's dtype; `block`: one of cpu_expert.ISAS the CPU runs (default `isa()`)."""
-    run = kernel()
-    assert run is not None
-    hidden, inter = xs[0].shape[1], ffns[0][0][0].shape[0]
+    hidden = xs[0].shape[1]
+    experts = [e for e in (prepare(f, fmt, group, hidden) for f in ffns) if e is not None]
+    assert len(experts) == len(ffns), "an expert the kernel does not read (see fits)"
     rows = [x.contiguous() for x in xs]  # each [n_e, hidden]
     counts = [r.shape[0] for r in rows]
-    outs = torch.empty(sum(counts), hidden, dtype=xs[0].dtype)  # [sum n_e, hidden]: the kernel writes it
-    pointers = [t.data_ptr() if t is not None else None for f in ffns for p in f[:3] for t in p]
-    biases = [[None if b is None else b.float().contiguous() for b in f[3:]] for f in ffns]  # kept alive
+    out = swiglu_prepared([r.data_ptr() for r in rows], counts, experts, xs[0].dtype, moe, block)
+    return list(out.split(counts))
+
+
+def swiglu_prepared(
+    rows: list[int],
+    counts: list[int],
+    experts: list[Prepared],
+    dtype: torch.dtype,
+    moe: MoESpec,
+    block: str | None = None,
+) -> torch.Tensor:
+    """Expert e's counts[e] contiguous rows of `dtype` (fp32 or bf16) [n_e, hidden] at address
+    rows[e] through experts[e] (all of one fmt, group and shape) -> [sum n_e, hidden] in `dtype`, in
+    one call; the caller keeps the rows alive and checks them (`takes`)."""
+    run = kernel()
+    assert run is not None
+    first = experts[0]
+    outs = torch.empty(sum(counts), first.hidden, dtype=dtype)  # [sum n_e, hidden]: the kernel writes it
     status = run(
         len(rows),
-        native.pointers([r.data_ptr() for r in rows]),
+        native.pointers(rows),
         (ctypes.c_int * len(rows))(*counts),
-        hidden,
-        inter,
-        FORMATS[fmt],
-        group,
-        native.pointers(pointers),
-        native.pointers([None if b[0] is None else b[0].data_ptr() for b in biases]),
-        native.pointers([None if b[1] is None else b[1].data_ptr() for b in biases]),
+        first.hidden,
+        first.inter,
+        FORMATS[first.fmt],
+        first.group,
+        native.pointers([p for e in experts for p in e.pointers]),
+        native.pointers([None if e.gate_up_bias is None else e.gate_up_bias.data_ptr() for e in experts]),
+        native.pointers([None if e.down_bias is None else e.down_bias.data_ptr() for e in experts]),
         int(moe.activation == "clamped_swiglu"),
         moe.swiglu_alpha,
         moe.swiglu_limit,
-        int(xs[0].dtype == torch.bfloat16),
+        int(dtype == torch.bfloat16),
         outs.data_ptr(),
         cpu_expert.ISAS[block or isa()],
         torch.get_num_threads(),
     )
     if status != 0:
         raise MemoryError("swiglu_group (packed): no memory for the kernel's fp32 buffers")
-    return list(outs.split(counts))
+    return outs

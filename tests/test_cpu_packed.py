@@ -17,9 +17,9 @@ from flowmoe.core.scheduling import Residency
 from flowmoe.core.spec import MoESpec
 from flowmoe.kernels import cpu_packed, native
 from flowmoe.model.loading import load_model, pack_experts
-from flowmoe.model.packed_experts import kernel_form, packed_scaled
+from flowmoe.model.packed_experts import kernel_form, packed_scaled, prepared
 from flowmoe.model.quantize import quantize_expert
-from flowmoe.model.quantized import PackedFFN, QuantizedExpert
+from flowmoe.model.quantized import Int8Weight, PackedFFN, QuantizedExpert
 from flowmoe.model.weights import FFNWeights
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
 from tests.hf_models import hf_model, save_hf
@@ -304,6 +304,23 @@ def test_the_model_runs_packed_experts_by_the_kernels_else_dequantizes() -> None
     assert torch.equal(packed.gate_up, experts[0].to_ffn().gate_up)
 
 
+def test_an_expert_is_prepared_once_and_again_where_a_tensor_is_rebound() -> None:
+    """packed_experts.prepared checks an expert and takes its pointers once, and again where one of its
+    tensors is rebound (model/arena.py's packing): the kernel then reads the new tensor."""
+    moe = _moe("silu")
+    expert = _expert(0, 72, 24, "int8", False, torch.float32)
+    first = prepared(expert)
+    assert first is not None and prepared(expert) is first
+    x, scales = torch.randn(2, 72), torch.ones(2, 1)
+    before = packed_scaled(x, scales, [2], [expert.as_ffn()], moe)
+    down = expert.down
+    assert isinstance(down, Int8Weight) and before is not None
+    down.values = -down.values  # a new tensor: the output negated, exactly
+    assert prepared(expert) is not first
+    after = packed_scaled(x, scales, [2], [expert.as_ffn()], moe)
+    assert after is not None and torch.equal(after[0], -before[0])
+
+
 def test_a_host_only_runtime_keeps_packed_experts_packed_and_runs_them_by_the_kernels(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -323,8 +340,8 @@ def test_a_host_only_runtime_keeps_packed_experts_packed_and_runs_them_by_the_ke
         assert isinstance(resident, PackedFFN) and resident.expert is model.weights.layers[0].packed[expert]
     weights.close()
     calls = []
-    kernel = cpu_packed.swiglu_group
-    monkeypatch.setattr(cpu_packed, "swiglu_group", lambda *args: calls.append(1) or kernel(*args))
+    kernel = cpu_packed.swiglu_prepared
+    monkeypatch.setattr(cpu_packed, "swiglu_prepared", lambda *args: calls.append(1) or kernel(*args))
     policy = Policy(micro_batch_size=3, micro_batches=2, expert_format="int4")
     run_scheduler(model, "eager", policy, device="cpu")
     assert calls

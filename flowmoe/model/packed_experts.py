@@ -14,6 +14,9 @@ first, Llama 4's `scale_input`).
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 
 from flowmoe.core.spec import MoESpec
@@ -56,34 +59,59 @@ def kernel_form(expert: QuantizedExpert) -> tuple[str, int, cpu_packed.PackedFFN
     return fmt, group, (gate, up, down, expert.gate_up_bias, expert.down_bias)
 
 
+_Refs = tuple["weakref.ref[QuantizedExpert]", tuple["weakref.ref[torch.Tensor]", ...]]
+# id(expert) -> (the expert and its tensors, as weak references), what `prepared` made of them
+_PREPARED: dict[int, tuple[_Refs, cpu_packed.Prepared | None]] = {}
+
+
+def prepared(expert: QuantizedExpert) -> cpu_packed.Prepared | None:
+    """`expert` as the kernel call takes it (`kernel_form`, then `cpu_packed.prepare`: its checks and
+    pointers, once), or None; kept until the expert is freed or any of its tensors is no longer the
+    one it was made from (model/arena.py rebinds them)."""
+    tensors = expert.tensors()
+    key = id(expert)
+    held = _PREPARED.get(key)
+    if (
+        held is not None
+        and held[0][0]() is expert
+        and len(held[0][1]) == len(tensors)
+        and all(ref() is t for ref, t in zip(held[0][1], tensors, strict=True))
+    ):
+        return held[1]
+    form = kernel_form(expert)
+    made = None if form is None else cpu_packed.prepare(form[2], form[0], form[1], expert.down.shape[0])
+    forget = weakref.ref(expert, lambda _, key=key: _PREPARED.pop(key, None))  # type: ignore[misc]
+    _PREPARED[key] = ((forget, tuple(weakref.ref(t) for t in tensors)), made)
+    return made
+
+
 def packed_scaled(
     gathered: torch.Tensor, scales: torch.Tensor, counts: list[int], ffns: list[FFNWeights], moe: MoESpec
 ) -> list[torch.Tensor] | None:
     """`MoEModel.scaled_experts` by the packed kernels: gathered [sum n_e, hidden] (each expert's rows
     in turn), scales [sum n_e, 1] -> each expert's scaled outputs [n_e, hidden]; None where they do
     not take them all (the module docstring)."""
-    if not ffns or not all(isinstance(f, PackedFFN) for f in ffns) or 0 in counts:
+    if not ffns or 0 in counts or not all(isinstance(f, PackedFFN) for f in ffns):
         return None
-    forms = [kernel_form(f.expert) for f in ffns]  # type: ignore[attr-defined]  # PackedFFNs, checked
-    first = forms[0]
-    if first is None or any(f is None or f[:2] != first[:2] for f in forms):
+    experts = [e for e in (prepared(f.expert) for f in ffns) if e is not None]  # type: ignore[attr-defined]
+    if len(experts) < len(ffns):
         return None
-    fmt, group = first[:2]
+    first = experts[0]
+    shape = (first.fmt, first.group, first.hidden, first.inter)
+    if any((e.fmt, e.group, e.hidden, e.inter) != shape for e in experts):
+        return None
+    dtype = ffns[0].expert.dtype  # type: ignore[attr-defined]  # a PackedFFN's, checked
+    if gathered.dtype != dtype or not cpu_packed.takes(gathered, first.hidden):
+        return None
     step = cpu_packed.MAX_ROWS
     pieces = [min(step, n - at) for n in counts for at in range(0, n, step)]  # rows per kernel call
-    kernel_ffns = [f[2] for f, n in zip(forms, counts, strict=True) if f for _ in range(0, n, step)]
-    xs = list(gathered.split(pieces))  # [<= MAX_ROWS, hidden] each, an expert's rows in order
-    dtype = ffns[0].expert.dtype  # type: ignore[attr-defined]
-    if not all(
-        x.dtype == dtype and cpu_packed.fits(x, f, fmt, group) for x, f in zip(xs, kernel_ffns, strict=True)
-    ):
-        return None
-    if moe.scale_input:  # Llama 4 scales the expert's input, the others its output
-        scaled = gathered * scales.to(gathered.dtype)  # [sum n_e, hidden]
-        outs = cpu_packed.swiglu_group(list(scaled.split(pieces)), kernel_ffns, fmt, group, moe)
-        return list(torch.cat(outs).split(counts))
-    outs = cpu_packed.swiglu_group(xs, kernel_ffns, fmt, group, moe)
-    return list((torch.cat(outs) * scales).split(counts))  # float32 scales give a float32 product
+    kernel_experts = [e for e, n in zip(experts, counts, strict=True) for _ in range(0, n, step)]
+    # [sum n_e, hidden]: Llama 4 scales the expert's input, the others its output
+    x = (gathered * scales.to(dtype) if moe.scale_input else gathered).contiguous()
+    row_bytes = x.stride(0) * x.element_size()
+    starts = [x.data_ptr() + at * row_bytes for at in itertools.accumulate(pieces[:-1], initial=0)]
+    out = cpu_packed.swiglu_prepared(starts, pieces, kernel_experts, x.dtype, moe)  # [sum n_e, hidden]
+    return list((out if moe.scale_input else out * scales).split(counts))  # fp32 scales: an fp32 product
 
 
 def packed_routed(
