@@ -28,10 +28,14 @@ the load average is noted for each cell. Medians over the repeats, spread = max 
 --formats: flowmoe with `--expert-format int8` (int4) against llama.cpp Q8_0 (Q4_0) on the same
 checkpoint: the flowmoe model loaded in --quant-dtype (bf16) with its routed experts quantized on
 load, the GGUF converted to Q8_0 by the converter (--outtype q8_0) and to Q4_0 by llama.cpp's
-llama_model_quantize from the f32 GGUF (its default mix for the type). llama.cpp quantizes the
-attention, embedding and output weights too (the table's `weights` column, read from the GGUF),
-flowmoe the routed experts only. A third tool, `flowmoe-torch`, is flowmoe at the same commit with
-the packed CPU kernels bypassed (each expert dequantized in torch per call: the path before them).
+llama_model_quantize from the f32 GGUF (its default mix for the type). That `llama.cpp` row
+quantizes the attention, embedding and output weights too (the table's `weights` column, read from
+the GGUF), flowmoe the routed experts only; the `llama.cpp experts` row is like for like: a GGUF
+quantized by llama_model_quantize from the f32 one with the same type for the routed experts and
+the attention projections, token embeddings and output in bf16 (its tt_overrides,
+token_embedding_type and output_tensor_type; the router and norms stay f32, as llama.cpp keeps
+them). A further tool, `flowmoe-torch`, is flowmoe at the same commit with the packed CPU kernels
+bypassed (each expert dequantized in torch per call: the path before them).
 Saved to bench/vs_llamacpp_quant.json unless --out says otherwise.
 
 It runs outside CI: the first build of llama-cpp-python takes minutes.
@@ -53,7 +57,8 @@ HERE = Path(__file__).resolve().parent
 CACHE = Path.home() / ".cache" / "flowmoe-bench"
 LLAMA_CPP_VERSION = "0.3.36"  # the version issue 25 measured with
 TOOLS = ("flowmoe", "llama.cpp")
-QUANT_TOOLS = ("flowmoe", "flowmoe-torch", "llama.cpp")  # flowmoe-torch: the packed kernels bypassed
+# flowmoe-torch: the packed kernels bypassed; llama.cpp experts: its routed experts alone quantized
+QUANT_TOOLS = ("flowmoe", "flowmoe-torch", "llama.cpp", "llama.cpp experts")
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0"}
 
 
@@ -283,7 +288,7 @@ def gguf(args: argparse.Namespace, folder: Path, dtype: str) -> Path:
     if out.exists():
         return out
     if dtype == "int4":
-        quantize_gguf(llamacpp_python(args.cache), gguf(args, folder, "float32"), out)
+        quantize_gguf(llamacpp_python(args.cache), gguf(args, folder, "float32"), out, dtype, False)
         return out
     script = converter(args.cache)
     deps = args.cache / "convert-deps"
@@ -305,21 +310,38 @@ def gguf(args: argparse.Namespace, folder: Path, dtype: str) -> Path:
     return out
 
 
-QUANTIZE = """
+QUANTIZE = r"""
 import ctypes, sys
 import llama_cpp as L
+BF16 = 30  # GGML_TYPE_BF16 (ggml.h's enum ggml_type; llama-cpp-python names no constant for it)
 params = L.llama_model_quantize_default_params()
-params.ftype = L.LLAMA_FTYPE_MOSTLY_Q4_0
+params.ftype = getattr(L, sys.argv[3])
+if sys.argv[4] == "experts":  # all but the routed experts in bf16, as flowmoe holds them
+    params.output_tensor_type = params.token_embedding_type = BF16
+    overrides = (L.llama_model_tensor_override * 2)((rb"attn_(q|k|v|output)\.weight", BF16), (None, 0))
+    params.tt_overrides = ctypes.cast(overrides, ctypes.POINTER(L.llama_model_tensor_override))
 if L.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)) != 0:
     sys.exit("llama_model_quantize failed")
 """
+FTYPES = {"int8": "LLAMA_FTYPE_MOSTLY_Q8_0", "int4": "LLAMA_FTYPE_MOSTLY_Q4_0"}
 
 
-def quantize_gguf(python: Path, source: Path, out: Path) -> None:
-    """`source` quantized to Q4_0 by llama.cpp (its default mix for the type), in the llama.cpp venv."""
+def quantize_gguf(python: Path, source: Path, out: Path, kind: str, experts_only: bool) -> None:
+    """`source` quantized to `kind`'s type by llama.cpp, in the llama.cpp venv: its default mix for
+    the type, or (experts_only) the routed experts alone, the rest in bf16 (QUANTIZE)."""
     partial = out.with_suffix(".partial")
-    subprocess.run([str(python), "-c", QUANTIZE, str(source), str(partial)], check=True, capture_output=True)
+    command = [str(python), "-c", QUANTIZE, str(source), str(partial), FTYPES[kind], "experts" * experts_only]
+    subprocess.run(command, check=True, capture_output=True)
     partial.rename(out)
+
+
+def experts_gguf(args: argparse.Namespace, folder: Path, kind: str) -> Path:
+    """The checkpoint quantized by llama.cpp as flowmoe's --expert-format `kind` does: the routed
+    experts alone (QUANTIZE), from the f32 GGUF."""
+    out = folder.with_name(f"{folder.name}-{GGUF_TYPES[kind]}-experts.gguf")
+    if not out.exists():
+        quantize_gguf(llamacpp_python(args.cache), gguf(args, folder, "float32"), out, kind, True)
+    return out
 
 
 def gguf_weights(args: argparse.Namespace, path: Path) -> str:
@@ -501,7 +523,9 @@ def main() -> None:
         write_checkpoint(args, folder)
     kinds = args.formats.split(",") if args.formats else args.dtypes.split(",")  # the rows' "dtype"
     tools = QUANT_TOOLS if args.formats else TOOLS
-    ggufs = {kind: gguf(args, folder, kind) for kind in kinds}
+    ggufs = {(kind, "llama.cpp"): gguf(args, folder, kind) for kind in kinds}
+    if args.formats:
+        ggufs |= {(kind, "llama.cpp experts"): experts_gguf(args, folder, kind) for kind in kinds}
     rng = random.Random(1)
     batches, threads = [int(b) for b in args.batches.split(",")], [int(t) for t in args.threads.split(",")]
     prompts = [[rng.randrange(3, args.vocab) for _ in range(args.prompt)] for _ in range(max(batches))]
@@ -511,20 +535,21 @@ def main() -> None:
         for kind in kinds:
             order = tools if repeat % 2 == 0 else tools[::-1]  # alternated, so a load change hits all
             for tool in order:
-                ours = tool != "llama.cpp"
-                model = str(folder) if ours else str(ggufs[kind])
+                ours = tool.startswith("flowmoe")
+                model = str(folder) if ours else str(ggufs[(kind, tool)])
                 dtype = args.quant_dtype if args.formats else kind
                 job = {"model": model, "dtype": dtype, "prompts": prompts, "cells": grid,
                        "prompt": args.prompt, "new_tokens": args.new_tokens}  # fmt: skip
                 if args.formats and ours:
                     job |= {"expert_format": kind, "torch_dequantize": tool == "flowmoe-torch"}
-                result = run_worker(sys.executable if ours else python, "flowmoe" if ours else tool, job)
+                worker = (sys.executable, "flowmoe") if ours else (python, "llama.cpp")
+                result = run_worker(*worker, job)
                 runs.setdefault((kind, tool), []).append(result)
                 print(
                     f"repeat {repeat} {kind} {tool}: peak RSS {result['peak_rss'] / 2**30:.2f} GiB",
                     flush=True,
                 )
-    system = next(r["system"] for (_, tool), rs in runs.items() if tool == "llama.cpp" for r in rs)
+    system = next(r["system"] for (_, tool), rs in runs.items() if tool.startswith("llama.cpp") for r in rs)
     meta = {
         "model": f"Mixtral architecture, hidden {args.hidden}, intermediate {args.intermediate}, "
                  f"{args.layers} "
@@ -536,12 +561,10 @@ def main() -> None:
     }  # fmt: skip
     rows = rows_from(runs, args.prompt)
     if args.formats:  # what each tool quantized: flowmoe the routed experts, llama.cpp (nearly) every matrix
-        held = {kind: gguf_weights(args, path) for kind, path in ggufs.items()}
+        held = {key: gguf_weights(args, path) for key, path in ggufs.items()}
         for row in rows:
             dense = GGUF_TYPES[args.quant_dtype]
-            row["weights"] = (
-                held[row["dtype"]] if row["tool"] == "llama.cpp" else f"{row['dtype']} experts, {dense} rest"
-            )
+            row["weights"] = held.get((row["dtype"], row["tool"]), f"{row['dtype']} experts, {dense} rest")
         meta["model"] += f"; flowmoe in {args.quant_dtype} with its routed experts quantized on load"
     saved = {"meta": meta, "rows": rows}
     if not args.quick:  # a check of the script: printed only
