@@ -122,7 +122,7 @@ def packed_routed(
     if not all(isinstance(f, PackedFFN) for f in ffns.values()):
         return None
     experts = sorted(ffns)  # ascending: a view of the routing's sorted rows
-    counts = [len(routing.tokens[e]) for e in experts]
+    counts = [routing.sizes[e] for e in experts]  # not routing.tokens: no split of its rows
     if x.device.type != "cpu":
         return None
     rows, scales = (on(t, x.device) for t in routing.rows_of(experts))  # [sum n_e] each
