@@ -13,32 +13,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define COLUMNS 256   /* columns per thread's share (a 1 KiB fp32 run of a row) */
 #define GRAIN 32768   /* elements below which one thread adds them all: torch's at::internal::GRAIN_SIZE */
-
-static inline float bf16_value(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline float value_at(const void *p, long i, int bf16) {
-    return bf16 ? bf16_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-/* fp32 -> bf16 rounded to nearest even (NaN stays NaN), as torch's .to(torch.bfloat16). */
-static inline uint16_t bf16_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-/* v rounded to bf16 where `bf16` (as a float). */
-static inline float rounded(float v, int bf16) {
-    return bf16 ? bf16_value(bf16_bits(v)) : v;
-}
 
 /* out [T, H] (contiguous) = hidden [T, H] (row stride ldh) + the sum, per row, of the output rows
    of `experts` experts in turn: expert e's values [n_e, H] (contiguous, bf16 where values_bf16
@@ -56,13 +34,13 @@ int flowmoe_combine(long T, long H, const void *hidden, long ldh, int bf16, int 
             for (int i = 0; i < ns[e]; i++, entry++) {
                 float *sum = moe + rows[entry] * H;
                 for (long h = h0; h < h1; h++)
-                    sum[h] += rounded(value_at(values[e], (long)i * H + h, values_bf16), bf16);
+                    sum[h] += bf16_rounded(bf16_or_float(values[e], (long)i * H + h, values_bf16), bf16);
             }
         for (long t = 0; t < T; t++)
             for (long h = h0; h < h1; h++) {
-                float v = value_at(hidden, t * ldh + h, bf16) + rounded(moe[t * H + h], bf16);
+                float v = bf16_or_float(hidden, t * ldh + h, bf16) + bf16_rounded(moe[t * H + h], bf16);
                 if (bf16)
-                    ((uint16_t *)out)[t * H + h] = bf16_bits(v);
+                    ((uint16_t *)out)[t * H + h] = float_to_bf16(v);
                 else
                     ((float *)out)[t * H + h] = v;
             }

@@ -18,6 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+#include "swiglu.h"
+
 /* cpu_rows_avx2.c */
 void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void *w, int bf16, long o0, int ob,
                         const void *next, long next_rows, float *res);
@@ -48,13 +51,6 @@ static inline v16 load_bf16(const uint16_t *p) {
     v16 v;
     memcpy(&v, &u, sizeof v);
     return v;
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
 }
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -195,7 +191,7 @@ static void block(const float *x, long ldx, int n, long K, const void *w, int bf
             float s = hsum(acc[r][j]);
             for (long k = kv; k < K; k++) {
                 long i = (o0 + j) * K + k;
-                float wk = bf16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+                float wk = bf16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
                 s += x[r * ldx + k] * wk;
             }
             res[r * OB + j] = s;
@@ -231,21 +227,13 @@ static inline long bf16_position(long k, long K) {
    where `ordered`. */
 static void widen_rows(const uint16_t *x, long ldx, int n, long K, int ordered, float *dst) {
     for (int r = 0; r < n; r++)
-        for (long k = 0; k < K; k++) dst[r * K + (ordered ? bf16_position(k, K) : k)] = bf16_to_f32(x[r * ldx + k]);
-}
-
-/* fp32 -> bf16 rounded to nearest even (NaN stays NaN), as torch's .to(torch.bfloat16). */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        for (long k = 0; k < K; k++) dst[r * K + (ordered ? bf16_position(k, K) : k)] = bf16_to_float(x[r * ldx + k]);
 }
 
 /* y[i] = v in y's dtype (bf16 where `bf16`, else fp32). */
 static inline void store(void *y, long i, float v, int bf16) {
     if (bf16)
-        ((uint16_t *)y)[i] = f32_to_bf16(v);
+        ((uint16_t *)y)[i] = float_to_bf16(v);
     else
         ((float *)y)[i] = v;
 }
@@ -284,15 +272,6 @@ int flowmoe_linear(const void *x, long ldx, int n, long K, const void *w, int bf
     return 0;
 }
 
-/* SiLU(gate) * up, or GPT-OSS's clamped form (up + 1) * gate * sigmoid(alpha * gate) after
-   clamping gate to <= limit and up to [-limit, limit]. */
-static inline float activation(float g, float u, int clamped, float alpha, float limit) {
-    if (!clamped) return g / (1.0f + expf(-g)) * u;
-    g = g < limit ? g : limit;
-    u = u < -limit ? -limit : (u > limit ? limit : u);
-    return (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
-}
-
 /* Where a group's output rows go: out [sum n_e, H] in bf16 where `bf16` else fp32; with `scales`
    [sum n_e] (fp32, or bf16 where scales_bf16) each row is first rounded to the weights' dtype, then
    multiplied by its scale (torch's product of the expert's output and its combine weight). */
@@ -304,20 +283,20 @@ typedef struct {
 } rows_out;
 
 static inline float scale_at(const void *scales, long i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)scales)[i]) : ((const float *)scales)[i];
+    return bf16 ? bf16_to_float(((const uint16_t *)scales)[i]) : ((const float *)scales)[i];
 }
 
 /* An output row's value v (res + bias) for row i of the group, stored as `to` says. */
 static inline void store_row(rows_out to, long i, long at, float v, int weights_bf16) {
     if (to.scales) {
-        if (weights_bf16) v = bf16_to_f32(f32_to_bf16(v));
+        if (weights_bf16) v = bf16_to_float(float_to_bf16(v));
         v = v * scale_at(to.scales, i, to.scales_bf16);
     }
     store(to.out, at, v, to.bf16);
 }
 
 /* The expert FFNs of a group of experts (a layer's routed experts, or one) in one parallel pass:
-   for expert e, act_e [n_e, I] = activation(x_e @ gate^T + bg, x_e @ up^T + bu) with gate_up_e
+   for expert e, act_e [n_e, I] = swiglu(x_e @ gate^T + bg, x_e @ up^T + bu) with gate_up_e
    [2I, H] (gate rows, then up rows), then out_e [n_e, H] = act_e @ down_e^T + bd with down_e
    [H, I]. fx[e]: expert e's rows of x in fp32 (row stride H; in bf16 column order where the isa
    reads x so), first[e]: its first row in the group; the acts in fp32 in a buffer of the kernel's
@@ -351,7 +330,7 @@ static int ffn_rows(int experts, const float *const *fx, const int *ns, const lo
                     float gv = g[r * bs + j] + (bias ? bias[o0 + j] : 0.0f);
                     float uv = u[r * bs + j] + (bias ? bias[I + o0 + j] : 0.0f);
                     long at = reorder ? bf16_position(o0 + j, I) : o0 + j;
-                    act[r * I + at] = activation(gv, uv, clamped, alpha, limit);
+                    act[r * I + at] = swiglu(gv, uv, clamped, alpha, limit);
                 }
         }
 #pragma omp for schedule(static)

@@ -13,31 +13,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #pragma GCC optimize("fp-contract=off") /* torch rounds each product before adding it: no FMA */
 
 #define ILP 4     /* rows of vectors torch's multi_row_sum interleaves */
 #define LEVELS 4  /* its cascade levels */
 #define WMAX 16   /* the widest Vectorized<float> (AVX-512) */
-
-static inline float bf16_value(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* fp32 -> bf16 rounded to nearest even (NaN stays NaN), as torch's .to(torch.bfloat16). Also
-   cpu_router.c's. */
-uint16_t flowmoe_bf16_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float element(const void *x, long i, int bf16) {
-    return bf16 ? bf16_value(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-}
 
 /* acc[0..width) += v[i * width .. (i + 1) * width) */
 static inline void add_vector(float *acc, const float *v, long i, int width) {
@@ -92,12 +74,12 @@ void flowmoe_rms_norm(const void *x, long rows, long dim, long ldx, const void *
     for (long r = 0; r < rows; r++) {
         const char *row = (const char *)x + r * ldx * (bf16 ? 2 : 4);
         float squares[dim > 0 ? dim : 1]; /* each rounded to fp32, as torch's pow(2) */
-        for (long i = 0; i < dim; i++) squares[i] = element(row, i, bf16) * element(row, i, bf16);
+        for (long i = 0; i < dim; i++) squares[i] = bf16_or_float(row, i, bf16) * bf16_or_float(row, i, bf16);
         float scale = 1.0f / sqrtf(flowmoe_torch_sum(squares, dim, width) / (float)dim + (float)eps);
         for (long i = 0; i < dim; i++) {
-            float normed = element(row, i, bf16) * scale;
+            float normed = bf16_or_float(row, i, bf16) * scale;
             if (bf16)
-                ((uint16_t *)out)[r * dim + i] = flowmoe_bf16_bits(bf16_value(((const uint16_t *)weight)[i]) * bf16_value(flowmoe_bf16_bits(normed)));
+                ((uint16_t *)out)[r * dim + i] = float_to_bf16(bf16_to_float(((const uint16_t *)weight)[i]) * bf16_to_float(float_to_bf16(normed)));
             else
                 ((float *)out)[r * dim + i] = ((const float *)weight)[i] * normed;
         }
@@ -113,8 +95,8 @@ void flowmoe_add_rms_norm(void *sum, const void *residual, long rows, long dim, 
     long n = residual ? rows * dim : 0;
     if (bf16)
         for (long i = 0; i < n; i++)
-            ((uint16_t *)sum)[i] = flowmoe_bf16_bits(bf16_value(((const uint16_t *)sum)[i]) +
-                                                     bf16_value(((const uint16_t *)residual)[i]));
+            ((uint16_t *)sum)[i] = float_to_bf16(bf16_to_float(((const uint16_t *)sum)[i]) +
+                                                     bf16_to_float(((const uint16_t *)residual)[i]));
     else
         for (long i = 0; i < n; i++) ((float *)sum)[i] += ((const float *)residual)[i];
     flowmoe_rms_norm(sum, rows, dim, dim, weight, bf16, eps, width, out, threads);

@@ -46,6 +46,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+#include "swiglu.h"
+
 #define PB 4        /* weight rows per block */
 #define QB 32       /* activations per quantization block: llama.cpp's Q8_0 block (QK8_0, ggml-common.h) */
 #define SB 64       /* int4 columns per superblock: 32 bytes of levels, two activation blocks */
@@ -210,29 +213,6 @@ static inline void packed_block(int isa, int fmt, const int8_t *xq, const float 
         flowmoe_packed_block_avx2(fmt, xq, K, xf, xl, xs, ldf, n, K, group, p[0], p[1], p[2], o0, ob, res);
     else
         block_portable(fmt, xq, K, xf, xl, xs, ldf, n, K, group, p[0], p[1], p[2], o0, ob, res);
-}
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* fp32 -> bf16 rounded to nearest even (NaN stays NaN), as torch's .to(torch.bfloat16). */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-/* SiLU(gate) * up, or GPT-OSS's clamped form (cpu_expert.c's `activation`). */
-static inline float swiglu(float g, float u, int clamped, float alpha, float limit) {
-    if (!clamped) return g / (1.0f + expf(-g)) * u;
-    g = g < limit ? g : limit;
-    u = u < -limit ? -limit : (u > limit ? limit : u);
-    return (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
 }
 
 /* dst [n, K] fp32 = x [n, K] (fp32, or bf16 where `bf16`). */

@@ -6,31 +6,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #pragma GCC optimize("fp-contract=off") /* torch rounds each product before the sum: no FMA */
-
-static inline float value(const void *p, long i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* The bits of v rounded to bf16 (nearest even; NaN stays NaN), in the high half. */
-static inline uint32_t bf16_high(float v) {
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC00000u;
-    return (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-}
-
-/* v rounded to the dtype (bf16 where `bf16`), as a float. */
-static inline float rounded(float v, int bf16) {
-    if (!bf16) return v;
-    uint32_t u = bf16_high(v);
-    memcpy(&v, &u, sizeof v);
-    return v;
-}
 
 /* One (token, head) row: out[d] = x[d] cos[d] + x[(d + R / 2) mod R] sin[d] in the dtype. */
 static inline __attribute__((always_inline)) void rotate_row(const void *x, long row, const void *cos,
@@ -39,10 +17,10 @@ static inline __attribute__((always_inline)) void rotate_row(const void *x, long
     long half = R / 2;
     for (long d = 0; d < R; d++) {
         long from = d < half ? d + half : d - half;
-        float a = rounded(value(x, row + d, bf16) * value(cos, table + d, bf16), bf16);
-        float y = a + rounded(value(x, row + from, bf16) * value(sin, table + d, bf16), bf16);
+        float a = bf16_rounded(bf16_or_float(x, row + d, bf16) * bf16_or_float(cos, table + d, bf16), bf16);
+        float y = a + bf16_rounded(bf16_or_float(x, row + from, bf16) * bf16_or_float(sin, table + d, bf16), bf16);
         if (bf16)
-            ((uint16_t *)out)[at + d] = (uint16_t)(bf16_high(y) >> 16);
+            ((uint16_t *)out)[at + d] = float_to_bf16(y);
         else
             ((float *)out)[at + d] = y;
     }

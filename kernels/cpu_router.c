@@ -9,8 +9,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 float flowmoe_torch_sum(const float *v, long n, int width); /* cpu_norm.c */
-uint16_t flowmoe_bf16_bits(float f);                       /* cpu_norm.c */
 
 /* top [T, k] fp32 (each token's top-k probabilities) and indices [T, k] (their experts, < E) ->
    weights [T, k] (top / its row's sum where `norm`, else top; bf16 where `bf16`, else fp32), rows
@@ -24,7 +25,7 @@ void flowmoe_route_tail(long T, int k, int E, const float *top, const int64_t *i
         for (int j = 0; j < k; j++) {
             float w = norm ? top[t * k + j] / sum : top[t * k + j];
             if (bf16)
-                ((uint16_t *)weights)[t * k + j] = flowmoe_bf16_bits(w);
+                ((uint16_t *)weights)[t * k + j] = float_to_bf16(w);
             else
                 ((float *)weights)[t * k + j] = w;
         }

@@ -1,4 +1,5 @@
-"""flowmoe's C kernels (every `*.c` of this folder), built into one shared library on first use.
+"""flowmoe's C kernels (every `*.c` of this folder, with the `*.h` they include), built into one
+shared library on first use.
 
 The library is compiled with the host's C compiler (`$CC`, else `cc`) for the host's CPU
 (-march=native, OpenMP linked against the libgomp torch has loaded, so both share one pool of
@@ -59,9 +60,9 @@ def _cpu_id() -> str:
 
 
 def sources() -> dict[str, bytes]:
-    """Every C source of flowmoe.kernels, by file name."""
+    """Every C source and header of flowmoe.kernels, by file name."""
     folder = resources.files("flowmoe.kernels")
-    files = sorted((f for f in folder.iterdir() if f.name.endswith(".c")), key=lambda f: f.name)
+    files = sorted((f for f in folder.iterdir() if f.name.endswith((".c", ".h"))), key=lambda f: f.name)
     return {f.name: f.read_bytes() for f in files}
 
 
@@ -69,10 +70,11 @@ def _build(files: dict[str, bytes], compiler: str, target: Path) -> None:
     """Compile into a temporary file beside `target`, then move it in (atomic for concurrent builds)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        paths = []
+        paths = []  # the .c files; the headers beside them, where their #include "..." finds them
         for name, text in files.items():
             (Path(tmp) / name).write_bytes(text)
-            paths.append(str(Path(tmp) / name))
+            if name.endswith(".c"):
+                paths.append(str(Path(tmp) / name))
         out = Path(tmp) / target.name
         subprocess.run([compiler, *FLAGS, *paths, "-o", str(out), "-lm"], check=True, capture_output=True)
         os.replace(out, target)
