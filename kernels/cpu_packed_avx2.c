@@ -33,9 +33,12 @@ static inline AVX2 float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
 
-/* The next block's copy of a row's next 64 bytes (the same row PB rows on: `ahead` bytes past p),
-   prefetched as each line of the row is read: a short row's PB streams end before the hardware
-   prefetchers pick them up. */
+/* The next block's copy of a tile's next 64 bytes (`ahead` bytes past p, PB rows on), one line
+   per step of the tile (JT rows x 32 bytes): a short row's streams end before the hardware
+   prefetchers pick them up, and the tile's JT rows are one contiguous span, prefetched in address
+   order as one stream rather than JT streams a row apart: a decode step's experts (16 experts'
+   1024 x 3584 gate / up / down, 1 row, 1 thread, AMD EPYC Zen 3 2 vCPU, 10 interleaved rounds)
+   int8 1.36x (median; [1.12, 1.53]), int4 1.08x [0.99, 1.27] against a line per row, the same bits. */
 INLINE void prefetch_next(const void *p, long ahead) {
     _mm_prefetch((const char *)p + ahead, _MM_HINT_T0);
 }
@@ -53,8 +56,8 @@ INLINE void int8_tile(int rt, int jn, const int8_t *xq, long ldq, const float *x
         for (int j = 0; j < jn; j++) a[r][j] = _mm256_setzero_ps();
     for (long b = 0; b < K / QB; b++) {
         __m256i w[JT], magnitude[JT];
+        prefetch_next(wr[0] + b * QB * jn, PB * K); /* the tile's rows: contiguous (a short block's repeat aside) */
         for (int j = 0; j < jn; j++) {
-            if (b % 2 == 0) prefetch_next(wr[j] + b * QB, PB * K);
             w[j] = _mm256_loadu_si256((const __m256i *)(wr[j] + b * QB));
             magnitude[j] = _mm256_abs_epi8(w[j]);
         }
@@ -87,8 +90,8 @@ INLINE void int4_tile(int rt, int jn, const int8_t *xq, long ldq, const float *x
         long end = (g + 1) * group / SB < supers ? (g + 1) * group / SB : supers;
         for (long s = g * group / SB; s < end; s++) {
             __m256i lo[JT], hi[JT];
+            prefetch_next(wr[0] + s * SB / 2 * jn, PB * bytes);
             for (int j = 0; j < jn; j++) {
-                if (s % 2 == 0) prefetch_next(wr[j] + s * SB / 2, PB * bytes);
                 __m256i w = _mm256_loadu_si256((const __m256i *)(wr[j] + s * SB / 2));
                 lo[j] = _mm256_and_si256(w, low);
                 hi[j] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
