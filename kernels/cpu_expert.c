@@ -191,7 +191,7 @@ static void block(const float *x, long ldx, int n, long K, const void *w, int bf
             float s = hsum(acc[r][j]);
             for (long k = kv; k < K; k++) {
                 long i = (o0 + j) * K + k;
-                float wk = bf16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+                float wk = bf16_or_float(w, i, bf16);
                 s += x[r * ldx + k] * wk;
             }
             res[r * OB + j] = s;
@@ -282,15 +282,11 @@ typedef struct {
     int scales_bf16;
 } rows_out;
 
-static inline float scale_at(const void *scales, long i, int bf16) {
-    return bf16 ? bf16_to_float(((const uint16_t *)scales)[i]) : ((const float *)scales)[i];
-}
-
 /* An output row's value v (res + bias) for row i of the group, stored as `to` says. */
 static inline void store_row(rows_out to, long i, long at, float v, int weights_bf16) {
     if (to.scales) {
-        if (weights_bf16) v = bf16_to_float(float_to_bf16(v));
-        v = v * scale_at(to.scales, i, to.scales_bf16);
+        v = bf16_rounded(v, weights_bf16);
+        v = v * bf16_or_float(to.scales, i, to.scales_bf16);
     }
     store(to.out, at, v, to.bf16);
 }

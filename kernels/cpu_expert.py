@@ -44,7 +44,6 @@ MAX_ROWS = 32  # beyond this many rows the GEMM is compute-bound and MKL's block
 AVX2_MAX_ROWS = 128
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _PP, _PI = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int)
-_array = native.pointers
 
 
 @functools.cache
@@ -199,9 +198,9 @@ def swiglu_group(
     counts = [r.shape[0] for r in rows]
     outs = torch.empty(sum(counts), hidden, dtype=xs[0].dtype)  # [sum n_e, hidden]: the kernel writes it
     status = lib.flowmoe_ffn_group(
-        len(rows), _array([r.data_ptr() for r in rows]), (ctypes.c_int * len(rows))(*counts), hidden, inter,
-        *_weights(ffns, biases := _biases(ffns)), *_activation(moe), outs.data_ptr(), ISAS[block or isa()],
-        torch.get_num_threads(),
+        len(rows), native.pointers([r.data_ptr() for r in rows]), (ctypes.c_int * len(rows))(*counts), hidden,
+        inter, *_weights(ffns, biases := _biases(ffns)), *_activation(moe), outs.data_ptr(),
+        ISAS[block or isa()], torch.get_num_threads(),
     )  # fmt: skip
     del biases  # alive through the call
     _check(status, "swiglu_group")
@@ -263,9 +262,11 @@ def _weights(
     ffns: list[FFN], biases: tuple[list[torch.Tensor | None], list[torch.Tensor | None]]
 ) -> tuple[object, ...]:
     """The kernels' weight arguments: gate_ups, downs, bf16, gate_up_biases, down_biases."""
-    gate_ups, downs = _array([f[0].data_ptr() for f in ffns]), _array([f[1].data_ptr() for f in ffns])
+    gate_ups = native.pointers([f[0].data_ptr() for f in ffns])
+    downs = native.pointers([f[1].data_ptr() for f in ffns])
     bf16 = int(ffns[0][0].dtype == torch.bfloat16)
-    return gate_ups, downs, bf16, _array([_ptr(b) for b in biases[0]]), _array([_ptr(b) for b in biases[1]])
+    gate_up_biases, down_biases = (native.pointers([_ptr(b) for b in side]) for side in biases)
+    return gate_ups, downs, bf16, gate_up_biases, down_biases
 
 
 def _activation(moe: MoESpec) -> tuple[int, float, float]:

@@ -217,7 +217,7 @@ static inline void packed_block(int isa, int fmt, const int8_t *xq, const float 
 
 /* dst [n, K] fp32 = x [n, K] (fp32, or bf16 where `bf16`). */
 static void widen(const void *x, int n, long K, int bf16, float *dst) {
-    for (long i = 0; i < n * K; i++) dst[i] = bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+    for (long i = 0; i < n * K; i++) dst[i] = bf16_or_float(x, i, bf16);
 }
 
 /* The expert FFNs of a group of experts in one parallel pass, as flowmoe_ffn_group (cpu_expert.c)

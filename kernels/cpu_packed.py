@@ -167,7 +167,7 @@ def swiglu_prepared(
     outs = torch.empty(sum(counts), first.hidden, dtype=dtype)  # [sum n_e, hidden]: the kernel writes it
     status = run(
         len(rows),
-        native.pointers([*rows]),  # a list of int | None, as pointers takes
+        native.pointers(rows),
         (ctypes.c_int * len(rows))(*counts),
         first.hidden,
         first.inter,

@@ -20,7 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -137,7 +137,7 @@ def function(name: str, argtypes: tuple[Any, ...], restype: Any = None) -> Calla
     return None if lib is None else _declared(lib, name, argtypes, restype)
 
 
-def pointers(values: list[int | None]) -> ctypes.Array[ctypes.c_void_p]:
+def pointers(values: Sequence[int | None]) -> ctypes.Array[ctypes.c_void_p]:
     """A C array of pointers (None: NULL), for a kernel's per-expert or per-tensor arguments."""
     return (ctypes.c_void_p * len(values))(*values)
 
