@@ -105,6 +105,7 @@ from flowmoe.schedulers.shared_options import PagedOptions
 LOOKAHEAD = 2  # CPU attention runs this many micro-batches ahead of the GPU FFN
 Slot = tuple[int, MicroBatchShape]  # (layer, micro-batch)
 Page = tuple[tuple[int, ...], int]  # (experts, page index within the expert or -1 for whole experts)
+Run = tuple[tuple[int, ...], int, int]  # (experts, first page index or -1, pages): one PAGE_COPY node
 
 
 class CGOPipeScheduler(Scheduler):
@@ -129,7 +130,7 @@ class CGOPipeScheduler(Scheduler):
         self.parts = max(1, -(-spec.expert_bytes // self.options.page_bytes))  # pages per expert
         self.per_page = max(1, self.options.page_bytes // spec.expert_bytes)  # whole experts per page
         self.chunks: dict[tuple[int, int, int], tuple[Page, ...]] = {}  # (layer, chunk, chunks) -> its pages
-        self.runs: dict[tuple[int, int, int], list[tuple[tuple[int, ...], int, int]]] = {}  # -> its copies
+        self.runs: dict[tuple[int, int, int], list[Run]] = {}  # (layer, chunk, chunks) -> its copies
 
     def residency(self) -> Residency:
         experts = frozenset((m, e) for m, kept in self.resident.items() for e in kept)
@@ -288,24 +289,28 @@ class _Plan:
             self.sent[chunk] = node.id
             yield node
 
-    def _runs(self, layer: int, chunk: int, chunks: int) -> list[tuple[tuple[int, ...], int, int]]:
-        """(experts, first part, pages) of the chunk's copies: each page alone where pages are staged
-        (each waits for its own W_STAGE) or hold whole experts, else an expert's consecutive pages of
-        the chunk together, worked out from the chunk's bounds (as `_chunk_pages` cuts them) without
-        listing its pages: a tiny page costs no memory. The same every step: once per scheduler."""
-        if not self.scheduler.context.weights_pinned or self.scheduler.per_page > 1:
-            return [(group, part, 1) for group, part in self._chunk(layer, chunk, chunks)]
+    def _runs(self, layer: int, chunk: int, chunks: int) -> list[Run]:
+        """(experts, first part, pages) of the chunk's copies. The same every step: worked out once
+        per scheduler."""
         key = (layer, chunk, chunks)
         runs = self.scheduler.runs.get(key)
         if runs is None:
-            paged, parts = self.scheduler.paged[layer], self.scheduler.parts
-            total = len(paged) * parts  # the layer's pages, expert by expert
-            lo, hi = total * chunk // chunks, total * (chunk + 1) // chunks  # the chunk's pages [lo, hi)
-            runs = []
-            for i in range(lo // parts, -(-hi // parts) if hi > lo else 0):
-                first, end = max(lo, i * parts), min(hi, (i + 1) * parts)
-                runs.append(((paged[i],), first - i * parts, end - first))
-            self.scheduler.runs[key] = runs
+            runs = self.scheduler.runs[key] = self._chunk_runs(layer, chunk, chunks)
+        return runs
+
+    def _chunk_runs(self, layer: int, chunk: int, chunks: int) -> list[Run]:
+        """Each page alone where pages are staged (each waits for its own W_STAGE) or hold whole
+        experts, else an expert's consecutive pages of the chunk together, worked out from the chunk's
+        bounds (as `_chunk_pages` cuts them) without listing its pages: a tiny page costs no memory."""
+        if not self.scheduler.context.weights_pinned or self.scheduler.per_page > 1:
+            return [(group, part, 1) for group, part in self._chunk(layer, chunk, chunks)]
+        paged, parts = self.scheduler.paged[layer], self.scheduler.parts
+        total = len(paged) * parts  # the layer's pages, expert by expert
+        lo, hi = total * chunk // chunks, total * (chunk + 1) // chunks  # the chunk's pages [lo, hi)
+        runs: list[Run] = []
+        for i in range(lo // parts, -(-hi // parts) if hi > lo else 0):
+            first, end = max(lo, i * parts), min(hi, (i + 1) * parts)
+            runs.append(((paged[i],), first - i * parts, end - first))
         return runs
 
     def _ffn(self, layer: int, mb: MicroBatchShape, post: int) -> PlanStream:
