@@ -12,8 +12,17 @@ Which expert modules a MoE layer calls depends on the transformers version (`fus
   tensors (`MixtralExperts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]; Qwen3-MoE the same),
   so its hook moves every expert of the layer, in two tensors, whatever the router chose;
 - 0 (transformers 4.x, what the published Accelerate baselines ran): one module per expert
-  (`MixtralBlockSparseTop2MLP` with w1, w2, w3; its loop skips experts without tokens), so only the
-  routed experts move, three tensors each.
+  (`MixtralBlockSparseTop2MLP` with w1, w2, w3), three tensors each. Which of them the layer calls
+  is `empty_calls`:
+  - 0: only the routed ones move. transformers 4.36.0-4.39.3 skip an expert without tokens
+    (`if top_x.shape[0] == 0: continue` in `MixtralSparseMoeBlock.forward`), 4.52+ loop over the hit
+    experts only (`expert_hitted`), and DeepSeek-V2's remote code (`DeepseekV2MoE.moe_infer`:
+    `if num_tokens == 0: continue`) always skips;
+  - 1: every expert of the layer moves, in index order. transformers 4.40.0-4.51.3 loop
+    `for expert_idx in range(self.num_experts)` with no skip (Mixtral, Qwen2-MoE, and Qwen3-MoE from
+    its first release, 4.51.0), so an expert without tokens is called with 0 rows and its hooks copy
+    its tensors in and free them all the same. Such a call has no FFN node (nothing to compute): the
+    hook wrapper's per-call host cost is not charged for it, only its tensors' (80 of its 272 us).
 
 `device_map="auto"` fills the GPU with whole layers in order: here the first
 `weights_gpu_share` of the MoE layers keep their experts on the GPU, the others are offloaded. The
@@ -37,6 +46,7 @@ from typing import ClassVar
 
 from attrs import frozen
 
+from flowmoe.core.errors import ConfigError
 from flowmoe.core.options import option
 from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.ranges import IntRange
@@ -66,13 +76,20 @@ FUSED_TENSORS = 2  # gate_up_proj and down_proj of a layer's experts module (tra
 
 @frozen
 class AccelerateOptions:
-    """Whether a layer's experts are one module (every expert moves) or one module each, and whether
-    the offloaded layers' dense parts move too."""
+    """Whether a layer's experts are one module (every expert moves) or one module each (the routed
+    ones move, or every one where empty calls are made), and whether the offloaded layers' dense parts
+    move too."""
 
     fused_experts: int = option(
         1, "1: a layer's experts are one module, all of them copied per call (transformers >= 5); "
-        "0: one module per expert, only the routed ones copied (transformers 4.x)", IntRange(0, 1),
-        label="fused",
+        "0: one module per expert, the routed ones copied (transformers 4.x; every one: --empty-calls)",
+        IntRange(0, 1), label="fused",
+    )  # fmt: skip
+    empty_calls: int = option(
+        0, "with --fused-experts 0: 1: every expert module is called, those without tokens with 0 rows, so "
+        "all of an offloaded layer's experts are copied in and freed in index order (transformers "
+        "4.40-4.51); 0: only the routed ones (4.36-4.39 and 4.52+ skip experts without tokens)",
+        IntRange(0, 1), label="empty",
     )  # fmt: skip
     offload_dense: int = option(
         0, "1: each offloaded layer's dense part (attention, router, shared expert or dense MLP) is copied "
@@ -94,6 +111,10 @@ class AccelerateScheduler(Scheduler):
         super().__init__(context)
         check_placement(self.name, context.policy)
         self.options = context.policy.options_for(self.Options)
+        if self.options.empty_calls and self.options.fused_experts:
+            raise ConfigError(
+                "accelerate: --empty-calls 1 needs --fused-experts 0 (a fused module moves every expert)"
+            )
         moe = moe_layers(context.spec)
         self.resident = frozenset(moe[: int(context.policy.weights_gpu_share * len(moe) + 1e-9)])
         offloaded = [layer for layer in moe if layer not in self.resident]
@@ -155,17 +176,21 @@ class AccelerateScheduler(Scheduler):
             return [n.id for n in kept]
         if self.options.fused_experts:
             return (yield from self._fused(layer, mb, gate, counts.counts))
+        routed = dict(counts.counts)  # expert -> tokens
+        called = range(self.context.spec.moe.experts) if self.options.empty_calls else routed
         ffns: list[int] = []
         last = gate
-        for expert, tokens in counts.counts:
+        for expert in called:
             copies = yield from self._copies(layer, mb, [expert], ROUTED_TENSORS, last)
-            ffn = f.node(
-                Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, expert, deps=[gate, copies], tokens=tokens
-            )
-            evict = f.node(Op.EVICT, Lane.GPU_H2D, layer, mb, expert, deps=[ffn.id])
-            yield ffn
+            freed_after = copies  # a call with 0 rows: its hooks copy and free, nothing is computed
+            if expert in routed:
+                ffn = f.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer, mb, expert, deps=[gate, copies],
+                             tokens=routed[expert])  # fmt: skip
+                yield ffn
+                ffns.append(ffn.id)
+                freed_after = ffn.id
+            evict = f.node(Op.EVICT, Lane.GPU_H2D, layer, mb, expert, deps=[freed_after])
             yield evict
-            ffns.append(ffn.id)
             last = evict.id
         return ffns
 

@@ -32,11 +32,10 @@ from tests.test_sched_baselines import (
 )
 
 
-def accelerate_run(fused: int, share: float = 0.0, cost: RooflineCost = COST):
+def accelerate_run(fused: int, share: float = 0.0, cost: RooflineCost = COST, empty_calls: int = 0):
     steps = [prefill(4, 256), decode(4, 256)]
-    sched = scheduler(
-        "accelerate", weights_gpu_share=share, options=(AccelerateOptions(fused_experts=fused),)
-    )
+    options = (AccelerateOptions(fused_experts=fused, empty_calls=empty_calls),)
+    sched = scheduler("accelerate", weights_gpu_share=share, options=options)
     return sched, simulate(sched, steps, trace_of(steps, ROUTES), cost)
 
 
@@ -65,6 +64,26 @@ def test_fused_experts_module_copies_every_expert_of_the_layer_whatever_the_rout
     )
     assert len(of(spans, Op.EVICT)) == E * len(copies) // 2
     assert sched.weight_buffer_bytes() == E * SPEC.expert_bytes
+
+
+def test_empty_calls_copy_and_free_every_expert_module_in_index_order_and_compute_only_the_routed() -> None:
+    sched, spans = accelerate_run(fused=0, share=1 / 3, empty_calls=1)
+    copies, ffns = of(spans, Op.PAGE_COPY), of(spans, Op.EXPERT_FFN)
+    offloaded = [(layer, mb) for layer, mb in ROUTES if layer > 0]
+    assert len(copies) == 2 * len(offloaded) * E * 3  # 2 steps, every expert's w1, w3, w2
+    assert len(of(spans, Op.EVICT)) == 2 * len(offloaded) * E
+    for layer, mb in offloaded:
+        step = sorted((s for s in copies if (s.node.layer, s.node.mb) == (layer, mb)), key=lambda s: s.start)
+        assert [s.node.expert for s in step[: 3 * E]] == [e for e in range(E) for _ in range(3)]
+        computed = {s.node.expert for s in ffns if (s.node.layer, s.node.mb) == (layer, mb)}
+        assert computed == set(ROUTES[(layer, mb)])
+    busy = [s for s in spans if s.node.op in (Op.PAGE_COPY, Op.EXPERT_FFN)]
+    assert not any(overlaps(a, b) for i, a in enumerate(busy) for b in busy[i + 1 :])
+    assert sched.weight_buffer_bytes() == SPEC.expert_bytes  # one expert module at a time, as before
+    _, routed_only = accelerate_run(fused=0, share=1 / 3)
+    assert max(s.end for s in spans) > max(s.end for s in routed_only)
+    with pytest.raises(ConfigError, match="--empty-calls 1 needs --fused-experts 0"):
+        accelerate_run(fused=1, empty_calls=1)
 
 
 def test_the_first_weights_share_of_the_moe_layers_keeps_its_experts_and_copies_nothing() -> None:
@@ -104,12 +123,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     return load_model(save_hf(hf_model("mixtral"), tmp_path_factory.mktemp("accelerate") / "mixtral"))
 
 
-def test_one_module_per_expert_gives_eager_tokens(tiny_model) -> None:
+@pytest.mark.parametrize("empty_calls", [0, 1])
+def test_one_module_per_expert_gives_eager_tokens(tiny_model, empty_calls: int) -> None:
     policy = Policy(
         micro_batch_size=3,
         micro_batches=2,
         weights_gpu_share=0.0,
-        options=(AccelerateOptions(fused_experts=0),),
+        options=(AccelerateOptions(fused_experts=0, empty_calls=empty_calls),),
     )
     (results, _), _ = run_scheduler(tiny_model, "accelerate", policy, device="cpu")
     (reference, _) = run_eager(tiny_model)
