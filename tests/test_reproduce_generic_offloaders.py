@@ -1,11 +1,18 @@
 """`flowmoe reproduce generic-offloaders`: the published batch-1 figures at 8 and 64 experts per layer, each
-with the hooks' host costs, without them ("(ideal)") and as the old `on-demand` stand-in."""
+with the hooks' host costs, without them ("(ideal)") and as the old `on-demand` stand-in; MoE-Infinity's
+README rows beside them, Accelerate's at `device_map="auto"`'s share."""
 
 from __future__ import annotations
 
+import pytest
+
+from flowmoe.core.hardware import hardware
+from flowmoe.core.presets import preset
 from flowmoe.study.reproduce import settings
+from flowmoe.study.reproduce.generic_offloader_numbers import MOE_INFINITY, MOE_INFINITY_LATENCY
+from flowmoe.study.reproduce.generic_offloaders import DEVICE_MAP_STORE, HOOKS, device_map_share
 from flowmoe.study.reproduce.run import measured, run_system
-from flowmoe.study.reproduce.successor_numbers import MOE_GEN_SMALL
+from flowmoe.study.reproduce.successor_numbers import MOE_GEN, MOE_GEN_SMALL
 
 
 def test_the_quick_setting_prices_the_hooks_and_sits_closer_to_the_paper_than_an_ideal_pipeline() -> None:
@@ -22,8 +29,36 @@ def test_the_quick_setting_prices_the_hooks_and_sits_closer_to_the_paper_than_an
     assert abs(with_costs / hooks.published - 1) < abs(pipelined / hooks.published - 1)
 
 
-def test_every_setting_has_one_published_figure_and_two_references() -> None:
+def test_moe_gen_settings_have_one_published_figure_and_moe_infinity_settings_two_as_inverse_latency() -> (
+    None
+):
     full = settings("generic-offloaders")
     assert {s.name.split(" ")[0] for s in full} == {"mixtral-8x7b", "deepseek-v2-lite"}
-    for setting in full:
+    moe_gen = [s for s in full if s.where.startswith(MOE_GEN)]
+    moe_infinity = [s for s in full if s.where == MOE_INFINITY]
+    assert len(moe_gen) == len(moe_infinity) == 2
+    for setting in moe_gen:
         assert [s.published is not None for s in setting.systems] == [True, False, False]
+    for setting in moe_infinity:
+        deepspeed, accelerate, every = setting.systems
+        latency = MOE_INFINITY_LATENCY[setting.name.split(" ")[0]]
+        assert deepspeed.published == pytest.approx(1 / latency["DeepSpeed"])
+        assert accelerate.published == pytest.approx(1 / latency["Accelerate"]) and every.published is None
+        assert deepspeed.given == HOOKS and deepspeed.given.weights_gpu_share == 0.0
+        assert accelerate.given.options == {"fused_experts": 0, "offload_dense": 1}
+        assert every.given.options == {**accelerate.given.options, "empty_calls": 1}
+        assert 0 < accelerate.given.weights_gpu_share == every.given.weights_gpu_share < 1
+
+
+@pytest.mark.parametrize("model", ["mixtral-8x7b", "deepseek-v2-lite"])
+def test_device_map_share_fills_ninety_percent_of_the_gpu_less_the_largest_layer_with_whole_layers(
+    model: str,
+) -> None:
+    spec, hw = preset(model), hardware("moe-gen-c1")
+    share = device_map_share(spec, hw)
+    moe = [i for i in range(spec.layers) if spec.is_moe_layer(i)]
+    placed = moe[round(share * len(moe)) - 1] + 1  # layers on the GPU: up to the last resident MoE layer
+    layer = [spec.layer_dense_bytes(i) + spec.layer_expert_bytes(i) for i in range(spec.layers)]
+    room = DEVICE_MAP_STORE * hw.gpu_memory - max(layer) - spec.vocab * spec.hidden * spec.dtype_bytes
+    assert sum(layer[:placed]) <= room < sum(layer[: placed + 1])
+    assert device_map_share(spec, hardware("a100-80")) > share

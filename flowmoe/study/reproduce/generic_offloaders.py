@@ -10,11 +10,21 @@ plan without the hooks' host costs (`Setup.host_costs` False), and "(on-demand)"
 `on-demand` at its ideal pricing, the stand-in before issue 28: the two show what the fixed costs
 and the lost overlap each add. Every figure comes from `successor_numbers`, with its table.
 
+MoE-Infinity's README gives DeepSpeed and Accelerate per-token latency on one A5000 for the same two
+models (`generic_offloader_numbers`); its host is not stated, so they run on `moe-gen-c1`, the A5000 of
+MoE-Gen (the same group, EfficientMoE), whose DeepSpeed figures they match (2.486 s against 0.4 tok/s,
+0.737 s against 1.3 tok/s). Accelerate stands in as `accelerate` with one module per expert
+(transformers 4.x) and whole decoder layers offloaded (`offload_dense`: `device_map` places layers, not
+experts), the first `device_map_share` of the MoE layers on the GPU. "(every expert called)" is the
+same run with `empty_calls` 1 (transformers 4.40-4.51 call every expert module): a reference, not the
+stand-in, since both figures predate or bypass those versions (Mixtral's was published 2024-02-27,
+under transformers <= 4.38, which skip experts without tokens; DeepSeek-V2-Lite runs its own remote
+code, whose `moe_infer` skips them too).
+
 Not yet here: a 128-expert row. The one published generic-offloader figure found at 128 experts is the
-MoE-Infinity README's (TorchMoE/MoE-Infinity: DeepSpeed and Accelerate per-token latency on one A5000 for
-Switch-large-128 and NLLB-MoE-54B), both encoder-decoder models that flowmoe's decoder-only presets do
-not express; and Mixtral-offloading's Table 2 (its naive-offloading row runs 2-3-bit HQQ experts, which
-flowmoe's expert formats do not express).
+MoE-Infinity README's for Switch-large-128 and NLLB-MoE-54B, both encoder-decoder models that
+flowmoe's decoder-only presets do not express; and Mixtral-offloading's Table 2 (its naive-offloading
+row runs 2-3-bit HQQ experts, which flowmoe's expert formats do not express).
 """
 
 from __future__ import annotations
@@ -23,10 +33,14 @@ from collections.abc import Iterator
 
 from attrs import evolve
 
+from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.presets import preset
+from flowmoe.core.spec import ModelSpec
 from flowmoe.study.best_policy import Given
 from flowmoe.study.reproduce import successor_numbers as N
+from flowmoe.study.reproduce.generic_offloader_numbers import MOE_INFINITY, MOE_INFINITY_LATENCY
 from flowmoe.study.reproduce.setting import DECODE, Setting, System, paper_setup
+from flowmoe.study.simulate import Setup
 
 # DeepSpeed ZeRO-Inference offloads every parameter (weights share 0); batch 1, attention on the GPU
 # beside the KV cache, as MoE-Gen's §A.1 runs it.
@@ -40,6 +54,27 @@ NOTE = (
     "Accelerate's measured per-tensor host cost, a lower bound for ZeRO-3's fetch path (its own per-"
     "parameter cost is not measured here), and with pageable copies where ZeRO pins its parameters"
 )
+
+
+# accelerate 0.27's get_balanced_memory: on one GPU, with no max_memory given, "we will use 90% of the
+# memory on device 0 for storing the model, and 10% for the buffer"
+DEVICE_MAP_STORE = 0.9
+
+
+def device_map_share(spec: ModelSpec, hw: HardwareSpec) -> float:
+    """The share of `spec`'s MoE layers that `device_map="auto"` puts on the GPU, as accelerate 0.27's
+    `infer_auto_device_map` fills it: modules in order (the input embedding, then whole decoder layers,
+    its no-split modules) into 90% of the GPU's memory less the largest layer, kept free to load an
+    offloaded one. The preset's whole GPU memory stands for the free memory it reads
+    (`torch.cuda.mem_get_info`): at most a layer more than a run with a CUDA context finds room for."""
+    layers = [spec.layer_dense_bytes(i) + spec.layer_expert_bytes(i) for i in range(spec.layers)]
+    room = DEVICE_MAP_STORE * hw.gpu_memory - max(layers) - spec.vocab * spec.hidden * spec.dtype_bytes
+    placed = 0
+    while placed < spec.layers and layers[placed] <= room:
+        room -= layers[placed]
+        placed += 1
+    moe = [i for i in range(spec.layers) if spec.is_moe_layer(i)]
+    return sum(1 for i in moe if i < placed) / len(moe)
 
 
 def generic_offloaders(quick: bool) -> Iterator[Setting]:
@@ -60,3 +95,28 @@ def generic_offloaders(quick: bool) -> Iterator[Setting]:
             ),
             note=NOTE,
         )
+        if not quick:
+            yield moe_infinity(model, experts, setup)
+
+
+def moe_infinity(model: str, experts: int, setup: Setup) -> Setting:
+    """MoE-Infinity README's DeepSpeed and Accelerate rows for `model` on one A5000 (`moe-gen-c1`)."""
+    latency = MOE_INFINITY_LATENCY[model]
+    auto = evolve(AT_BATCH_1, weights_gpu_share=device_map_share(setup.spec, setup.hardware))
+    device_map = evolve(auto, options={"fused_experts": 0, "offload_dense": 1})
+    every = evolve(auto, options={"fused_experts": 0, "offload_dense": 1, "empty_calls": 1})
+    return Setting(
+        "generic-offloaders",
+        f"{model} ({experts} experts/layer) DeepSpeed and Accelerate s/token at batch 1 @ one A5000",
+        MOE_INFINITY,
+        (
+            System("DeepSpeed", "accelerate", setup, 1 / latency["DeepSpeed"], given=HOOKS, metric=DECODE),
+            System(
+                "Accelerate", "accelerate", setup, 1 / latency["Accelerate"], given=device_map, metric=DECODE
+            ),
+            System("Accelerate (every expert called)", "accelerate", setup, None, given=every, metric=DECODE),
+        ),
+        note=f"{NOTE}. Accelerate: device_map='auto' keeps the first "
+        f"{auto.weights_gpu_share:.0%} of the MoE layers on the GPU; published as seconds per token, "
+        "compared as its inverse",
+    )

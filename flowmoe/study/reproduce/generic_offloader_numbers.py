@@ -1,0 +1,18 @@
+"""Published generic-offloader figures beyond MoE-Gen's Table 9 (`generic-offloaders`, issue 28).
+
+MoE-Infinity's README, "Performance": "Single GPU A5000 (24GB Memory), per-token-latency (seconds) for
+generation" at batch 1, over a mix of LongBench, GSM8K, FLAN, BIG-Bench and MMLU prompts; the host is not
+stated. EfficientMoE/MoE-Infinity README.md at d617801 (2026-03-03): the Mixtral-8x7b column unchanged
+since the first README (6efc133, 2024-02-27), the DeepSeek-V2-Lite column since 3133d18 (2025-02-11).
+The same table's Switch-large-128 and NLLB-MoE-54B columns (the only 128-expert figures) are
+encoder-decoder models no flowmoe preset expresses.
+"""
+
+from __future__ import annotations
+
+MOE_INFINITY = "MoE-Infinity README (EfficientMoE/MoE-Infinity README.md at d617801, 'Performance')"
+# seconds per generated token, one A5000, batch 1
+MOE_INFINITY_LATENCY: dict[str, dict[str, float]] = {
+    "mixtral-8x7b": {"Accelerate": 6.633, "DeepSpeed": 2.486},
+    "deepseek-v2-lite": {"Accelerate": 1.743, "DeepSpeed": 0.737},
+}
