@@ -73,19 +73,22 @@ class InlineWorker:
             if self._threads is not None and self._thread != threading.get_ident():
                 self._thread = threading.get_ident()
                 set_intra_op(self._threads)
+            ranges = self._ranges and torch.autograd.profiler._is_profiler_enabled  # once per queue run
             with self._inference:
                 while queue:
-                    self._run(*queue.popleft())
+                    self._run(*queue.popleft(), ranges)
         finally:
             self._running = False
             if queue:  # an interrupt left started nodes queued: they run in a callback of their own
                 asyncio.get_running_loop().call_soon(self._run_queue)
 
-    def _run(self, node: TaskNode, action: Action, finish: Finish) -> None:
+    def _run(self, node: TaskNode, action: Action, finish: Finish, ranges: bool) -> None:
         start = time.perf_counter()
         try:
-            if action is not None:
-                run_action(node, action, self._ranges)
+            if ranges and action is not None:
+                run_action(node, action)
+            elif action is not None:
+                action()
         except Exception as exc:  # reported through the executor, which names the node
             finish(start, time.perf_counter(), exc)
         except BaseException as exc:  # an interrupt: the node failed, and the interrupt goes on

@@ -37,14 +37,15 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `rms_norm` takes x [..., dim] with weight [dim]: host tensors of one dtype, fp32 or
     bf16, contiguous, dim < GRAIN (torch's order for one row then depends on its threads), no
     autograd."""
+    dtype = x.dtype
     return (
-        x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and weight.dtype == x.dtype
-        and weight.device.type == "cpu"
-        and x.dim() >= 1
-        and weight.shape == x.shape[-1:]
-        and x.shape[-1] < GRAIN
+        (dtype is torch.float32 or dtype is torch.bfloat16)
+        and weight.dtype is dtype
+        and x.is_cpu  # `is_cpu`: no device object made (asked twice a layer, with the caches cold)
+        and weight.is_cpu
+        and weight.dim() == 1
+        and x.dim() > 0
+        and weight.shape[0] == x.shape[-1] < GRAIN
         and x.is_contiguous()
         and weight.is_contiguous()
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
@@ -62,8 +63,8 @@ def fits_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> b
     """Whether `add_rms_norm` takes x and residual [..., dim]: `fits(x, weight)`, and residual a
     contiguous host tensor of x's shape and dtype, no autograd."""
     return (
-        residual.device.type == "cpu"
-        and residual.dtype == x.dtype
+        residual.is_cpu
+        and residual.dtype is x.dtype
         and residual.shape == x.shape
         and residual.is_contiguous()
         and not (torch.is_grad_enabled() and residual.requires_grad)

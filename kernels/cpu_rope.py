@@ -30,11 +30,13 @@ def fits(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
     """Whether `rotate` takes x [T, heads, R] with cos and signed_sin [T, 1, R]: host tensors of one
     dtype, fp32 or bf16, every dim of x rotated, x's last dimension and the tables contiguous, no
     autograd."""
+    dtype = x.dtype
     return (
-        x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16)
+        (dtype is torch.float32 or dtype is torch.bfloat16)
+        and x.is_cpu  # `is_cpu`: no device object made (asked at every layer, with the caches cold)
         and x.dim() == 3
-        and cos.dtype == signed_sin.dtype == x.dtype
+        and cos.dtype is dtype
+        and signed_sin.dtype is dtype
         and cos.shape == signed_sin.shape == (x.shape[0], 1, x.shape[2])
         and x.shape[2] % 2 == 0
         and x.stride(2) == 1
@@ -71,11 +73,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 def fits_inplace(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
     """Whether `rotate_` takes x [T, heads, D] with cos and signed_sin [T, 1, R], R <= D: as `fits`,
     a partial rotary (R < D) included."""
+    dtype = x.dtype
     return (
-        x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16)
+        (dtype is torch.float32 or dtype is torch.bfloat16)
+        and x.is_cpu  # `is_cpu`: no device object made (asked at every layer, with the caches cold)
         and x.dim() == 3
-        and cos.dtype == signed_sin.dtype == x.dtype
+        and cos.dtype is dtype
+        and signed_sin.dtype is dtype
         and cos.shape == signed_sin.shape
         and cos.shape[0] == x.shape[0]
         and cos.shape[1] == 1

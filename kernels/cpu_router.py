@@ -29,8 +29,8 @@ def fits(x: torch.Tensor, moe: MoESpec) -> bool:
     """Whether `tail` finishes routing x [T, hidden]: a softmax_topk router on the CPU, fp32 or bf16."""
     return (
         moe.router == "softmax_topk"
-        and x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.is_cpu  # no device object made
+        and (x.dtype is torch.float32 or x.dtype is torch.bfloat16)
         and kernel() is not None
     )
 

@@ -34,7 +34,7 @@ _emulated = cpu_expert.emulated  # whether torch's matmuls in a dtype are emulat
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [n, in], weight: [out, in], bias: [out] -> [n, out] (a transposed view for few rows)."""
-    if x.device.type != "cpu" or x.dim() != 2:
+    if not x.is_cpu or x.dim() != 2:  # `is_cpu`: no device object made
         return F.linear(x, weight, bias)
     if cpu_expert.fits(x, weight, bias):
         return cpu_expert.linear_rows(x, weight, bias)

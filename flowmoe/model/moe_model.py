@@ -114,9 +114,9 @@ class MoEModel:
         heads = qkv.view(hidden.shape[0], a.heads + 2 * a.kv_heads, a.head_dim)  # [T, H + 2 KVH, D]
         if a.qk_norm == "none" and a.uses_rope(layer) and rope.rotates_in_place(heads):
             rope.rotate_(heads, a.heads + a.kv_heads)  # q and k, in qkv (this call's own)
-            q, k, v = heads.split([a.heads, a.kv_heads, a.kv_heads], dim=1)
+            q, k, v = heads.split_with_sizes([a.heads, a.kv_heads, a.kv_heads], dim=1)  # no Python wrapper
             return q, k, v
-        qk, v = heads.split([a.heads + a.kv_heads, a.kv_heads], dim=1)  # q and k together: [T, H + KVH, D]
+        qk, v = heads.split_with_sizes([a.heads + a.kv_heads, a.kv_heads], dim=1)  # qk: [T, H + KVH, D]
         if a.qk_norm == "head":
             assert w.q_norm is not None and w.k_norm is not None, "qk_norm has q and k norms"
             q, k = qk.split([a.heads, a.kv_heads], dim=1)
@@ -128,7 +128,7 @@ class MoEModel:
             ):  # on rope layers only; a rotation keeps the norm, so before rope is the same
                 qk = l2_norm(qk, self.spec.norm_eps)
             qk = rope(qk)
-        q, k = qk.split([a.heads, a.kv_heads], dim=1)
+        q, k = qk.split_with_sizes([a.heads, a.kv_heads], dim=1)
         return q, k, v
 
     def attention(
