@@ -15,14 +15,15 @@ Which expert modules a MoE layer calls depends on the transformers version (`fus
   (`MixtralBlockSparseTop2MLP` with w1, w2, w3), three tensors each. Which of them the layer calls
   is `empty_calls`:
   - 0: only the routed ones move. transformers 4.36.0-4.39.3 skip an expert without tokens
-    (`if top_x.shape[0] == 0: continue` in `MixtralSparseMoeBlock.forward`), 4.52+ loop over the hit
-    experts only (`expert_hitted`), and DeepSeek-V2's remote code (`DeepseekV2MoE.moe_infer`:
-    `if num_tokens == 0: continue`) always skips;
-  - 1: every expert of the layer moves, in index order. transformers 4.40.0-4.51.3 loop
-    `for expert_idx in range(self.num_experts)` with no skip (Mixtral, Qwen2-MoE, and Qwen3-MoE from
-    its first release, 4.51.0), so an expert without tokens is called with 0 rows and its hooks copy
-    its tensors in and free them all the same. Such a call has no FFN node (nothing to compute): the
-    hook wrapper's per-call host cost is not charged for it, only its tensors' (80 of its 272 us).
+    (`if top_x.shape[0] == 0: continue` in `MixtralSparseMoeBlock.forward`), later versions loop over
+    the hit experts only (`expert_hitted`: Mixtral and Qwen2-MoE from 4.52.0, Qwen3-MoE from 4.53.0),
+    and DeepSeek-V2's remote code (`DeepseekV2MoE.moe_infer`: `if num_tokens == 0: continue`) always
+    skips;
+  - 1: every expert of the layer moves, in index order. In between the loop is
+    `for expert_idx in range(self.num_experts)` with no skip (Mixtral and Qwen2-MoE 4.40.0-4.51.3,
+    Qwen3-MoE 4.51.0-4.52.4, its first releases), so an expert without tokens is called with 0 rows
+    and its hooks copy its tensors in and free them all the same. Such a call has no FFN node (nothing
+    to compute), so of its host costs only its tensors' are charged (3 x 80 us), not the wrapper's 32 us.
 
 `device_map="auto"` fills the GPU with whole layers in order: here the first
 `weights_gpu_share` of the MoE layers keep their experts on the GPU, the others are offloaded. The
@@ -88,7 +89,7 @@ class AccelerateOptions:
     empty_calls: int = option(
         0, "with --fused-experts 0: 1: every expert module is called, those without tokens with 0 rows, so "
         "all of an offloaded layer's experts are copied in and freed in index order (transformers "
-        "4.40-4.51); 0: only the routed ones (4.36-4.39 and 4.52+ skip experts without tokens)",
+        "4.40-4.51; Qwen3-MoE to 4.52); 0: only the routed ones (4.36-4.39 and later ones skip them)",
         IntRange(0, 1), label="empty",
     )  # fmt: skip
     offload_dense: int = option(
