@@ -28,7 +28,9 @@ Which expert modules a MoE layer calls depends on the transformers version (`fus
 `device_map="auto"` fills the GPU with whole layers in order: here the first
 `weights_gpu_share` of the MoE layers keep their experts on the GPU, the others are offloaded. The
 dense part of every layer (attention, router, shared expert or dense MLP) stays resident by default;
-`offload_dense` 1 moves it too, as DeepSpeed ZeRO-3 (ZeRO-Inference) does: it partitions every
+`offload_dense` 1 moves it too, as `device_map` does where it places whole decoder layers on "cpu"
+(their attention's and norms' modules are hooked like the experts'), and as DeepSpeed ZeRO-3
+(ZeRO-Inference) does: it partitions every
 parameter larger than `stage3_param_persistence_threshold` (1e5 elements by default) and gathers a
 module's parameters in its pre-forward hook, releasing them after (deepspeed/runtime/zero/
 parameter_offload.py, partitioned_param_coordinator.py), so an offloaded layer's attention and shared
