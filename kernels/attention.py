@@ -47,12 +47,12 @@ def attend(
     out = None
     if decoding and cpu_attention.fits(q, keys, values):  # each query sees one range of keys: no mask
         out = q.new_empty(tokens, heads * dim)  # [T, H * D]
-        sequences = []  # (q / out row, cache slot, first and past-the-last key)
-        for i in decoding:
-            past = layout.past[i]
-            lowest = _first_visible(past, window, chunk)
-            sequences.append((layout.starts[i], layout.slots[i], lowest, past + 1))
+        sequences = layout.derived(
+            ("decode ranges", window, chunk), lambda: _decode_ranges(layout, window, chunk)
+        )
         cpu_attention.decode(q, keys, values, sequences, out, sinks, dim**-0.5)
+        if len(decoding) == len(layout.counts):  # a decode step: no prefill left
+            return out
         decoding = []
     group = heads // kv_heads
     key = ("decode runs", tuple(decoding), window, chunk, group, q.dtype, q.device)
@@ -82,6 +82,21 @@ def attend(
             out_group.reshape(heads, count, dim).transpose(0, 1).reshape(count, heads * dim)
         )
     return out
+
+
+def _decode_ranges(
+    layout: TokenLayout, window: int | None, chunk: int | None
+) -> list[tuple[int, int, int, int]]:
+    """The step's decoding sequences as `cpu_attention.decode` takes them: (q / out row, cache slot,
+    first and past-the-last key), the same for every layer of the step with this window and chunk."""
+    sequences = []
+    for i, count in enumerate(layout.counts):
+        if count == 1:
+            past = layout.past[i]
+            sequences.append(
+                (layout.starts[i], layout.slots[i], _first_visible(past, window, chunk), past + 1)
+            )
+    return sequences
 
 
 @frozen

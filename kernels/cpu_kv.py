@@ -41,8 +41,7 @@ def fits(
         and values.shape == keys.shape
         and k.shape == v.shape == (layout.tokens, keys.shape[1], dim)
         and keys.stride(-1) == values.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-        and all(0 <= s < slots for s in layout.slots)
-        and all(p >= 0 and p + c <= capacity for p, c in zip(layout.past, layout.counts, strict=True))
+        and layout.derived(("kv inside", slots, capacity), lambda: _inside(layout, slots, capacity))
         and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
         and kernel() is not None
     )
@@ -55,13 +54,26 @@ def write(
     token's (slot, position) (where `fits`)."""
     run = kernel()
     assert run is not None
-    where = [x for i, slot in enumerate(layout.slots)
-             for x in (layout.starts[i], slot, layout.past[i], layout.counts[i])]  # fmt: skip
     size = k.element_size()
+    where = layout.derived("kv where", lambda: _where(layout))  # built by the step's first layer
     run(
-        len(layout.slots), (ctypes.c_long * len(where))(*where), keys.shape[1], keys.shape[3] * size,
+        len(layout.slots), where, keys.shape[1], keys.shape[3] * size,
         k.data_ptr(), k.stride(0) * size, k.stride(1) * size,
         v.data_ptr(), v.stride(0) * size, v.stride(1) * size,
         keys.data_ptr(), *(s * size for s in keys.stride()[:3]),
         values.data_ptr(), *(s * size for s in values.stride()[:3]),
     )  # fmt: skip
+
+
+def _inside(layout: TokenLayout, slots: int, capacity: int) -> bool:
+    """Whether every token's (slot, position) of the layout lies inside a [slots, ., capacity, .] cache."""
+    return all(0 <= s < slots for s in layout.slots) and all(
+        p >= 0 and p + c <= capacity for p, c in zip(layout.past, layout.counts, strict=True)
+    )
+
+
+def _where(layout: TokenLayout) -> ctypes.Array[ctypes.c_long]:
+    """(first row, slot, past, count) of each sequence, as the kernel reads them (the same every layer)."""
+    where = [x for i, slot in enumerate(layout.slots)
+             for x in (layout.starts[i], slot, layout.past[i], layout.counts[i])]  # fmt: skip
+    return (ctypes.c_long * len(where))(*where)
