@@ -1,0 +1,173 @@
+"""The packed expert kernels (kernels/cpu_packed*.c) at a decode step's few rows, from DRAM and warm,
+against the same kernels at a git revision (`--baseline`), alternated in one process.
+
+One expert FFN of issue 25's checkpoint (hidden 1024, intermediate 3584: gate, up, down; int4 at
+group 128, as flowmoe's quantizer packs it) per `flowmoe_packed_ffn_group` call, 1-8 rows of fp32 x,
+1 thread, the block this CPU runs (cpu_packed.isa()). "dram": 16 distinct experts' weights on huge
+pages (kernels/host_memory.py), each called once per pass in turn (int8: 176 MB, int4: 93 MB, beyond
+the LLC); "warm": one expert called 16 times (its weights in the LLC). Each round times one pass per
+library, the order flipped every round; the clock is the thread's CPU time (a shared machine's
+preemption excluded). Packed bytes: q, scales and zeros. The read roof: torch.sum over 1 GiB on huge
+pages (1 thread), sampled each round, the best kept. Every call's output of the two libraries is
+compared bit for bit (the change must keep the bits). Prints a table, writes bench/packed_rows.json.
+
+    python bench/packed_rows.py [--baseline REV] [--rounds N] [--rows 1,2,8] [--formats int8,int4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from flowmoe.kernels import cpu_expert, cpu_packed, native
+from flowmoe.kernels.host_memory import huge_copy, huge_empty
+
+ROOT = Path(__file__).resolve().parent.parent
+HIDDEN, INTER, GROUP, EXPERTS = 1024, 3584, 128, 16
+FILES = ("cpu_packed.c", "cpu_packed_avx2.c", "bf16.h", "swiglu.h")  # what the packed kernels compile from
+ROOF_BYTES = 1 << 30
+
+
+def baseline_library(rev: str, folder: Path) -> ctypes.CDLL:
+    """The packed kernels at git revision `rev`, compiled as native.py compiles them."""
+    for name in FILES:
+        shown = subprocess.run(["git", "show", f"{rev}:kernels/{name}"], cwd=ROOT, capture_output=True, check=True)
+        (folder / name).write_bytes(shown.stdout)
+    out = folder / "baseline.so"
+    sources = [str(folder / n) for n in FILES if n.endswith(".c")]
+    subprocess.run(["cc", *native.FLAGS, *sources, "-o", str(out), "-lm"], check=True)
+    return ctypes.CDLL(str(out))
+
+
+def kernel(lib: ctypes.CDLL):
+    fn = lib.flowmoe_packed_ffn_group
+    fn.argtypes = [ctypes.c_int, *[t for t in cpu_packed.kernel().argtypes[1:]]]  # type: ignore[union-attr]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def projection(fmt: str, rows: int, cols: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """(q, scale[, zero]) of a [rows, cols] weight in `fmt`, q on huge pages."""
+    if fmt == "int8":
+        q = torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=generator)
+        return [huge_copy(q), torch.rand(rows, generator=generator) * 0.01]
+    groups = cols // GROUP
+    q = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=generator)
+    scale = (torch.rand(rows, groups, generator=generator) * 0.01).half()
+    zero = torch.randint(0, 16, (rows, groups), generator=generator).half()
+    return [huge_copy(q), scale, zero]
+
+
+def experts(fmt: str, count: int) -> tuple[list[list[torch.Tensor]], int]:
+    """`count` experts' tensors (gate, up, down: 3 x (q, scale[, zero])) and one expert's packed bytes."""
+    generator = torch.Generator().manual_seed(0)
+    made = []
+    for _ in range(count):
+        tensors = []
+        for rows, cols in ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)):
+            tensors += projection(fmt, rows, cols, generator) + ([] if fmt == "int4" else [None])
+        made.append(tensors)
+    return made, sum(t.numel() * t.itemsize for t in made[0] if t is not None)
+
+
+class Calls:
+    """One library's calls over the experts: x [rows, HIDDEN] fp32 -> out [rows, HIDDEN] per expert."""
+
+    def __init__(self, fn, fmt: str, weights: list[list[torch.Tensor]], x: torch.Tensor) -> None:
+        self.fn, self.fmt, self.x = fn, cpu_packed.FORMATS[fmt], x
+        self.pointers = [native.pointers([None if t is None else t.data_ptr() for t in w]) for w in weights]
+        self.outs = [torch.empty_like(x) for _ in weights]
+        self.block = cpu_expert.ISAS[cpu_packed.isa()]
+
+    def run(self, e: int, into: int) -> None:
+        none = native.pointers([None])
+        status = self.fn(
+            1, native.pointers([self.x.data_ptr()]), (ctypes.c_int * 1)(self.x.shape[0]), HIDDEN, INTER, self.fmt,
+            GROUP, self.pointers[e], none, none, 0, 0.0, 0.0, 0, self.outs[into].data_ptr(), self.block, 1,
+        )  # fmt: skip
+        assert status == 0
+
+    def dram(self) -> None:
+        for e in range(len(self.pointers)):
+            self.run(e, e)
+
+    def warm(self) -> None:
+        for e in range(len(self.pointers)):
+            self.run(0, e)
+
+
+def clocked(fn) -> float:
+    started = time.thread_time()
+    fn()
+    return time.thread_time() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", default="HEAD", help="git revision of the kernels to compare against")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rows", default="1,2,8")
+    parser.add_argument("--formats", default="int8,int4")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "packed_rows.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    load = [os.getloadavg()[0]]
+    roof_buf = huge_empty(ROOF_BYTES).view(torch.float32).fill_(1.0)
+    roof = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"old": kernel(baseline_library(args.baseline, Path(tmp))), "new": kernel(native.library())}
+        results = []
+        for fmt in args.formats.split(","):
+            weights, nbytes = experts(fmt, EXPERTS)
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
+                calls = {name: Calls(fn, fmt, weights, x) for name, fn in libs.items()}
+                times: dict[tuple[str, str], list[float]] = {(n, m): [] for n in libs for m in ("dram", "warm")}
+                for r in range(args.rounds):
+                    roof = max(roof, ROOF_BYTES / clocked(roof_buf.sum) / 1e9)
+                    for mode in ("dram", "warm"):
+                        for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                            c = calls[name]
+                            if mode == "warm":
+                                c.run(0, 0)
+                            times[name, mode].append(clocked(getattr(c, mode)) / EXPERTS * 1e3)
+                    for e in range(EXPERTS):
+                        assert torch.equal(calls["old"].outs[e].view(torch.int32), calls["new"].outs[e].view(torch.int32))
+                for mode in ("dram", "warm"):
+                    old, new = times["old", mode], times["new", mode]
+                    speedups = sorted(a / b for a, b in zip(old, new, strict=True))
+                    row = {"format": fmt, "rows": rows, "mode": mode, "old_ms": statistics.median(old),
+                           "new_ms": statistics.median(new), "speedup": statistics.median(speedups),
+                           "speedup_min": speedups[0], "speedup_max": speedups[-1], "bytes": nbytes}  # fmt: skip
+                    row["old_gbs"], row["new_gbs"] = nbytes / row["old_ms"] / 1e6, nbytes / row["new_ms"] / 1e6
+                    results.append(row)
+                load.append(os.getloadavg()[0])
+    table = Table(title=f"packed experts: {args.baseline} (old) vs working tree (new), 1 thread, {args.rounds} rounds")
+    for column in ("format", "rows", "mode", "old ms", "new ms", "old GB/s", "new GB/s", "new % roof", "speedup"):
+        table.add_column(column)
+    for r in results:
+        table.add_row(
+            r["format"], str(r["rows"]), r["mode"], f"{r['old_ms']:.3f}", f"{r['new_ms']:.3f}",
+            f"{r['old_gbs']:.1f}", f"{r['new_gbs']:.1f}", f"{100 * r['new_gbs'] / roof:.0f}",
+            f"{r['speedup']:.2f}x [{r['speedup_min']:.2f}, {r['speedup_max']:.2f}]",
+        )  # fmt: skip
+    Console(width=150).print(table)
+    print(f"read roof {roof:.1f} GB/s (1 thread); load average {min(load):.2f}-{max(load):.2f}")
+    record = {"baseline": args.baseline, "rounds": args.rounds, "cpu": native.cpuinfo_field("model name"),
+              "block": cpu_packed.isa(), "read_roof_gbs": roof, "load": [min(load), max(load)], "rows": results}  # fmt: skip
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
