@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from functools import cached_property
-from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -157,7 +156,9 @@ def split_by_expert(
 ) -> Routing:
     """The host half: the experts with tokens, where each one's rows begin and how many (no kernel:
     each expert's views of the sorted rows and scales are split when first read)."""
-    experts = tuple(e for e, count in enumerate(counts) if count)
-    sizes = {e: counts[e] for e in experts}  # an expert without tokens takes no rows
-    starts = dict(zip(experts, accumulate(sizes.values(), initial=0), strict=False))
-    return Routing(indices, weights, experts, rows, scales, starts, sizes)
+    sizes, starts, start = {}, {}, 0  # an expert without tokens takes no rows
+    for expert, count in enumerate(counts):
+        if count:
+            sizes[expert], starts[expert] = count, start
+            start += count
+    return Routing(indices, weights, tuple(sizes), rows, scales, starts, sizes)
