@@ -91,7 +91,10 @@ class Rotary:
         """positions: [T] int64 (`scaling`: a number or [T, 1])."""
         freqs = positions[:, None].to(torch.float32) * inv_freq[None, :].to(positions.device)  # [T, R/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, R]
-        cos, sin = (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)  # [T, R] each
+        cos, sin = emb.cos(), emb.sin()  # [T, R] each
+        if not isinstance(scaling, float) or scaling != 1.0:  # a product by 1.0 is the same floats
+            cos, sin = cos * scaling, sin * scaling
+        cos, sin = cos.to(dtype), sin.to(dtype)
         half = sin.shape[-1] // 2
         return cls(cos[:, None], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None])
 

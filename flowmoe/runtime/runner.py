@@ -163,7 +163,8 @@ class Runtime:
     async def __call__(self, model: MoEModel, inputs: Sequence[StepInput]) -> list[torch.Tensor]:
         shape = step_shape(self.steps, inputs)
         self.steps += 1
-        self._kv_bytes = self._cache_bytes(inputs)
+        if self.record:  # read by the memory counters alone
+            self._kv_bytes = self._cache_bytes(inputs)
         state = StepState.create(model, inputs, self.devices, self.weights, self.events, self.kv_gpu)
         await self.run_plan(shape, state.action, self._answer(shape.step, state))
         return [state.acts.logits[i.micro_batch] for i in inputs]
