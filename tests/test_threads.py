@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,6 +82,27 @@ def test_the_default_budget_is_the_process_threads_up_to_the_cores() -> None:
 def test_a_budget_outside_the_cores_is_refused(budget: int) -> None:
     with pytest.raises(ConfigError, match=rf"^--cpu-threads {budget}: must be in \[1, 2\], the cores"):
         plan_threads(2, budget)
+
+
+WAIT_PROBE = """
+import os, sys
+from flowmoe.cli import main
+assert "torch" not in sys.modules  # libgomp reads its wait policy once, when torch loads it
+main(["--version"])
+import torch
+print(os.environ.get("OMP_WAIT_POLICY"))
+"""
+
+
+@pytest.mark.parametrize(("given", "seen"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_cli_makes_openmp_workers_sleep_unless_the_user_chose(given: str | None, seen: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | (
+        {"OMP_WAIT_POLICY": given} if given else {}
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", WAIT_PROBE], env=env, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.split()[-1] == seen
 
 
 def test_usable_cores_follow_the_affinity() -> None:

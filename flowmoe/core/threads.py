@@ -91,6 +91,17 @@ def count_free(shares: list[float]) -> int:
     return max(1, sum(share >= FREE for share in shares))
 
 
+def sleeping_omp_waits() -> None:
+    """OpenMP workers that sleep between parallel regions instead of spinning, unless the user chose
+    a policy: OMP_WAIT_POLICY=PASSIVE by default. libgomp reads it once, when torch loads it, so this
+    runs before torch is imported (the CLI's first step). Its default spins each worker ~300,000
+    times after every region (GOMP_SPINCOUNT), and a decode step runs dozens of short regions with
+    Python between them: on a busy 2-vCPU machine (load ~7) a bf16 batch-1 step at 2 threads took
+    224-497 ms of CPU and 0.5-1.0 s of wall spinning, 56-72 ms and 0.11-0.18 s passive, as at 1 thread
+    (bench/RESULTS.md, issue 25)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 @functools.cache
 def free_cores() -> int:
     """The usable cores no other process kept busy over a short look at /proc/stat (once per
