@@ -39,12 +39,17 @@ FILES = ("cpu_packed.c", "cpu_packed_avx2.c", "bf16.h", "swiglu.h")  # what the 
 ROOF_BYTES = 1 << 30
 
 
-def baseline_library(rev: str, folder: Path) -> ctypes.CDLL:
-    """The packed kernels at git revision `rev`, compiled as native.py compiles them."""
+def packed_library(rev: str | None, folder: Path) -> ctypes.CDLL:
+    """The packed kernels at git revision `rev` (None: the working tree's), compiled alone as native.py
+    compiles them (both libraries alike: no other kernel moves their code)."""
+    folder.mkdir()
     for name in FILES:
-        shown = subprocess.run(["git", "show", f"{rev}:kernels/{name}"], cwd=ROOT, capture_output=True, check=True)
-        (folder / name).write_bytes(shown.stdout)
-    out = folder / "baseline.so"
+        if rev is None:
+            (folder / name).write_bytes((ROOT / "kernels" / name).read_bytes())
+        else:
+            shown = subprocess.run(["git", "show", f"{rev}:kernels/{name}"], cwd=ROOT, capture_output=True, check=True)
+            (folder / name).write_bytes(shown.stdout)
+    out = folder / "packed.so"
     sources = [str(folder / n) for n in FILES if n.endswith(".c")]
     subprocess.run(["cc", *native.FLAGS, *sources, "-o", str(out), "-lm"], check=True)
     return ctypes.CDLL(str(out))
@@ -126,7 +131,7 @@ def main() -> None:
     roof_buf = huge_empty(ROOF_BYTES).view(torch.float32).fill_(1.0)
     roof = 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"old": kernel(baseline_library(args.baseline, Path(tmp))), "new": kernel(native.library())}
+        libs = {name: kernel(packed_library(rev, Path(tmp) / name)) for name, rev in (("old", args.baseline), ("new", None))}
         results = []
         for fmt in args.formats.split(","):
             weights, nbytes = experts(fmt, EXPERTS)
