@@ -55,7 +55,7 @@ def combine(hidden: torch.Tensor, rows: torch.Tensor, outputs: list[torch.Tensor
     tokens, width = hidden.shape
     out = torch.empty(tokens, width, dtype=hidden.dtype)  # [T, H]
     pointers = native.pointers([o.data_ptr() for o in outputs])
-    counts = (ctypes.c_int * len(outputs))(*[len(o) for o in outputs])
+    counts = (ctypes.c_int * len(outputs))(*[o.shape[0] for o in outputs])  # not len(o): a Python call each
     bf16, values_bf16 = int(hidden.dtype == torch.bfloat16), int(outputs[0].dtype == torch.bfloat16)
     status = run(
         tokens, width, hidden.data_ptr(), hidden.stride(0), bf16, len(outputs), pointers, counts, values_bf16,

@@ -103,22 +103,30 @@ def max_rows(dtype: torch.dtype) -> int:
     return AVX2_MAX_ROWS if isa() == "avx2" else MAX_ROWS
 
 
-def _takes(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None) -> bool:
-    """A few fp32 or bf16 rows on the CPU (`max_rows`), a row-major weight of x's dtype, and no
-    autograd. Asked before every projection of a decode step, first thing after the experts have
-    streamed their weights through the caches: few calls (each costs cache misses there). `rows`: the
-    rows of x the kernel reads (default all)."""
+def _rows_fit(x: torch.Tensor, rows: int | None = None) -> bool:
+    """x: a few fp32 or bf16 rows on the CPU (`max_rows`), no autograd, and the kernels built. Asked
+    before every projection of a decode step, first thing after the experts have streamed their
+    weights through the caches: few calls (each costs cache misses there). `rows`: the rows of x the
+    kernel reads (default all)."""
     dtype = x.dtype
     return (
         (dtype is torch.float32 or dtype is torch.bfloat16)
-        and weight.dtype is dtype
         and x.dim() == 2
         and 0 < (x.shape[0] if rows is None else rows) <= max_rows(dtype)
         and x.is_cpu
-        and weight.dim() == 2
-        and weight.is_contiguous()
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not (x.requires_grad and torch.is_grad_enabled())
         and library() is not None
+    )
+
+
+def _weight_fits(weight: torch.Tensor, dtype: torch.dtype, columns: int) -> bool:
+    """A row-major weight [out, columns] of `dtype`, no autograd."""
+    return (
+        weight.dtype is dtype
+        and weight.dim() == 2
+        and weight.shape[1] == columns
+        and weight.is_contiguous()
+        and not (weight.requires_grad and torch.is_grad_enabled())
     )
 
 
@@ -130,24 +138,26 @@ def fits(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int | None = None
 ) -> bool:
     """Whether `linear_rows` takes x [n, in] against weight [out, in] and bias [out] (else torch,
-    which also names any mismatch); `rows` as for `_takes`."""
-    return _takes(x, weight, rows) and x.shape[1] == weight.shape[1] and _bias_fits(bias, weight.shape[0])
+    which also names any mismatch); `rows` as for `_rows_fit`."""
+    return (
+        _rows_fit(x, rows) and _weight_fits(weight, x.dtype, x.shape[1]) and _bias_fits(bias, weight.shape[0])
+    )
+
+
+def _ffn_fits(ffn: FFN, dtype: torch.dtype, hidden: int) -> bool:
+    """Whether the kernels take rows of `dtype` [n, hidden] through ffn = (gate_up [2I, hidden], down
+    [hidden, I], gate_up_bias [2I] | None, down_bias [hidden] | None): the weights' side of `fits_ffn`."""
+    gate_up, down, gate_up_bias, down_bias = ffn
+    rows = gate_up.shape[0]
+    if not _weight_fits(gate_up, dtype, hidden) or rows % 2 or not _bias_fits(gate_up_bias, rows):
+        return False
+    return _weight_fits(down, dtype, rows // 2) and down.shape[0] == hidden and _bias_fits(down_bias, hidden)
 
 
 def fits_ffn(x: torch.Tensor, ffn: FFN, rows: int | None = None) -> bool:
     """Whether `swiglu_group` takes x [n, hidden] through ffn = (gate_up [2I, hidden], down
-    [hidden, I], gate_up_bias [2I] | None, down_bias [hidden] | None); `rows` as for `_takes`."""
-    gate_up, down, gate_up_bias, down_bias = ffn
-    if not fits(x, gate_up, gate_up_bias, rows) or gate_up.shape[0] % 2:
-        return False
-    hidden, inter = gate_up.shape[1], gate_up.shape[0] // 2
-    return (
-        down.dtype is gate_up.dtype
-        and down.shape == (hidden, inter)
-        and down.is_contiguous()
-        and not (down.requires_grad and torch.is_grad_enabled())
-        and _bias_fits(down_bias, hidden)
-    )
+    [hidden, I], gate_up_bias [2I] | None, down_bias [hidden] | None); `rows` as for `_rows_fit`."""
+    return _rows_fit(x, rows) and _ffn_fits(ffn, x.dtype, x.shape[1])
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -210,13 +220,10 @@ def swiglu_group(
 def fits_routed(x: torch.Tensor, counts: list[int], ffns: list[FFN]) -> bool:
     """Whether `swiglu_routed` takes counts[e] rows of x [T, hidden] through each of `ffns`: every
     (rows, ffn) one `fits_ffn` takes, all of one shape, and x's rows contiguous."""
-    first = ffns[0][0]
-    return (
-        x.dim() == 2
-        and x.stride(1) == 1
-        and 0 < max(counts) <= max_rows(x.dtype)
-        and all(f[0].shape == first.shape and fits_ffn(x, f, rows=1) for f in ffns)
-    )
+    if not _rows_fit(x, max(counts)) or x.stride(1) != 1:
+        return False
+    dtype, hidden, shape = x.dtype, x.shape[1], ffns[0][0].shape
+    return all(f[0].shape == shape and _ffn_fits(f, dtype, hidden) for f in ffns)
 
 
 def swiglu_routed(
@@ -250,23 +257,32 @@ def swiglu_routed(
     return out
 
 
-def _biases(ffns: list[FFN]) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-    """The experts' gate_up and down biases as the kernels read them (fp32; all None where none has
-    any), kept alive by the caller through the kernel's call."""
-    if not any(b is not None for f in ffns for b in f[2:]):
-        return [None] * len(ffns), [None] * len(ffns)
+def _biases(ffns: list[FFN]) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None:
+    """The experts' gate_up and down biases as the kernels read them (fp32), kept alive by the
+    caller through the kernel's call; None where none has any."""
+    if all(f[2] is None and f[3] is None for f in ffns):
+        return None
     return [_float(f[2]) for f in ffns], [_float(f[3]) for f in ffns]
 
 
 def _weights(
-    ffns: list[FFN], biases: tuple[list[torch.Tensor | None], list[torch.Tensor | None]]
+    ffns: list[FFN], biases: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None
 ) -> tuple[object, ...]:
     """The kernels' weight arguments: gate_ups, downs, bf16, gate_up_biases, down_biases."""
     gate_ups = native.pointers([f[0].data_ptr() for f in ffns])
     downs = native.pointers([f[1].data_ptr() for f in ffns])
     bf16 = int(ffns[0][0].dtype == torch.bfloat16)
+    if biases is None:
+        return gate_ups, downs, bf16, nulls(len(ffns)), nulls(len(ffns))
     gate_up_biases, down_biases = (native.pointers([_ptr(b) for b in side]) for side in biases)
     return gate_ups, downs, bf16, gate_up_biases, down_biases
+
+
+@functools.cache
+def nulls(n: int) -> ctypes.Array[ctypes.c_void_p]:
+    """n NULL pointers, for the bias arguments of a kernel call none of whose experts has biases
+    (made once per n; the kernels only read them)."""
+    return native.pointers([None] * n)
 
 
 def _activation(moe: MoESpec) -> tuple[int, float, float]:

@@ -92,6 +92,11 @@ class Prepared:
     gate_up_bias: torch.Tensor | None  # [2I] float32
     down_bias: torch.Tensor | None  # [hidden] float32
 
+    def same_kind(self, other: Prepared) -> bool:
+        """Whether one kernel call takes both: one format, group and shape."""
+        return self.fmt == other.fmt and self.group == other.group and self.inter == other.inter \
+            and self.hidden == other.hidden  # fmt: skip
+
 
 def prepare(ffn: PackedFFN, fmt: str, group: int, hidden: int) -> Prepared | None:
     """`ffn` in `fmt` ("int8", or "int4" at `group` columns per group) as `swiglu_prepared` takes it
@@ -157,33 +162,46 @@ def swiglu_prepared(
     dtype: torch.dtype,
     moe: MoESpec,
     block: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expert e's counts[e] contiguous rows of `dtype` (fp32 or bf16) [n_e, hidden] at address
-    rows[e] through experts[e] (all of one fmt, group and shape) -> [sum n_e, hidden] in `dtype`, in
-    one call; the caller keeps the rows alive and checks them (`takes`)."""
+    rows[e] through experts[e] (all of one kind, `Prepared.same_kind`) -> [sum n_e, hidden] in
+    `dtype`, in one call; the caller keeps the rows alive and checks them (`takes`). `out`: a
+    contiguous [sum n_e, hidden] tensor of `dtype` to write (default a new one)."""
     run = kernel()
     assert run is not None
     first = experts[0]
-    outs = torch.empty(sum(counts), first.hidden, dtype=dtype)  # [sum n_e, hidden]: the kernel writes it
+    if out is None:
+        out = torch.empty(sum(counts), first.hidden, dtype=dtype)  # [sum n_e, hidden]: the kernel writes it
+    n = len(rows)
+    if all(e.gate_up_bias is None and e.down_bias is None for e in experts):
+        gate_up_biases = down_biases = cpu_expert.nulls(n)
+    else:
+        gate_up_biases = native.pointers(
+            [None if e.gate_up_bias is None else e.gate_up_bias.data_ptr() for e in experts]
+        )
+        down_biases = native.pointers(
+            [None if e.down_bias is None else e.down_bias.data_ptr() for e in experts]
+        )
     status = run(
-        len(rows),
+        n,
         native.pointers(rows),
-        (ctypes.c_int * len(rows))(*counts),
+        (ctypes.c_int * n)(*counts),
         first.hidden,
         first.inter,
         FORMATS[first.fmt],
         first.group,
         native.pointers([p for e in experts for p in e.pointers]),
-        native.pointers([None if e.gate_up_bias is None else e.gate_up_bias.data_ptr() for e in experts]),
-        native.pointers([None if e.down_bias is None else e.down_bias.data_ptr() for e in experts]),
+        gate_up_biases,
+        down_biases,
         int(moe.activation == "clamped_swiglu"),
         moe.swiglu_alpha,
         moe.swiglu_limit,
         int(dtype == torch.bfloat16),
-        outs.data_ptr(),
+        out.data_ptr(),
         cpu_expert.ISAS[block or isa()],
         torch.get_num_threads(),
     )
     if status != 0:
         raise MemoryError("swiglu_group (packed): no memory for the kernel's fp32 buffers")
-    return outs
+    return out

@@ -15,13 +15,14 @@ first, Llama 4's `scale_input`).
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 
 import torch
+from attrs import frozen
 
 from flowmoe.core.spec import MoESpec
 from flowmoe.kernels import cpu_packed
-from flowmoe.kernels.no_copy import on
 from flowmoe.kernels.router import Routing
 from flowmoe.model.quantized import Int4Weight, Int8Weight, PackedFFN, PackedWeight, QuantizedExpert
 from flowmoe.model.weights import FFNWeights
@@ -59,30 +60,87 @@ def kernel_form(expert: QuantizedExpert) -> tuple[str, int, cpu_packed.PackedFFN
     return fmt, group, (gate, up, down, expert.gate_up_bias, expert.down_bias)
 
 
-_Refs = tuple["weakref.ref[QuantizedExpert]", tuple["weakref.ref[torch.Tensor]", ...]]
-# id(expert) -> (the expert and its tensors, as weak references), what `prepared` made of them
-_PREPARED: dict[int, tuple[_Refs, cpu_packed.Prepared | None]] = {}
+@frozen
+class _Made:
+    """What `prepared` made of an expert (None: the kernels do not read it), and what from: the
+    expert (weakly), its projections (the gate_up tuple and down, held as the expert holds them) and
+    each tensor they and the expert hold by owner (None: the expert itself, for its biases) and
+    attribute, weakly (None where the attribute was None): a tensor rebound in place is let go."""
+
+    expert: weakref.ref[QuantizedExpert]
+    gate_up: tuple[PackedWeight, ...]
+    down: PackedWeight
+    reads: tuple[tuple[PackedWeight | None, str, weakref.ref[torch.Tensor] | None], ...]
+    made: cpu_packed.Prepared | None
+
+    def current(self, expert: QuantizedExpert) -> bool:
+        """Whether `expert` is still what this was made of: the same object, projections and tensors."""
+        if self.expert() is not expert or expert.gate_up is not self.gate_up or expert.down is not self.down:
+            return False
+        for owner, name, ref in self.reads:
+            if getattr(expert if owner is None else owner, name) is not (None if ref is None else ref()):
+                return False
+        return True
+
+
+_BIASES = ("gate_up_bias", "down_bias")
+# id(expert) -> what `prepared` made of it; the entry goes when the expert is freed
+_PREPARED: dict[int, _Made] = {}
 
 
 def prepared(expert: QuantizedExpert) -> cpu_packed.Prepared | None:
     """`expert` as the kernel call takes it (`kernel_form`, then `cpu_packed.prepare`: its checks and
     pointers, once), or None; kept until the expert is freed or any of its tensors is no longer the
-    one it was made from (model/arena.py rebinds them)."""
-    tensors = expert.tensors()
+    one it was made from (model/arena.py rebinds them). Asked for every expert of every decode step:
+    the check reads each tensor's attribute once, nothing else."""
     key = id(expert)
     held = _PREPARED.get(key)
-    if (
-        held is not None
-        and held[0][0]() is expert
-        and len(held[0][1]) == len(tensors)
-        and all(ref() is t for ref, t in zip(held[0][1], tensors, strict=True))
-    ):
-        return held[1]
+    if held is not None and held.current(expert):
+        return held.made
     form = kernel_form(expert)
     made = None if form is None else cpu_packed.prepare(form[2], form[0], form[1], expert.down.shape[0])
+    owners = [(w, name) for w in expert.weights() for name in w.names()]
+    reads = tuple((owner, name, _weak(getattr(expert if owner is None else owner, name)))
+                  for owner, name in [*owners, *((None, b) for b in _BIASES)])  # fmt: skip
     forget = weakref.ref(expert, lambda _, key=key: _PREPARED.pop(key, None))  # type: ignore[misc]
-    _PREPARED[key] = ((forget, tuple(weakref.ref(t) for t in tensors)), made)
+    _PREPARED[key] = _Made(forget, expert.gate_up, expert.down, reads, made)
     return made
+
+
+def _weak(t: torch.Tensor | None) -> weakref.ref[torch.Tensor] | None:
+    return None if t is None else weakref.ref(t)
+
+
+def _kernel_experts(ffns: list[FFNWeights]) -> list[cpu_packed.Prepared] | None:
+    """The experts of `ffns` as one kernel call takes them (`prepared`): each a PackedFFN the kernels
+    read, all of one kind; else None."""
+    experts = []
+    for f in ffns:
+        if not isinstance(f, PackedFFN):
+            return None
+        e = prepared(f.expert)
+        if e is None or (experts and not e.same_kind(experts[0])):
+            return None
+        experts.append(e)
+    return experts or None
+
+
+# thread -> (rows, hidden, dtype) -> the buffer the kernel writes unscaled outputs into before they are
+# scaled (dead once scaled: reused by the thread's next call of that shape)
+_UNSCALED = threading.local()
+UNSCALED_ROWS = 64  # the most rows kept a buffer (a decode step's; prefill's allocate theirs)
+
+
+def _unscaled(rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """This thread's buffer [rows, hidden] of `dtype` for outputs that are scaled next (None: a new one)."""
+    if rows > UNSCALED_ROWS:
+        return None
+    buffers = _UNSCALED.__dict__.setdefault("buffers", {})
+    key = (rows, hidden, dtype)
+    buffer = buffers.get(key)
+    if buffer is None:
+        buffer = buffers[key] = torch.empty(rows, hidden, dtype=dtype)
+    return buffer
 
 
 def packed_scaled(
@@ -91,40 +149,65 @@ def packed_scaled(
     """`MoEModel.scaled_experts` by the packed kernels: gathered [sum n_e, hidden] (each expert's rows
     in turn), scales [sum n_e, 1] -> each expert's scaled outputs [n_e, hidden]; None where they do
     not take them all (the module docstring)."""
-    if not ffns or 0 in counts or not all(isinstance(f, PackedFFN) for f in ffns):
+    if not ffns or 0 in counts:
         return None
-    experts = [e for e in (prepared(f.expert) for f in ffns) if e is not None]  # type: ignore[attr-defined]
-    if len(experts) < len(ffns):
-        return None
-    first = experts[0]
-    shape = (first.fmt, first.group, first.hidden, first.inter)
-    if any((e.fmt, e.group, e.hidden, e.inter) != shape for e in experts):
+    experts = _kernel_experts(ffns)
+    if experts is None:
         return None
     dtype = ffns[0].expert.dtype  # type: ignore[attr-defined]  # a PackedFFN's, checked
-    if gathered.dtype != dtype or not cpu_packed.takes(gathered, first.hidden):
+    if gathered.dtype != dtype or not cpu_packed.takes(gathered, experts[0].hidden):
         return None
+    return _run(gathered, scales, counts, experts, moe)
+
+
+def _run(
+    gathered: torch.Tensor,
+    scales: torch.Tensor,
+    counts: list[int],
+    experts: list[cpu_packed.Prepared],
+    moe: MoESpec,
+) -> list[torch.Tensor]:
+    """`packed_scaled` once taken: gathered [sum n_e, hidden] (cpu_packed.takes), scales [sum n_e, 1]
+    -> each expert's scaled outputs [n_e, hidden], an expert of more than MAX_ROWS rows in pieces."""
     step = cpu_packed.MAX_ROWS
     pieces = [min(step, n - at) for n in counts for at in range(0, n, step)]  # rows per kernel call
     kernel_experts = [e for e, n in zip(experts, counts, strict=True) for _ in range(0, n, step)]
     # [sum n_e, hidden]: Llama 4 scales the expert's input, the others its output
-    x = (gathered * scales.to(dtype) if moe.scale_input else gathered).contiguous()
+    x = (gathered * scales.to(gathered.dtype) if moe.scale_input else gathered).contiguous()
     row_bytes = x.stride(0) * x.element_size()
     starts = [x.data_ptr() + at * row_bytes for at in itertools.accumulate(pieces[:-1], initial=0)]
-    out = cpu_packed.swiglu_prepared(starts, pieces, kernel_experts, x.dtype, moe)  # [sum n_e, hidden]
-    return list((out if moe.scale_input else out * scales).split(counts))  # fp32 scales: an fp32 product
+    if moe.scale_input:
+        out = cpu_packed.swiglu_prepared(starts, pieces, kernel_experts, x.dtype, moe)  # [sum n_e, hidden]
+        return list(out.split_with_sizes(counts))
+    unscaled = _unscaled(x.shape[0], x.shape[1], x.dtype)
+    out = cpu_packed.swiglu_prepared(starts, pieces, kernel_experts, x.dtype, moe, None, unscaled)
+    return list(torch.mul(out, scales).split_with_sizes(counts))  # fp32 scales: an fp32 product
 
 
 def packed_routed(
     x: torch.Tensor, routing: Routing, ffns: dict[int, FFNWeights], moe: MoESpec
 ) -> dict[int, torch.Tensor] | None:
     """`MoEModel.routed_experts` by the packed kernels: x [T, hidden] -> expert -> its scaled outputs
-    [n_e, hidden]; None where they do not take them all (checked before the rows are gathered)."""
-    if not all(isinstance(f, PackedFFN) for f in ffns.values()):
+    [n_e, hidden]; None where they do not take them all (checked before the rows are gathered). A
+    single token's experts all read its row where it lies (no gather)."""
+    if not x.is_cpu:
         return None
     experts = sorted(ffns)  # ascending: a view of the routing's sorted rows
-    counts = [routing.sizes[e] for e in experts]  # not routing.tokens: no split of its rows
-    if x.device.type != "cpu":
+    kernel_experts = _kernel_experts([ffns[e] for e in experts])
+    if kernel_experts is None or x.dtype != ffns[experts[0]].expert.dtype:  # type: ignore[attr-defined]
         return None
-    rows, scales = (on(t, x.device) for t in routing.rows_of(experts))  # [sum n_e] each
-    outs = packed_scaled(x[rows], scales[:, None], counts, [ffns[e] for e in experts], moe)
-    return None if outs is None else dict(zip(experts, outs, strict=True))
+    hidden = kernel_experts[0].hidden
+    if not cpu_packed.takes(x, hidden):
+        return None
+    counts = [routing.sizes[e] for e in experts]  # not routing.tokens: no split of its rows
+    if 0 in counts:
+        return None
+    rows, scales = (t if t.is_cpu else t.cpu() for t in routing.rows_of(experts))  # [sum n_e] each
+    if x.shape[0] > 1 or moe.scale_input or x.stride(1) != 1:
+        outs = _run(x.index_select(0, rows), scales.unsqueeze(1), counts, kernel_experts, moe)
+        return dict(zip(experts, outs, strict=True))
+    # one token: each expert's one row is x's [1, hidden]
+    unscaled = _unscaled(len(experts), hidden, x.dtype)
+    starts = [x.data_ptr()] * len(experts)
+    out = cpu_packed.swiglu_prepared(starts, counts, kernel_experts, x.dtype, moe, None, unscaled)
+    return dict(zip(experts, torch.mul(out, scales.unsqueeze(1)).split_with_sizes(counts), strict=True))

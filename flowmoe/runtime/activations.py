@@ -34,6 +34,11 @@ class Activations:
     _lock: threading.Lock = field(factory=threading.Lock)
     _x_readers: dict[Key, int] = field(factory=dict)  # pre-gates bound, not yet run, per x they read
     _x_done: set[Key] = field(factory=set)  # x whose next layer has combined
+    _cuda: bool = field(init=False)  # devices.cuda, read once (a device's type is a string made per read)
+
+    @_cuda.default
+    def _on_cuda(self) -> bool:
+        return self.devices.cuda
 
     def expert_input(self, key: Key, lane: Lane) -> torch.Tensor:
         """The post-attention norm [T, hidden] an expert of `lane` reads: the host's copy on the CPU lane."""
@@ -60,7 +65,7 @@ class Activations:
     def retire(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Drop tensors whose last reader was just launched on this lane: on CUDA their memory is
         reused only once this lane's stream is past that read (they may come from another stream)."""
-        if self.devices.cuda:
+        if self._cuda:
             stream = torch.cuda.current_stream(self.devices.gpu)
             for tensor in tensors:
                 if tensor is not None and tensor.is_cuda:

@@ -48,9 +48,8 @@ def _expert(s: StepState, n: TaskNode) -> None:
     if not ffns:
         return  # ran in the group of an earlier node
     key = (n.layer, n.mb)
-    outputs = s.model.routed_experts(s.acts.expert_input(key, n.lane), s.routings.decided(key), ffns)
-    for expert, out in outputs.items():
-        s.outputs.keep(key, expert, out)
+    x = s.acts.expert_input(key, n.lane)
+    s.outputs.keep(key, s.model.routed_experts(x, s.routings.decided(key), ffns))
 
 
 def _expert_batch(s: StepState, n: TaskNode) -> None:
@@ -71,7 +70,7 @@ def _expert_batch(s: StepState, n: TaskNode) -> None:
             for chunk, weight in zip(gathered.split(rows), scales.split(rows), strict=True)]  # fmt: skip
     counts = [r.sizes[n.expert] for r in routed.values()]
     for key, out in zip(routed, torch.cat(outs).split(counts), strict=True):
-        s.outputs.keep(key, n.expert, out)
+        s.outputs.keep(key, {n.expert: out})
 
 
 def _hidden_offload(s: StepState, n: TaskNode) -> None:

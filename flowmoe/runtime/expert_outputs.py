@@ -19,6 +19,7 @@ from flowmoe.core.plan import TaskNode
 from flowmoe.runtime.activations import Key
 
 Carried = tuple[Key, list[int], dict[int, torch.Tensor]]  # (layer, mb), its experts ascending, their outputs
+_NONE: frozenset[int] = frozenset()
 
 
 @define
@@ -43,13 +44,18 @@ class ExpertOutputs:
     def elsewhere(self, key: Key) -> frozenset[int]:
         """The experts of (layer, mb) whose outputs another layer's combine adds."""
         with self._lock:
-            return frozenset(self._elsewhere.get(key, ()))
+            planned = self._elsewhere.get(key)
+            return frozenset(planned) if planned else _NONE
 
-    def keep(self, key: Key, expert: int, out: torch.Tensor) -> None:
-        """An expert's output [n_e, hidden], for the combine planned to add it."""
+    def keep(self, key: Key, outputs: dict[int, torch.Tensor]) -> None:
+        """Experts' outputs [n_e, hidden] (expert -> its), each for the combine planned to add it."""
         with self._lock:
-            into = self._elsewhere.get(key, {}).get(expert, key[0])
-            self._outputs.setdefault((*key, into), {})[expert] = out
+            planned = self._elsewhere.get(key)
+            if not planned:  # all for their own layer's combine
+                self._outputs.setdefault((*key, key[0]), {}).update(outputs)
+                return
+            for expert, out in outputs.items():
+                self._outputs.setdefault((*key, planned.get(expert, key[0])), {})[expert] = out
 
     def move(self, node: TaskNode, device: torch.device) -> None:
         """EXPERT_LOAD: the outputs of node's layer and micro-batch that its combine layer adds (its
@@ -71,6 +77,8 @@ class ExpertOutputs:
         layer, mb = key
         found: list[Carried] = []
         with self._lock:
+            if not self._elsewhere:  # none planned into another layer's combine (no Expert Deferral)
+                return found
             for source in sorted(s for s in self._elsewhere if s[1] == mb):
                 experts = sorted(e for e, into in self._elsewhere[source].items() if into == layer)
                 outputs = self._outputs.pop((*source, layer), {}) if experts else {}
