@@ -56,12 +56,13 @@ def write(
     assert run is not None
     size = k.element_size()
     where = layout.derived("kv where", lambda: _where(layout))  # built by the step's first layer
+    ks, vs = keys.stride(), values.stride()
     run(
         len(layout.slots), where, keys.shape[1], keys.shape[3] * size,
         k.data_ptr(), k.stride(0) * size, k.stride(1) * size,
         v.data_ptr(), v.stride(0) * size, v.stride(1) * size,
-        keys.data_ptr(), *(s * size for s in keys.stride()[:3]),
-        values.data_ptr(), *(s * size for s in values.stride()[:3]),
+        keys.data_ptr(), ks[0] * size, ks[1] * size, ks[2] * size,
+        values.data_ptr(), vs[0] * size, vs[1] * size, vs[2] * size,
     )  # fmt: skip
 
 

@@ -250,7 +250,8 @@ class Executor:
                     self._complete(node, span, starts)
                 if not busy or self._error is not None:
                     self._wake()
-                self._check_stuck()
+                if self._futures or self._idle is not None:  # someone waits (`_check_stuck`'s own test)
+                    self._check_stuck()
         except BaseException as exc:
             self._crash(node, exc, "failed in the executor's hand-off", starts)
             return

@@ -302,7 +302,7 @@ class NodeFactory:
         `serves`: the micro-batches whose tokens an EXPERT_FFN's one GEMM takes (TaskNode.serves); the
         node is priced by its `tokens` all the same.
         `None` deps are dropped, so optional producers can be passed as is."""
-        clean = tuple(dict.fromkeys(d for d in deps if d is not None))
+        clean = tuple(dict.fromkeys([d for d in deps if d is not None]))  # a list: no generator resumes
         n_bytes, flops = self._cost(op, layer, mb, expert, tokens)
         if part >= 0:
             end = part + pages
