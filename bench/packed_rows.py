@@ -24,7 +24,9 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -47,7 +49,9 @@ def packed_library(rev: str | None, folder: Path) -> ctypes.CDLL:
         if rev is None:
             (folder / name).write_bytes((ROOT / "kernels" / name).read_bytes())
         else:
-            shown = subprocess.run(["git", "show", f"{rev}:kernels/{name}"], cwd=ROOT, capture_output=True, check=True)
+            shown = subprocess.run(
+                ["git", "show", f"{rev}:kernels/{name}"], cwd=ROOT, capture_output=True, check=True
+            )
             (folder / name).write_bytes(shown.stdout)
     out = folder / "packed.so"
     sources = [str(folder / n) for n in FILES if n.endswith(".c")]
@@ -55,10 +59,12 @@ def packed_library(rev: str | None, folder: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(out))
 
 
-def kernel(lib: ctypes.CDLL):
+def kernel(lib: ctypes.CDLL) -> Any:
+    """`lib`'s flowmoe_packed_ffn_group, declared as cpu_packed declares the library's own."""
+    declared = cpu_packed.kernel()
+    assert declared is not None, "no C compiler for the CPU kernels here"
     fn = lib.flowmoe_packed_ffn_group
-    fn.argtypes = [ctypes.c_int, *[t for t in cpu_packed.kernel().argtypes[1:]]]  # type: ignore[union-attr]
-    fn.restype = ctypes.c_int
+    fn.argtypes, fn.restype = declared.argtypes, declared.restype  # type: ignore[attr-defined]
     return fn
 
 
@@ -74,12 +80,12 @@ def projection(fmt: str, rows: int, cols: int, generator: torch.Generator) -> li
     return [huge_copy(q), scale, zero]
 
 
-def experts(fmt: str, count: int) -> tuple[list[list[torch.Tensor]], int]:
+def experts(fmt: str, count: int) -> tuple[list[list[torch.Tensor | None]], int]:
     """`count` experts' tensors (gate, up, down: 3 x (q, scale[, zero])) and one expert's packed bytes."""
     generator = torch.Generator().manual_seed(0)
-    made = []
+    made: list[list[torch.Tensor | None]] = []
     for _ in range(count):
-        tensors = []
+        tensors: list[torch.Tensor | None] = []
         for rows, cols in ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)):
             tensors += projection(fmt, rows, cols, generator) + ([] if fmt == "int4" else [None])
         made.append(tensors)
@@ -89,7 +95,7 @@ def experts(fmt: str, count: int) -> tuple[list[list[torch.Tensor]], int]:
 class Calls:
     """One library's calls over the experts: x [rows, HIDDEN] fp32 -> out [rows, HIDDEN] per expert."""
 
-    def __init__(self, fn, fmt: str, weights: list[list[torch.Tensor]], x: torch.Tensor) -> None:
+    def __init__(self, fn: Any, fmt: str, weights: list[list[torch.Tensor | None]], x: torch.Tensor) -> None:
         self.fn, self.fmt, self.x = fn, cpu_packed.FORMATS[fmt], x
         self.pointers = [native.pointers([None if t is None else t.data_ptr() for t in w]) for w in weights]
         self.outs = [torch.empty_like(x) for _ in weights]
@@ -97,10 +103,28 @@ class Calls:
 
     def run(self, e: int, into: int) -> None:
         none = native.pointers([None])
+        rows = (ctypes.c_int * 1)(self.x.shape[0])
+        x, out = native.pointers([self.x.data_ptr()]), self.outs[into].data_ptr()
+        # one expert, no biases, plain SwiGLU, fp32 rows, this CPU's block, 1 thread
         status = self.fn(
-            1, native.pointers([self.x.data_ptr()]), (ctypes.c_int * 1)(self.x.shape[0]), HIDDEN, INTER, self.fmt,
-            GROUP, self.pointers[e], none, none, 0, 0.0, 0.0, 0, self.outs[into].data_ptr(), self.block, 1,
-        )  # fmt: skip
+            1,
+            x,
+            rows,
+            HIDDEN,
+            INTER,
+            self.fmt,
+            GROUP,
+            self.pointers[e],
+            none,
+            none,
+            0,
+            0.0,
+            0.0,
+            0,
+            out,
+            self.block,
+            1,
+        )
         assert status == 0
 
     def dram(self) -> None:
@@ -112,14 +136,16 @@ class Calls:
             self.run(0, e)
 
 
-def clocked(fn) -> float:
+def clocked(fn: Callable[[], object]) -> float:
     started = time.thread_time()
     fn()
     return time.thread_time() - started
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--baseline", default="HEAD", help="git revision of the kernels to compare against")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--rows", default="1,2,8")
@@ -131,46 +157,83 @@ def main() -> None:
     roof_buf = huge_empty(ROOF_BYTES).view(torch.float32).fill_(1.0)
     roof = 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {name: kernel(packed_library(rev, Path(tmp) / name)) for name, rev in (("old", args.baseline), ("new", None))}
+        libs = {
+            name: kernel(packed_library(rev, Path(tmp) / name))
+            for name, rev in (("old", args.baseline), ("new", None))
+        }
         results = []
         for fmt in args.formats.split(","):
             weights, nbytes = experts(fmt, EXPERTS)
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
                 calls = {name: Calls(fn, fmt, weights, x) for name, fn in libs.items()}
-                times: dict[tuple[str, str], list[float]] = {(n, m): [] for n in libs for m in ("dram", "warm")}
+                times: dict[tuple[str, str], list[float]] = {
+                    (n, m): [] for n in libs for m in ("dram", "warm")
+                }
                 for r in range(args.rounds):
                     roof = max(roof, ROOF_BYTES / clocked(roof_buf.sum) / 1e9)
                     for mode in ("dram", "warm"):
-                        for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                        for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
                             c = calls[name]
                             if mode == "warm":
                                 c.run(0, 0)
                             times[name, mode].append(clocked(getattr(c, mode)) / EXPERTS * 1e3)
                     for e in range(EXPERTS):
-                        assert torch.equal(calls["old"].outs[e].view(torch.int32), calls["new"].outs[e].view(torch.int32))
+                        assert torch.equal(
+                            calls["old"].outs[e].view(torch.int32), calls["new"].outs[e].view(torch.int32)
+                        )
                 for mode in ("dram", "warm"):
                     old, new = times["old", mode], times["new", mode]
                     speedups = sorted(a / b for a, b in zip(old, new, strict=True))
-                    row = {"format": fmt, "rows": rows, "mode": mode, "old_ms": statistics.median(old),
-                           "new_ms": statistics.median(new), "speedup": statistics.median(speedups),
-                           "speedup_min": speedups[0], "speedup_max": speedups[-1], "bytes": nbytes}  # fmt: skip
-                    row["old_gbs"], row["new_gbs"] = nbytes / row["old_ms"] / 1e6, nbytes / row["new_ms"] / 1e6
+                    row: dict[str, Any] = {
+                        "format": fmt,
+                        "rows": rows,
+                        "mode": mode,
+                        "old_ms": statistics.median(old),
+                        "new_ms": statistics.median(new),
+                        "speedup": statistics.median(speedups),
+                        "speedup_min": speedups[0],
+                        "speedup_max": speedups[-1],
+                        "bytes": nbytes,
+                    }
+                    row["old_gbs"], row["new_gbs"] = (
+                        nbytes / row["old_ms"] / 1e6,
+                        nbytes / row["new_ms"] / 1e6,
+                    )
                     results.append(row)
                 load.append(os.getloadavg()[0])
-    table = Table(title=f"packed experts: {args.baseline} (old) vs working tree (new), 1 thread, {args.rounds} rounds")
-    for column in ("format", "rows", "mode", "old ms", "new ms", "old GB/s", "new GB/s", "new % roof", "speedup"):
+    table = Table(
+        title=f"packed experts: {args.baseline} (old) vs working tree (new), 1 thread, {args.rounds} rounds"
+    )
+    for column in (
+        "format",
+        "rows",
+        "mode",
+        "old ms",
+        "new ms",
+        "old GB/s",
+        "new GB/s",
+        "new % roof",
+        "speedup",
+    ):
         table.add_column(column)
-    for r in results:
-        table.add_row(
-            r["format"], str(r["rows"]), r["mode"], f"{r['old_ms']:.3f}", f"{r['new_ms']:.3f}",
-            f"{r['old_gbs']:.1f}", f"{r['new_gbs']:.1f}", f"{100 * r['new_gbs'] / roof:.0f}",
-            f"{r['speedup']:.2f}x [{r['speedup_min']:.2f}, {r['speedup_max']:.2f}]",
-        )  # fmt: skip
+    for res in results:
+        speedup = f"{res['speedup']:.2f}x [{res['speedup_min']:.2f}, {res['speedup_max']:.2f}]"
+        old_gbs, new_gbs = f"{res['old_gbs']:.1f}", f"{res['new_gbs']:.1f}"
+        share = f"{100 * res['new_gbs'] / roof:.0f}"
+        cells = (res["format"], str(res["rows"]), res["mode"], f"{res['old_ms']:.3f}", f"{res['new_ms']:.3f}")
+        table.add_row(*cells, old_gbs, new_gbs, share, speedup)
     Console(width=150).print(table)
     print(f"read roof {roof:.1f} GB/s (1 thread); load average {min(load):.2f}-{max(load):.2f}")
-    record = {"baseline": args.baseline, "rounds": args.rounds, "cpu": native.cpuinfo_field("model name"),
-              "block": cpu_packed.isa(), "read_roof_gbs": roof, "load": [min(load), max(load)], "rows": results}  # fmt: skip
+    record = {
+        "baseline": args.baseline,
+        "rounds": args.rounds,
+        "cpu": native.cpuinfo_field("model name"),
+        "block": cpu_packed.isa(),
+        "read_roof_gbs": roof,
+        "load": [min(load), max(load)],
+        "rows": results,
+    }
     args.out.write_text(json.dumps(record, indent=1) + "\n")
 
 

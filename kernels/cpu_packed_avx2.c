@@ -1,6 +1,8 @@
 /* cpu_packed.c's block with AVX2, FMA and F16C intrinsics (compiled with a target attribute, so it
-   is in every x86 build and runs only where cpu_packed.py finds the three): res[r * PB + j] = levels
-   row r . weight row o0 + j for r < n, j < ob <= PB, in cpu_packed.c's order (its header).
+   is in every x86 build and runs only where cpu_packed.py finds the three): res[(m n + r) PB + j] =
+   levels row r . row o0 + j of weight matrix m (p + 3 m: q, scale, zero) for r < n, j < ob <= PB,
+   m < mats, in cpu_packed.c's order (its header). mats 2 (gate and up, or down's two halves) only at
+   one row (n 1): each tile then takes one row of each matrix.
 
    Integer dot products as llama.cpp's AVX2 Q8_0 / Q4_0 ones do (ggml's mul_sum_i8_pairs_float): int8
    weights times int8 levels by maddubs (unsigned x signed bytes -> pairs summed in int16) of |w| and
@@ -21,6 +23,7 @@
 #define SB 64 /* cpu_packed.c's */
 #define RT 4  /* rows of levels per tile of several rows */
 #define JT 2  /* weight rows per tile */
+#define MB 8  /* a block's weight rows: PB of each of up to 2 matrices */
 
 /* cpu_packed.c */
 float flowmoe_packed_tail(int fmt, const int8_t *xq, const float *xd, long K, long group, const void *q,
@@ -44,20 +47,28 @@ INLINE void prefetch_next(const void *p, long ahead) {
     _mm_prefetch((const char *)p + ahead, _MM_HINT_T0);
 }
 
+/* Where step `step` of a tile's JT (2) rows reads (`bytes` per row a step): its rows a line per step,
+   in address order where they are one contiguous span (mats 1: two rows of one matrix), else (mats 2:
+   gate's and up's row) each row's next line on alternate steps. */
+INLINE const void *step_line(const void *first, const void *second, int mats, long step, long bytes) {
+    if (mats == 1) return (const char *)first + step * bytes * JT;
+    return (const char *)(step & 1 ? second : first) + (step & ~1L) * bytes;
+}
+
 /* fp32 lanes += the int32 lane sums of 16-bit pair sums p, times d. */
 INLINE __m256 add_pairs(__m256 acc, __m256i p, __m256 d) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1))), d, acc);
 }
 
 /* int8: rows [r0, r0 + rt) of levels against weight rows wr[0..jn), jn <= JT, into acc[r0..][j0..]. */
-INLINE void int8_tile(int rt, int jn, const int8_t *xq, long ldq, const float *xd, long ldf, int r0, long K,
-                      const int8_t *const *wr, __m256 (*acc)[PB], int j0) {
+INLINE void int8_tile(int rt, int jn, int mats, const int8_t *xq, long ldq, const float *xd, long ldf, int r0, long K,
+                      const int8_t *const *wr, __m256 (*acc)[MB], int j0) {
     __m256 a[RT][JT];
     for (int r = 0; r < rt; r++)
         for (int j = 0; j < jn; j++) a[r][j] = _mm256_setzero_ps();
     for (long b = 0; b < K / QB; b++) {
         __m256i w[JT], magnitude[JT];
-        prefetch_next(wr[0] + b * QB * jn, PB * K); /* the tile's rows: contiguous (a short block's repeat aside) */
+        prefetch_next(step_line(wr[0], wr[1], mats, b, QB), PB * K);
         for (int j = 0; j < jn; j++) {
             w[j] = _mm256_loadu_si256((const __m256i *)(wr[j] + b * QB));
             magnitude[j] = _mm256_abs_epi8(w[j]);
@@ -76,9 +87,9 @@ INLINE void int8_tile(int rt, int jn, const int8_t *xq, long ldq, const float *x
 /* int4: as int8_tile, group by group: a group's lanes, then lanes = fma(scale, group lanes, lanes),
    lanes = fma(-(scale x zero), the row's group sums, lanes); sc and sz the weight rows' scales and
    scale x zero, a row's `groups` on (flowmoe_packed_block_avx2 converts them). */
-INLINE void int4_tile(int rt, int jn, const int8_t *xq, long ldq, const float *xl, const float *xs, long ldf, int r0,
-                      long K, long group, const uint8_t *const *wr, const float *sc, const float *sz,
-                      __m256 (*acc)[PB], int j0) {
+INLINE void int4_tile(int rt, int jn, int mats, const int8_t *xq, long ldq, const float *xl, const float *xs, long ldf,
+                      int r0, long K, long group, const uint8_t *const *wr, const float *sc, const float *sz,
+                      __m256 (*acc)[MB], int j0) {
     long supers = K / SB, groups = (K + group - 1) / group, bytes = (K + 1) / 2;
     __m256 a[RT][JT];
     for (int r = 0; r < rt; r++)
@@ -91,7 +102,7 @@ INLINE void int4_tile(int rt, int jn, const int8_t *xq, long ldq, const float *x
         long end = (g + 1) * group / SB < supers ? (g + 1) * group / SB : supers;
         for (long s = g * group / SB; s < end; s++) {
             __m256i lo[JT], hi[JT];
-            prefetch_next(wr[0] + s * SB / 2 * jn, PB * bytes);
+            prefetch_next(step_line(wr[0], wr[1], mats, s, SB / 2), PB * bytes);
             for (int j = 0; j < jn; j++) {
                 __m256i w = _mm256_loadu_si256((const __m256i *)(wr[j] + s * SB / 2));
                 lo[j] = _mm256_and_si256(w, low);
@@ -125,38 +136,45 @@ INLINE void int4_tile(int rt, int jn, const int8_t *xq, long ldq, const float *x
    at a time): a decode step's experts at bench/vs_llamacpp.py's shapes (8 layers x 2, 1 row each),
    1 thread, AMD EPYC Zen 3 2 vCPU, medians of 5 interleaved rounds against all PB at once:
    int8 29.7 -> 27.1 ms, int4 20.5 -> 17.8 ms, the same bits. */
-INLINE void tile_rows(int rt, int fmt, const int8_t *xq, long ldq, const float *xd, const float *xl, const float *xs,
-                      long ldf, int r0, long K, long group, const void *const *wr, const float *sc, const float *sz,
-                      __m256 (*acc)[PB]) {
+INLINE void tile_rows(int rt, int fmt, int mats, const int8_t *xq, long ldq, const float *xd, const float *xl,
+                      const float *xs, long ldf, int r0, long K, long group, const void *const *wr, const float *sc,
+                      const float *sz, __m256 (*acc)[MB]) {
     long groups = fmt == 1 ? (K + group - 1) / group : 0;
-    for (int j0 = 0; j0 < PB; j0 += JT)
+    for (int j0 = 0; j0 < mats * PB; j0 += JT)
         if (fmt == 0)
-            int8_tile(rt, JT, xq, ldq, xd, ldf, r0, K, (const int8_t *const *)wr + j0, acc, j0);
+            int8_tile(rt, JT, mats, xq, ldq, xd, ldf, r0, K, (const int8_t *const *)wr + j0, acc, j0);
         else
-            int4_tile(rt, JT, xq, ldq, xl, xs, ldf, r0, K, group, (const uint8_t *const *)wr + j0, sc + j0 * groups,
-                      sz + j0 * groups, acc, j0);
+            int4_tile(rt, JT, mats, xq, ldq, xl, xs, ldf, r0, K, group, (const uint8_t *const *)wr + j0,
+                      sc + j0 * groups, sz + j0 * groups, acc, j0);
 }
 
 AVX2 void flowmoe_packed_block_avx2(int fmt, const int8_t *xq, long ldq, const float *xd, const float *xl,
-                                    const float *xs, long ldf, int n, long K, long group, const void *q,
-                                    const void *scale, const void *zero, long o0, int ob, float *res) {
-    __m256 acc[n][PB];
-    const void *wr[PB];
-    long at[PB], tail_from = fmt == 0 ? K / QB * QB : K / SB * SB, row_bytes = fmt == 0 ? K : (K + 1) / 2;
-    for (int j = 0; j < PB; j++) {
-        at[j] = o0 + (j < ob ? j : ob - 1); /* a short block repeats its last row (its results not kept) */
-        wr[j] = (const uint8_t *)q + at[j] * row_bytes;
-    }
+                                    const float *xs, long ldf, int n, long K, long group, int mats,
+                                    const void *const *p, long o0, int ob, float *res) {
+    __m256 acc[n][MB];
+    long tail_from = fmt == 0 ? K / QB * QB : K / SB * SB, row_bytes = fmt == 0 ? K : (K + 1) / 2;
     long groups = fmt == 1 ? (K + group - 1) / group : 1;
-    float sc[PB * groups], sz[PB * groups]; /* int4: the rows' scales and scale x zero */
+    const void *wr[MB]; /* entry i: row o0 + i / mats of matrix i % mats */
+    const uint16_t *scales[MB], *zeros[MB]; /* int4: its scales' and zeros' row */
+    for (int j = 0; j < PB; j++) {
+        long at = o0 + (j < ob ? j : ob - 1); /* a short block repeats its last row (its results not kept) */
+        for (int m = 0; m < mats; m++) {
+            wr[j * mats + m] = (const uint8_t *)p[3 * m] + at * row_bytes;
+            if (fmt == 1)
+                scales[j * mats + m] = (const uint16_t *)p[3 * m + 1] + at * groups,
+                zeros[j * mats + m] = (const uint16_t *)p[3 * m + 2] + at * groups;
+        }
+    }
+    float sc[MB * groups], sz[MB * groups]; /* int4: the entries' scales and scale x zero */
     if (fmt == 1) /* the next block's scales and zeros too: a miss here would stall the block's start */
-        for (long b = 0; b < PB * groups * 2; b += 64)
-            prefetch_next((const char *)scale + o0 * groups * 2 + b, PB * groups * 2),
-                prefetch_next((const char *)zero + o0 * groups * 2 + b, PB * groups * 2);
+        for (int m = 0; m < mats; m++)
+            for (long b = 0; b < PB * groups * 2; b += 64)
+                prefetch_next((const char *)p[3 * m + 1] + o0 * groups * 2 + b, PB * groups * 2),
+                    prefetch_next((const char *)p[3 * m + 2] + o0 * groups * 2 + b, PB * groups * 2);
     if (fmt == 1)
-        for (int j = 0; j < PB; j++) {
-            const uint16_t *s = (const uint16_t *)scale + at[j] * groups, *z = (const uint16_t *)zero + at[j] * groups;
-            float *to = sc + j * groups, *to_zero = sz + j * groups;
+        for (int i = 0; i < mats * PB; i++) {
+            const uint16_t *s = scales[i], *z = zeros[i];
+            float *to = sc + i * groups, *to_zero = sz + i * groups;
             long g = 0;
             for (; g + 8 <= groups; g += 8) {
                 __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g)));
@@ -166,21 +184,28 @@ AVX2 void flowmoe_packed_block_avx2(int fmt, const int8_t *xq, long ldq, const f
             for (; g < groups; g++) to[g] = _cvtsh_ss(s[g]), to_zero[g] = to[g] * _cvtsh_ss(z[g]);
         }
     _Static_assert(RT == 4, "the tiles below: 1, 2, 3 or RT rows");
-    for (int r0 = 0; r0 < n; r0 += RT) {
-        int rt = n - r0 < RT ? n - r0 : RT;
-        if (rt == 1)
-            tile_rows(1, fmt, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
-        else if (rt == 2)
-            tile_rows(2, fmt, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
-        else if (rt == 3)
-            tile_rows(3, fmt, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
-        else
-            tile_rows(RT, fmt, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
-    }
-    for (int r = 0; r < n; r++)
-        for (int j = 0; j < ob; j++) {
-            float v = flowmoe_packed_tail(fmt, xq + r * ldq, xd + r * ldf, K, group, q, scale, zero, o0 + j, tail_from,
-                                          hsum8(acc[r][j]));
-            res[r * PB + j] = fmt == 0 ? v * ((const float *)scale)[o0 + j] : v;
+    if (mats == 2) /* one row (cpu_packed.c) */
+        tile_rows(1, fmt, 2, xq, ldq, xd, xl, xs, ldf, 0, K, group, wr, sc, sz, acc);
+    else
+        for (int r0 = 0; r0 < n; r0 += RT) {
+            int rt = n - r0 < RT ? n - r0 : RT;
+            if (rt == 1)
+                tile_rows(1, fmt, 1, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
+            else if (rt == 2)
+                tile_rows(2, fmt, 1, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
+            else if (rt == 3)
+                tile_rows(3, fmt, 1, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
+            else
+                tile_rows(RT, fmt, 1, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
         }
+    for (int m = 0; m < mats; m++)
+        for (int r = 0; r < n; r++)
+            for (int j = 0; j < ob; j++) {
+                const void *const *w = p + 3 * m;
+                float v = hsum8(acc[r][j * mats + m]); /* then the tail's columns, where K leaves some */
+                if (tail_from < K)
+                    v = flowmoe_packed_tail(fmt, xq + r * ldq, xd + r * ldf, K, group, w[0], w[1], w[2], o0 + j,
+                                            tail_from, v);
+                res[(m * n + r) * PB + j] = fmt == 0 ? v * ((const float *)w[1])[o0 + j] : v;
+            }
 }
