@@ -22,7 +22,7 @@ from flowmoe.core.policy import Policy
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.model.checkpoint import Checkpoint
 from flowmoe.model.int4_weights import AWQWeight, GPTQWeight, PackQuantizedWeight
-from flowmoe.model.loading import load_model, pack_experts
+from flowmoe.model.loading import Packing, load_model
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.schedulers.registry import available
 from tests.helpers import rel_err
@@ -240,7 +240,7 @@ def test_checkpoint_dequantizes_to_the_independent_unpacking(checkpoints, form: 
     assert torch.equal(_logits(ours, ids), _logits(plain, ids))
     fmt = FORMATS[form][0]
     form_of = {"gptq": GPTQWeight, "awq": AWQWeight, "compressed-tensors": PackQuantizedWeight}
-    pack_experts(ours, folder, "int8" if fmt.get("bits") == 8 else "int4")
+    ours = load_model(folder, packing=Packing("int8" if fmt.get("bits") == 8 else "int4"))
     moe = [lw for lw in ours.weights.layers if lw.router is not None]
     assert all(not lw.experts and len(lw.packed) == ours.spec.moe.experts for lw in moe)
     assert all(
@@ -255,8 +255,7 @@ def test_checkpoint_dequantizes_to_the_independent_unpacking(checkpoints, form: 
 def gptq_mixtral(checkpoints) -> tuple[MoEModel, Any]:
     """GPTQ act-order Mixtral with its experts packed as stored, and eager's run on it."""
     folder = checkpoints[("gptq", "mixtral")][0]
-    model = load_model(folder)
-    pack_experts(model, folder, "int4")
+    model = load_model(folder, packing=Packing("int4"))
     return model, run_eager(model)
 
 
@@ -276,8 +275,7 @@ def test_every_scheduler_gives_eagers_tokens_on_a_gptq_checkpoint(gptq_mixtral, 
 @pytest.mark.parametrize("name", ["cgopipe", "lru-cache"])
 def test_awq_and_compressed_tensors_experts_give_eagers_tokens(checkpoints, form, family, name) -> None:
     folder = checkpoints[(form, family)][0]
-    model = load_model(folder)
-    pack_experts(model, folder, "int4")
+    model = load_model(folder, packing=Packing("int4"))
     ref_results, ref_logits = run_eager(model)
     policy = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.5, expert_format="int4")
     (results, logits), _ = run_scheduler(model, name, policy, device="cpu")
@@ -313,13 +311,12 @@ def test_a_run_says_its_weights_came_quantized(checkpoints, tmp_path: Path, caps
 
 def test_the_expert_format_must_be_the_checkpoints_own(checkpoints) -> None:
     folder = checkpoints[("gptq", "mixtral")][0]
-    model = load_model(folder)
     for form in ("int8", "hqq4"):
         message = (
             f"--expert-format {form}: .* is a gptq 4-bit, .* checkpoint; run it with --expert-format int4"
         )
         with pytest.raises(ConfigError, match=message):
-            pack_experts(model, folder, form)  # type: ignore[arg-type]
+            load_model(folder, packing=Packing(form))  # type: ignore[arg-type]
 
 
 # ---- refusals: one line naming the field or tensor

@@ -17,9 +17,9 @@ from flowmoe.core.plan import Lane, Op
 from flowmoe.core.policy import QUANTIZED_ON_LOAD, Policy
 from flowmoe.core.scheduling import NodeFactory, Residency
 from flowmoe.model.arena import ALIGN
-from flowmoe.model.loading import load_model, pack_experts
+from flowmoe.model.loading import Packing, load_model
 from flowmoe.model.moe_model import MoEModel
-from flowmoe.model.quant_error import last_logits, pack_measured
+from flowmoe.model.quant_error import last_logits, measured
 from flowmoe.model.quantize import hqq, quantize_int4, quantize_int8
 from flowmoe.model.quantized import Int4Weight, pack_int4
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
@@ -103,9 +103,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _packed(folder: Path, form: str) -> MoEModel:
-    model = load_model(folder)
-    pack_experts(model, folder, form)  # type: ignore[arg-type]
-    return model
+    return load_model(folder, packing=Packing(form))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("form", QUANTIZED_ON_LOAD)
@@ -188,8 +186,8 @@ def test_the_quantization_error_is_measured_against_the_unquantized_model(folder
     reference = last_logits(load_model(folder), prompts)
     errors = {}
     for form in QUANTIZED_ON_LOAD:
-        model = load_model(folder)
-        error = pack_measured(model, folder, form, prompts)
+        model = _packed(folder, form)
+        error = measured(model, folder, Packing(form), prompts)
         assert error is not None and error.prompts == 2
         assert error.max_rel == pytest.approx(float(max(
             (last_logits(model, prompts) - reference).norm(dim=-1) / reference.norm(dim=-1)
@@ -197,7 +195,7 @@ def test_the_quantization_error_is_measured_against_the_unquantized_model(folder
         assert 0 < error.mean_rel <= error.max_rel
         errors[form] = error.max_rel
     assert errors["int8"] < errors["hqq4"] and errors["int8"] < errors["int4"]
-    assert pack_measured(load_model(folder), folder, "int4", []) is None  # nothing to measure on
+    assert measured(_packed(folder, "int4"), folder, Packing("int4"), []) is None  # nothing to measure on
 
 
 def test_a_quantized_run_reports_its_error(folders, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

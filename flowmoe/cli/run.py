@@ -36,7 +36,7 @@ from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import ConfigError, FlowmoeError
 from flowmoe.core.hardware import hardware
 from flowmoe.core.options import check_options
-from flowmoe.core.policy import ATTENTION_FORMATS, EXPERT_FORMATS, QUANTIZED_ON_LOAD, Policy, parse_bytes
+from flowmoe.core.policy import ATTENTION_FORMATS, EXPERT_FORMATS, Policy, parse_bytes
 from flowmoe.core.routing_trace import ROUTING_RECORD, RoutingTrace
 from flowmoe.core.synthetic_routing import observed_popularity
 from flowmoe.core.threads import plan_threads, usable_cores
@@ -52,6 +52,7 @@ from flowmoe.traces.chrome import CHROME_TRACE, write_chrome
 if TYPE_CHECKING:  # these run tensors: imported by the functions that run (`flowmoe --help` needs no torch)
     from flowmoe.jobs.job import JobReport, JobSpec
     from flowmoe.jobs.sampling import SamplingParams
+    from flowmoe.model.loading import Packing
     from flowmoe.model.moe_model import MoEModel
     from flowmoe.model.quant_error import QuantError
     from flowmoe.runtime.runner import Runtime
@@ -237,14 +238,15 @@ def _run(args: argparse.Namespace) -> int:
         raise FlowmoeError("--replicas needs --ray ADDRESS (--ray local: this machine's CPUs)")
     plan_threads(usable_cores(), args.cpu_threads)  # more threads than cores fail before the model loads
     source = args.model or str(ensure_builtin())
-    model = load_with_progress(source, args.dtype, args.layers)
+    packing = packing_from(args)
+    model = load_with_progress(source, args.dtype, args.layers, packing)
     if args.scheduler != "auto":  # its options against the model: a page size against its experts, …
         check_options(policy.options_for(load_scheduler(args.scheduler).Options), model.spec)
     for line in cautions(given):  # e.g. --defer-experts: KTransformers' Expert Deferral changes outputs
         console.print(f"[yellow]{escape(line)}[/]", soft_wrap=True)
     codec = TextCodec.from_folder(source) if Path(source).is_dir() else None
     job = job_from(args, model, sampling)
-    quantization = pack_for_run(args, model, source, codec, job)
+    quantization = measured_for_run(model, source, codec, job, packing)
     measured = quantization.as_json() if quantization else None
     job = evolve(
         job,
@@ -333,25 +335,34 @@ def run_json(
     }
 
 
-def pack_for_run(
-    args: argparse.Namespace, model: MoEModel, source: str, codec: TextCodec | None, job: JobSpec
-) -> QuantError | None:
-    """--expert-format other than native: the model's experts packed (model/loading.py); with
-    --attention-format, its attention projections quantized; where either is quantized on load, the
-    error that introduced on the job's first prompts; a checkpoint quantized before (GPTQ, AWQ,
-    compressed-tensors) is reported whatever the format."""
-    from flowmoe.jobs.job import read_work
-    from flowmoe.model.quant_error import pack_measured
+def packing_from(args: argparse.Namespace) -> Packing:
+    """--expert-format and --attention-format as the load packs each layer (model/loading.py),
+    quantizing on the run's GPU where it has one."""
+    from flowmoe.model.loading import Packing
     from flowmoe.runtime.device_weights import Devices
 
-    form = args.expert_format
-    if form in QUANTIZED_ON_LOAD or args.attention_format != "native":
+    return Packing(args.expert_format, args.attention_format, Devices.detect(args.device).gpu)
+
+
+def measured_for_run(
+    model: MoEModel,
+    source: str,
+    codec: TextCodec | None,
+    job: JobSpec,
+    packing: Packing,
+) -> QuantError | None:
+    """Where the load quantized weights in the model's dtype (--expert-format int8, int4, hqq4;
+    --attention-format), the error that introduced on the job's first prompts; a checkpoint
+    quantized before (GPTQ, AWQ, compressed-tensors) is reported whatever the format."""
+    from flowmoe.jobs.job import read_work
+    from flowmoe.model.quant_error import measured
+
+    if packing.quantizes:
         limits = job.limits(model)
         first = read_work(job, model, codec, limits).requests[: limits.micro_batch_size]
     else:  # native and fp8 measure nothing; a GPTQ, AWQ or compressed-tensors checkpoint is reported
         first = []
-    where = Devices.detect(args.device).gpu
-    return pack_measured(model, source, form, [r.input_ids for r in first], where, args.attention_format)
+    return measured(model, source, packing, [r.input_ids for r in first])
 
 
 def routing_profile(path: Path, model: MoEModel) -> tuple[tuple[float, ...], ...]:
@@ -462,13 +473,13 @@ class TokenRateColumn(ProgressColumn):
         return Text(f"{rate:.1f} tok/s")
 
 
-def load_with_progress(source: str, dtype: str | None, layers: int | None) -> MoEModel:
+def load_with_progress(source: str, dtype: str | None, layers: int | None, packing: Packing) -> MoEModel:
     from flowmoe.model.loading import load_model
 
     with progress() as bar:
         task = bar.add_task(f"loading {Path(source).name}", total=None)
         return load_model(
-            source, dtype, layers, lambda done, total: bar.update(task, completed=done, total=total)
+            source, dtype, layers, lambda done, total: bar.update(task, completed=done, total=total), packing
         )
 
 

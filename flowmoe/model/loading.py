@@ -1,28 +1,55 @@
-"""Turn a checkpoint folder or a preset name into a ready MoEModel."""
+"""Turn a checkpoint folder or a preset name into a ready MoEModel, its experts (and attention)
+packed or quantized as each layer is read (`Packing`)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from attrs import frozen
 
 from flowmoe.core.errors import CheckpointError, ConfigError
+from flowmoe.core.expert_formats import attention_projections
 from flowmoe.core.jsonfile import read_json_object
-from flowmoe.core.policy import ExpertFormat
+from flowmoe.core.policy import QUANTIZED_ON_LOAD, AttentionFormat, ExpertFormat
 from flowmoe.core.presets import PRESETS, preset
+from flowmoe.core.spec import ModelSpec
 from flowmoe.model.arena import layer_arena, plan_layer, top_arena
 from flowmoe.model.checkpoint import TORCH_DTYPES, Checkpoint
 from flowmoe.model.int4_checkpoints import Int4Format
 from flowmoe.model.moe_model import MoEModel
-from flowmoe.model.quantize import quantize_expert
+from flowmoe.model.quantize import quantize_expert, quantize_layer_attention
 from flowmoe.model.quantized import QuantizedExpert
 from flowmoe.model.random_weights import RandomSource
 from flowmoe.model.tensor_map import Shape, TensorMap, TensorSource
+from flowmoe.model.weights import LayerWeights
 
 Progress = Callable[[int, int], None]
+LayerPacker = Callable[[int, LayerWeights], None]  # packs layer `layer`, just read, in place
+ExpertPacker = Callable[[int, LayerWeights], list[QuantizedExpert]]  # an MoE layer's routed experts, packed
+_LIBC = ctypes.CDLL(None)  # the C library this process runs on
+
+
+@frozen
+class Packing:
+    """How a load keeps each layer: its routed experts in `expert_format` (model/quantized.py), its
+    attention projections in `attention_format` (model/quantize.py, `quantize_layer_attention`), what
+    is quantized computed on `device` (None: the CPU). Each layer is packed as it is read, and its
+    weights in the model's dtype let go before the next is: a load holds the packed layers and one
+    layer in the model's dtype, never the whole model so."""
+
+    expert_format: ExpertFormat = "native"
+    attention_format: AttentionFormat = "native"
+    device: torch.device | None = None
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether weights in the model's dtype are quantized on load (not fp8: kept as stored)."""
+        return self.expert_format in QUANTIZED_ON_LOAD or self.attention_format != "native"
 
 
 def load_model(
@@ -30,8 +57,11 @@ def load_model(
     dtype: str | None = None,
     layers: int | None = None,
     progress: Progress | None = None,
+    packing: Packing = Packing(),
 ) -> MoEModel:
-    """`source` is a checkpoint folder or a preset name (random weights at the real shapes).
+    """`source` is a checkpoint folder or a preset name (random weights at the real shapes), its
+    layers packed as `packing` says; a format the source cannot take is refused before any weight is
+    read.
 
     `layers` cuts a preset to its first layers; `progress(done, total)` is called per layer."""
     path = Path(source)
@@ -39,58 +69,42 @@ def load_model(
         if layers is not None:
             raise ConfigError("--layers applies to presets only; a checkpoint loads all its layers")
         ckpt = Checkpoint.open(path, dtype)
-        return _assemble(ckpt, ckpt.spec, progress)
+        return _assemble(ckpt, ckpt.spec, progress, layer_packer(source, ckpt, ckpt.spec, packing))
     if str(source) in PRESETS:
         spec = preset(str(source), layers=layers, dtype=dtype)
-        return _assemble(RandomSource(spec), spec, progress)
+        random = RandomSource(spec)
+        return _assemble(random, spec, progress, layer_packer(source, random, spec, packing))
     raise ConfigError(f"{source}: neither a checkpoint folder nor a preset (presets: {', '.join(PRESETS)})")
 
 
 def pack_experts(
     model: MoEModel, source: str | Path, expert_format: ExpertFormat, device: torch.device | None = None
 ) -> None:
-    """Keep every MoE layer's routed experts packed in `expert_format` (model/quantized.py), and
-    only so: fp8 as the FP8 checkpoint `source` stores them; int4 (int8) as a GPTQ, AWQ or
-    compressed-tensors checkpoint of that many bits stores them (model/int4_checkpoints.py); else
-    int8, int4 and hqq4 quantized from the experts `model` loaded from `source` in its own dtype (a
-    checkpoint or a preset), on `device` (default: the CPU). Each layer is packed into its host
-    buffer again (model/arena.py)."""
-    if expert_format == "native":
+    """Every MoE layer's routed experts of a model loaded unpacked kept in `expert_format` (quantized
+    on `device`), as `load_model` with that `Packing` keeps them (holding less memory on the way)."""
+    pack_loaded(model, source, Packing(expert_format, device=device))
+
+
+def pack_loaded(model: MoEModel, source: str | Path, packing: Packing) -> None:
+    """Every layer of a model loaded unpacked from `source` packed as `packing` says."""
+    if packing.expert_format == "native" and packing.attention_format == "native":
         return
-    if expert_format == "fp8":
-        packs = _fp8_experts(model, source)
-    elif (stored := stored_quantization(source)) is not None:
-        packs = _int4_experts(model, source, expert_format, stored)
-    else:
-        _check_quantizable(source, expert_format)
-        if any(lw.packed for lw in model.weights.layers):
-            raise ConfigError(f"--expert-format {expert_format}: the model's experts are packed already")
-        where = device or torch.device("cpu")
-        packs = {
-            layer: [quantize_expert(ffn, expert_format, where) for ffn in lw.experts]
-            for layer, lw in enumerate(model.weights.layers)
-            if lw.router is not None
-        }
-    for layer, packed in packs.items():
-        lw = model.weights.layers[layer]
-        lw.packed, lw.experts = packed, []
-        layer_arena(lw)
+    with opened(source, model.spec) as tensors:
+        pack = layer_packer(source, tensors, model.spec, packing)
+        for layer, lw in enumerate(model.weights.layers):
+            pack(layer, lw)
 
 
-def _fp8_experts(model: MoEModel, folder: str | Path) -> dict[int, list[QuantizedExpert]]:
-    """Each MoE layer's routed experts as the FP8 checkpoint at `folder` stores them."""
-    path = Path(folder)
-    if not path.is_dir():
-        raise ConfigError(f"--expert-format fp8 needs an FP8 checkpoint folder, and {folder} is not one")
-    ckpt = Checkpoint.open(path, model.spec.dtype)
+@contextlib.contextmanager
+def opened(source: str | Path, spec: ModelSpec) -> Iterator[TensorSource]:
+    """The weights of `source` (a checkpoint folder, else a preset) in `spec`'s dtype, for reading
+    layers again (`read_layer`)."""
+    if not Path(source).is_dir():
+        yield RandomSource(spec)
+        return
+    ckpt = Checkpoint.open(source, spec.dtype)
     try:
-        if ckpt.fp8 is None:
-            raise ConfigError(
-                f"--expert-format fp8 needs an FP8 checkpoint; {path / 'config.json'} has no "
-                'quantization_config of quant_method "fp8"'
-            )
-        layers = model.weights.layers
-        return {layer: ckpt.fp8_experts(layer) for layer, lw in enumerate(layers) if lw.router is not None}
+        yield ckpt
     finally:
         ckpt.close()
 
@@ -105,36 +119,91 @@ def stored_quantization(source: str | Path) -> Int4Format | None:
     return Int4Format.from_config(read_json_object(config, CheckpointError), str(config))
 
 
-def _int4_experts(
-    model: MoEModel, folder: str | Path, expert_format: ExpertFormat, stored: Int4Format
-) -> dict[int, list[QuantizedExpert]]:
-    """Each MoE layer's routed experts as the integer checkpoint at `folder` stores them, where
-    `expert_format` is the one that keeps them so."""
-    if expert_format != stored.expert_format:
-        raise ConfigError(
-            f"--expert-format {expert_format}: {folder} is a {stored.describe()} checkpoint; run it with "
-            f"--expert-format {stored.expert_format} (its experts as stored) or native (dequantized on load)"
-        )
-    ckpt = Checkpoint.open(folder, model.spec.dtype)
-    try:
-        layers = model.weights.layers
-        return {layer: ckpt.int4_experts(layer) for layer, lw in enumerate(layers) if lw.router is not None}
-    finally:
-        ckpt.close()
+def layer_packer(source: str | Path, tensors: TensorSource, spec: ModelSpec, packing: Packing) -> LayerPacker:
+    """What packs each layer read from `tensors` (the weights of `source`) as `packing` says; a format
+    they cannot take is refused here, before any layer is."""
+    where = packing.device or torch.device("cpu")
+    attention = packing.attention_format
+    if attention != "native":
+        attention_projections(spec)  # multi-head latent attention is refused
+        _check_attention_source(source, tensors, attention)
+    experts = _expert_packer(source, tensors, packing.expert_format, where)
+
+    def pack(layer: int, lw: LayerWeights) -> None:
+        if experts is None and attention == "native":
+            return
+        if experts is not None and lw.router is not None:
+            lw.packed, lw.experts = experts(layer, lw), []
+            layer_arena(lw)  # into a buffer of its packed size; the one it was read into is let go
+        if attention != "native":
+            quantize_layer_attention(spec, lw, attention, where)
+        _trim_heap()
+
+    return pack
 
 
-def _check_quantizable(source: str | Path, expert_format: ExpertFormat) -> None:
-    """Quantize-on-load takes weights in the model's own dtype: not an FP8 checkpoint's."""
-    path = Path(source)
-    if not path.is_dir():  # a preset: random weights in its dtype
-        return
-    ckpt = Checkpoint.open(path)
-    fp8 = ckpt.fp8 is not None
-    ckpt.close()
-    if fp8:
+def _trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing).
+    Quantizing a layer allocates and frees tens of MiB of float32 temporaries and packed results on
+    the heap, and glibc gives back only its free top: without this, the holes later small
+    allocations leave below stay resident, 0.5-0.7 GiB on an 8-layer 0.8B-parameter model."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _expert_packer(
+    source: str | Path, tensors: TensorSource, expert_format: ExpertFormat, where: torch.device
+) -> ExpertPacker | None:
+    """How an MoE layer's routed experts are kept in `expert_format`, and only so: fp8 as the FP8
+    checkpoint stores them; int4 (int8) as a GPTQ, AWQ or compressed-tensors checkpoint of that many
+    bits stores them (model/int4_checkpoints.py); else int8, int4 and hqq4 quantized on `where` from
+    the experts read in the model's own dtype (a checkpoint or a preset). None for native."""
+    if expert_format == "native":
+        return None
+    ckpt = tensors if isinstance(tensors, Checkpoint) else None
+    if expert_format == "fp8":
+        if ckpt is None:
+            raise ConfigError(f"--expert-format fp8 needs an FP8 checkpoint folder, and {source} is not one")
+        if ckpt.fp8 is None:
+            raise ConfigError(
+                f"--expert-format fp8 needs an FP8 checkpoint; {ckpt.folder / 'config.json'} has no "
+                'quantization_config of quant_method "fp8"'
+            )
+        fp8_experts = ckpt.fp8_experts
+        return lambda layer, _lw: fp8_experts(layer)
+    if ckpt is not None and ckpt.int4 is not None:
+        if expert_format != ckpt.int4.expert_format:
+            raise ConfigError(
+                f"--expert-format {expert_format}: {source} is a {ckpt.int4.describe()} checkpoint; run it "
+                f"with --expert-format {ckpt.int4.expert_format} (its experts as stored) or native "
+                "(dequantized on load)"
+            )
+        int4_experts = ckpt.int4_experts
+        return lambda layer, _lw: int4_experts(layer)
+    if ckpt is not None and ckpt.fp8 is not None:
         raise ConfigError(
             f"--expert-format {expert_format} quantizes a checkpoint in bfloat16, float16 or float32 as it "
-            f"loads, and {path} is an FP8 checkpoint: run it with --expert-format fp8 (or native)"
+            f"loads, and {source} is an FP8 checkpoint: run it with --expert-format fp8 (or native)"
+        )
+
+    def quantized(_layer: int, lw: LayerWeights) -> list[QuantizedExpert]:
+        if lw.packed:
+            raise ConfigError(f"--expert-format {expert_format}: the model's experts are packed already")
+        return [quantize_expert(ffn, expert_format, where) for ffn in lw.experts]
+
+    return quantized
+
+
+def _check_attention_source(
+    source: str | Path, tensors: TensorSource, attention_format: AttentionFormat
+) -> None:
+    """--attention-format quantizes weights in the model's own dtype: not a checkpoint quantized
+    before (GPTQ, AWQ, compressed-tensors, FP8)."""
+    if isinstance(tensors, Checkpoint) and (tensors.int4 is not None or tensors.fp8 is not None):
+        raise ConfigError(
+            f"--attention-format {attention_format} quantizes a checkpoint in bfloat16, float16 or float32 "
+            f"as it loads, and {source} is stored quantized already: leave --attention-format out"
         )
 
 
@@ -152,19 +221,29 @@ class _Shapes:
         return torch.empty(shape, dtype=self.dtype, device="meta")
 
 
-def _assemble(source: TensorSource, spec, progress: Progress | None) -> MoEModel:
-    """Each layer into its arena as it is read: laid out from its shapes first, so its stacked
-    tensors are written in place and the rest copied in one by one (model/arena.py)."""
+def read_layer(source: TensorSource, spec: ModelSpec, layer: int) -> LayerWeights:
+    """Layer `layer` of `source` into its arena as it is read: laid out from its shapes first, so its
+    stacked tensors are written in place and the rest copied in one by one (model/arena.py)."""
     tensor_map = TensorMap.for_spec(spec)
     shapes = _Shapes(source, TORCH_DTYPES[spec.dtype])
+    plan = plan_layer(functools.partial(tensor_map.load_layer, layer, shapes))
+    lw = tensor_map.load_layer(layer, source, plan.stack)
+    layer_arena(lw, plan)  # each loaded tensor is let go as its copy takes its place
+    return lw
+
+
+def _assemble(
+    source: TensorSource, spec: ModelSpec, progress: Progress | None, pack: LayerPacker
+) -> MoEModel:
+    """Each layer read and packed in turn (the one before let go of all but its packed form), then the
+    embedding, final norm and LM head."""
     layers = []
     for layer in range(spec.layers):
-        plan = plan_layer(functools.partial(tensor_map.load_layer, layer, shapes))
-        lw = tensor_map.load_layer(layer, source, plan.stack)
-        layer_arena(lw, plan)  # each loaded tensor is let go as its copy takes its place
+        lw = read_layer(source, spec, layer)
+        pack(layer, lw)
         layers.append(lw)
         if progress is not None:
             progress(layer + 1, spec.layers)
-    weights = tensor_map.load_top(source, layers)
+    weights = TensorMap.for_spec(spec).load_top(source, layers)
     top_arena(weights)
     return MoEModel.build(spec, weights)

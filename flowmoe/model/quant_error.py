@@ -1,10 +1,12 @@
 """The error a quantize-on-load expert format introduces, measured on the run's own prompts: the
 last-token logits of the job's first prompts (the first micro-batch's worth, at most
-`MAX_PROMPTS`), computed eagerly on the host before the experts are packed and after, compared per
-prompt as the relative error ||quantized - reference|| / ||reference|| (2-norms over the vocabulary).
-A run reports its largest and its mean (cli/run.py: the printed report, --json, the run record), and
-what was quantized: the routed experts (--expert-format), the attention projections
-(--attention-format: model/quantize.py, `quantize_attention`), or both, measured together.
+`MAX_PROMPTS`), computed eagerly on the host by the model as loaded and by the unquantized model,
+read again from the checkpoint a layer at a time (`reference_logits`: the load never holds the whole
+model unquantized, and neither does the measurement), compared per prompt as the relative error
+||quantized - reference|| / ||reference|| (2-norms over the vocabulary). A run reports its
+largest and its mean (cli/run.py: the printed report, --json, the run record), and what was
+quantized: the routed experts (--expert-format), the attention projections (--attention-format:
+model/quantize.py, `quantize_layer_attention`), or both, measured together.
 
 A checkpoint quantized before flowmoe read it (GPTQ, AWQ, compressed-tensors) is reported as such
 instead, whatever the expert format: its quantization, and that its error against the unquantized
@@ -17,16 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from attrs import frozen
+from attrs import evolve, frozen
 
-from flowmoe.core.errors import ConfigError
-from flowmoe.core.expert_formats import attention_projections
 from flowmoe.core.policy import QUANTIZED_ON_LOAD, AttentionFormat, ExpertFormat
+from flowmoe.kernels.kv_cache import KVCache
 from flowmoe.kernels.layout import TokenLayout
-from flowmoe.model.checkpoint import Checkpoint
-from flowmoe.model.loading import pack_experts, stored_quantization
+from flowmoe.kernels.no_copy import on
+from flowmoe.model.loading import Packing, opened, pack_loaded, read_layer, stored_quantization
 from flowmoe.model.moe_model import MoEModel
-from flowmoe.model.quantize import quantize_attention
 
 MAX_PROMPTS = 8  # bounds the two eager passes' cost; a sample, not the job
 
@@ -90,12 +90,51 @@ class QuantError:
 
 def last_logits(model: MoEModel, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
     """One eager prefill of `prompts` on the host -> [B, vocab] logits of each one's last token."""
+    with torch.inference_mode():
+        return model.forward(*_prefill(model, prompts))
+
+
+def reference_logits(model: MoEModel, source: str | Path, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """`last_logits` of the unquantized model `model` was loaded from (`source`, in its dtype), one
+    layer at a time: each layer read again from `source` in place of `model`'s for its step, then let
+    go, so only one layer is ever held unquantized -> [B, vocab]."""
+    ids, cache, layout = _prefill(model, prompts)
+    layers = model.weights.layers
+    reference = evolve(model, weights=evolve(model.weights, layers=list(layers)))  # its own layer list
+    with torch.inference_mode(), opened(source, model.spec) as tensors:
+        hidden = reference.embed(ids)  # [T, hidden]
+        rope = reference.rope(layout, hidden.device)
+        for layer in range(model.spec.layers):
+            reference.weights.layers[layer] = read_layer(tensors, model.spec, layer)
+            hidden, _ = reference.forward_layer(layer, hidden, cache, layout, rope)
+            reference.weights.layers[layer] = layers[layer]  # the unquantized layer let go
+        return reference.logits(hidden[on(layout.last_rows, hidden.device)])
+
+
+def _prefill(model: MoEModel, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, KVCache, TokenLayout]:
+    """ids [T] of `prompts` one after another, a fresh host cache for them, and their layout."""
     lengths = tuple(len(p) for p in prompts)
     cache = model.new_cache(len(prompts), max(lengths))
     layout = TokenLayout(tuple(range(len(prompts))), lengths, (0,) * len(prompts))
-    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)  # [T]
-    with torch.inference_mode():
-        return model.forward(ids, cache, layout)
+    return torch.tensor([t for p in prompts for t in p], dtype=torch.int64), cache, layout
+
+
+def measured(
+    model: MoEModel, source: str | Path, packing: Packing, prompts: Sequence[Sequence[int]]
+) -> QuantError | None:
+    """For a model loaded from `source` as `packing` says: the error what it quantized on load
+    introduced on the first of `prompts` (None where nothing was, fp8 keeping what the checkpoint
+    stores, or there is no prompt to measure on); a checkpoint quantized before flowmoe read it, as
+    such, since nothing unquantized is there to measure against."""
+    stored = stored_quantization(source)
+    if stored is not None:
+        return QuantError(packing.expert_format, 0, None, None, stored.describe())
+    sample = list(prompts[:MAX_PROMPTS])
+    if not sample or not packing.quantizes:
+        return None
+    quantized = last_logits(model, sample)
+    reference = reference_logits(model, source, sample)
+    return QuantError.between(packing.expert_format, reference, quantized, packing.attention_format)
 
 
 def pack_measured(
@@ -106,39 +145,7 @@ def pack_measured(
     device: torch.device | None = None,
     attention_format: AttentionFormat = "native",
 ) -> QuantError | None:
-    """`pack_experts` and, with an attention format, `quantize_attention`; for what was quantized on
-    load (not fp8, which keeps what the checkpoint stores) with prompts to measure on, the error it
-    introduced on the first of them."""
-    stored = stored_quantization(source)
-    if attention_format != "native":
-        attention_projections(model.spec)  # multi-head latent attention is refused before any work
-        check_attention_source(source, attention_format, stored is not None)
-    if stored is not None:  # quantized before flowmoe read it: nothing to measure against
-        pack_experts(model, source, expert_format, device)
-        return QuantError(expert_format, 0, None, None, stored.describe())
-    sample = list(prompts[:MAX_PROMPTS])
-    on_load = expert_format in QUANTIZED_ON_LOAD or attention_format != "native"
-    reference = last_logits(model, sample) if on_load and sample else None
-    pack_experts(model, source, expert_format, device)
-    if attention_format != "native":
-        quantize_attention(model.spec, model.weights, attention_format, device or torch.device("cpu"))
-    if reference is None:
-        return None
-    return QuantError.between(expert_format, reference, last_logits(model, sample), attention_format)
-
-
-def check_attention_source(source: str | Path, attention_format: AttentionFormat, stored: bool) -> None:
-    """--attention-format quantizes weights in the model's own dtype: not a checkpoint quantized
-    before (GPTQ, AWQ, compressed-tensors: `stored`; FP8)."""
-    path = Path(source)
-    if not path.is_dir():  # a preset: random weights in its dtype
-        return
-    if not stored:
-        ckpt = Checkpoint.open(path)
-        stored = ckpt.fp8 is not None
-        ckpt.close()
-    if stored:
-        raise ConfigError(
-            f"--attention-format {attention_format} quantizes a checkpoint in bfloat16, float16 or float32 "
-            f"as it loads, and {path} is stored quantized already: leave --attention-format out"
-        )
+    """A model loaded unpacked packed (`pack_loaded`), and `measured`."""
+    packing = Packing(expert_format, attention_format, device)
+    pack_loaded(model, source, packing)
+    return measured(model, source, packing, prompts)

@@ -35,8 +35,15 @@ from attrs import evolve
 
 from flowmoe.core.expert_formats import INT4_GROUPS, attention_projections
 from flowmoe.core.policy import AttentionFormat, ExpertFormat
-from flowmoe.model.quantized import Int4Weight, Int8Weight, PackedWeight, QuantizedExpert, pack_int4
-from flowmoe.model.weights import FFNWeights, ModelWeights
+from flowmoe.model.quantized import (
+    Int4Weight,
+    Int8Weight,
+    PackedWeight,
+    QuantizedExpert,
+    pack_int4,
+    stacked_rows,
+)
+from flowmoe.model.weights import FFNWeights, LayerWeights, ModelWeights
 
 if TYPE_CHECKING:
     from flowmoe.core.spec import ModelSpec
@@ -49,6 +56,7 @@ HQQ_LP_NORM = 0.7
 HQQ_BETA = 10.0
 HQQ_KAPPA = 1.01
 HQQ_ITERS = 20
+BLOCK_WEIGHTS = 1 << 20  # weights int8 and int4 quantize at a time (whole rows): ~4 MiB a float32 temporary
 
 GroupFit = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # [R, G, g] -> scale, zero [R, G]
 
@@ -104,10 +112,24 @@ def quantize_int4(weight: torch.Tensor, group: int, fit: GroupFit = min_max) -> 
 
 
 def quantize_weight(weight: torch.Tensor, expert_format: ExpertFormat) -> PackedWeight:
-    """One projection [R, C] in `expert_format` (int8, int4 or hqq4)."""
-    if expert_format == "int8":
-        return quantize_int8(weight)
-    return quantize_int4(weight, INT4_GROUPS[expert_format], hqq if expert_format == "hqq4" else min_max)
+    """One projection [R, C] in `expert_format` (int8, int4 or hqq4). int8 and int4 quantize each row
+    on its own, so they go a block of rows at a time: the same values, with float32 temporaries of a
+    block (`BLOCK_WEIGHTS`) rather than of the projection; hqq4 stops on the whole projection's mean
+    error, so it goes whole."""
+    if expert_format == "hqq4":
+        return quantize_int4(weight, INT4_GROUPS[expert_format], hqq)
+    step = max(1, BLOCK_WEIGHTS // weight.shape[1])  # rows a block
+    blocks = [_row_wise(weight[r : r + step], expert_format) for r in range(0, weight.shape[0], step)]
+    return blocks[0] if len(blocks) == 1 else stacked_rows(blocks)
+
+
+def _row_wise(weight: torch.Tensor, expert_format: ExpertFormat) -> PackedWeight:
+    """Rows [R, C] in int8 or int4."""
+    return (
+        quantize_int8(weight)
+        if expert_format == "int8"
+        else quantize_int4(weight, INT4_GROUPS[expert_format])
+    )
 
 
 def quantize_expert(ffn: FFNWeights, expert_format: ExpertFormat, device: torch.device) -> QuantizedExpert:
@@ -124,13 +146,19 @@ def quantize_expert(ffn: FFNWeights, expert_format: ExpertFormat, device: torch.
 def quantize_attention(
     spec: ModelSpec, weights: ModelWeights, attention_format: AttentionFormat, device: torch.device
 ) -> None:
-    """Each layer's q/k/v [q + 2kv, hidden] and o [hidden, q] overwritten in place with their
+    """`quantize_layer_attention` on every layer of `weights`."""
+    for lw in weights.layers:
+        quantize_layer_attention(spec, lw, attention_format, device)
+
+
+def quantize_layer_attention(
+    spec: ModelSpec, lw: LayerWeights, attention_format: AttentionFormat, device: torch.device
+) -> None:
+    """A layer's q/k/v [q + 2kv, hidden] and o [hidden, q] overwritten in place with their
     `attention_format` quantization (computed on `device`) dequantized to the model's dtype; biases
     and norms kept. Grouped-query attention only (`attention_projections` refuses MLA)."""
-    shapes = attention_projections(spec)
-    for lw in weights.layers:
-        for name, shape in zip(("qkv", "o"), shapes, strict=True):
-            weight = getattr(lw.attn, name)  # [R, C] in the model's dtype, a view of the layer's arena
-            assert tuple(weight.shape) == shape, f"{name} is {tuple(weight.shape)}, the spec says {shape}"
-            packed = quantize_weight(weight.to(device), attention_format)
-            weight.copy_(packed.dequantize(weight.dtype))  # [R, C]
+    for name, shape in zip(("qkv", "o"), attention_projections(spec), strict=True):
+        weight = getattr(lw.attn, name)  # [R, C] in the model's dtype, a view of the layer's arena
+        assert tuple(weight.shape) == shape, f"{name} is {tuple(weight.shape)}, the spec says {shape}"
+        packed = quantize_weight(weight.to(device), attention_format)
+        weight.copy_(packed.dequantize(weight.dtype))  # [R, C]

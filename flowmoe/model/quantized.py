@@ -26,8 +26,8 @@ The formats (`quantize.py` makes the quantize-on-load ones):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from typing import ClassVar, Self
+from collections.abc import Callable, Iterator, Sequence
+from typing import ClassVar, Self, TypeVar
 
 import torch
 from attrs import define, evolve
@@ -61,6 +61,9 @@ class PackedWeight(ABC):
     @abstractmethod
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """[R, C] in `dtype`, on the device the tensors are on, computed in float32."""
+
+
+Packed = TypeVar("Packed", bound=PackedWeight)
 
 
 @define
@@ -97,6 +100,13 @@ class Int4Weight(PackedWeight):
         scale = self.scale.float().repeat_interleave(self.group, dim=-1)[:, : self.columns]  # [R, C]
         zero = self.zero.float().repeat_interleave(self.group, dim=-1)[:, : self.columns]  # [R, C]
         return ((q - zero) * scale).to(dtype)
+
+
+def stacked_rows(blocks: Sequence[Packed]) -> Packed:
+    """Consecutive row blocks of one projection as one weight of their format (int8, int4: each of its
+    tensors is [rows, ...]), each tensor joined along the rows."""
+    first = blocks[0]
+    return evolve(first, **{name: torch.cat([getattr(b, name) for b in blocks]) for name in first.names()})
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
