@@ -48,3 +48,21 @@ int flowmoe_combine(long T, long H, const void *hidden, long ldh, int bf16, int 
     free(moe);
     return 0;
 }
+
+/* out [n, H] = values [n, H] times each row's combine weight scales[i], as torch's values *
+   scales[:, None] computes it: the product in fp32, rounded once to out's dtype. values, scales and
+   out each bf16 where their flag says, else fp32; all contiguous. What a packed expert's outputs
+   need after its kernel (packed_experts.py): one call, where torch's mul dispatches cold. */
+void flowmoe_scale_rows(long n, long H, const void *values, int values_bf16, const void *scales, int scales_bf16,
+                        void *out, int out_bf16) {
+    for (long i = 0; i < n; i++) {
+        float scale = bf16_or_float(scales, i, scales_bf16);
+        for (long h = 0; h < H; h++) {
+            float v = bf16_or_float(values, i * H + h, values_bf16) * scale;
+            if (out_bf16)
+                ((uint16_t *)out)[i * H + h] = float_to_bf16(v);
+            else
+                ((float *)out)[i * H + h] = v;
+        }
+    }
+}

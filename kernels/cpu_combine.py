@@ -64,3 +64,23 @@ def combine(hidden: torch.Tensor, rows: torch.Tensor, outputs: list[torch.Tensor
     if status:
         raise MemoryError("combine: no memory for the kernel's fp32 sums")
     return out
+
+
+def scaler() -> Callable[..., None] | None:
+    """flowmoe_scale_rows, or None (see native.function)."""
+    return native.function("flowmoe_scale_rows", (_L, _L, _P, _I, _P, _I, _P, _I))
+
+
+def scale_rows(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """out [n, H] = values [n, H] * scales [n, 1] (torch's product, bit for bit), in one C call: what
+    follows a kernel call, where every check costs cache misses, so the caller's tensors are taken as
+    they come: values and out contiguous host tensors, fp32 or bf16, out of the product's dtype. Scales
+    neither fp32 nor bf16, or not contiguous, go to torch."""
+    run = scaler()
+    if run is None or scales.dtype not in _DTYPES or not scales.is_contiguous():
+        torch.mul(values, scales.view(-1, 1), out=out)
+        return
+    n, width = values.shape
+    bf16 = torch.bfloat16
+    run(n, width, values.data_ptr(), values.dtype is bf16, scales.data_ptr(), scales.dtype is bf16,
+        out.data_ptr(), out.dtype is bf16)  # fmt: skip

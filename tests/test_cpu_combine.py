@@ -52,3 +52,22 @@ def test_what_it_does_not_take() -> None:
     assert not cpu_combine.fits(hidden, [torch.zeros(8, 2).t()])  # not contiguous
     assert not cpu_combine.fits(hidden.half(), [torch.zeros(1, 8)])
     assert not cpu_combine.fits(hidden, [torch.zeros(1, 8), torch.zeros(1, 8).bfloat16()])  # mixed dtypes
+
+
+@compiled
+@pytest.mark.parametrize("values_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "width"), [(1, 1024), (2, 1024), (7, 37)])
+def test_scale_rows_is_torchs_product(
+    values_dtype: torch.dtype, scales_dtype: torch.dtype, rows: int, width: int
+) -> None:
+    """Expert outputs times their rows' combine weights: torch's values * scales[:, None] bit for bit,
+    scales as [n] or [n, 1]; non-contiguous scales go to torch."""
+    generator = torch.Generator().manual_seed(rows * width)
+    values = (torch.randn(rows, width, generator=generator) * 100).to(values_dtype)  # [n, H]
+    scales = torch.rand(rows, 1, generator=generator).to(scales_dtype)  # [n, 1]
+    expected = values * scales
+    for given in (scales, scales.view(-1), torch.cat([scales, scales], dim=1)[:, 0]):
+        out = torch.full_like(expected, float("nan"))
+        cpu_combine.scale_rows(values, given, out)
+        assert torch.equal(out, expected)

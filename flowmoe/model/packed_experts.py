@@ -22,7 +22,7 @@ import torch
 from attrs import frozen
 
 from flowmoe.core.spec import MoESpec
-from flowmoe.kernels import cpu_packed
+from flowmoe.kernels import cpu_combine, cpu_packed
 from flowmoe.kernels.router import Routing
 from flowmoe.model.quantized import Int4Weight, Int8Weight, PackedFFN, PackedWeight, QuantizedExpert
 from flowmoe.model.weights import FFNWeights
@@ -179,9 +179,36 @@ def _run(
     if moe.scale_input:
         out = cpu_packed.swiglu_prepared(starts, pieces, kernel_experts, x.dtype, moe)  # [sum n_e, hidden]
         return list(out.split_with_sizes(counts))
-    unscaled = _unscaled(x.shape[0], x.shape[1], x.dtype)
-    out = cpu_packed.swiglu_prepared(starts, pieces, kernel_experts, x.dtype, moe, None, unscaled)
-    return list(torch.mul(out, scales).split_with_sizes(counts))  # fp32 scales: an fp32 product
+    product, outs = _products(x.shape[0], x.shape[1], x.dtype, scales, counts)
+    _scaled(starts, pieces, kernel_experts, x.dtype, moe, scales, product)
+    return outs
+
+
+def _products(
+    rows: int, hidden: int, dtype: torch.dtype, scales: torch.Tensor, counts: list[int]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The buffer [rows, hidden] the scaled outputs go to (the product's dtype: fp32 scales, fp32) and
+    each expert's view of it, made before the kernel call (after it, the caches hold its weights)."""
+    product = torch.empty(rows, hidden, dtype=torch.promote_types(dtype, scales.dtype))
+    return product, list(product.split_with_sizes(counts))
+
+
+def _scaled(
+    starts: list[int],
+    pieces: list[int],
+    experts: list[cpu_packed.Prepared],
+    dtype: torch.dtype,
+    moe: MoESpec,
+    scales: torch.Tensor,
+    product: torch.Tensor,
+) -> None:
+    """The kernel's outputs (into this thread's buffer) times scales [sum n_e, 1] into `product`
+    [sum n_e, hidden]: torch's `out * scales`, bit for bit, in one C call (cpu_combine.scale_rows)."""
+    rows, hidden = product.shape
+    out = cpu_packed.swiglu_prepared(
+        starts, pieces, experts, dtype, moe, None, _unscaled(rows, hidden, dtype)
+    )
+    cpu_combine.scale_rows(out, scales, product)
 
 
 def packed_routed(
@@ -203,11 +230,13 @@ def packed_routed(
     if 0 in counts:
         return None
     rows, scales = (t if t.is_cpu else t.cpu() for t in routing.rows_of(experts))  # [sum n_e] each
+    column = scales.unsqueeze(1)  # [sum n_e, 1]
     if x.shape[0] > 1 or moe.scale_input or x.stride(1) != 1:
-        outs = _run(x.index_select(0, rows), scales.unsqueeze(1), counts, kernel_experts, moe)
-        return dict(zip(experts, outs, strict=True))
+        return dict(
+            zip(experts, _run(x.index_select(0, rows), column, counts, kernel_experts, moe), strict=True)
+        )
     # one token: each expert's one row is x's [1, hidden]
-    unscaled = _unscaled(len(experts), hidden, x.dtype)
-    starts = [x.data_ptr()] * len(experts)
-    out = cpu_packed.swiglu_prepared(starts, counts, kernel_experts, x.dtype, moe, None, unscaled)
-    return dict(zip(experts, torch.mul(out, scales.unsqueeze(1)).split_with_sizes(counts), strict=True))
+    product, outs = _products(len(experts), hidden, x.dtype, column, counts)
+    scaled = dict(zip(experts, outs, strict=True))
+    _scaled([x.data_ptr()] * len(experts), counts, kernel_experts, x.dtype, moe, column, product)
+    return scaled
