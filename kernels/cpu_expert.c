@@ -24,6 +24,8 @@
 /* cpu_rows_avx2.c */
 void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void *w, int bf16, long o0, int ob,
                         const void *next, long next_rows, float *res);
+void flowmoe_pair_block_avx2(const float *x, long K, const void *w, int bf16, long o0, int ob, long apart,
+                             float *res);
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -215,6 +217,56 @@ static inline void block_of(int isa, const float *x, long ldx, int n, long K, co
         block(x, ldx, n, K, w, bf16, o0, ob, next, next_rows, res);
 }
 
+/* Two blocks: res + m n bs = the rows [o0 + m apart, + ob) of w [., K] against the n rows of x, m < 2
+   (bs: block_rows(isa)); the block read after them: `then_rows` rows from row `then`. At one row,
+   cpu_rows_avx2.c's pair block (isa 1) reads the two blocks' rows side by side: two streams in
+   address order (else one block, then the other, each prefetching the one read after it). */
+static inline void two_blocks(int isa, const float *x, long ldx, int n, long K, const void *w, int bf16, long o0,
+                              int ob, long apart, long then, long then_rows, float *res) {
+    int bs = block_rows(isa);
+    if (isa == 1 && n == 1) {
+        flowmoe_pair_block_avx2(x, K, w, bf16, o0, ob, apart, res);
+        return;
+    }
+    block_of(isa, x, ldx, n, K, w, bf16, o0, ob, row_at(w, o0 + apart, K, bf16), ob, res);
+    block_of(isa, x, ldx, n, K, w, bf16, o0 + apart, ob, row_at(w, then, K, bf16), then_rows, res + n * bs);
+}
+
+/* A matrix of O rows in blocks: pairs of blocks (at one row block i of rows [0, half) beside block
+   i of [half, 2 half), so that the pair block reads two streams through the matrix's halves; at
+   more rows blocks 2 i and 2 i + 1), then the rest alone. */
+static inline long half_of(long O, int bs) {
+    return O / (2 * bs) * bs;
+}
+
+static inline long paired_blocks(long O, int bs) {
+    long half = half_of(O, bs);
+    return half / bs + (O - 2 * half + bs - 1) / bs;
+}
+
+/* Block b's rows: `both` (1 or 2) blocks of ob rows from o0, the second `apart` rows on. */
+typedef struct {
+    long o0, apart;
+    int ob, both;
+} pair_at;
+
+/* res + m n bs = block b of the pairs above against the n rows of x: the rows [o0 + m apart, + ob)
+   of w [O, K], m < both (the block read after them prefetched by the several-row blocks). */
+static inline pair_at paired(int isa, const float *x, long ldx, int n, long K, const void *w, int bf16, long O,
+                             long b, float *res) {
+    int bs = block_rows(isa);
+    long half = half_of(O, bs), pairs = half / bs;
+    pair_at p = {b < pairs ? b * (n == 1 ? bs : 2 * bs) : 2 * half + (b - pairs) * bs, n == 1 ? half : bs, 0,
+                 b < pairs ? 2 : 1};
+    p.ob = (int)rows_at(O, p.o0, bs);
+    long then = p.o0 + (p.both - 1) * p.apart + bs; /* the block after the last */
+    if (p.both == 2)
+        two_blocks(isa, x, ldx, n, K, w, bf16, p.o0, p.ob, p.apart, then, rows_at(O, then, bs), res);
+    else
+        block_of(isa, x, ldx, n, K, w, bf16, p.o0, p.ob, row_at(w, then, K, bf16), rows_at(O, then, bs), res);
+    return p;
+}
+
 /* Where column k of a K-column row of x goes in bf16 column order (cpu_rows_avx2.c): within each
    16 columns the 8 even ones, then the 8 odd ones; columns past the last full 16 stay in place. */
 static inline long bf16_position(long k, long K) {
@@ -250,7 +302,7 @@ static inline int reorders(int isa, int bf16) {
 int flowmoe_linear(const void *x, long ldx, int n, long K, const void *w, int bf16, long O,
                    const float *bias, void *y, long ldy, int isa, int threads) {
     int bs = block_rows(isa);
-    long blocks = (O + bs - 1) / bs;
+    long blocks = paired_blocks(O, bs);
     float *wide = 0;
     const float *xf = (const float *)x;
     if (bf16) {
@@ -261,12 +313,14 @@ int flowmoe_linear(const void *x, long ldx, int n, long K, const void *w, int bf
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long b = 0; b < blocks; b++) {
-        float res[n * OB_MAX];
-        long o0 = b * bs;
-        int ob = (int)rows_at(O, o0, bs);
-        block_of(isa, xf, ldx, n, K, w, bf16, o0, ob, row_at(w, o0 + bs, K, bf16), rows_at(O, o0 + bs, bs), res);
-        for (int r = 0; r < n; r++)
-            for (int j = 0; j < ob; j++) store(y, r * ldy + o0 + j, res[r * bs + j] + (bias ? bias[o0 + j] : 0.0f), bf16);
+        float res[2 * n * OB_MAX];
+        pair_at p = paired(isa, xf, ldx, n, K, w, bf16, O, b, res);
+        for (int m = 0; m < p.both; m++)
+            for (int r = 0; r < n; r++)
+                for (int j = 0; j < p.ob; j++) {
+                    long o = p.o0 + m * p.apart + j;
+                    store(y, r * ldy + o, res[(m * n + r) * bs + j] + (bias ? bias[o] : 0.0f), bf16);
+                }
     }
     free(wide);
     return 0;
@@ -303,7 +357,7 @@ static int ffn_rows(int experts, const float *const *fx, const int *ns, const lo
                     const float *const *gate_up_biases, const float *const *down_biases, int clamped, float alpha,
                     float limit, rows_out to, int isa, int threads) {
     int bs = block_rows(isa);
-    long up_blocks = (I + bs - 1) / bs, down_blocks = (H + bs - 1) / bs;
+    long up_blocks = (I + bs - 1) / bs, down_blocks = paired_blocks(H, bs); /* down's: as gate's beside up's */
     int reorder = reorders(isa, bf16);
     float *acts = malloc(sizeof(float) * (rows > 0 ? rows : 1) * I);
     if (!acts) return 1;
@@ -316,11 +370,8 @@ static int ffn_rows(int experts, const float *const *fx, const int *ns, const lo
             int ob = (int)rows_at(I, o0, bs);
             const float *bias = gate_up_biases[e];
             const void *gu = gate_ups[e];
-            float g[n * OB_MAX], u[n * OB_MAX], *act = acts + first[e] * I;
-            /* read next: this block's up rows, then the next block's gate rows */
-            block_of(isa, fx[e], H, n, H, gu, bf16, o0, ob, row_at(gu, I + o0, H, bf16), ob, g);
-            block_of(isa, fx[e], H, n, H, gu, bf16, I + o0, ob, row_at(gu, o0 + bs, H, bf16), rows_at(I, o0 + bs, bs),
-                     u);
+            float gu_res[2 * n * OB_MAX], *g = gu_res, *u = gu_res + n * bs, *act = acts + first[e] * I;
+            two_blocks(isa, fx[e], H, n, H, gu, bf16, o0, ob, I, o0 + bs, rows_at(I, o0 + bs, bs), gu_res); /* gate, up */
             for (int r = 0; r < n; r++)
                 for (int j = 0; j < ob; j++) {
                     float gv = g[r * bs + j] + (bias ? bias[o0 + j] : 0.0f);
@@ -332,17 +383,15 @@ static int ffn_rows(int experts, const float *const *fx, const int *ns, const lo
 #pragma omp for schedule(static)
         for (long t = 0; t < experts * down_blocks; t++) {
             int e = (int)(t / down_blocks), n = ns[e];
-            long o0 = t % down_blocks * bs;
-            int ob = (int)rows_at(H, o0, bs);
             const float *bias = down_biases[e];
-            float res[n * OB_MAX];
-            block_of(isa, acts + first[e] * I, I, n, I, downs[e], bf16, o0, ob, row_at(downs[e], o0 + bs, I, bf16),
-                     rows_at(H, o0 + bs, bs), res);
-            for (int r = 0; r < n; r++)
-                for (int j = 0; j < ob; j++) {
-                    long i = first[e] + r;
-                    store_row(to, i, i * H + o0 + j, res[r * bs + j] + (bias ? bias[o0 + j] : 0.0f), bf16);
-                }
+            float res[2 * n * OB_MAX];
+            pair_at p = paired(isa, acts + first[e] * I, I, n, I, downs[e], bf16, H, t % down_blocks, res);
+            for (int m = 0; m < p.both; m++)
+                for (int r = 0; r < n; r++)
+                    for (int j = 0; j < p.ob; j++) {
+                        long i = first[e] + r, o = p.o0 + m * p.apart + j;
+                        store_row(to, i, i * H + o, res[(m * n + r) * bs + j] + (bias ? bias[o] : 0.0f), bf16);
+                    }
         }
     }
     free(acts);

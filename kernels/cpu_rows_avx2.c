@@ -32,6 +32,12 @@
 #define WIDE_RT 3        /* x rows per tile against fp32 weights: 3 x OB / 2 accumulators + 3 x + 1 w = 16 */
 #define WIDE_ROWS 16     /* from this many rows of x on, tiles of WIDE_RT rows against a widened chunk */
 #define WIDE_CHUNK 512   /* columns per chunk there: a 16 KiB buffer (FFN at 16-128 rows: 1.01-1.17x over 256) */
+#ifndef PAIR_AHEAD_BF16
+#define PAIR_AHEAD_BF16 4096 /* bytes ahead of a pair block's two streams that its software prefetch reads */
+#endif
+#ifndef PAIR_AHEAD_F32
+#define PAIR_AHEAD_F32 0
+#endif
 
 /* The 8 lanes' sum: lane i + lane i + 4, then + 2, + 1. */
 static inline AVX2 float hsum8(__m256 v) {
@@ -49,10 +55,12 @@ static inline AVX2 __attribute__((always_inline)) void in_register(__m256 *v) {
 /* acc[r0 + r][j] += x[r0 + r, k0:k1] . wp[j][k0 - wk0:k1 - wk0] for r < rt, j0 <= j < j0 + jn
    (compile-time constants in each caller, so that the accumulators live in registers; wk0: the
    column wp[j] starts at, 0 but for a widened chunk). next != 0: the step at column k also
-   prefetches [next + k / step * per_step, + per_step) into L2. */
+   prefetches [next + k / step * per_step, + per_step) into L2. pair_ahead > 0 (jn 2, one row: two
+   streams): step s prefetches one line pair_ahead bytes past where wp[j0 + s % 2] reads, the two
+   streams' lines in turn (each row's 32 bytes a step: a line every other step). */
 static inline AVX2 __attribute__((always_inline)) void tile(
     int rt, int jn, int bf16, const float *x, long ldx, int r0, int j0, long k0, long k1, const void *const *wp,
-    long wk0, __m256 (*acc)[OB], const char *next, long per_step) {
+    long wk0, __m256 (*acc)[OB], const char *next, long per_step, long pair_ahead) {
     __m256 a[WIDE_RT][OB];
     for (int r = 0; r < rt; r++)
         for (int j = 0; j < jn; j++) a[r][j] = acc[r0 + r][j0 + j];
@@ -62,6 +70,9 @@ static inline AVX2 __attribute__((always_inline)) void tile(
         const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32((int)0xFFFF0000u));
         for (long k = k0; k < k1; k += 16) {
             for (long b = 0; next && b < per_step; b += 64) _mm_prefetch(next + k / 16 * per_step + b, _MM_HINT_T1);
+            if (pair_ahead)
+                _mm_prefetch((const char *)((const uint16_t *)wp[j0 + (k / 16 & 1)] + (k & ~31L)) + pair_ahead,
+                             _MM_HINT_T0);
             __m256 xe[RT], xo[RT]; /* bf16 tiles have at most RT rows */
             for (int r = 0; r < rt; r++) {
                 xe[r] = _mm256_loadu_ps(xr[r] + k);
@@ -79,6 +90,8 @@ static inline AVX2 __attribute__((always_inline)) void tile(
     } else {
         for (long k = k0; k < k1; k += 8) {
             for (long b = 0; next && b < per_step; b += 64) _mm_prefetch(next + k / 8 * per_step + b, _MM_HINT_T1);
+            if (pair_ahead)
+                _mm_prefetch((const char *)((const float *)wp[j0 + (k / 8 & 1)] + (k & ~15L)) + pair_ahead, _MM_HINT_T0);
             __m256 xv[WIDE_RT];
             for (int r = 0; r < rt; r++) xv[r] = _mm256_loadu_ps(xr[r] + k), in_register(&xv[r]);
             for (int j = 0; j < jn; j++) {
@@ -134,17 +147,33 @@ static AVX2 void wide_rows(const float *x, long ldx, int n, long kv, const void 
         widen(wp, bf16, k0, k1, buf);
         for (int r0 = 0; r0 < n; r0 += WIDE_RT)
             if (n - r0 == 1) /* a last row alone: all OB rows at once (8 FMA chains, not 4) */
-                tile(1, OB, 0, x, ldx, r0, 0, k0, k1, bp, k0, acc, 0, 0);
+                tile(1, OB, 0, x, ldx, r0, 0, k0, k1, bp, k0, acc, 0, 0, 0);
             else
                 for (int j0 = 0; j0 < OB; j0 += OB / 2) {
                     if (n - r0 >= WIDE_RT && r0 == 0 && j0 == 0)
-                        tile(WIDE_RT, OB / 2, 0, x, ldx, r0, j0, k0, k1, bp, k0, acc, ahead, per_8);
+                        tile(WIDE_RT, OB / 2, 0, x, ldx, r0, j0, k0, k1, bp, k0, acc, ahead, per_8, 0);
                     else if (n - r0 >= WIDE_RT)
-                        tile(WIDE_RT, OB / 2, 0, x, ldx, r0, j0, k0, k1, bp, k0, acc, 0, 0);
+                        tile(WIDE_RT, OB / 2, 0, x, ldx, r0, j0, k0, k1, bp, k0, acc, 0, 0, 0);
                     else
-                        tile(2, OB / 2, 0, x, ldx, r0, j0, k0, k1, bp, k0, acc, 0, 0);
+                        tile(2, OB / 2, 0, x, ldx, r0, j0, k0, k1, bp, k0, acc, 0, 0, 0);
                 }
     }
+}
+
+/* x . row: acc's 8 lanes' sum, then the row's last columns [kv, K) in order. */
+static inline AVX2 float finished(__m256 acc, const float *x, const void *row, int bf16, long kv, long K) {
+    float s = hsum8(acc);
+    for (long k = kv; k < K; k++) {
+        float wk;
+        if (bf16) {
+            uint32_t u = (uint32_t)((const uint16_t *)row)[k] << 16;
+            memcpy(&wk, &u, sizeof wk);
+        } else {
+            wk = ((const float *)row)[k];
+        }
+        s += x[k] * wk;
+    }
+    return s;
 }
 
 /* The rows [o0, o0 + ob) of w [O, K] (fp32, or bf16 with x in bf16 column order) against the n
@@ -178,36 +207,49 @@ AVX2 void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void
         if (n == 1 && bf16) /* two weight rows at a time, each pair prefetching its share of the next block */
             for (int j0 = 0; j0 < OB; j0 += 2) {
                 long share = (per_step * steps / (OB / 2) + 63) / 64 * 64, pair_step = (share / steps + 63) / 64 * 64;
-                tile(1, 2, 1, x, ldx, 0, j0, k0, k1, wp, 0, acc, ahead ? ahead + j0 / 2 * share : 0, pair_step);
+                tile(1, 2, 1, x, ldx, 0, j0, k0, k1, wp, 0, acc, ahead ? ahead + j0 / 2 * share : 0, pair_step, 0);
             }
         else if (n == 1)
-            tile(1, OB, 0, x, ldx, 0, 0, k0, k1, wp, 0, acc, ahead, per_step);
+            tile(1, OB, 0, x, ldx, 0, 0, k0, k1, wp, 0, acc, ahead, per_step, 0);
         for (int r0 = 0; n > 1 && r0 < n; r0 += RT)
             for (int j0 = 0; j0 < OB; j0 += OB / 2) {
                 const char *pf = r0 == 0 && j0 == 0 ? ahead : 0;
                 if (n - r0 == 1 && bf16)
-                    tile(1, OB / 2, 1, x, ldx, r0, j0, k0, k1, wp, 0, acc, pf, per_step);
+                    tile(1, OB / 2, 1, x, ldx, r0, j0, k0, k1, wp, 0, acc, pf, per_step, 0);
                 else if (n - r0 == 1)
-                    tile(1, OB / 2, 0, x, ldx, r0, j0, k0, k1, wp, 0, acc, pf, per_step);
+                    tile(1, OB / 2, 0, x, ldx, r0, j0, k0, k1, wp, 0, acc, pf, per_step, 0);
                 else if (bf16)
-                    tile(RT, OB / 2, 1, x, ldx, r0, j0, k0, k1, wp, 0, acc, pf, per_step);
+                    tile(RT, OB / 2, 1, x, ldx, r0, j0, k0, k1, wp, 0, acc, pf, per_step, 0);
                 else
-                    tile(RT, OB / 2, 0, x, ldx, r0, j0, k0, k1, wp, 0, acc, pf, per_step);
+                    tile(RT, OB / 2, 0, x, ldx, r0, j0, k0, k1, wp, 0, acc, pf, per_step, 0);
             }
     }
     for (int r = 0; r < n; r++)
-        for (int j = 0; j < ob; j++) {
-            float s = hsum8(acc[r][j]);
-            for (long k = kv; k < K; k++) {
-                float wk;
-                if (bf16) {
-                    uint32_t u = (uint32_t)((const uint16_t *)wp[j])[k] << 16;
-                    memcpy(&wk, &u, sizeof wk);
-                } else {
-                    wk = ((const float *)wp[j])[k];
-                }
-                s += x[r * ldx + k] * wk;
-            }
-            res[r * OB + j] = s;
-        }
+        for (int j = 0; j < ob; j++) res[r * OB + j] = finished(acc[r][j], x + r * ldx, wp[j], bf16, kv, K);
+}
+
+/* One row x [K] against rows [o0, o0 + ob) of w [O, K] (fp32, or bf16 with x in bf16 column order)
+   and the same rows `apart` on (gate's and up's, or a block of a matrix's first half and of its
+   second): res[m * OB + j] = x . w[o0 + m apart + j], m < 2, each summed as flowmoe_block_avx2 sums
+   it. Each tile takes one row of each: two streams in address order through the two spans, which the
+   hardware prefetchers follow (a one-matrix block's rows are short streams that end every OB rows),
+   with one software prefetch line a step, the two streams' in turn, PAIR_AHEAD bytes ahead. */
+AVX2 void flowmoe_pair_block_avx2(const float *x, long K, const void *w, int bf16, long o0, int ob, long apart,
+                                  float *res) {
+    int esize = bf16 ? 2 : 4, step = bf16 ? 16 : 8;
+    long kv = K / step * step;
+    const void *wp[2 * OB]; /* entry 2 j + m: row o0 + m apart + j (a short block repeats its last row) */
+    for (int j = 0; j < OB; j++)
+        for (int m = 0; m < 2; m++) wp[2 * j + m] = (const char *)w + (o0 + m * apart + (j < ob ? j : ob - 1)) * K * esize;
+    __m256 acc[2][OB]; /* entry i: acc[i / OB][i % OB] */
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < OB; j++) acc[h][j] = _mm256_setzero_ps();
+    for (int h = 0; h < 2; h++)
+        for (int j0 = 0; j0 < OB; j0 += 2)
+            if (bf16)
+                tile(1, 2, 1, x, 0, 0, j0, 0, kv, wp + h * OB, 0, acc + h, 0, 0, PAIR_AHEAD_BF16);
+            else
+                tile(1, 2, 0, x, 0, 0, j0, 0, kv, wp + h * OB, 0, acc + h, 0, 0, PAIR_AHEAD_F32);
+    for (int i = 0; i < 2 * OB; i++)
+        if (i / 2 < ob) res[i % 2 * OB + i / 2] = finished(acc[i / OB][i % OB], x, wp[i], bf16, kv, K);
 }
