@@ -20,10 +20,13 @@ from flowmoe.cli import main
 from flowmoe.core.errors import CheckpointError, ConfigError
 from flowmoe.core.policy import Policy
 from flowmoe.kernels.layout import TokenLayout
+from flowmoe.model import int4_checkpoints
 from flowmoe.model.checkpoint import Checkpoint
 from flowmoe.model.int4_weights import AWQWeight, GPTQWeight, PackQuantizedWeight
 from flowmoe.model.loading import Packing, load_model
 from flowmoe.model.moe_model import MoEModel
+from flowmoe.model.packed_experts import kernel_form
+from flowmoe.model.quantized import Int4Weight
 from flowmoe.schedulers.registry import available
 from tests.helpers import rel_err
 from tests.hf_models import COMMON, hf_model, save_hf
@@ -172,11 +175,11 @@ CASES = [("gptq", "mixtral"), ("gptq8_v2", "qwen3_moe"), ("awq", "qwen3_moe"), (
          ("ct_group", "deepseek_v3"), ("ct_channel", "mixtral")]  # fmt: skip
 
 
-def _write(root: Path, form: str, family: str) -> tuple[Path, Path]:
-    """The family's tiny model as a `form` checkpoint, and beside it the same weights as the
-    independent unpacking gives them (float32, unquantized layout)."""
-    quant, pack, unpack = FORMATS[form]
-    plain = save_hf(hf_model(family), root / "plain")
+def _write(root: Path, form: tuple[dict[str, Any], Any, Any], model) -> tuple[Path, Path]:
+    """A tiny model as a checkpoint of `form` (a FORMATS value), and beside it the same weights as
+    the independent unpacking gives them (float32, unquantized layout)."""
+    quant, pack, unpack = form
+    plain = save_hf(model, root / "plain")
     folder = write_quantized(plain, root / "quantized", quant, pack)
     with safe_open(str(folder / "model.safetensors"), "np") as f:
         stored = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open)
@@ -196,7 +199,9 @@ def _write(root: Path, form: str, family: str) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tuple[Path, Path]]:
-    return {(f, fam): _write(tmp_path_factory.mktemp(f"{f}-{fam}"), f, fam) for f, fam in CASES}
+    return {
+        (f, fam): _write(tmp_path_factory.mktemp(f"{f}-{fam}"), FORMATS[f], hf_model(fam)) for f, fam in CASES
+    }
 
 
 def _weights(model: MoEModel) -> list[torch.Tensor]:
@@ -243,12 +248,113 @@ def test_checkpoint_dequantizes_to_the_independent_unpacking(checkpoints, form: 
     ours = load_model(folder, packing=Packing("int8" if fmt.get("bits") == 8 else "int4"))
     moe = [lw for lw in ours.weights.layers if lw.router is not None]
     assert all(not lw.experts and len(lw.packed) == ours.spec.moe.experts for lw in moe)
-    assert all(
-        isinstance(w, form_of[fmt["quant_method"]]) for lw in moe for x in lw.packed for w in x.weights()
-    )
+    kept = (form_of[fmt["quant_method"]], Int4Weight)  # Int4Weight: converted exactly (as_int4)
+    assert all(isinstance(w, kept) for lw in moe for x in lw.packed for w in x.weights())
     assert all(x.nbytes < x.ffn_nbytes / (3 if fmt.get("bits") == 8 else 4) for lw in moe for x in lw.packed)
     for a, b in zip(_weights(ours), _weights(plain), strict=True):  # the packed experts too
         assert torch.equal(a, b)
+
+
+# ---- the kernels' own int4 layout, where a checkpoint's converts exactly (int4_weights.as_int4)
+
+CT_IGNORE = ["lm_head", "re:.*block_sparse_moe.gate$"]
+
+
+def _ct(group: int) -> dict[str, Any]:
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}
+    groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": groups,
+            "ignore": CT_IGNORE}  # fmt: skip
+
+
+def _gptq(group: int, act_order: bool, sym: bool) -> tuple[dict[str, Any], Any, Any]:
+    """4-bit GPTQ, v1 zeros: (quantization_config, packer, independent unpacking)."""
+    quant = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": sym,
+             "checkpoint_format": "gptq"}  # fmt: skip
+    return (
+        quant,
+        lambda w, seed: gptq(w, 4, group, act_order, sym, True, seed),
+        lambda t: numpy_gptq(t, 4, group, act_order, True),
+    )
+
+
+def _off_float16(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """compressed-tensors scales stored float32, off float16's grid (float16 cannot hold them)."""
+    return {**packed, "weight_scale": packed["weight_scale"].astype(np.float32) * np.float32(1 + 2**-20)}
+
+
+CONVERTED: dict[str, tuple[dict[str, Any], Any, Any]] = {
+    "gptq_g64": _gptq(64, False, False),
+    "gptq_channel": _gptq(-1, False, True),
+    "awq_g64": (
+        {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"},
+        lambda w, seed: awq(w, 64),
+        lambda t: numpy_awq(t, 64),
+    ),
+    "ct_g128": (
+        _ct(128),
+        lambda w, seed: pack_quantized(w, 4, 128, True, False, seed),
+        lambda t: numpy_pack_quantized(t, 4, 128),
+    ),
+}
+KEPT: dict[str, tuple[dict[str, Any], Any, Any]] = {
+    "gptq_act_order": _gptq(64, True, False),
+    "ct_float32_scales": (
+        _ct(64),
+        lambda w, seed: _off_float16(pack_quantized(w, 4, 64, True, False, seed)),
+        lambda t: numpy_pack_quantized(t, 4, 64),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def kernel_sized(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """Mixtral with every projection's columns a multiple of 128 (hidden and intermediate), as a
+    checkpoint of each layout above."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        **{
+            **COMMON,
+            "hidden_size": 128,
+            "intermediate_size": 128,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        }
+    )
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    forms = {**CONVERTED, **KEPT}
+    return {name: _write(tmp_path_factory.mktemp(name), form, model) for name, form in forms.items()}
+
+
+@pytest.mark.parametrize("form", [*CONVERTED, *KEPT])
+def test_exact_layouts_load_into_the_kernels_int4_layout(kernel_sized, form: str) -> None:
+    """Without act-order, at groups of 64 columns or a multiple, with float16 scales: every expert in
+    Int4Weight, which the CPU's packed kernels take, dequantizing to the numpy unpacking bit for bit;
+    else kept as stored."""
+    folder, ref = kernel_sized[form]
+    ours, plain = load_model(folder, packing=Packing("int4")), load_model(ref)
+    experts = [x for lw in ours.weights.layers for x in lw.packed]
+    converted = form in CONVERTED
+    assert experts and all(isinstance(w, Int4Weight) == converted for x in experts for w in x.weights())
+    assert all((kernel_form(x) is not None) == converted for x in experts)
+    for a, b in zip(_weights(ours), _weights(plain), strict=True):  # the packed experts dequantized too
+        assert torch.equal(a, b)
+
+
+def test_eager_gives_the_same_tokens_on_the_converted_experts(kernel_sized, monkeypatch) -> None:
+    """The GPTQ experts converted (read by the packed kernels) against GPTQ's layout as stored
+    (dequantized in torch, the path before the conversion)."""
+    folder = kernel_sized["gptq_g64"][0]
+    converted = run_eager(load_model(folder, packing=Packing("int4")))
+    monkeypatch.setattr(int4_checkpoints, "as_int4", lambda weight: weight)
+    stored = load_model(folder, packing=Packing("int4"))
+    assert all(
+        isinstance(w, GPTQWeight) for lw in stored.weights.layers for x in lw.packed for w in x.weights()
+    )
+    before = run_eager(stored)
+    assert [r.output_ids for r in converted[0]] == [r.output_ids for r in before[0]]
 
 
 @pytest.fixture(scope="module")

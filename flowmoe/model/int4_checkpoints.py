@@ -28,8 +28,8 @@ from attrs import frozen
 from flowmoe.core.errors import CheckpointError
 from flowmoe.core.policy import ExpertFormat
 from flowmoe.model.fp8 import QUANT_FIELD, SCALE_DTYPES, module_converted
-from flowmoe.model.int4_weights import AWQWeight, GPTQWeight, PackQuantizedWeight
-from flowmoe.model.quantized import PackedWeight, QuantizedExpert
+from flowmoe.model.int4_weights import AWQWeight, GPTQWeight, PackQuantizedWeight, StoredWeight, as_int4
+from flowmoe.model.quantized import QuantizedExpert
 from flowmoe.model.shard_header import TensorInfo
 from flowmoe.model.tensor_map import Shape, TensorMap
 
@@ -155,7 +155,7 @@ class Int4Format:
                     f"{where[tensor]}: tensor {tensor} has dtype {got.dtype}, expected {' or '.join(dtypes)}"
                 )
 
-    def read(self, name: str, shape: Shape, tensor: Tensor, has: Callable[[str], bool]) -> PackedWeight:
+    def read(self, name: str, shape: Shape, tensor: Tensor, has: Callable[[str], bool]) -> StoredWeight:
         """Module M of tensor `name` (checked by `check`) as stored."""
         module = name.removesuffix(".weight")
         rows, cols = shape
@@ -312,8 +312,10 @@ def int4_experts(
     layer: int,
     dtype: torch.dtype,
 ) -> list[QuantizedExpert]:
-    """Layer `layer`'s routed experts as stored, standing for the model's `dtype`; experts stored
-    one by one (`experts.{e}.gate_proj`), as these quantizers write them."""
+    """Layer `layer`'s routed experts as stored, standing for the model's `dtype`, each projection in
+    flowmoe's own int4 layout where that holds its values exactly (`as_int4`: the CPU's packed
+    kernels read it); experts stored one by one (`experts.{e}.gate_proj`), as these quantizers
+    write them."""
     layout = tensor_map.moe_layout(layer, has)
     form = fmt.expert_format
     if layout.fused:
@@ -332,7 +334,7 @@ def int4_experts(
                     f"expert format {form} keeps the experts as the {fmt.method} checkpoint stores them, but "
                     f"tensor {name} is not quantized"
                 )
-            weights.append(fmt.read(name, shapes[name], tensor, has))
+            weights.append(as_int4(fmt.read(name, shapes[name], tensor, has)))
         gate, up, down = weights
         experts.append(QuantizedExpert((gate, up), down, dtype))
     return experts

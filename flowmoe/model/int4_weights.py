@@ -17,14 +17,24 @@ and one scale per group of input columns and output row, computed in float32:
   levels offset by 2^(bits - 1) (signed values stored unsigned); `weight_scale` [R, G];
   symmetric: zero 2^(bits - 1); asymmetric: `weight_zero_point` [ceil(R / f), G] packed along the
   output, offset alike; `weight_g_idx` [C] where the columns were grouped by activation order.
+
+`as_int4` lays a 4-bit one out as flowmoe's own `Int4Weight` where that holds its values exactly,
+for the CPU's packed kernels (docs/quantized-checkpoints.md, "Read by the CPU kernels").
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from attrs import define
 
-from flowmoe.model.quantized import PackedWeight
+from flowmoe.kernels.cpu_packed import GROUP_STEP
+from flowmoe.model.quantized import Int4Weight, PackedWeight, pack_int4
+
+ONE_GROUP_AS = 128  # columns a group where a stored weight has one group a row (flowmoe's int4 group)
+# a stored projection read out: levels [R, C] (int32), zero and scale [R, G], each column's group [C]
+Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # level i of an AWQ word holds column AWQ_ORDER[i] of its eight
 AWQ_COLUMNS = tuple(AWQ_ORDER.index(j) for j in range(8))  # column j of eight is level AWQ_COLUMNS[j]
@@ -83,12 +93,15 @@ class GPTQWeight(PackedWeight):
         return self.scales.shape[1], self.qweight.shape[0] * 32 // self.bits
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # -> [R, C]
+        return dequantize_groups(*self.parts(), dtype)
+
+    def parts(self) -> Parts:
         levels = unpack_levels(self.qweight, self.bits, 0).t()  # [R, C]
         stored = unpack_levels(self.qzeros, self.bits, 1)  # [G, R]
         zero = (stored + self.zero_offset) & ((1 << self.bits) - 1)  # modulo 2^bits, as AutoGPTQ takes it
         cols = self.shape[1]
         groups = self.g_idx if self.g_idx is not None else contiguous_groups(cols, self.group, levels.device)
-        return dequantize_groups(levels, zero.t(), self.scales.t(), groups, dtype)
+        return levels, zero.t(), self.scales.t(), groups
 
 
 @define
@@ -101,17 +114,21 @@ class AWQWeight(PackedWeight):
     qzeros: torch.Tensor  # [C / group, R / 8] int32
     scales: torch.Tensor  # [C / group, R] float16 (as stored)
     group: int
+    bits: ClassVar[int] = 4
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.scales.shape[1], self.qweight.shape[0]
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # -> [R, C]
+        return dequantize_groups(*self.parts(), dtype)
+
+    def parts(self) -> Parts:
         order = torch.tensor(AWQ_COLUMNS, device=self.qweight.device)  # [8]
         levels = _awq_columns(unpack_levels(self.qweight, 4, 1), order).t()  # [R, C]
         zero = _awq_columns(unpack_levels(self.qzeros, 4, 1), order).t()  # [R, G]
         groups = contiguous_groups(self.shape[1], self.group, levels.device)
-        return dequantize_groups(levels, zero, self.scales.t(), groups, dtype)
+        return levels, zero, self.scales.t(), groups
 
 
 def _awq_columns(levels: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -142,6 +159,9 @@ class PackQuantizedWeight(PackedWeight):
         return self.weight_packed.shape[0], self.columns
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # -> [R, C]
+        return dequantize_groups(*self.parts(), dtype)
+
+    def parts(self) -> Parts:
         rows, cols = self.shape
         levels = unpack_levels(self.weight_packed, self.bits, 1)[:, :cols]  # [R, C]
         if self.weight_zero_point is None:
@@ -151,4 +171,39 @@ class PackQuantizedWeight(PackedWeight):
         groups = self.weight_g_idx
         if groups is None:
             groups = contiguous_groups(cols, self.group, levels.device)
-        return dequantize_groups(levels, zero, self.weight_scale, groups, dtype)
+        return levels, zero, self.weight_scale, groups
+
+
+StoredWeight = GPTQWeight | AWQWeight | PackQuantizedWeight
+
+
+def as_int4(weight: StoredWeight) -> PackedWeight:
+    """`weight` in flowmoe's own `Int4Weight` layout, the one the CPU's packed kernels read, where
+    that holds exactly its values: 4 bits, groups of consecutive columns (no act-order permutation)
+    that are whole multiples of the kernels' 64 columns, and scales float16 holds exactly (GPTQ's
+    and AWQ's are float16; a compressed-tensors bfloat16 or float32 scale may not be). The levels
+    and zeros are small integers, exact in float16, and both layouts dequantize as (level - zero) x
+    scale in float32: the same values, bit for bit. A weight of one group per row (per channel) is
+    laid out at `ONE_GROUP_AS` columns a group (64 where its columns are not a multiple of that),
+    each group repeating its row's scale and zero, so an expert's projections share one group
+    size, as the kernels take them. Anything else: `weight` as it is (dequantized in torch)."""
+    if weight.bits != 4:
+        return weight
+    levels, zero, scale, group_of = weight.parts()  # [R, C], [R, G], [R, G], [C]
+    columns, groups = levels.shape[1], scale.shape[1]
+    group = weight.group if groups > 1 else ONE_GROUP_AS if columns % ONE_GROUP_AS == 0 else GROUP_STEP
+    if group % GROUP_STEP or not torch.equal(
+        group_of.long(), contiguous_groups(columns, weight.group, levels.device)
+    ):
+        return weight  # groups the kernels do not take, or act-order's permuted ones
+    half = scale.half()  # [R, G]
+    if not torch.equal(half.float(), scale.float()):
+        return weight
+    repeat = -(-columns // group) // groups  # one group a row: as many as `group` makes
+    return Int4Weight(
+        pack_int4(levels),
+        half.repeat(1, repeat).contiguous(),
+        zero.half().repeat(1, repeat).contiguous(),
+        group,
+        columns,
+    )

@@ -56,7 +56,7 @@ HQQ_LP_NORM = 0.7
 HQQ_BETA = 10.0
 HQQ_KAPPA = 1.01
 HQQ_ITERS = 20
-BLOCK_WEIGHTS = 1 << 20  # weights int8 and int4 quantize at a time (whole rows): ~4 MiB a float32 temporary
+BLOCK_WEIGHTS = 1 << 22  # weights int8 and int4 quantize at a time (whole rows): 16 MiB a float32 temporary
 
 GroupFit = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # [R, G, g] -> scale, zero [R, G]
 

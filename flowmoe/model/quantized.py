@@ -7,9 +7,9 @@ packed format a layer keeps only these in host memory (`LayerWeights.packed`). O
 is dequantized after its copy (flowmoe/runtime/device_weights.py). On the CPU (`LayerWeights.expert`
 hands it out as a `PackedFFN`) int8 and int4 / hqq4 experts of up to 32 rows are computed by C
 kernels that read the packed bytes as they are (kernels/cpu_packed.py, dispatched by
-model/packed_experts.py); anything else (more rows, fp8 and the GPTQ / AWQ / compressed-tensors
-layouts, fp16, no compiler) dequantizes the expert in torch for the call, when its tensors are first
-read.
+model/packed_experts.py); anything else (more rows, fp8, the GPTQ / AWQ / compressed-tensors
+layouts where they did not convert exactly to `Int4Weight` on load, fp16, no compiler) dequantizes
+the expert in torch for the call, when its tensors are first read.
 
 The formats (`quantize.py` makes the quantize-on-load ones):
 
@@ -20,7 +20,7 @@ The formats (`quantize.py` makes the quantize-on-load ones):
   per byte and a float16 scale and zero per group of a row; `int4` rounds to nearest at group 128,
   `hqq4` chooses the zeros by HQQ's half-quadratic solver at group 64.
 * `int4` (or `int8`) on a GPTQ, AWQ or compressed-tensors checkpoint: its integer weights as
-  stored (model/int4_weights.py).
+  stored (model/int4_weights.py), or as an `Int4Weight` where that holds them exactly (`as_int4`).
 """
 
 from __future__ import annotations
