@@ -91,7 +91,7 @@ def swiglu_ffn_routed(
     expert's in turn), scales [sum n_e] their combine weights -> the scaled outputs [sum n_e, hidden]
     (the floats of `swiglu_ffn_group` on the gathered rows times the scales), or None where the CPU
     kernels do not take them all."""
-    if x.device.type != "cpu" or not cpu_expert.fits_routed(x, counts, ffns):
+    if not x.is_cpu or not cpu_expert.fits_routed(x, counts, ffns):  # is_cpu: no device object made
         return None
     return cpu_expert.swiglu_routed(x, rows, scales, counts, ffns, moe)
 
