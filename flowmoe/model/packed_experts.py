@@ -114,7 +114,7 @@ def _weak(t: torch.Tensor | None) -> weakref.ref[torch.Tensor] | None:
 def _kernel_experts(ffns: list[FFNWeights]) -> list[cpu_packed.Prepared] | None:
     """The experts of `ffns` as one kernel call takes them (`prepared`): each a PackedFFN the kernels
     read, all of one kind; else None."""
-    experts = []
+    experts: list[cpu_packed.Prepared] = []
     for f in ffns:
         if not isinstance(f, PackedFFN):
             return None
