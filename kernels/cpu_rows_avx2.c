@@ -229,7 +229,7 @@ AVX2 void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void
    it. Each tile takes one row of each: two streams in address order through the two spans, which the
    hardware prefetchers follow (a one-matrix block's rows are short streams that end every OB rows).
    bf16 adds one software prefetch line a step, the two streams' in turn, PAIR_AHEAD bytes ahead (2 /
-   8 KiB measured no better); fp32 none (8 KiB ahead: 0.91x), as in flowmoe_block_avx2. */
+   8 KiB measured no better); fp32 none (4 or 8 KiB ahead: 0.91x), as in flowmoe_block_avx2. */
 AVX2 void flowmoe_pair_block_avx2(const float *x, long K, const void *w, int bf16, long o0, int ob, long apart,
                                   float *res) {
     int esize = bf16 ? 2 : 4, step = bf16 ? 16 : 8;
