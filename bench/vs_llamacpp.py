@@ -218,15 +218,12 @@ def flowmoe_worker(job: dict) -> dict:
 
     from bench.vs_transformers import flowmoe_generate
     from flowmoe.core.policy import Policy
-    from flowmoe.model.loading import load_model
+    from flowmoe.model.loading import Packing, load_model
     from flowmoe.runtime.runner import Runtime
 
-    model = load_model(job["model"], job["dtype"])
     form = job.get("expert_format", "native")
-    if form != "native":
-        from flowmoe.model.loading import pack_experts
-
-        pack_experts(model, job["model"], form)
+    # as `flowmoe run --expert-format` loads: each layer's experts quantized as the layer is read
+    model = load_model(job["model"], job["dtype"], packing=Packing(expert_format=form))
     if job.get("torch_dequantize"):  # the path before the packed kernels: each expert dequantized in torch
         import flowmoe.model.moe_model as moe_model
 
