@@ -18,45 +18,19 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
-import statistics
-import subprocess
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
+from kernel_revisions import ROOT, Roof, compared, library, report, summary
 
 from flowmoe.kernels import cpu_expert, cpu_packed, native
-from flowmoe.kernels.host_memory import huge_copy, huge_empty
+from flowmoe.kernels.host_memory import huge_copy
 
-ROOT = Path(__file__).resolve().parent.parent
 HIDDEN, INTER, GROUP, EXPERTS = 1024, 3584, 128, 16
 FILES = ("cpu_packed.c", "cpu_packed_avx2.c", "bf16.h", "swiglu.h")  # what the packed kernels compile from
-ROOF_BYTES = 1 << 30
-
-
-def packed_library(rev: str | None, folder: Path) -> ctypes.CDLL:
-    """The packed kernels at git revision `rev` (None: the working tree's), compiled alone as native.py
-    compiles them (both libraries alike: no other kernel moves their code)."""
-    folder.mkdir()
-    for name in FILES:
-        if rev is None:
-            (folder / name).write_bytes((ROOT / "kernels" / name).read_bytes())
-        else:
-            shown = subprocess.run(
-                ["git", "show", f"{rev}:kernels/{name}"], cwd=ROOT, capture_output=True, check=True
-            )
-            (folder / name).write_bytes(shown.stdout)
-    out = folder / "packed.so"
-    sources = [str(folder / n) for n in FILES if n.endswith(".c")]
-    subprocess.run(["cc", *native.FLAGS, *sources, "-o", str(out), "-lm"], check=True)
-    return ctypes.CDLL(str(out))
 
 
 def kernel(lib: ctypes.CDLL) -> Any:
@@ -127,20 +101,6 @@ class Calls:
         )
         assert status == 0
 
-    def dram(self) -> None:
-        for e in range(len(self.pointers)):
-            self.run(e, e)
-
-    def warm(self) -> None:
-        for e in range(len(self.pointers)):
-            self.run(0, e)
-
-
-def clocked(fn: Callable[[], object]) -> float:
-    started = time.thread_time()
-    fn()
-    return time.thread_time() - started
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(
@@ -153,88 +113,24 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "packed_rows.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    load = [os.getloadavg()[0]]
-    roof_buf = huge_empty(ROOF_BYTES).view(torch.float32).fill_(1.0)
-    roof = 0.0
+    load, roof, results = [os.getloadavg()[0]], Roof(), []
     with tempfile.TemporaryDirectory() as tmp:
         libs = {
-            name: kernel(packed_library(rev, Path(tmp) / name))
+            name: kernel(library(rev, Path(tmp) / name, FILES))
             for name, rev in (("old", args.baseline), ("new", None))
         }
-        results = []
         for fmt in args.formats.split(","):
             weights, nbytes = experts(fmt, EXPERTS)
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
-                calls = {name: Calls(fn, fmt, weights, x) for name, fn in libs.items()}
-                times: dict[tuple[str, str], list[float]] = {
-                    (n, m): [] for n in libs for m in ("dram", "warm")
-                }
-                for r in range(args.rounds):
-                    roof = max(roof, ROOF_BYTES / clocked(roof_buf.sum) / 1e9)
-                    for mode in ("dram", "warm"):
-                        for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
-                            c = calls[name]
-                            if mode == "warm":
-                                c.run(0, 0)
-                            times[name, mode].append(clocked(getattr(c, mode)) / EXPERTS * 1e3)
-                    for e in range(EXPERTS):
-                        assert torch.equal(
-                            calls["old"].outs[e].view(torch.int32), calls["new"].outs[e].view(torch.int32)
-                        )
-                for mode in ("dram", "warm"):
-                    old, new = times["old", mode], times["new", mode]
-                    speedups = sorted(a / b for a, b in zip(old, new, strict=True))
-                    row: dict[str, Any] = {
-                        "format": fmt,
-                        "rows": rows,
-                        "mode": mode,
-                        "old_ms": statistics.median(old),
-                        "new_ms": statistics.median(new),
-                        "speedup": statistics.median(speedups),
-                        "speedup_min": speedups[0],
-                        "speedup_max": speedups[-1],
-                        "bytes": nbytes,
-                    }
-                    row["old_gbs"], row["new_gbs"] = (
-                        nbytes / row["old_ms"] / 1e6,
-                        nbytes / row["new_ms"] / 1e6,
-                    )
-                    results.append(row)
+                calls: dict[str, Any] = {name: Calls(fn, fmt, weights, x) for name, fn in libs.items()}
+                times = compared(calls, EXPERTS, args.rounds, roof)
+                keys = {"format": fmt, "rows": rows}
+                results += [summary(keys | {"mode": m}, *times[m], nbytes) for m in times]
                 load.append(os.getloadavg()[0])
-    table = Table(
-        title=f"packed experts: {args.baseline} (old) vs working tree (new), 1 thread, {args.rounds} rounds"
-    )
-    for column in (
-        "format",
-        "rows",
-        "mode",
-        "old ms",
-        "new ms",
-        "old GB/s",
-        "new GB/s",
-        "new % roof",
-        "speedup",
-    ):
-        table.add_column(column)
-    for res in results:
-        speedup = f"{res['speedup']:.2f}x [{res['speedup_min']:.2f}, {res['speedup_max']:.2f}]"
-        old_gbs, new_gbs = f"{res['old_gbs']:.1f}", f"{res['new_gbs']:.1f}"
-        share = f"{100 * res['new_gbs'] / roof:.0f}"
-        cells = (res["format"], str(res["rows"]), res["mode"], f"{res['old_ms']:.3f}", f"{res['new_ms']:.3f}")
-        table.add_row(*cells, old_gbs, new_gbs, share, speedup)
-    Console(width=150).print(table)
-    print(f"read roof {roof:.1f} GB/s (1 thread); load average {min(load):.2f}-{max(load):.2f}")
-    record = {
-        "baseline": args.baseline,
-        "rounds": args.rounds,
-        "cpu": native.cpuinfo_field("model name"),
-        "block": cpu_packed.isa(),
-        "read_roof_gbs": roof,
-        "load": [min(load), max(load)],
-        "rows": results,
-    }
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    title = f"packed experts: {args.baseline} (old) vs working tree (new), 1 thread, {args.rounds} rounds"
+    record = {"baseline": args.baseline, "rounds": args.rounds, "block": cpu_packed.isa()}
+    report(title, ("format", "rows", "mode"), results, roof.best, load, record, args.out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,140 @@
+"""Two builds of one C kernel family compared in one process (bench/packed_rows.py, expert_rows.py):
+the working tree's and a git revision's, compiled alike, called alternately over distinct weights
+("dram": each call another expert's weights, beyond the LLC) and over one ("warm"), every output
+compared bit for bit, the thread's CPU time as the clock (a shared machine's preemption excluded),
+and a 1-thread read roof (torch.sum over 1 GiB on huge pages) sampled each round, the best kept."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from flowmoe.kernels import native
+from flowmoe.kernels.host_memory import huge_empty
+
+ROOT = Path(__file__).resolve().parent.parent
+ROOF_BYTES = 1 << 30
+MODES = ("dram", "warm")
+
+
+def library(rev: str | None, folder: Path, files: Sequence[str]) -> ctypes.CDLL:
+    """The kernels compiled from `files` (under kernels/) at git revision `rev` (None: the working
+    tree's), alone and as native.py compiles them: both builds alike, no other kernel moves their code."""
+    folder.mkdir()
+    for name in files:
+        if rev is None:
+            (folder / name).write_bytes((ROOT / "kernels" / name).read_bytes())
+        else:
+            shown = subprocess.run(
+                ["git", "show", f"{rev}:kernels/{name}"], cwd=ROOT, capture_output=True, check=True
+            )
+            (folder / name).write_bytes(shown.stdout)
+    out = folder / "kernels.so"
+    sources = [str(folder / n) for n in files if n.endswith(".c")]
+    subprocess.run(["cc", *native.FLAGS, *sources, "-o", str(out), "-lm"], check=True)
+    return ctypes.CDLL(str(out))
+
+
+class Calls(Protocol):
+    """One build's calls: `run(e, into)` calls it over weights `e` into output `into`."""
+
+    outs: list[torch.Tensor]
+
+    def run(self, e: int, into: int) -> None: ...
+
+
+def clocked(fn: Callable[[], object]) -> float:
+    started = time.thread_time()
+    fn()
+    return time.thread_time() - started
+
+
+class Roof:
+    """The best 1-thread read rate (GB/s) seen so far."""
+
+    def __init__(self) -> None:
+        self.buffer = huge_empty(ROOF_BYTES).view(torch.float32).fill_(1.0)
+        self.best = 0.0
+
+    def sample(self) -> None:
+        self.best = max(self.best, ROOF_BYTES / clocked(self.buffer.sum) / 1e9)
+
+
+def compared(calls: dict[str, Calls], count: int, rounds: int, roof: Roof) -> dict[str, tuple[list, list]]:
+    """Per mode: the old and the new build's ms per call over `rounds` rounds of `count` calls, the
+    order flipped every round; every output compared bit for bit each round."""
+    times: dict[tuple[str, str], list[float]] = {(n, m): [] for n in calls for m in MODES}
+    for r in range(rounds):
+        roof.sample()
+        for mode in MODES:
+            for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
+                c = calls[name]
+                if mode == "warm":
+                    c.run(0, 0)
+                weights = range(count) if mode == "dram" else [0] * count
+                times[name, mode].append(clocked(functools.partial(_pass, c, weights)) / count * 1e3)
+        for old, new in zip(calls["old"].outs, calls["new"].outs, strict=True):
+            assert torch.equal(old.view(torch.uint8), new.view(torch.uint8)), "the bits moved"
+    return {m: (times["old", m], times["new", m]) for m in MODES}
+
+
+def _pass(calls: Calls, weights: Sequence[int]) -> None:
+    """Call i over weights[i] into output i, for each i."""
+    for into, e in enumerate(weights):
+        calls.run(e, into)
+
+
+def summary(keys: dict[str, Any], old: list[float], new: list[float], nbytes: int) -> dict[str, Any]:
+    """A table row: `keys`, the medians of the ms, of the per-round speedups (with min and max), GB/s."""
+    speedups = sorted(a / b for a, b in zip(old, new, strict=True))
+    old_ms, new_ms = statistics.median(old), statistics.median(new)
+    return keys | {
+        "old_ms": old_ms,
+        "new_ms": new_ms,
+        "speedup": statistics.median(speedups),
+        "speedup_min": speedups[0],
+        "speedup_max": speedups[-1],
+        "bytes": nbytes,
+        "old_gbs": nbytes / old_ms / 1e6,
+        "new_gbs": nbytes / new_ms / 1e6,
+    }
+
+
+def report(title: str, keys: Sequence[str], rows: list[dict[str, Any]], roof: float, load: list[float],
+           record: dict[str, Any], out: Path) -> None:  # fmt: skip
+    """Prints the table (`keys` first, then times, GB/s, share of the roof, speedup) and writes
+    `record` with the rows, the roof, the load and the CPU to `out`."""
+    table = Table(title=title)
+    for column in (*keys, "old ms", "new ms", "old GB/s", "new GB/s", "new % roof", "speedup"):
+        table.add_column(column)
+    for res in rows:
+        speedup = f"{res['speedup']:.2f}x [{res['speedup_min']:.2f}, {res['speedup_max']:.2f}]"
+        table.add_row(
+            *(str(res[k]) for k in keys),
+            f"{res['old_ms']:.3f}",
+            f"{res['new_ms']:.3f}",
+            f"{res['old_gbs']:.1f}",
+            f"{res['new_gbs']:.1f}",
+            f"{100 * res['new_gbs'] / roof:.0f}",
+            speedup,
+        )
+    Console(width=160).print(table)
+    print(f"read roof {roof:.1f} GB/s (1 thread); load average {min(load):.2f}-{max(load):.2f}")
+    record |= {
+        "cpu": native.cpuinfo_field("model name"),
+        "read_roof_gbs": roof,
+        "load": [min(load), max(load)],
+        "rows": rows,
+    }
+    out.write_text(json.dumps(record, indent=1) + "\n")
