@@ -17,15 +17,12 @@ sampled each round, the best kept. Every call's output of the two libraries is c
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
-from kernel_revisions import ROOT, Roof, compared, library, report, summary
+from kernel_revisions import Roof, builds, compared, parser, report, summary
 
 from flowmoe.kernels import cpu_expert, native
 from flowmoe.kernels.host_memory import huge_copy
@@ -124,23 +121,12 @@ class LinearCalls(Calls):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--baseline", default="HEAD", help="git revision of the kernels to compare against")
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--rows", default="1,2,8")
-    parser.add_argument("--dtypes", default="fp32,bf16")
-    parser.add_argument("--kernels", default="ffn,lm_head")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "expert_rows.json")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    flags = parser(__doc__, "expert_rows.json")
+    flags.add_argument("--dtypes", default="fp32,bf16")
+    flags.add_argument("--kernels", default="ffn,lm_head")
+    args = flags.parse_args()
     load, roof, results = [os.getloadavg()[0]], Roof(), []
-    with tempfile.TemporaryDirectory() as tmp:
-        libs = {
-            name: library(rev, Path(tmp) / name, FILES)
-            for name, rev in (("old", args.baseline), ("new", None))
-        }
+    with builds(args.baseline, FILES) as libs:
         for kind in args.kernels.split(","):
             for dtype_name in args.dtypes.split(","):
                 dtype = DTYPES[dtype_name]

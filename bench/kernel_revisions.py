@@ -6,13 +6,16 @@ and a 1-thread read roof (torch.sum over 1 GiB on huge pages) sampled each round
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import ctypes
 import functools
 import json
 import statistics
 import subprocess
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,6 +29,26 @@ from flowmoe.kernels.host_memory import huge_empty
 ROOT = Path(__file__).resolve().parent.parent
 ROOF_BYTES = 1 << 30
 MODES = ("dram", "warm")
+
+
+def parser(doc: str | None, out: str) -> argparse.ArgumentParser:
+    """The flags both benches take (--baseline, --rounds, --rows, --out: bench/`out` by default)."""
+    made = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    made.add_argument("--baseline", default="HEAD", help="git revision of the kernels to compare against")
+    made.add_argument("--rounds", type=int, default=9)
+    made.add_argument("--rows", default="1,2,8")
+    made.add_argument("--out", type=Path, default=ROOT / "bench" / out)
+    return made
+
+
+@contextlib.contextmanager
+def builds(baseline: str, files: Sequence[str]) -> Iterator[dict[str, ctypes.CDLL]]:
+    """{"old": the kernels at `baseline`, "new": the working tree's}, built in a folder kept while in use."""
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        yield {
+            name: library(rev, Path(tmp) / name, files) for name, rev in (("old", baseline), ("new", None))
+        }
 
 
 def library(rev: str | None, folder: Path, files: Sequence[str]) -> ctypes.CDLL:

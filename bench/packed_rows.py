@@ -16,15 +16,12 @@ compared bit for bit (the change must keep the bits). Prints a table, writes ben
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
-from kernel_revisions import ROOT, Roof, compared, library, report, summary
+from kernel_revisions import Roof, builds, compared, parser, report, summary
 
 from flowmoe.kernels import cpu_expert, cpu_packed, native
 from flowmoe.kernels.host_memory import huge_copy
@@ -103,22 +100,12 @@ class Calls:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--baseline", default="HEAD", help="git revision of the kernels to compare against")
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--rows", default="1,2,8")
-    parser.add_argument("--formats", default="int8,int4")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "packed_rows.json")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    flags = parser(__doc__, "packed_rows.json")
+    flags.add_argument("--formats", default="int8,int4")
+    args = flags.parse_args()
     load, roof, results = [os.getloadavg()[0]], Roof(), []
-    with tempfile.TemporaryDirectory() as tmp:
-        libs = {
-            name: kernel(library(rev, Path(tmp) / name, FILES))
-            for name, rev in (("old", args.baseline), ("new", None))
-        }
+    with builds(args.baseline, FILES) as built:
+        libs = {name: kernel(lib) for name, lib in built.items()}
         for fmt in args.formats.split(","):
             weights, nbytes = experts(fmt, EXPERTS)
             for rows in (int(r) for r in args.rows.split(",")):
