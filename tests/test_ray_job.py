@@ -116,6 +116,19 @@ def _interrupt(args: list[str], out: Path, at_lines: int, sig: signal.Signals) -
     return process.returncode, err.decode()
 
 
+def test_replicas_keep_the_expert_format_as_one_process_does(cluster: str, job, tmp_path: Path) -> None:
+    """Each replica loads its experts packed (int4, quantized as each layer is read), as a
+    single-process run does: the same lines."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(job[0].read_text().splitlines(keepends=True)[:16]))  # a chunk per replica
+    lines = {}
+    for name, extra in (("single", ()), ("ray", ("--ray", cluster, "--replicas", "2"))):
+        out = tmp_path / f"{name}.jsonl"
+        assert main(_args(prompts, out, "--expert-format", "int4", *extra)) == 0
+        lines[name] = _sorted_lines(out)
+    assert len(lines["ray"]) == 16 and lines["ray"] == lines["single"]
+
+
 def test_driver_stopped_or_killed_then_resumed(cluster: str, job, tmp_path: Path) -> None:
     prompts, reference = job
     out = tmp_path / "out.jsonl"

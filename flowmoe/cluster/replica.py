@@ -19,8 +19,9 @@ from flowmoe.core.policy import Policy
 from flowmoe.jobs.batching import Request
 from flowmoe.jobs.job import JobSpec, check_memory, make_engine, record
 from flowmoe.jobs.job import Progress as JobProgress
-from flowmoe.model.loading import load_model
+from flowmoe.model.loading import Packing, load_model
 from flowmoe.model.tokenizer import TextCodec
+from flowmoe.runtime.device_weights import Devices
 from flowmoe.runtime.runner import Runtime
 from flowmoe.traces.trace import Trace
 
@@ -62,7 +63,9 @@ class Replica:
     def __init__(self, config: ReplicaConfig, index: int) -> None:
         torch.set_num_threads(config.threads)
         self.index = index
-        self.model = load_model(config.source, config.dtype, config.layers)
+        # its experts packed as each layer is read, as `flowmoe run --expert-format` loads them
+        packing = Packing(config.policy.expert_format, device=Devices.detect(config.device).gpu)
+        self.model = load_model(config.source, config.dtype, config.layers, packing=packing)
         self.codec = TextCodec.from_folder(config.source) if config.model_folder else None
         self.runtime = Runtime.create(
             self.model, config.scheduler, config.policy, config.device, config.cost,
