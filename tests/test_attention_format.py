@@ -17,10 +17,10 @@ from flowmoe.core.plan import Lane, Op
 from flowmoe.core.policy import Policy
 from flowmoe.core.presets import preset
 from flowmoe.core.scheduling import NodeFactory
-from flowmoe.model.loading import load_model
+from flowmoe.model.loading import Packing, load_model
 from flowmoe.model.moe_model import MoEModel
-from flowmoe.model.quant_error import last_logits, pack_measured
-from flowmoe.model.quantize import quantize_attention, quantize_weight
+from flowmoe.model.quant_error import last_logits, measured
+from flowmoe.model.quantize import quantize_layer_attention, quantize_weight
 from flowmoe.schedulers.registry import available
 from tests.helpers import rel_err
 from tests.hf_models import hf_model, save_hf
@@ -61,7 +61,8 @@ def test_q_k_v_and_o_hold_their_quantized_values_in_place(folders, form: str) ->
     model = load_model(folders["mixtral"])
     before = [(lw.attn.qkv.clone(), lw.attn.o.clone(), lw.attn.qkv.data_ptr()) for lw in model.weights.layers]
     norms = [lw.attn.input_norm.clone() for lw in model.weights.layers]
-    quantize_attention(model.spec, model.weights, form, torch.device("cpu"))  # type: ignore[arg-type]
+    for lw in model.weights.layers:
+        quantize_layer_attention(model.spec, lw, form, torch.device("cpu"))  # type: ignore[arg-type]
     for lw, (qkv, o, where), norm in zip(model.weights.layers, before, norms, strict=True):
         assert lw.attn.qkv.data_ptr() == where  # overwritten in its arena slot, not a second copy
         assert torch.equal(lw.attn.qkv, quantize_weight(qkv, form).dequantize(qkv.dtype))  # type: ignore[arg-type]
@@ -73,8 +74,7 @@ def test_q_k_v_and_o_hold_their_quantized_values_in_place(folders, form: str) ->
 @pytest.fixture(scope="module")
 def quantized(folders) -> tuple[MoEModel, object]:
     """Mixtral with hqq4 experts and hqq4 attention (Klotski(q)'s setting), and eager's run on it."""
-    model = load_model(folders["mixtral"])
-    pack_measured(model, folders["mixtral"], "hqq4", [], attention_format="hqq4")
+    model = load_model(folders["mixtral"], packing=Packing("hqq4", "hqq4"))
     return model, run_eager(model)
 
 
@@ -93,8 +93,9 @@ def test_the_error_is_measured_with_the_attention_quantized_too(folders) -> None
     reference = last_logits(load_model(folder), PROMPTS)
     errors: dict[tuple[str, str], float] = {}
     for experts, attention in (("hqq4", "native"), ("native", "hqq4"), ("hqq4", "hqq4")):
-        model = load_model(folder)
-        error = pack_measured(model, folder, experts, PROMPTS, attention_format=attention)  # type: ignore[arg-type]
+        packing = Packing(experts, attention)  # type: ignore[arg-type]
+        model = load_model(folder, packing=packing)
+        error = measured(model, folder, packing, PROMPTS)
         assert error is not None and error.max_rel is not None and error.attention_format == attention
         assert error.max_rel == pytest.approx(float(max(
             (last_logits(model, PROMPTS) - reference).norm(dim=-1) / reference.norm(dim=-1)

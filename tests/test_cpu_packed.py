@@ -16,7 +16,7 @@ from flowmoe.core.policy import Policy
 from flowmoe.core.scheduling import Residency
 from flowmoe.core.spec import MoESpec
 from flowmoe.kernels import cpu_packed, native
-from flowmoe.model.loading import load_model, pack_experts
+from flowmoe.model.loading import Packing, load_model
 from flowmoe.model.packed_experts import kernel_form, packed_scaled, prepared
 from flowmoe.model.quantize import quantize_expert
 from flowmoe.model.quantized import Int8Weight, PackedFFN, QuantizedExpert
@@ -328,8 +328,7 @@ def test_a_host_only_runtime_keeps_packed_experts_packed_and_runs_them_by_the_ke
     packed expert itself, handed out as a PackedFFN, and a run computes its decode steps' experts by
     the packed kernels (their tokens are eager's: tests/test_quantized_experts.py)."""
     folder = save_hf(hf_model("mixtral"), tmp_path / "mixtral")
-    model = load_model(folder)
-    pack_experts(model, folder, "int4")
+    model = load_model(folder, packing=Packing("int4"))
     weights = DeviceWeights(model, Devices(torch.device("cpu")), expert_format="int4")
     weights.setup(Residency.dense_only(model.spec), 2 * model.spec.expert_bytes)  # room for two
     weights.load(0, 1)

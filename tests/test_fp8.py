@@ -18,7 +18,7 @@ from flowmoe.core.errors import CheckpointError, ConfigError, FlowmoeError
 from flowmoe.core.policy import Policy
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.model.checkpoint import Checkpoint
-from flowmoe.model.loading import load_model, pack_experts
+from flowmoe.model.loading import Packing, load_model
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.lru_cache import LRUCacheOptions
@@ -156,6 +156,12 @@ def mixtral_fp8_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def mixtral_fp8(mixtral_fp8_folder: Path) -> MoEModel:
     return load_model(mixtral_fp8_folder)
+
+
+@pytest.fixture(scope="module")
+def mixtral_fp8_packed(mixtral_fp8_folder: Path) -> MoEModel:
+    """The checkpoint with its routed experts kept FP8 as stored (--expert-format fp8)."""
+    return load_model(mixtral_fp8_folder, packing=Packing("fp8"))
 
 
 @pytest.fixture(scope="module")
@@ -318,13 +324,12 @@ SMALL_CACHE = (LRUCacheOptions(expert_cache_slots=4, cache_ways=2),)
     ],
 )
 def test_fp8_experts_cross_and_dequantize_to_eager_tokens(
-    mixtral_fp8: MoEModel, mixtral_fp8_folder: Path, eager_reference, name: str, policy: Policy
+    mixtral_fp8_packed: MoEModel, eager_reference, name: str, policy: Policy
 ) -> None:
-    pack_experts(mixtral_fp8, mixtral_fp8_folder, "fp8")
-    lw = mixtral_fp8.weights.layers[0]
+    lw = mixtral_fp8_packed.weights.layers[0]
     assert lw.packed[0].gate_up[0].values.dtype == torch.float8_e4m3fn and not lw.experts  # only FP8 kept
     assert lw.packed[0].nbytes < lw.packed[0].ffn_nbytes / 3  # float32 model: a quarter, plus scales
-    (results, logits), runtime = run_scheduler(mixtral_fp8, name, policy)
+    (results, logits), runtime = run_scheduler(mixtral_fp8_packed, name, policy)
     assert runtime.weights.expert_format == "fp8"
     ref_results, ref_logits = eager_reference
     assert [r.output_ids for r in results] == [r.output_ids for r in ref_results]
@@ -336,11 +341,10 @@ def test_fp8_experts_cross_and_dequantize_to_eager_tokens(
 
 
 def test_fp8_expert_format_needs_an_fp8_checkpoint(mixtral_folder: Path) -> None:
-    model = load_model(mixtral_folder)
     with pytest.raises(ConfigError, match='has no quantization_config of quant_method "fp8"'):
-        pack_experts(model, mixtral_folder, "fp8")
+        load_model(mixtral_folder, packing=Packing("fp8"))
     with pytest.raises(FlowmoeError, match="expert format fp8: the experts of layer 0 are not packed"):
-        Runtime.create(model, "eager", Policy(expert_format="fp8"))
+        Runtime.create(load_model(mixtral_folder), "eager", Policy(expert_format="fp8"))
     with pytest.raises(ConfigError, match="expert format must be one of native, fp8, int8, int4, hqq4"):
         Policy(expert_format="int3")  # type: ignore[arg-type]
 
@@ -411,8 +415,7 @@ def test_fp8_copies_are_pinned_with_their_layer(mixtral_fp8_folder: Path) -> Non
     """On CUDA a layer's arena is page-locked for asynchronous copies: the FP8 copies are in it."""
     from flowmoe.runtime.pinned import pin_layers
 
-    model = load_model(mixtral_fp8_folder)
-    pack_experts(model, mixtral_fp8_folder, "fp8")
+    model = load_model(mixtral_fp8_folder, packing=Packing("fp8"))
     before = [t.clone() for x in model.weights.layers[1].packed for t in x.tensors()]
     arenas = pin_layers(model, register=lambda arena: None)
     after = [t for x in model.weights.layers[1].packed for t in x.tensors()]

@@ -15,7 +15,7 @@ from flowmoe.core.errors import ConfigError
 from flowmoe.core.policy import QUANTIZED_ON_LOAD
 from flowmoe.model import loading, quantize
 from flowmoe.model.arena import Slot, arena_of, layer_slots
-from flowmoe.model.loading import Packing, load_model, pack_loaded
+from flowmoe.model.loading import Packing, layer_packer, load_model, opened
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.quant_error import last_logits, measured, reference_logits
 from flowmoe.model.quantize import quantize_int4, quantize_int8, quantize_weight
@@ -79,8 +79,11 @@ CASES = [
 @pytest.mark.parametrize(("family", "packing"), CASES, ids=lambda c: getattr(c, "expert_format", c))
 def test_packed_as_read_equals_packed_after_the_whole_load(folders, family: str, packing: Packing) -> None:
     folder = folders[family]
-    after = load_model(folder)
-    pack_loaded(after, folder, packing)
+    after = load_model(folder)  # every layer held in the model's dtype, then each packed
+    with opened(folder, after.spec) as tensors:
+        pack = layer_packer(folder, tensors, after.spec, packing)
+        for layer, lw in enumerate(after.weights.layers):
+            pack(layer, lw)
     _assert_same(load_model(folder, packing=packing), after)
 
 

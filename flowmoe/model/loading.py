@@ -77,24 +77,6 @@ def load_model(
     raise ConfigError(f"{source}: neither a checkpoint folder nor a preset (presets: {', '.join(PRESETS)})")
 
 
-def pack_experts(
-    model: MoEModel, source: str | Path, expert_format: ExpertFormat, device: torch.device | None = None
-) -> None:
-    """Every MoE layer's routed experts of a model loaded unpacked kept in `expert_format` (quantized
-    on `device`), as `load_model` with that `Packing` keeps them (holding less memory on the way)."""
-    pack_loaded(model, source, Packing(expert_format, device=device))
-
-
-def pack_loaded(model: MoEModel, source: str | Path, packing: Packing) -> None:
-    """Every layer of a model loaded unpacked from `source` packed as `packing` says."""
-    if packing.expert_format == "native" and packing.attention_format == "native":
-        return
-    with opened(source, model.spec) as tensors:
-        pack = layer_packer(source, tensors, model.spec, packing)
-        for layer, lw in enumerate(model.weights.layers):
-            pack(layer, lw)
-
-
 @contextlib.contextmanager
 def opened(source: str | Path, spec: ModelSpec) -> Iterator[TensorSource]:
     """The weights of `source` (a checkpoint folder, else a preset) in `spec`'s dtype, for reading

@@ -25,7 +25,7 @@ from flowmoe.core.policy import QUANTIZED_ON_LOAD, AttentionFormat, ExpertFormat
 from flowmoe.kernels.kv_cache import KVCache
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.kernels.no_copy import on
-from flowmoe.model.loading import Packing, opened, pack_loaded, read_layer, stored_quantization
+from flowmoe.model.loading import Packing, opened, read_layer, stored_quantization
 from flowmoe.model.moe_model import MoEModel
 
 MAX_PROMPTS = 8  # bounds the two eager passes' cost; a sample, not the job
@@ -135,17 +135,3 @@ def measured(
     quantized = last_logits(model, sample)
     reference = reference_logits(model, source, sample)
     return QuantError.between(packing.expert_format, reference, quantized, packing.attention_format)
-
-
-def pack_measured(
-    model: MoEModel,
-    source: str | Path,
-    expert_format: ExpertFormat,
-    prompts: Sequence[Sequence[int]],
-    device: torch.device | None = None,
-    attention_format: AttentionFormat = "native",
-) -> QuantError | None:
-    """A model loaded unpacked packed (`pack_loaded`), and `measured`."""
-    packing = Packing(expert_format, attention_format, device)
-    pack_loaded(model, source, packing)
-    return measured(model, source, packing, prompts)

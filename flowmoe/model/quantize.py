@@ -18,7 +18,7 @@ matrix, with the same values as one by one.
   scale and zero as float16 without HQQ's optional 8-bit quantization of them ("a zero scale group
   size of 128" in Klotski's setting).
 
-`quantize_attention` gives a layer's attention projections (q/k/v stacked, and o) the same formats
+`quantize_layer_attention` gives a layer's attention projections (q/k/v stacked, and o) the same formats
 (Klotski(q): "quantize both expert and attention tensors to 4 bits"), in place: each holds the values
 its packed form dequantizes to, so every lane computes the quantized model. They stay in the model's
 dtype in host memory and cross the link so: the runtime has no packed attention yet (the cost model
@@ -43,7 +43,7 @@ from flowmoe.model.quantized import (
     pack_int4,
     stacked_rows,
 )
-from flowmoe.model.weights import FFNWeights, LayerWeights, ModelWeights
+from flowmoe.model.weights import FFNWeights, LayerWeights
 
 if TYPE_CHECKING:
     from flowmoe.core.spec import ModelSpec
@@ -141,14 +141,6 @@ def quantize_expert(ffn: FFNWeights, expert_format: ExpertFormat, device: torch.
     down = quantize_weight(ffn.down.to(device), expert_format)
     packed = QuantizedExpert((gate_up,), down, ffn.gate_up.dtype).mapped(lambda t: t.to(home))  # synchronous
     return evolve(packed, gate_up_bias=ffn.gate_up_bias, down_bias=ffn.down_bias)
-
-
-def quantize_attention(
-    spec: ModelSpec, weights: ModelWeights, attention_format: AttentionFormat, device: torch.device
-) -> None:
-    """`quantize_layer_attention` on every layer of `weights`."""
-    for lw in weights.layers:
-        quantize_layer_attention(spec, lw, attention_format, device)
 
 
 def quantize_layer_attention(

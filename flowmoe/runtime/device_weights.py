@@ -133,8 +133,8 @@ def _check_packed(model: MoEModel, expert_format: ExpertFormat) -> None:
         if lw.router is not None and len(lw.packed) != model.spec.moe.experts:
             raise FlowmoeError(
                 f"expert format {expert_format}: the experts of layer {layer} are not packed (load the "
-                f"model as `flowmoe run --expert-format {expert_format}` does: flowmoe.model.loading.load_model"
-                f"(..., packing=Packing(\"{expert_format}\")))"
+                f"model as `flowmoe run --expert-format {expert_format}` does: flowmoe.model.loading."
+                f"load_model(..., packing=Packing('{expert_format}')))"
             )
 
 
