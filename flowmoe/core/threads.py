@@ -98,7 +98,8 @@ def sleeping_omp_waits() -> None:
     times after every region (GOMP_SPINCOUNT), and a decode step runs dozens of short regions with
     Python between them: on a busy 2-vCPU machine (load ~7) a bf16 batch-1 step at 2 threads took
     224-497 ms of CPU and 0.5-1.0 s of wall spinning, 56-72 ms and 0.11-0.18 s passive, as at 1 thread
-    (bench/RESULTS.md, issue 25)."""
+    (bench/RESULTS.md, issue 25). The price on an idle machine: the same step's wall ~33 ms spinning,
+    ~40 ms passive (OMP_WAIT_POLICY=ACTIVE gets it back where nothing else runs)."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
