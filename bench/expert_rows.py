@@ -90,7 +90,7 @@ class Calls:
         assert status == 0
 
 
-class LinearCalls(Calls):
+class LinearCalls:
     """One library's `flowmoe_linear` calls: x [rows, HIDDEN] @ an LM head's weight [VOCAB, HIDDEN]^T
     (each of LM_HEADS distinct copies on huge pages, beyond the LLC) -> out [rows, VOCAB]."""
 
