@@ -1,6 +1,7 @@
 """`flowmoe reproduce generic-offloaders`: the published batch-1 figures at 8 and 64 experts per layer, each
 with the hooks' host costs, without them ("(ideal)") and as the old `on-demand` stand-in; MoE-Infinity's
-README rows beside them, Accelerate's at `device_map="auto"`'s share."""
+README rows beside them, Accelerate's at `device_map="auto"`'s share; its DeepSpeed row at 128 experts
+(Qwen3-30B-A3B), every expert module called."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import pytest
 from flowmoe.core.hardware import hardware
 from flowmoe.core.presets import preset
 from flowmoe.study.reproduce import settings
-from flowmoe.study.reproduce.generic_offloader_numbers import MOE_INFINITY, MOE_INFINITY_LATENCY
+from flowmoe.study.reproduce.generic_offloader_numbers import (
+    MOE_INFINITY,
+    MOE_INFINITY_LATENCY,
+    MOE_INFINITY_LEGACY,
+    QWEN3_DEEPSPEED_LATENCY,
+)
 from flowmoe.study.reproduce.generic_offloaders import DEVICE_MAP_STORE, HOOKS, device_map_share
 from flowmoe.study.reproduce.run import measured, run_system
 from flowmoe.study.reproduce.successor_numbers import MOE_GEN, MOE_GEN_SMALL
@@ -33,7 +39,7 @@ def test_moe_gen_settings_have_one_published_figure_and_moe_infinity_settings_tw
     None
 ):
     full = settings("generic-offloaders")
-    assert {s.name.split(" ")[0] for s in full} == {"mixtral-8x7b", "deepseek-v2-lite"}
+    assert {s.name.split(" ")[0] for s in full} == {"mixtral-8x7b", "deepseek-v2-lite", "qwen3-30b-a3b"}
     moe_gen = [s for s in full if s.where.startswith(MOE_GEN)]
     moe_infinity = [s for s in full if s.where == MOE_INFINITY]
     assert len(moe_gen) == len(moe_infinity) == 2
@@ -48,6 +54,17 @@ def test_moe_gen_settings_have_one_published_figure_and_moe_infinity_settings_tw
         assert accelerate.given.options == {"fused_experts": 0, "offload_dense": 1}
         assert every.given.options == {**accelerate.given.options, "empty_calls": 1}
         assert 0 < accelerate.given.weights_gpu_share == every.given.weights_gpu_share < 1
+
+
+def test_the_128_expert_row_calls_every_expert_module_and_shows_the_other_transformers_versions() -> None:
+    (setting,) = [s for s in settings("generic-offloaders") if s.where == MOE_INFINITY_LEGACY]
+    every, routed, fused = setting.systems
+    assert setting.name.startswith("qwen3-30b-a3b") and every.setup.spec.moe.experts == 128
+    assert every.published == pytest.approx(1 / QWEN3_DEEPSPEED_LATENCY)
+    assert routed.published is None and fused.published is None  # references, not counted
+    assert routed.given == HOOKS and every.given.weights_gpu_share == 0.0
+    assert every.given.options == {**HOOKS.options, "empty_calls": 1}
+    assert fused.given.options == {**HOOKS.options, "fused_experts": 1}
 
 
 @pytest.mark.parametrize("model", ["mixtral-8x7b", "deepseek-v2-lite"])

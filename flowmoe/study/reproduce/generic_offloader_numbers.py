@@ -4,8 +4,12 @@ MoE-Infinity's README, "Performance": "Single GPU A5000 (24GB Memory), per-token
 generation" at batch 1, over a mix of LongBench, GSM8K, FLAN, BIG-Bench and MMLU prompts; the host is not
 stated. EfficientMoE/MoE-Infinity README.md at d617801 (2026-03-03): the Mixtral-8x7b column unchanged
 since the first README (6efc133, 2024-02-27), the DeepSeek-V2-Lite column since 3133d18 (2025-02-11).
-The same table's Switch-large-128 and NLLB-MoE-54B columns (the only 128-expert figures) are
-encoder-decoder models no flowmoe preset expresses.
+The same table's Switch-large-128 and NLLB-MoE-54B columns are encoder-decoder models no flowmoe preset
+expresses.
+
+The README's later "Legacy comparison" table (README.md at 00181f1) keeps those figures and adds a
+Qwen3-30B-A3B column (128 experts per layer), with DeepSpeed labelled "DeepSpeed (0.16.2)" and vLLM
+"vLLM (v0.8.5)"; its Accelerate cell is empty.
 """
 
 from __future__ import annotations
@@ -16,3 +20,8 @@ MOE_INFINITY_LATENCY: dict[str, dict[str, float]] = {
     "mixtral-8x7b": {"Accelerate": 6.633, "DeepSpeed": 2.486},
     "deepseek-v2-lite": {"Accelerate": 1.743, "DeepSpeed": 0.737},
 }
+MOE_INFINITY_LEGACY = (
+    "MoE-Infinity README (EfficientMoE/MoE-Infinity README.md at 00181f1, 'Legacy comparison')"
+)
+# seconds per generated token, one A5000, batch 1: DeepSpeed 0.16.2 on Qwen3-30B-A3B
+QWEN3_DEEPSPEED_LATENCY = 7.857

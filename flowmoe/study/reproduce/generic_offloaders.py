@@ -21,10 +21,16 @@ stand-in, since both figures predate or bypass those versions (Mixtral's was pub
 under transformers <= 4.38, which skip experts without tokens; DeepSeek-V2-Lite runs its own remote
 code, whose `moe_infer` skips them too).
 
-Not yet here: a 128-expert row. The one published generic-offloader figure found at 128 experts is the
-MoE-Infinity README's for Switch-large-128 and NLLB-MoE-54B, both encoder-decoder models that
-flowmoe's decoder-only presets do not express; and Mixtral-offloading's Table 2 (its naive-offloading
-row runs 2-3-bit HQQ experts, which flowmoe's expert formats do not express).
+At 128 experts per layer: the README's later table gives DeepSpeed 0.16.2 on Qwen3-30B-A3B (48 layers of
+128 experts, top 8), 7.857 s/token. Which expert modules ZeRO-3 gathers depends on the transformers version,
+which the README does not state: Qwen3-MoE's first releases (4.51.0-4.52.4) loop over every expert with no
+skip, so each of a layer's 128 expert modules is called, and ZeRO-3's pre-forward hook gathers its
+parameters, with or without tokens; 4.53.0 (built 2025-06-26) loops over the hit experts only; 5.x holds a
+layer's experts in one module of 3-D tensors, gathered whole. The stand-in is the first: the same table's
+other Qwen3 row is vLLM v0.8.5, whose wheel (built 2025-04-28) requires transformers>=4.51.1, which dates
+the Qwen3 runs before 4.53.0. The other two behaviours run beside it as references, not counted. Not
+expressed: Switch-large-128 and NLLB-MoE-54B (encoder-decoder models), and Mixtral-offloading's Table 2
+(its naive-offloading row runs 2-3-bit HQQ experts).
 """
 
 from __future__ import annotations
@@ -38,7 +44,12 @@ from flowmoe.core.presets import preset
 from flowmoe.core.spec import ModelSpec
 from flowmoe.study.best_policy import Given
 from flowmoe.study.reproduce import successor_numbers as N
-from flowmoe.study.reproduce.generic_offloader_numbers import MOE_INFINITY, MOE_INFINITY_LATENCY
+from flowmoe.study.reproduce.generic_offloader_numbers import (
+    MOE_INFINITY,
+    MOE_INFINITY_LATENCY,
+    MOE_INFINITY_LEGACY,
+    QWEN3_DEEPSPEED_LATENCY,
+)
 from flowmoe.study.reproduce.setting import DECODE, Setting, System, paper_setup
 from flowmoe.study.simulate import Setup
 
@@ -97,6 +108,8 @@ def generic_offloaders(quick: bool) -> Iterator[Setting]:
         )
         if not quick:
             yield moe_infinity(model, experts, setup)
+    if not quick:
+        yield qwen3_deepspeed()
 
 
 def moe_infinity(model: str, experts: int, setup: Setup) -> Setting:
@@ -120,3 +133,26 @@ def moe_infinity(model: str, experts: int, setup: Setup) -> Setting:
         f"{auto.weights_gpu_share:.0%} of the MoE layers on the GPU; published as seconds per token, "
         "compared as its inverse",
     )
+
+
+def qwen3_deepspeed() -> Setting:
+    """MoE-Infinity README's DeepSpeed row for Qwen3-30B-A3B (128 experts per layer) on one A5000
+    (`moe-gen-c1`), every expert module called (transformers 4.51-4.52), beside the other versions'."""
+    setup = paper_setup(preset("qwen3-30b-a3b"), "moe-gen-c1", "fixed:512:32", 32)
+    every = evolve(HOOKS, options={**HOOKS.options, "empty_calls": 1})
+    fused = evolve(HOOKS, options={**HOOKS.options, "fused_experts": 1})
+    return Setting(
+        "generic-offloaders",
+        "qwen3-30b-a3b (128 experts/layer) DeepSpeed s/token at batch 1 @ one A5000",
+        MOE_INFINITY_LEGACY,
+        (
+            System("DeepSpeed", "accelerate", setup, 1 / QWEN3_DEEPSPEED_LATENCY, given=every, metric=DECODE),
+            System("DeepSpeed (routed experts only: transformers 4.53-4.57)", "accelerate", setup, None,
+                   given=HOOKS, metric=DECODE),
+            System("DeepSpeed (fused experts: transformers >= 5)", "accelerate", setup, None, given=fused,
+                   metric=DECODE),
+        ),
+        note=f"{NOTE}. Every one of a layer's 128 expert modules is called, as transformers 4.51.0-4.52.4's "
+        "Qwen3-MoE loop does (no skip of experts without tokens), and ZeRO-3 gathers each called module's "
+        "parameters; published as seconds per token, compared as its inverse",
+    )  # fmt: skip
