@@ -210,7 +210,7 @@ def _attend_group(
     head-major against their KV head), k/v: [b, kvh, L', D] the keys they may see, mask: additive
     [b, 1, g * n, L'] or None -> [b, kvh, g * n, D]."""
     kv_heads, rows, dim = qg.shape[1], qg.shape[2], qg.shape[3]
-    fused = qg.device.type == "cpu" and (qg.dtype == torch.float32 or n > 1 or emulated(qg.dtype))
+    fused = qg.is_cpu and (qg.dtype == torch.float32 or n > 1 or emulated(qg.dtype))
     products = _flash if fused else _flash_math
     out, lse = products(qg, k, v, mask, dim**-0.5, sinks is not None)  # [b, kvh, g * n, D], [b, kvh, g * n]
     if lse is not None and sinks is not None:  # lse comes back only when there are sinks

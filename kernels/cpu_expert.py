@@ -66,16 +66,16 @@ def library() -> ctypes.CDLL | None:
 ISAS = {"portable": 0, "avx2": 1}  # the C kernels' `isa` argument
 
 
+@functools.cache
 def isa() -> str:
     """The block the kernels multiply with here: "avx2" on a CPU with AVX2 and FMA but no AVX-512
-    (or where FLOWMOE_CPU_ISA=avx2 and the CPU has AVX2 and FMA), else "portable"."""
+    (or where FLOWMOE_CPU_ISA=avx2 and the CPU has AVX2 and FMA), else "portable". Worked out at the
+    first call (it is asked at every kernel call): `isa.cache_clear()` after changing FLOWMOE_CPU_ISA."""
     return _isa(os.environ.get("FLOWMOE_CPU_ISA", ""), native.cpu_flags())
 
 
-@functools.cache
 def _isa(wanted: str, flags: frozenset[str]) -> str:
-    """`isa` for the FLOWMOE_CPU_ISA value `wanted` ("" unset) and the CPU's flags, worked out once
-    (it is asked at every kernel call)."""
+    """`isa` for the FLOWMOE_CPU_ISA value `wanted` ("" unset) and the CPU's flags."""
     avx2 = {"avx2", "fma"} <= flags
     if wanted not in ("", *ISAS):
         raise ValueError(f"FLOWMOE_CPU_ISA={wanted!r}: expected one of {', '.join(ISAS)} (or unset)")

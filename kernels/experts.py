@@ -73,7 +73,7 @@ def swiglu_ffn_gathered(
     """x [sum n_e, hidden]: each expert's rows in turn (counts[e] of them) -> their outputs [sum n_e,
     hidden] in that order, in one grouped launch per projection; None where the CPU kernels take any
     of them (they come first) or the grouped path does not take them all."""
-    c_kernels = x.device.type == "cpu" and cpu_expert.library() is not None
+    c_kernels = x.is_cpu and cpu_expert.library() is not None
     if c_kernels and any(cpu_expert.fits_ffn(rows, f) for rows, f in zip(x.split(counts), ffns, strict=True)):
         return None
     return swiglu_grouped(x, counts, ffns, moe)

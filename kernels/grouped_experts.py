@@ -154,9 +154,9 @@ def _takes(x: torch.Tensor, counts: list[int], ffns: list[FFN], moe: MoESpec) ->
         or (torch.is_grad_enabled() and x.requires_grad)
     ):
         return False
-    if x.device.type == "cuda":
+    if x.is_cuda:
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or max(counts) > FEW_ROWS:
+    if not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16) or max(counts) > FEW_ROWS:
         return False
     return not (_emulated(x.dtype) and max(counts) >= WIDEN_ROWS)
 
@@ -179,7 +179,7 @@ def swiglu_grouped(x: torch.Tensor, counts: list[int], ffns: list[FFN], moe: MoE
         offs = offs.to(x.device, non_blocking=True)
     else:  # the host's own ints: no operation
         offs = torch.frombuffer(array("i", accumulate(rows)), dtype=torch.int32)  # [S]
-    form = _rows_as_columns if x.device.type == "cpu" else _rows_as_rows
+    form = _rows_as_columns if x.is_cpu else _rows_as_rows
     first = ffns[0]
     return form(x, _viewed(first[0], gate_up, before, after), _viewed(first[1], down, before, after), offs)
 

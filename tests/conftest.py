@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from flowmoe.kernels import cpu_expert
 from tests.hf_models import hf_model, save_hf
 
 # The tests send Ctrl-C as a user at a terminal would. A non-interactive shell starts a background job
@@ -33,6 +34,13 @@ def mixtral_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _flowmoe_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """The built-in model is written once per test session into a private cache folder."""
     monkeypatch.setenv("FLOWMOE_HOME", str(tmp_path_factory.getbasetemp() / "flowmoe-home"))
+
+
+@pytest.fixture(autouse=True)
+def _cpu_isa() -> None:
+    """The kernels' block (`cpu_expert.isa`, worked out once) read afresh in each test, from its own
+    FLOWMOE_CPU_ISA; a test that changes FLOWMOE_CPU_ISA midway clears it itself."""
+    cpu_expert.isa.cache_clear()
 
 
 @pytest.fixture(autouse=True)
