@@ -43,14 +43,20 @@ def mla_tensors(spec: ModelSpec, base: str) -> dict[str, Shape]:
     return out
 
 
-def load_mla(get: Callable[[str], torch.Tensor], base: str, spec: ModelSpec) -> AttentionWeights:
+def load_mla(
+    get: Callable[[str], torch.Tensor],
+    base: str,
+    spec: ModelSpec,
+    stack: Callable[[list[torch.Tensor]], torch.Tensor] = torch.cat,
+) -> AttentionWeights:
+    """Layer `base`'s attention; its two down-projections joined into `qkv` by `stack`."""
     m = spec.attention.mla
     assert m is not None
     sa = f"{base}self_attn."
     q_down = get(f"{sa}q_a_proj.weight") if m.q_lora_rank else get(f"{sa}q_proj.weight")
     return AttentionWeights(
         input_norm=get(f"{base}input_layernorm.weight"),
-        qkv=torch.cat([q_down, get(f"{sa}kv_a_proj_with_mqa.weight")]),
+        qkv=stack([q_down, get(f"{sa}kv_a_proj_with_mqa.weight")]),
         o=get(f"{sa}o_proj.weight"),
         post_norm=get(f"{base}post_attention_layernorm.weight"),
         q_a_norm=get(f"{sa}q_a_layernorm.weight") if m.q_lora_rank else None,

@@ -165,7 +165,7 @@ class TensorMap:
 
         base = f"model.layers.{layer}."
         mla = self.spec.attention.mla
-        attn = load_mla(get, base, self.spec) if mla else self._attention(get, opt, base, stack)
+        attn = load_mla(get, base, self.spec, stack) if mla else self._attention(get, opt, base, stack)
         proj = ("gate_proj", "up_proj", "down_proj")
         if not self.spec.is_moe_layer(layer):
             dense = _ffn_from(get, f"{base}{self.names.dense_mlp}.", proj, stack)
@@ -202,10 +202,10 @@ class TensorMap:
             else None
         )
         return AttentionWeights(
-            input_norm=_norm_from(get, f"{base}input_layernorm.", self.spec.norm),
+            input_norm=_norm_from(get, f"{base}input_layernorm.", self.spec.norm, stack),
             qkv=qkv,
             o=get(f"{sa}o_proj.weight"),
-            post_norm=_norm_from(get, f"{base}post_attention_layernorm.", self.spec.norm),
+            post_norm=_norm_from(get, f"{base}post_attention_layernorm.", self.spec.norm, stack),
             qkv_bias=qkv_bias,
             o_bias=opt(f"{sa}o_proj.bias"),
             q_norm=opt(f"{sa}q_norm.weight"),
@@ -237,9 +237,11 @@ class TensorMap:
             gu, dn = gate_up[e], down[e]
             gub = gate_up_bias[e] if gate_up_bias is not None else None
             if interleaved:  # [H, 2I] columns g0 u0 g1 u1 ... -> [2I, H] gate rows then up rows
-                gu = torch.cat([gu[:, 0::2], gu[:, 1::2]], dim=1).t()
+                # through [H, I, 2] -> [H, 2, I] (bias [I, 2] -> [2, I]): one copy each, no torch.cat,
+                # which on the meta tensors arena.plan_layer builds from imports torch's meta kernels
+                gu = gu.reshape(gu.shape[0], -1, 2).transpose(1, 2).reshape(gu.shape).t()
                 dn = dn.t()  # [I, H] -> [H, I]
-                gub = torch.cat([gub[0::2], gub[1::2]]) if gub is not None else None
+                gub = gub.reshape(-1, 2).t().reshape(gub.shape) if gub is not None else None
             elif self.names.fused_gate_up == "columns":  # [H, 2I] gate columns then up columns
                 gu, dn = gu.t(), dn.t()  # -> [2I, H], [H, I]
             experts.append(
@@ -253,10 +255,12 @@ class TensorMap:
         return experts
 
 
-def _norm_from(get: Callable[[str], torch.Tensor], prefix: str, kind: str) -> torch.Tensor:
-    """An RMSNorm weight [dim], or a LayerNorm's weight and bias stacked as [2, dim]."""
+def _norm_from(
+    get: Callable[[str], torch.Tensor], prefix: str, kind: str, stack: Stack = torch.cat
+) -> torch.Tensor:
+    """An RMSNorm weight [dim], or a LayerNorm's weight and bias stacked by `stack` as [2, dim]."""
     weight = get(f"{prefix}weight")
-    return torch.stack([weight, get(f"{prefix}bias")]) if kind == "layer" else weight
+    return stack([weight[None], get(f"{prefix}bias")[None]]) if kind == "layer" else weight
 
 
 def _ffn_from(
