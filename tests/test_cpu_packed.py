@@ -19,7 +19,7 @@ from flowmoe.kernels import cpu_packed, native
 from flowmoe.model.loading import Packing, load_model
 from flowmoe.model.packed_experts import kernel_form, packed_scaled, prepared
 from flowmoe.model.quantize import quantize_expert
-from flowmoe.model.quantized import Int8Weight, PackedFFN, QuantizedExpert
+from flowmoe.model.quantized import Int4Weight, Int8Weight, PackedFFN, QuantizedExpert
 from flowmoe.model.weights import FFNWeights
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
 from tests.hf_models import hf_model, save_hf
@@ -236,6 +236,33 @@ def test_the_portable_and_avx2_blocks_give_the_same_bits(form: str, dtype: torch
         portable = cpu_packed.swiglu_group(xs, [ffn] * 3, fmt, group, moe, "portable")
         avx2 = cpu_packed.swiglu_group(xs, [ffn] * 3, fmt, group, moe, "avx2")
         assert all(torch.equal(a, b) for a, b in zip(portable, avx2, strict=True))
+
+
+def _int4(rows: int, cols: int, group: int, generator: torch.Generator) -> Int4Weight:
+    """A random Int4Weight [rows, cols] at `group` (levels, scales and zeros as any packer may give)."""
+    groups = -(-cols // group)
+    packed = torch.randint(0, 256, (rows, -(-cols // 2)), dtype=torch.uint8, generator=generator)
+    scale = (torch.rand(rows, groups, generator=generator) * 0.1).half()
+    zero = (torch.rand(rows, groups, generator=generator) * 15).half()
+    return Int4Weight(packed, scale, zero, group, cols)
+
+
+@pytest.mark.skipif(len(ISAS) < 2, reason="no AVX2 + FMA + F16C here")
+@pytest.mark.parametrize("group", [192, 256])
+def test_the_blocks_agree_at_groups_of_more_superblocks(group: int) -> None:
+    """int4 groups other than 64 and 128 (a converted GPTQ / AWQ checkpoint's) take the AVX2 block's
+    general group loop: the portable block's bits, whole groups and a short last one."""
+    generator = torch.Generator().manual_seed(group)
+    hidden, inter = 3 * group + 72, 2 * group + 136  # a short last group, then a tail past 64
+    expert = QuantizedExpert(
+        (_int4(2 * inter, hidden, group, generator),), _int4(hidden, inter, group, generator), torch.float32
+    )
+    fmt, kernel_group, ffn = _kernel(expert)
+    xs = [torch.randn(n, hidden, generator=generator) for n in (1, 5)]
+    moe = _moe("silu")
+    portable = cpu_packed.swiglu_group(xs, [ffn] * 2, fmt, kernel_group, moe, "portable")
+    avx2 = cpu_packed.swiglu_group(xs, [ffn] * 2, fmt, kernel_group, moe, "avx2")
+    assert kernel_group == group and all(torch.equal(a, b) for a, b in zip(portable, avx2, strict=True))
 
 
 @pytest.mark.parametrize("form", FORMATS)
