@@ -245,7 +245,7 @@ def swiglu_routed(
     hidden, inter = ffns[0][1].shape
     index, weight = rows.contiguous(), scales.contiguous()  # [sum n_e] each
     dtype = torch.promote_types(x.dtype, weight.dtype)
-    out = torch.empty(len(index), hidden, dtype=dtype)  # [sum n_e, hidden]: the kernel writes it
+    out = torch.empty(index.shape[0], hidden, dtype=dtype)  # [sum n_e, hidden]: the kernel writes it
     status = lib.flowmoe_ffn_routed(
         len(counts), x.data_ptr(), x.stride(0), index.data_ptr(), (ctypes.c_int * len(counts))(*counts),
         hidden, inter, *_weights(ffns, biases := _biases(ffns)), *_activation(moe), weight.data_ptr(),

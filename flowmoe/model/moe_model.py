@@ -194,7 +194,7 @@ class MoEModel:
             weights = [(f.gate_up, f.down, f.gate_up_bias, f.down_bias) for f in ffns.values()]
             fused = swiglu_ffn_routed(x, rows, scales, counts, weights, self.spec.moe)  # [sum n_e, hidden]
             if fused is not None:
-                return dict(zip(ffns, fused.split(counts), strict=True))
+                return dict(zip(ffns, fused.split_with_sizes(counts), strict=True))  # no Tensor.split wrapper
         outs = self.scaled_experts(x[rows], scales[:, None], counts, list(ffns.values()))  # one gather
         return dict(zip(ffns, outs, strict=True))
 
