@@ -19,23 +19,28 @@ from __future__ import annotations
 
 from attrs import evolve
 
-from flowmoe.core.plan import Op, RoutingRequest, TaskNode
-from flowmoe.core.scheduling import PlanItems, PlanStream
+from flowmoe.core.plan import ExpertCounts, Op, RoutingRequest, TaskNode
+from flowmoe.core.scheduling import PlanStream
 
 
 def page_runs(plan: PlanStream) -> PlanStream:
     """`plan` with each run of consecutive pages of one expert merged into one PAGE_COPY node."""
     run = _Run()
     merged: dict[int, int] = {}  # id of a page merged into a run -> the run's node id
-    items = PlanItems(plan)
+    reply: ExpertCounts | None = None
     try:
-        for item in items:
+        while True:  # PlanItems' loop, inlined: one generator frame less per item of every plan
+            try:
+                item = plan.send(reply)
+            except StopIteration:
+                break
+            reply = None
             if isinstance(item, RoutingRequest):
                 yield from run.flushed(merged)
-                items.reply = yield evolve(item, after=merged.get(item.after, item.after))
+                reply = yield evolve(item, after=merged[item.after]) if item.after in merged else item
                 continue
-            node = _pointed(item, merged)
-            if run.extended(node):
+            node = _pointed(item, merged) if merged else item
+            if run.pages and run.extended(node):
                 continue
             if run.pages:
                 yield from run.flushed(merged)
@@ -51,7 +56,7 @@ def page_runs(plan: PlanStream) -> PlanStream:
 
 def _pointed(node: TaskNode, merged: dict[int, int]) -> TaskNode:
     """`node` with its deps on merged pages pointed at their run's node."""
-    if not merged or merged.keys().isdisjoint(node.deps):
+    if merged.keys().isdisjoint(node.deps):
         return node
     return evolve(node, deps=tuple(dict.fromkeys(merged.get(d, d) for d in node.deps)))
 
@@ -70,8 +75,9 @@ class _Run:
         self.allowed = {*node.deps, node.id}
 
     def extended(self, node: TaskNode) -> bool:
-        """Whether `node` is the next page of the run's expert and waits for nothing new (it joins)."""
-        if not self.pages or node.sync:
+        """Whether `node` is the next page of the run's expert (one is begun) and waits for nothing new
+        (it joins)."""
+        if node.sync:
             return False
         last = self.pages[-1]
         if not last.part + last.pages == node.part < node.parts or _kind(node) != self.kind:
