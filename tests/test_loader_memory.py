@@ -1,6 +1,6 @@
 """Loading a checkpoint holds each weight once (issue 25): the process's resident set grows by the
 weights' bytes and little more, in fp32 (each tensor viewed in the mapped file, copied once into its
-layer's arena) and in bf16 (each converted once on the way). Before, the shard stayed mapped and
+layer's arena) and in bf16 (each converted as it is copied in). Before, the shard stayed mapped and
 resident beside the arenas, and each layer's stacked tensors were built outside its arena first:
 2.2x the weights (6.7 GB for 2.95 GiB on the issue's 791M-parameter Mixtral).
 
@@ -28,9 +28,9 @@ from flowmoe.model.weights import FFNWeights
 from flowmoe.runtime.paged_copy import HostSpan
 from tests.hf_models import hf_model, save_hf
 
-# the weights once, plus what may be in flight: a chunk of a tensor being copied out of the mapped
-# file (its pages are let go chunk by chunk) and a layer's tensors converted to bf16 until they are
-# copied in (10%); the old loader's 2x fails it. On the issue's 791M-parameter checkpoint the whole
+# the weights once, plus what may be in flight: a chunk of a tensor being copied (and converted)
+# out of the mapped file (its pages are let go chunk by chunk), and 10% for the allocator's and
+# the arenas' rounding; the old loader's 2x fails it. On the issue's 791M-parameter checkpoint the whole
 # process peaks at 1.12x the weights' bytes (bench/vs_llamacpp.json).
 SLACK, IN_FLIGHT = 1.10, CHUNK
 
@@ -134,3 +134,27 @@ def test_loading_imports_no_meta_kernels(tmp_path: Path, dtype: str) -> None:
         [sys.executable, "-c", NO_META, dtype, *folders], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "", f"loading imported {out.stdout.strip()}"
+
+
+def test_bf16_load_converts_into_the_arenas(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp32 checkpoint loaded in bf16: every tensor (the stacked ones, the rest of each layer, the
+    embedding and LM head) is converted as it is copied from its mapping into its arena, never into a
+    buffer of its own first, which stood resident beside the arena's copy (the LM head's 62.5 MiB at
+    the end of the issue's bf16 load); the values are the checkpoint's, converted."""
+    from safetensors.torch import load_file
+
+    from flowmoe.model import checkpoint
+
+    converted: list[int] = []
+
+    def counted(nbytes: int) -> torch.Tensor:
+        converted.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(checkpoint, "huge_empty", counted)
+    model = load_model(folder, "bfloat16")
+    assert converted == []
+    stored = load_file(str(folder / "model.safetensors"))
+    assert torch.equal(model.weights.lm_head, stored["lm_head.weight"].bfloat16())
+    down = stored["model.layers.3.block_sparse_moe.experts.5.w2.weight"].bfloat16()
+    assert torch.equal(model.weights.layers[3].experts[5].down, down)

@@ -34,15 +34,16 @@ def _aligned(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
 
-def _layout(slots: list[Slot]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _layout(slots: list[Slot], dtype: torch.dtype | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One new buffer (uint8 [bytes]) for the slots' tensors and, in order, the view each will be
-    (same shape and dtype)."""
-    total = sum(_aligned(t.numel() * t.element_size()) for _, _, t in slots)
+    (same shape; same dtype, or `dtype`)."""
+    dtypes = [dtype or t.dtype for _, _, t in slots]
+    total = sum(_aligned(t.numel() * d.itemsize) for (_, _, t), d in zip(slots, dtypes, strict=True))
     arena = huge_empty(total)  # [bytes]
     views, offset = [], 0
-    for _, _, tensor in slots:
-        size = tensor.numel() * tensor.element_size()
-        view = arena[offset : offset + size].view(tensor.dtype).view(tensor.shape)
+    for (_, _, tensor), dt in zip(slots, dtypes, strict=True):
+        size = tensor.numel() * dt.itemsize
+        view = arena[offset : offset + size].view(dt).view(tensor.shape)
         # the buffer lives (and stays page-locked) while any of its views does
         view.arena = arena  # type: ignore[attr-defined]  # a Python attribute on a tensor, not a torch field
         views.append(view)
@@ -64,11 +65,11 @@ def _fill(slots: list[Slot], views: list[torch.Tensor]) -> None:
 
 def copy_in(view: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """view.copy_(tensor) (converting its dtype); a tensor viewing a mapped file (model/checkpoint.py:
-    it has `release`) a chunk at a time, each chunk's pages let go once copied, so the file is never
-    resident whole. Returns `view`."""
+    it has `release`) a chunk at a time, each chunk's pages let go once copied (and converted), so
+    the file is never resident whole, nor a tensor's pages beside the next one's. Returns `view`."""
     release = getattr(tensor, "release", None)
     size = tensor.element_size()
-    if release is None or not tensor.is_contiguous() or tensor.numel() * size <= CHUNK:
+    if release is None or not tensor.is_contiguous() or not view.is_contiguous():
         return view.copy_(tensor)
     source, target, step = tensor.reshape(-1), view.reshape(-1), CHUNK // size
     for start in range(0, source.numel(), step):
@@ -77,13 +78,13 @@ def copy_in(view: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def _pack(slots: list[Slot], plan: ArenaPlan | None = None) -> torch.Tensor:
+def _pack(slots: list[Slot], plan: ArenaPlan | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Move every slot's tensor into one buffer (uint8 [bytes]): the planned one where the slots
-    match its layout, else a new one."""
+    match its layout's shapes (each converted to its view's dtype as it is copied in), else a new
+    one, of the tensors' dtypes or `dtype`."""
     slots = [(owner, name, t) for owner, name, t in slots if t is not None]
-    shapes = [(t.shape, t.dtype) for _, _, t in slots]
-    if plan is None or [(v.shape, v.dtype) for v in plan.views] != shapes:
-        plan = ArenaPlan(*_layout(slots), [])
+    if plan is None or [v.shape for v in plan.views] != [t.shape for _, _, t in slots]:
+        plan = ArenaPlan(*_layout(slots, dtype), [])
     _fill(slots, plan.views)
     return plan.arena
 
@@ -100,10 +101,17 @@ class ArenaPlan:
     _calls: int = 0
 
     def stack(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """torch.cat(parts) into the place planned for this call's result."""
+        """torch.cat(parts) into the place planned for this call's result, each part copied into its
+        rows by `copy_in` (converted to the plan's dtype, a mapped part's pages let go as copied)."""
         view = self.stacked[self._calls] if self._calls < len(self.stacked) else None
         self._calls += 1
-        return torch.cat(parts) if view is None else torch.cat(parts, out=view)
+        if view is None:
+            return torch.cat(parts)
+        row = 0
+        for part in parts:
+            copy_in(view[row : row + part.shape[0]], part)
+            row += part.shape[0]
+        return view
 
 
 def plan_layer(build: Callable[[Stack], LayerWeights]) -> ArenaPlan:
@@ -148,11 +156,14 @@ def layer_arena(lw: LayerWeights, plan: ArenaPlan | None = None) -> torch.Tensor
     return _pack(layer_slots(lw), plan)
 
 
-def top_arena(weights: ModelWeights) -> torch.Tensor:
-    """The embedding, final norm and LM head in one host buffer (a tied LM head stays the embedding)."""
+def top_arena(weights: ModelWeights, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The embedding, final norm and LM head in one host buffer, converted to `dtype` if given (a
+    tied LM head stays the embedding)."""
     tied = weights.lm_head is weights.embed
     names = ("embed", "final_norm") if tied else ("embed", "final_norm", "lm_head")
-    arena = _pack([(weights, name, getattr(weights, name)) for name in names])  # only _pack holds them
+    arena = _pack(
+        [(weights, name, getattr(weights, name)) for name in names], dtype=dtype
+    )  # only _pack holds them
     if tied:
         weights.lm_head = weights.embed
     return arena

@@ -3,11 +3,13 @@
 Opening a checkpoint reads only the shard headers and checks every tensor the
 model needs (present, right shape, floating dtype) before any weight is read,
 so a bad checkpoint fails at once with one line naming the file and tensor.
-Weights are then read lazily, a layer at a time: a tensor stored in the model's dtype comes back
-as a view of its own private mapping of its bytes, which the page cache fills as it is read and
-which is unmapped when the view goes, so copying it into its layer's arena (model/arena.py) is the
-one copy the load makes and the file's pages do not stay in the process (issue 25: a mapping of
-the whole shard, kept open, held every weight twice in its resident set).
+Weights are then read lazily, a layer at a time: a float tensor comes back (`read`) as a view of
+its own private mapping of its bytes, which the page cache fills as it is read and which is
+unmapped when the view goes, so copying it into its layer's arena (model/arena.py), converted to
+the model's dtype on the way where it is stored in another, is the one copy the load makes and the
+file's pages do not stay in the process (issue 25: a mapping of the whole shard, kept open, held
+every weight twice in its resident set; a tensor converted into a buffer of its own first held it
+once more until copied in).
 An FP8 checkpoint (flowmoe/model/fp8.py) has its F8_E4M3 tensors' block scales checked up
 front too, and each is dequantized into the model's dtype as its layer is read; so has a GPTQ, AWQ
 or compressed-tensors checkpoint its modules' packed integer tensors (model/int4_checkpoints.py).
@@ -178,6 +180,19 @@ class Checkpoint:
         return stored(name) or (self.int4 is not None and self.int4.stored(name, stored))
 
     def get(self, name: str, shape: Shape) -> torch.Tensor:
+        tensor = self.read(name, shape)
+        if tensor.dtype == self.dtype:
+            return tensor
+        # converted into memory of its own mapping (freed to the system, not the allocator's pools)
+        return copy_in(
+            huge_empty(tensor.numel() * self.dtype.itemsize).view(self.dtype).view(tensor.shape), tensor
+        )
+
+    def read(self, name: str, shape: Shape) -> torch.Tensor:
+        """Tensor `name` for copying into an arena (model/loading.py): a float tensor as stored, viewing
+        its own mapping (`_mapped`), so the copy converts it to the model's dtype a chunk at a time
+        (arena.copy_in) and no converted copy is ever resident beside the arena; one that cannot be
+        mapped, or is stored quantized, in the model's dtype as `get` gives it."""
         self._check(name, shape)
         packed = self.int4_weight(name, shape)
         if packed is not None:  # dequantized per module on load
@@ -190,13 +205,7 @@ class Checkpoint:
         stored = STORED_DTYPES[info.dtype]
         if info.nbytes == 0 or info.offset % stored.itemsize:  # nothing to map, or unaligned: a copy
             return self._handles[self._where[name]].get_tensor(name).to(self.dtype).contiguous()
-        mapped = self._mapped(name, stored)
-        if stored == self.dtype:
-            return mapped
-        # converted into memory of its own mapping (freed to the system, not the allocator's pools)
-        return copy_in(
-            huge_empty(mapped.numel() * self.dtype.itemsize).view(self.dtype).view(mapped.shape), mapped
-        )
+        return self._mapped(name, stored)
 
     def _mapped(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """Tensor `name` viewing a private mapping of its bytes alone (copy-on-write: the file is

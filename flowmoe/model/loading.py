@@ -203,13 +203,34 @@ class _Shapes:
         return torch.empty(shape, dtype=self.dtype, device="meta")
 
 
+@frozen
+class _AsStored:
+    """A checkpoint's tensors as stored where they can be mapped (`Checkpoint.read`): each converted
+    to the model's dtype as it is copied into its arena, a chunk at a time, never whole beside it.
+    A fused experts tensor [experts, ...] is cut into its experts, each copied out of it before any
+    is copied in: it is read converted (`Checkpoint.get`, its pages let go as they are converted)."""
+
+    ckpt: Checkpoint
+
+    def has(self, name: str) -> bool:
+        return self.ckpt.has(name)
+
+    def get(self, name: str, shape: Shape) -> torch.Tensor:
+        return self.ckpt.get(name, shape) if len(shape) > 2 else self.ckpt.read(name, shape)
+
+
+def _into_arena(source: TensorSource) -> TensorSource:
+    """`source` for reading tensors that are copied into an arena next."""
+    return _AsStored(source) if isinstance(source, Checkpoint) else source
+
+
 def read_layer(source: TensorSource, spec: ModelSpec, layer: int) -> LayerWeights:
     """Layer `layer` of `source` into its arena as it is read: laid out from its shapes first, so its
     stacked tensors are written in place and the rest copied in one by one (model/arena.py)."""
     tensor_map = TensorMap.for_spec(spec)
     shapes = _Shapes(source, TORCH_DTYPES[spec.dtype])
     plan = plan_layer(functools.partial(tensor_map.load_layer, layer, shapes))
-    lw = tensor_map.load_layer(layer, source, plan.stack)
+    lw = tensor_map.load_layer(layer, _into_arena(source), plan.stack)
     layer_arena(lw, plan)  # each loaded tensor is let go as its copy takes its place
     return lw
 
@@ -226,6 +247,6 @@ def _assemble(
         layers.append(lw)
         if progress is not None:
             progress(layer + 1, spec.layers)
-    weights = TensorMap.for_spec(spec).load_top(source, layers)
-    top_arena(weights)
+    weights = TensorMap.for_spec(spec).load_top(_into_arena(source), layers)
+    top_arena(weights, TORCH_DTYPES[spec.dtype])
     return MoEModel.build(spec, weights)

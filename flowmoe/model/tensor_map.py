@@ -148,8 +148,10 @@ class TensorMap:
         shapes = self.top_level()
         embed = source.get("model.embed_tokens.weight", shapes["model.embed_tokens.weight"])
         head = embed if self.spec.tie_embeddings else source.get("lm_head.weight", shapes["lm_head.weight"])
-        if self.spec.lm_head_bias:  # [vocab, hidden + 1]: the bias as a last column
-            head = torch.cat([head, source.get("lm_head.bias", shapes["lm_head.bias"])[:, None]], dim=1)
+        if self.spec.lm_head_bias:  # [vocab, hidden + 1]: the bias as a last column, in the model's dtype
+            bias = source.get("lm_head.bias", shapes["lm_head.bias"])[:, None]  # [vocab, 1]
+            joined = head.new_empty((head.shape[0], head.shape[1] + 1), dtype=getattr(torch, self.spec.dtype))
+            head = torch.cat([head, bias], dim=1, out=joined)
         norm = _norm_from(lambda name: source.get(name, shapes[name]), "model.norm.", self.spec.norm)
         return ModelWeights(embed, norm, head, layers)
 
