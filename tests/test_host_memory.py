@@ -75,7 +75,12 @@ def test_loaded_weights_live_in_one_arena_per_layer(mixtral_folder: Path) -> Non
         storages.add(arena.untyped_storage().data_ptr())
     assert len(storages) == model.spec.layers
     top = model.weights
-    assert top.embed.arena is top.final_norm.arena is top.lm_head.arena
+    assert top.final_norm.arena is top.lm_head.arena
+    # the untied embedding in the run's dtype stays in the mapped file (a step reads its tokens' rows);
+    # converted to another, it is in the arena too
+    assert not hasattr(top.embed, "arena") and hasattr(top.embed, "release")
+    converted = load_model(mixtral_folder, "bfloat16").weights
+    assert converted.embed.arena is converted.final_norm.arena is converted.lm_head.arena
 
 
 def test_a_tied_lm_head_stays_the_embedding(tmp_path: Path) -> None:

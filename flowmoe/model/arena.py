@@ -158,9 +158,14 @@ def layer_arena(lw: LayerWeights, plan: ArenaPlan | None = None) -> torch.Tensor
 
 def top_arena(weights: ModelWeights, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The embedding, final norm and LM head in one host buffer, converted to `dtype` if given (a
-    tied LM head stays the embedding)."""
+    tied LM head stays the embedding). An untied embedding that views a mapped file (it has
+    `release`, model/checkpoint.py) in that dtype stays there: a step reads only its tokens' rows,
+    so only their pages are ever resident (the issue's 32000 x 1024 table: 62.5 MiB in bf16)."""
     tied = weights.lm_head is weights.embed
-    names = ("embed", "final_norm") if tied else ("embed", "final_norm", "lm_head")
+    embed_dtype = weights.embed.dtype
+    mapped = not tied and hasattr(weights.embed, "release") and embed_dtype == (dtype or embed_dtype)
+    packed = (("embed", not mapped), ("final_norm", True), ("lm_head", not tied))
+    names = [name for name, kept in packed if kept]
     arena = _pack(
         [(weights, name, getattr(weights, name)) for name in names], dtype=dtype
     )  # only _pack holds them
