@@ -113,10 +113,10 @@ INLINE void int4_step(int rt, int jn, int mats, const int8_t *xq, long ldq, cons
    group), then lanes = fma(scale, group lanes, lanes), lanes = fma(-(scale x zero), the row's group
    sums, lanes); sc and sz the weight rows' scales and scale x zero, a row's `groups` on
    (flowmoe_packed_block_avx2 converts them). tile_columns passes `per` as a constant for the common
-   groups: a group's steps unrolled, no loop bounds worked out per group. With prefetch_step, 16
-   experts' 1024 x 3584 FFNs, 1 row, 1 thread, AMD EPYC Zen 3 2 vCPU, load 1.7-1.9, 11 interleaved
-   rounds (bench/packed_rows.py's): int4 g128 1.15x from DRAM (0.72 -> 0.62 ms), 1.07x warm; int8
-   1.04x / 1.18x; 8 rows 0.97-1.04x; the same bits. */
+   groups at one row: a group's steps unrolled, no loop bounds worked out per group. With
+   prefetch_step, 16 experts' 1024 x 3584 FFNs, 1 row, 1 thread, AMD EPYC Zen 3 2 vCPU, load 2.4-3.4,
+   9 interleaved rounds (bench/packed_rows.py's): int4 g128 1.15x from DRAM (0.94 -> 0.81 ms), 1.24x
+   warm; int8 1.07x / 1.17x; the same bits. */
 INLINE void int4_tile(int rt, int jn, int mats, const int8_t *xq, long ldq, const float *xl, const float *xs, long ldf,
                       int r0, long K, long group, long per, const uint8_t *const *wr, const float *sc,
                       const float *sz, __m256 (*acc)[MB], int j0) {
@@ -144,7 +144,9 @@ INLINE void int4_tile(int rt, int jn, int mats, const int8_t *xq, long ldq, cons
         for (int j = 0; j < jn; j++) acc[r0 + r][j0 + j] = a[r][j];
 }
 
-/* Rows [r0, r0 + rt) of levels against the block's weight rows wr[j0..j0 + JT). */
+/* Rows [r0, r0 + rt) of levels against the block's weight rows wr[j0..j0 + JT); at one row, int4's
+   common groups with their steps unrolled (int4_tile; unrolled for several rows too, the larger code
+   made int8's 2-row blocks 0.81-0.91x from DRAM, their loops unchanged). */
 INLINE void tile_columns(int rt, int fmt, int mats, const int8_t *xq, long ldq, const float *xd, const float *xl,
                          const float *xs, long ldf, int r0, long K, long group, const void *const *wr,
                          const float *sc, const float *sz, __m256 (*acc)[MB], int j0) {
@@ -152,9 +154,9 @@ INLINE void tile_columns(int rt, int fmt, int mats, const int8_t *xq, long ldq, 
     const uint8_t *const *w4 = (const uint8_t *const *)wr + j0;
     if (fmt == 0)
         int8_tile(rt, JT, mats, xq, ldq, xd, ldf, r0, K, (const int8_t *const *)wr + j0, acc, j0);
-    else if (group == 2 * SB) /* int4's group (128) */
+    else if (rt == 1 && group == 2 * SB) /* int4's group (128) */
         int4_tile(rt, JT, mats, xq, ldq, xl, xs, ldf, r0, K, group, 2, w4, sc + j0 * groups, sz + j0 * groups, acc, j0);
-    else if (group == SB) /* hqq4's (64) */
+    else if (rt == 1 && group == SB) /* hqq4's (64) */
         int4_tile(rt, JT, mats, xq, ldq, xl, xs, ldf, r0, K, group, 1, w4, sc + j0 * groups, sz + j0 * groups, acc, j0);
     else
         int4_tile(rt, JT, mats, xq, ldq, xl, xs, ldf, r0, K, group, group / SB, w4, sc + j0 * groups,
