@@ -76,11 +76,15 @@ def test_loaded_weights_live_in_one_arena_per_layer(mixtral_folder: Path) -> Non
     assert len(storages) == model.spec.layers
     top = model.weights
     assert top.final_norm.arena is top.lm_head.arena
-    # the untied embedding in the run's dtype stays in the mapped file (a step reads its tokens' rows);
-    # converted to another, it is in the arena too
+    # the untied embedding stays in the mapped file as stored (a step reads its tokens' rows), also
+    # where the run computes in another dtype: MoEModel.embed converts the rows it reads
     assert not hasattr(top.embed, "arena") and hasattr(top.embed, "release")
-    converted = load_model(mixtral_folder, "bfloat16").weights
-    assert converted.embed.arena is converted.final_norm.arena is converted.lm_head.arena
+    converted = load_model(mixtral_folder, "bfloat16")
+    w = converted.weights
+    assert w.embed.dtype == torch.float32 and hasattr(w.embed, "release") and not hasattr(w.embed, "arena")
+    assert converted.dtype == torch.bfloat16 and w.final_norm.arena is w.lm_head.arena
+    ids = torch.tensor([0, 5, 3, 5])  # [T]
+    assert torch.equal(converted.embed(ids), top.embed.to(torch.bfloat16)[ids])  # a converted table's bits
 
 
 def test_a_tied_lm_head_stays_the_embedding(tmp_path: Path) -> None:

@@ -159,11 +159,11 @@ def layer_arena(lw: LayerWeights, plan: ArenaPlan | None = None) -> torch.Tensor
 def top_arena(weights: ModelWeights, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The embedding, final norm and LM head in one host buffer, converted to `dtype` if given (a
     tied LM head stays the embedding). An untied embedding that views a mapped file (it has
-    `release`, model/checkpoint.py) in that dtype stays there: a step reads only its tokens' rows,
-    so only their pages are ever resident (the issue's 32000 x 1024 table: 62.5 MiB in bf16)."""
+    `release`, model/checkpoint.py) stays there, as stored: a step reads only its tokens' rows (and
+    MoEModel.embed converts those), so only their pages are ever resident (the issue's 32000 x 1024
+    table: 62.5 MiB in bf16, 125 MiB in fp32)."""
     tied = weights.lm_head is weights.embed
-    embed_dtype = weights.embed.dtype
-    mapped = not tied and hasattr(weights.embed, "release") and embed_dtype == (dtype or embed_dtype)
+    mapped = not tied and hasattr(weights.embed, "release")
     packed = (("embed", not mapped), ("final_norm", True), ("lm_head", not tied))
     names = [name for name, kept in packed if kept]
     arena = _pack(

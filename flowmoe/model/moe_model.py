@@ -61,7 +61,9 @@ class MoEModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.weights.embed.dtype
+        """The dtype the model computes in (an embedding left in its mapped checkpoint may be stored
+        in another: `embed` converts the rows it reads)."""
+        return self.weights.final_norm.dtype
 
     def new_cache(self, slots: int, capacity: int, device: Homes = "cpu") -> KVCache:
         a = self.spec.attention
@@ -76,7 +78,8 @@ class MoEModel:
 
     def embed(self, ids: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """ids: [T] int64 -> hidden [T, hidden] (`weight`: the embedding where it is resident)."""
-        hidden = F.embedding(ids, self.weights.embed if weight is None else weight)
+        table = self.weights.embed if weight is None else weight  # [vocab, hidden], maybe still as stored
+        hidden = F.embedding(ids, table).to(self.dtype)
         multiplier = self.spec.embedding_multiplier
         return hidden * multiplier if multiplier != 1.0 else hidden
 

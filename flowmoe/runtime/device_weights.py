@@ -187,10 +187,11 @@ class DeviceWeights:
             self._sizes.update({(layer, e): lw.expert_nbytes(e) for e in range(len(lw.experts or lw.packed))})
         resident = sum(self._size(layer, -1) for layer in residency.dense)
         resident += sum(self._size(layer, expert) for layer, expert in residency.experts)
-        ends = w.embed.nbytes + w.final_norm.nbytes + w.lm_head.nbytes
+        ends = w.embed.numel() * self.model.dtype.itemsize + w.final_norm.nbytes + w.lm_head.nbytes
         self._release = _hold(self, self.devices.gpu, ends + resident + buffer_bytes, budget)
         self._pool = self._pooled(residency, buffer_bytes)
-        self.embed = self.devices.to_gpu(w.embed)
+        # converted on the host where it is copied (it may still be as stored in its checkpoint)
+        self.embed = self.devices.to_gpu(w.embed.to(self.model.dtype) if self.devices.copies else w.embed)
         self.head = (self.devices.to_gpu(w.final_norm), self.devices.to_gpu(w.lm_head))
         for layer in sorted(residency.dense):
             self.load(layer, -1)
