@@ -211,9 +211,9 @@ class Llama:
 
 def flowmoe_worker(job: dict) -> dict:
     sys.path.insert(0, str(HERE.parent))
-    from flowmoe.core.threads import sleeping_omp_waits
+    from flowmoe.core.threads import omp_waits
 
-    sleeping_omp_waits()  # as `flowmoe run` does, before torch is imported
+    omp_waits()  # as `flowmoe run` does, before torch is imported
     from attrs import evolve
 
     from bench.vs_transformers import flowmoe_generate

@@ -31,6 +31,7 @@ import torch
 
 from flowmoe.core.executor import Action, Finish
 from flowmoe.core.plan import TaskNode
+from flowmoe.core.threads import CoTenants
 from flowmoe.devices.threadpool import Job, run_action, set_intra_op
 
 
@@ -41,6 +42,9 @@ class InlineWorker:
         while one records."""
         self._threads = threads
         self._thread = 0  # the thread `threads` was set on
+        # a team of several threads keeps to the cores other processes leave free (core/threads.py)
+        self._tenants = CoTenants(threads) if threads is not None and threads > 1 else None
+        self._team = threads
         self._ranges = profile_ranges
         self._inference = torch.inference_mode()  # entered around each run of the queue (not reentrant)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop the queue belongs to
@@ -73,6 +77,10 @@ class InlineWorker:
             if self._threads is not None and self._thread != threading.get_ident():
                 self._thread = threading.get_ident()
                 set_intra_op(self._threads)
+                self._team = self._threads
+            if self._tenants is not None and self._tenants.width(time.monotonic()) != self._team:
+                self._team = self._tenants.team
+                torch.set_num_threads(self._team)  # this thread's team, the cores co-tenants leave
             ranges = self._ranges and torch.autograd.profiler._is_profiler_enabled  # once per queue run
             with self._inference:
                 while queue:

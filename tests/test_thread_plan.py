@@ -13,8 +13,22 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+import flowmoe.core.threads as threads
 import flowmoe.devices.factory as factory
-from flowmoe.core.threads import FREE, PROC_STAT, count_free, free_cores, idle_shares, usable_cores
+from flowmoe.core.threads import (
+    FREE,
+    PROC_STAT,
+    SPIN,
+    TICK_S,
+    CoTenants,
+    busy_seconds,
+    count_free,
+    free_cores,
+    idle_shares,
+    omp_waits,
+    team_beside,
+    usable_cores,
+)
 from flowmoe.devices.threadpool import set_intra_op
 
 
@@ -79,3 +93,64 @@ def test_a_core_a_busy_process_runs_on_is_not_free() -> None:
     finally:
         spin.kill()
         spin.wait()
+
+
+def test_busy_seconds_count_the_cores_non_idle_ticks() -> None:
+    before = stat((100, 900), (500, 500))
+    after = stat((150, 950), (600, 500))  # cpu0 50 busy ticks of 100, cpu1 100 of 100
+    assert busy_seconds(before, after, {0, 1}) == pytest.approx(150 * TICK_S)
+    assert busy_seconds(before, after, {1, 9}) == pytest.approx(100 * TICK_S)
+
+
+@pytest.mark.parametrize(
+    ("others", "widest", "cores", "team"),
+    [
+        (0.0, 2, 2, 2),
+        (0.2, 2, 2, 2),
+        (0.3, 2, 2, 1),
+        (0.95, 2, 2, 1),
+        (2.0, 2, 2, 1),
+        (1.0, 4, 8, 4),
+        (5.0, 4, 8, 3),
+    ],
+)
+def test_the_team_keeps_to_the_cores_co_tenants_leave(
+    others: float, widest: int, cores: int, team: int
+) -> None:
+    assert team_beside(others, widest, cores) == team
+
+
+def test_a_watched_team_narrows_while_a_co_tenant_runs_and_widens_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each look compares /proc/stat with the last one; between looks the width is kept."""
+    readings = iter([stat((0, 0), (0, 0)), stat((100, 0), (5, 95)), stat((110, 90), (15, 185))])
+    own = iter([0.0, 0.05, 0.25])  # this process: 0.05 s in the first second, 0.2 s in the next
+    monkeypatch.setattr(threads, "read_stat", lambda: next(readings))
+    monkeypatch.setattr(threads.time, "process_time", lambda: next(own))
+    monkeypatch.setattr(threads, "TICK_S", 0.01)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
+    watch = CoTenants(2)
+    assert watch.width(10.0) == 2  # the first look: nothing to compare yet
+    assert watch.width(10.5) == 2  # within WATCH_S: not looked at
+    assert watch.width(11.0) == 1  # 1.05 s busy, 0.05 of it ours: a co-tenant holds a core
+    assert watch.width(12.0) == 2  # 0.2 s busy, all ours
+
+
+@pytest.mark.parametrize(
+    ("free", "env"), [(2, {"GOMP_SPINCOUNT": str(SPIN)}), (1, {"OMP_WAIT_POLICY": "PASSIVE"})]
+)
+def test_workers_spin_briefly_on_a_free_machine_and_sleep_on_a_busy_one(
+    monkeypatch: pytest.MonkeyPatch, free: int, env: dict[str, str]
+) -> None:
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # set first, so that the test's end restores them
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(threads, "free_cores", lambda: free)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    omp_waits()
+    assert {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ} == env
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice stays
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    omp_waits()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in os.environ

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from flowmoe import __version__
 from flowmoe.cli.signals import Interrupted, SignalGate
 from flowmoe.core.errors import FlowmoeError
-from flowmoe.core.threads import sleeping_omp_waits
+from flowmoe.core.threads import omp_waits
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -140,7 +140,7 @@ def _name_each_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    sleeping_omp_waits()  # before anything imports torch
+    omp_waits()  # before anything imports torch
     gate = SignalGate()
     with gate.installed():
         try:

@@ -22,6 +22,10 @@ busy co-tenant on a 2-core machine the README tour's cgopipe job took 6.3-17.3 s
 0.21 s on one. A short look at /proc/stat (which cores sat idle over `SAMPLE_S`) sizes the default
 team to the cores nobody else is using; 1 where every core is busy.
 
+A co-tenant that comes after the start: a team of several threads looks at /proc/stat again every
+WATCH_S seconds of its run (`CoTenants`, asked by devices/inline.py) and narrows to the cores other
+processes leave free, widening again once they are.
+
 How the runtime uses it (devices/factory.py): without CUDA every lane's nodes run on the event
 loop's thread, one compute thread with the whole budget, exactly as a plain eager step; with CUDA
 the host lanes (cpu.compute) get the budget less one core, which the loop and launch threads keep.
@@ -91,16 +95,35 @@ def count_free(shares: list[float]) -> int:
     return max(1, sum(share >= FREE for share in shares))
 
 
-def sleeping_omp_waits() -> None:
-    """OpenMP workers that sleep between parallel regions instead of spinning, unless the user chose
-    a policy: OMP_WAIT_POLICY=PASSIVE by default. libgomp reads it once, when torch loads it, so this
-    runs before torch is imported (the CLI's first step). Its default spins each worker ~300,000
-    times after every region (GOMP_SPINCOUNT), and a decode step runs dozens of short regions with
-    Python between them: on a busy 2-vCPU machine (load ~7) a bf16 batch-1 step at 2 threads took
-    224-497 ms of CPU and 0.5-1.0 s of wall spinning, 56-72 ms and 0.11-0.18 s passive, as at 1 thread
-    (bench/RESULTS.md, issue 25). The price on an idle machine: the same step's wall ~33 ms spinning,
-    ~40 ms passive (OMP_WAIT_POLICY=ACTIVE gets it back where nothing else runs)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+SPIN = 30_000  # GOMP_SPINCOUNT on a free machine: ~0.3 ms by libgomp's own estimate (~100,000 a ms)
+
+
+def omp_waits() -> None:
+    """How OpenMP's idle workers wait between parallel regions, unless the user chose (OMP_WAIT_POLICY
+    or GOMP_SPINCOUNT set). libgomp reads both once, when torch loads it, so this runs before torch is
+    imported (the CLI's first step). A decode step runs dozens of short regions with Python between
+    them, 2-vCPU AMD EPYC, bf16 batch 1 at 2 threads, medians of 6 (bench/RESULTS.md, issue 25):
+    - every usable core free when the run starts: a short spin, GOMP_SPINCOUNT=SPIN. Idle, ~35 ms a
+      step, as OMP_WAIT_POLICY=ACTIVE's ~38; passive workers woken by the kernel for each region ~42,
+      barely under 1 thread's ~48. A co-tenant that comes later shrinks the team (`CoTenants`): with
+      one, the spinning 2-thread step took ~175 ms, passive ~50, 1 thread ~47.
+    - a core busy at the start: OMP_WAIT_POLICY=PASSIVE, workers that sleep at once (the default
+      plan computes on the free cores anyway; an explicit --cpu-threads no slower than 1 thread)."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    if free_cores() < usable_cores():
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    else:
+        os.environ["GOMP_SPINCOUNT"] = str(SPIN)
+
+
+STAT_BOUND = 1 << 20  # bytes of /proc/stat read at most (a line per core: ~100 bytes each)
+
+
+def read_stat() -> str:
+    """/proc/stat's text, up to STAT_BOUND bytes (OSError where it cannot be read)."""
+    with PROC_STAT.open("rb") as stat:
+        return stat.read(STAT_BOUND).decode("ascii", errors="replace")
 
 
 @functools.cache
@@ -109,12 +132,64 @@ def free_cores() -> int:
     process; at least 1); all usable cores where /proc/stat cannot be read."""
     try:
         cores = os.sched_getaffinity(0)
-        before = PROC_STAT.read_text()
+        before = read_stat()
         time.sleep(SAMPLE_S)
-        after = PROC_STAT.read_text()
+        after = read_stat()
     except (AttributeError, OSError):
         return usable_cores()
     return count_free(idle_shares(before, after, cores))
+
+
+WATCH_S = 1.0  # seconds of a run between two looks at the co-tenants
+TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01  # a /proc/stat jiffy
+
+
+def busy_seconds(before: str, after: str, cores: set[int]) -> float:
+    """CPU seconds `cores` spent busy (not idle or iowait) between two readings of /proc/stat."""
+    start, end = _cpu_times(before), _cpu_times(after)
+    ticks = 0
+    for core in cores & start.keys() & end.keys():
+        (idle_0, total_0), (idle_1, total_1) = start[core], end[core]
+        ticks += (total_1 - total_0) - (idle_1 - idle_0)
+    return ticks * TICK_S
+
+
+def team_beside(others: float, widest: int, cores: int) -> int:
+    """The team's width when other processes keep `others` cores' worth busy: the cores they leave
+    at least FREE idle, at least 1 and at most `widest`."""
+    return max(1, min(widest, int(cores - others + (1 - FREE))))
+
+
+class CoTenants:
+    """How wide a run's team may be now (issue 25): every WATCH_S seconds of a run, the busy time of
+    the usable cores in /proc/stat less this process's own CPU time is what other processes ran;
+    the team keeps to the cores they leave free, since each parallel region waits for its slowest
+    thread. Asked at each run of the inline queue (devices/inline.py); one look costs ~30 us."""
+
+    def __init__(self, widest: int) -> None:
+        self.widest = widest
+        self.team = widest
+        try:
+            self._cores = os.sched_getaffinity(0)
+        except (AttributeError, OSError):  # no affinity (macOS): no /proc/stat either
+            self._cores = set()
+        self._last: tuple[float, str, float] | None = None  # monotonic s, /proc/stat, process CPU s
+
+    def width(self, now: float) -> int:
+        if not self._cores or (self._last is not None and now - self._last[0] < WATCH_S):
+            return self.team
+        try:
+            stat = read_stat()
+        except OSError:
+            self._cores = set()
+            return self.team
+        own = time.process_time()
+        if self._last is not None:
+            then, before, own_before = self._last
+            others = busy_seconds(before, stat, self._cores) - (own - own_before)
+            self.team = team_beside(others / (now - then), self.widest, len(self._cores))
+        self._last = (now, stat, own)
+        return self.team
 
 
 def plan_threads(
