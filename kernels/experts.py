@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from flowmoe.core.spec import MoESpec
 from flowmoe.kernels import cpu_expert
 from flowmoe.kernels.grouped_experts import swiglu_grouped
-from flowmoe.kernels.linear import linear
+from flowmoe.kernels.linear import WIDEN_ROWS, _emulated, linear
 
 FFN = cpu_expert.FFN
+SLAB_BYTES = 4 << 20  # the fp32 copy of a widened weight's slab (`_widened_in_slabs`)
 
 
 def swiglu_ffn(
@@ -100,7 +101,7 @@ def swiglu_ffn_torch(x: torch.Tensor, ffn: FFN, moe: MoESpec) -> torch.Tensor:
     """`swiglu_ffn` composed of torch ops: x [n, hidden], ffn = (gate_up, down, gate_up_bias,
     down_bias) -> [n, hidden]."""
     gate_up, down, gate_up_bias, down_bias = ffn
-    h = linear(x, gate_up, gate_up_bias)  # [n, 2I]
+    h = _widened_in_slabs(x, gate_up, gate_up_bias)  # [n, 2I]
     gate, up = h.chunk(2, dim=-1)  # [n, I] each
     if moe.activation == "clamped_swiglu":
         gate = gate.clamp(max=moe.swiglu_limit)
@@ -108,4 +109,39 @@ def swiglu_ffn_torch(x: torch.Tensor, ffn: FFN, moe: MoESpec) -> torch.Tensor:
         act = (up + 1) * (gate * torch.sigmoid(gate * moe.swiglu_alpha))
     else:
         act = F.silu(gate) * up
-    return linear(act, down, down_bias)  # [n, hidden]
+    return _widened_in_slabs(act, down, down_bias)  # [n, hidden]
+
+
+def _widened_in_slabs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """linear(x, weight, bias): x [n, in], weight [out, in] -> [n, out] in linear's layout and floats,
+    where linear widens a half-precision weight to fp32 (many rows, emulated bf16 / fp16) computed a
+    slab of the weight's output rows at a time into one output: each slab's fp32 copy SLAB_BYTES,
+    not the whole weight's (a 1024-token prefill's expert: 4 MiB, not 28 + 14 MiB, and its fp32
+    product a slab wide). A GEMM's output column reads only its own weight row: the same floats."""
+    step = max(1, SLAB_BYTES // (weight.shape[-1] * 4))  # weight rows per slab
+    if (
+        not x.is_cpu
+        or x.dim() != 2
+        or weight.shape[0] <= step
+        or x.shape[0] < WIDEN_ROWS
+        or not _emulated(x.dtype)
+        or cpu_expert.fits(x, weight, bias)
+    ):
+        return linear(x, weight, bias)
+    weights = weight.split(step)  # [slab, in] each
+    biases = bias.split(step) if bias is not None else [None] * len(weights)
+    out = None
+    for at, w, b in zip(range(0, weight.shape[0], step), weights, biases, strict=True):
+        part = linear(x, w, b)  # [n, slab]
+        if out is None:
+            out = _laid_out_as(part, weight.shape[0])
+        out[:, at : at + w.shape[0]] = part
+    assert out is not None
+    return out
+
+
+def _laid_out_as(part: torch.Tensor, columns: int) -> torch.Tensor:
+    """An empty [n, columns] laid out as part [n, slab]: row-major, or a transposed view (linear's
+    form for few rows)."""
+    n = part.shape[0]
+    return part.new_empty(columns, n).t() if part.stride(1) != 1 else part.new_empty(n, columns)

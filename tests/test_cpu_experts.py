@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowmoe.core.spec import MoESpec
-from flowmoe.kernels import cpu_expert, native
+from flowmoe.kernels import cpu_expert, experts, native
 from flowmoe.kernels.experts import swiglu_ffn, swiglu_ffn_group, swiglu_ffn_torch
-from flowmoe.kernels.linear import linear
+from flowmoe.kernels.linear import FEW_ROWS, linear
 from tests.helpers import rel_err
 
 compiled = pytest.mark.skipif(cpu_expert.library() is None, reason="no C compiler for the CPU kernels here")
@@ -385,3 +385,26 @@ def test_blocks_agree_within_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
             cpu_expert.isa.cache_clear()
             outs.append(cpu_expert.linear_rows(x.to(dtype), weight.to(dtype)))
         assert rel_err(outs[0], outs[1]) <= TOLERANCE[dtype] / 3  # at most one rounding apart
+
+
+@pytest.mark.parametrize("rows", [experts.WIDEN_ROWS, cpu_expert.AVX2_MAX_ROWS + 3, FEW_ROWS, FEW_ROWS + 5])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+def test_widened_slabs_give_linears_floats(
+    rows: int, threads: int, bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 expert of many rows projected a slab of weight rows at a time (where torch's bf16 is
+    emulated and linear widens the weight to fp32) gives linear's floats and layout bit for bit, on
+    either side of FEW_ROWS (linear's two forms) and at any thread count: the prefill's expert FFN,
+    and so its tokens, as before its weights were widened whole."""
+    generator = torch.Generator().manual_seed(rows)
+    moe, hidden, inter = _moe("silu"), 64, 96
+    monkeypatch.setattr(experts, "SLAB_BYTES", 40 * hidden * 4)  # slabs of 40 rows, the last one shorter
+    ffn = _ffn(generator, hidden, inter, torch.bfloat16, bias)
+    x = _tensor(generator, rows, hidden).bfloat16()
+    whole = _threads(threads, lambda: linear(x, ffn[0], ffn[2]))
+    slabs = _threads(threads, lambda: experts._widened_in_slabs(x, ffn[0], ffn[2]))
+    assert torch.equal(slabs, whole) and slabs.stride() == whole.stride()
+    gate, up = whole.chunk(2, dim=-1)
+    expected = linear(F.silu(gate) * up, ffn[1], ffn[3])  # the FFN composed without slabs
+    assert torch.equal(_threads(threads, lambda: swiglu_ffn_torch(x, ffn, moe)), expected)
