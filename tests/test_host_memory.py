@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 
@@ -12,10 +13,12 @@ from attrs import fields
 from flowmoe.kernels.host_memory import HUGE_PAGE, huge_empty, huge_zeros
 from flowmoe.model.arena import ALIGN, arena_of
 from flowmoe.model.loading import load_model
+from flowmoe.model.moe_model import EMBED_ROWS
 from flowmoe.model.weights import AttentionWeights
 from tests.hf_models import hf_model, save_hf
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+PAGE_KIB = mmap.PAGESIZE // 1024
 
 
 def _thp_mode() -> str | None:
@@ -25,15 +28,15 @@ def _thp_mode() -> str | None:
         return None
 
 
-def _huge_kib(tensor: torch.Tensor) -> int:
-    """AnonHugePages (KiB) of the mapping that holds `tensor` (/proc/self/smaps)."""
+def _smaps_kib(tensor: torch.Tensor, field: str = "AnonHugePages") -> int:
+    """`field` (KiB) of the mapping that holds `tensor` (/proc/self/smaps): AnonHugePages, Rss."""
     address, lines = tensor.data_ptr(), Path("/proc/self/smaps").read_text().splitlines()
     inside = False
     for line in lines:
         span = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
         if span:
             inside = int(span.group(1), 16) <= address < int(span.group(2), 16)
-        elif inside and line.startswith("AnonHugePages:"):
+        elif inside and line.startswith(f"{field}:"):
             return int(line.split()[1])
     return 0
 
@@ -46,7 +49,7 @@ def test_a_large_buffer_starts_on_a_huge_page_and_gets_huge_pages() -> None:
     assert int(buffer[-1]) == 7
     if _thp_mode() not in ("madvise", "always"):
         pytest.skip(f"transparent huge pages are {_thp_mode()!r} here")
-    assert _huge_kib(buffer) >= HUGE_PAGE // 1024  # at least one huge page (the OS may split some)
+    assert _smaps_kib(buffer) >= HUGE_PAGE // 1024  # at least one huge page (the OS may split some)
 
 
 def test_small_buffers_and_the_switch_give_ordinary_memory(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,6 +88,12 @@ def test_loaded_weights_live_in_one_arena_per_layer(mixtral_folder: Path) -> Non
     assert converted.dtype == torch.bfloat16 and w.final_norm.arena is w.lm_head.arena
     ids = torch.tensor([0, 5, 3, 5])  # [T]
     assert torch.equal(converted.embed(ids), top.embed.to(torch.bfloat16)[ids])  # a converted table's bits
+    # a prefill's rows read EMBED_ROWS at a time: the same bits, and the table's pages they mapped
+    # let go (the kernel maps 16 pages around each row it faults in)
+    many = torch.arange(3 * EMBED_ROWS + 5) % top.embed.shape[0]  # [T]
+    assert torch.equal(converted.embed(many), top.embed.to(torch.bfloat16)[many])
+    expected = top.embed[many]  # [T, hidden]
+    assert torch.equal(model.embed(many), expected) and _smaps_kib(top.embed, "Rss") <= 2 * PAGE_KIB  # edges
 
 
 def test_a_tied_lm_head_stays_the_embedding(tmp_path: Path) -> None:

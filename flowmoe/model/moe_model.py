@@ -32,6 +32,8 @@ from flowmoe.kernels.router import Routing, route
 from flowmoe.model.packed_experts import packed_routed, packed_scaled
 from flowmoe.model.weights import FFNWeights, LayerWeights, ModelWeights
 
+EMBED_ROWS = 64  # rows of a mapped embedding read at once (`MoEModel.embed`): 4 MiB of pages mapped
+
 
 @frozen
 class Deferral:
@@ -79,10 +81,16 @@ class MoEModel:
     def embed(self, ids: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """ids: [T] int64 -> hidden [T, hidden] (`weight`: the embedding where it is resident)."""
         table = self.weights.embed if weight is None else weight  # [vocab, hidden], maybe still as stored
-        hidden = F.embedding(ids, table).to(self.dtype)
         release = getattr(table, "release", None)  # a table still in its mapped checkpoint (Checkpoint.read)
-        if release is not None:  # its pages this read mapped go (the kernel maps 16 around each row read:
-            release(0, table.nbytes)  # ~60 MiB for a 1024-token prefill of a 32000 x 1024 fp32 table)
+        if release is None:
+            hidden = F.embedding(ids, table).to(self.dtype)
+        else:  # read EMBED_ROWS rows at a time, letting go after each read of the pages it mapped (the
+            # kernel maps 16 around each row it faults in: ~60 MiB of the bench's fp32 32000 x 1024
+            # table for a 1024-token prefill read at once)
+            hidden = torch.empty(ids.shape[0], table.shape[1], dtype=self.dtype)  # [T, hidden]
+            for rows, out in zip(ids.split(EMBED_ROWS), hidden.split(EMBED_ROWS), strict=True):
+                out.copy_(F.embedding(rows, table))
+                release(0, table.nbytes)
         multiplier = self.spec.embedding_multiplier
         return hidden * multiplier if multiplier != 1.0 else hidden
 
