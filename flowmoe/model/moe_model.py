@@ -83,7 +83,8 @@ class MoEModel:
         table = self.weights.embed if weight is None else weight  # [vocab, hidden], maybe still as stored
         release = getattr(table, "release", None)  # a table still in its mapped checkpoint (Checkpoint.read)
         if release is None:
-            hidden = F.embedding(ids, table).to(self.dtype)
+            hidden = F.embedding(ids, table)  # [T, hidden]
+            hidden = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)  # no op where equal
         else:  # read EMBED_ROWS rows at a time, letting go after each read of the pages it mapped (the
             # kernel maps 16 around each row it faults in: ~60 MiB of the bench's fp32 32000 x 1024
             # table for a 1024-token prefill read at once)
