@@ -80,14 +80,20 @@ def _cpu_times(text: str) -> dict[int, tuple[int, int]]:
     return times
 
 
-def idle_shares(before: str, after: str, cores: set[int]) -> list[float]:
-    """The share of the time each of `cores` sat idle between two readings of /proc/stat."""
+def _ticks(before: str, after: str, cores: set[int]) -> list[tuple[int, int]]:
+    """(idle, total) jiffies each of `cores` (those in both readings, in order) counted between two
+    readings of /proc/stat."""
     start, end = _cpu_times(before), _cpu_times(after)
-    shares = []
+    ticks = []
     for core in sorted(cores & start.keys() & end.keys()):
         (idle_0, total_0), (idle_1, total_1) = start[core], end[core]
-        shares.append((idle_1 - idle_0) / (total_1 - total_0) if total_1 > total_0 else 1.0)
-    return shares
+        ticks.append((idle_1 - idle_0, total_1 - total_0))
+    return ticks
+
+
+def idle_shares(before: str, after: str, cores: set[int]) -> list[float]:
+    """The share of the time each of `cores` sat idle between two readings of /proc/stat."""
+    return [idle / total if total > 0 else 1.0 for idle, total in _ticks(before, after, cores)]
 
 
 def count_free(shares: list[float]) -> int:
@@ -146,12 +152,7 @@ TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01  # a /
 
 def busy_seconds(before: str, after: str, cores: set[int]) -> float:
     """CPU seconds `cores` spent busy (not idle or iowait) between two readings of /proc/stat."""
-    start, end = _cpu_times(before), _cpu_times(after)
-    ticks = 0
-    for core in cores & start.keys() & end.keys():
-        (idle_0, total_0), (idle_1, total_1) = start[core], end[core]
-        ticks += (total_1 - total_0) - (idle_1 - idle_0)
-    return ticks * TICK_S
+    return sum(total - idle for idle, total in _ticks(before, after, cores)) * TICK_S
 
 
 def team_beside(others: float, widest: int, cores: int) -> int:
