@@ -169,12 +169,7 @@ def _expert_packer(
             f"loads, and {source} is an FP8 checkpoint: run it with --expert-format fp8 (or native)"
         )
 
-    def quantized(_layer: int, lw: LayerWeights) -> list[QuantizedExpert]:
-        if lw.packed:
-            raise ConfigError(f"--expert-format {expert_format}: the model's experts are packed already")
-        return [quantize_expert(ffn, expert_format, where) for ffn in lw.experts]
-
-    return quantized
+    return lambda _layer, lw: [quantize_expert(ffn, expert_format, where) for ffn in lw.experts]
 
 
 def _check_attention_source(
