@@ -63,12 +63,13 @@ from flowmoe.core.cost import RooflineCost
 from flowmoe.core.hardware import hardware
 from flowmoe.core.memory import MemoryNeed, gpu_memory
 from flowmoe.core.plan import Lane, Op
-from flowmoe.core.policy import Policy, parse_bytes
+from flowmoe.core.policy import QUANTIZED_ON_LOAD, ExpertFormat, Policy, parse_bytes
 from flowmoe.core.scheduling import BatchShape, NodeFactory, SchedulerContext
 from flowmoe.core.thread_cpu import ThreadCpu
 from flowmoe.jobs.batching import BatchLimits
 from flowmoe.jobs.engine import Engine, Request, StepInput, StepStats, eager_step
 from flowmoe.jobs.job import first_batch
+from flowmoe.model.loading import Packing
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.lru_cache import LRUCacheOptions
@@ -135,7 +136,9 @@ def policy_at(
     ways = base.options_for(LRUCacheOptions).cache_ways
     slots = max(ways, int(share * spec.moe.experts * spec.layers) // ways * ways)
     policy = cache_slots(attrs.evolve(base, weights_gpu_share=share, gpu_memory=budget), scheduler, slots)
-    plugin = create(scheduler, SchedulerContext(spec, policy, NodeFactory(spec), cost))
+    plugin = create(
+        scheduler, SchedulerContext(spec, policy, NodeFactory(spec, expert_format=policy.expert_format), cost)
+    )
     return policy, gpu_memory(plugin, batch)
 
 
@@ -253,18 +256,27 @@ def isolated(device: str, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 def check_tokens(args: argparse.Namespace, log: RowLog) -> dict[str, Any]:
     """Every scheduler on the device against the CPU eager path on a small fp32 model (its real
-    widths, or the toy ones with --tiny): True, False or the error."""
+    widths, or the toy ones with --tiny): True, False or the error. With --expert-format, the
+    experts quantized alike and the reference the eager scheduler on the device: there the packed
+    experts are dequantized as every scheduler dequantizes them, while the CPU's packed kernels
+    compute with int8 activations (model/packed_experts.py), other arithmetic by design."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    model = fast_model(bench_spec(args.model, 2, "float32", args.tiny))
+    model = fast_model(bench_spec(args.model, 2, "float32", args.tiny), packing(args))
     requests = requests_for(4, 16, model.spec.vocab)
     limits = BatchLimits(micro_batches=2, micro_batch_size=2, max_new_tokens=4 if args.tiny else 8)
     cost = RooflineCost(hardware(args.hardware), model.spec)
-    reference, _ = asyncio.run(generate(model, eager_step, requests, limits, torch.device("cpu")))
+    if args.expert_format == "native":
+        reference, _ = asyncio.run(generate(model, eager_step, requests, limits, torch.device("cpu")))
+    else:
+        eager = Policy(expert_format=args.expert_format)
+        with Runtime.create(model, "eager", eager, args.device, cost) as runtime:
+            reference, _, _ = run_in(runtime, model, requests, limits)
     agree: dict[str, Any] = {}
     for name in args.schedulers:
-        row = isolated(
-            args.device, partial(same_tokens, model, name, args.device, requests, limits, reference, cost)
+        run = partial(
+            same_tokens, model, name, args.device, requests, limits, reference, cost, args.expert_format
         )
+        row = isolated(args.device, run)
         agree[name] = row["match"] if row["status"] == "ok" else row["error"]
         log.add("tokens", {"scheduler": name, **row})
     return agree
@@ -278,12 +290,19 @@ def same_tokens(
     limits: BatchLimits,
     reference: list[Any],
     cost: RooflineCost,
+    expert_format: ExpertFormat,
 ) -> dict[str, Any]:
-    """Scheduler `name`'s tokens on `device` against `reference` (the CPU eager path's)."""
-    policy = cache_slots(Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.5), name, 8)
+    """Scheduler `name`'s tokens on `device` against `reference` (check_tokens says whose)."""
+    base = Policy(micro_batch_size=2, micro_batches=2, weights_gpu_share=0.5, expert_format=expert_format)
+    policy = cache_slots(base, name, 8)
     with Runtime.create(model, name, policy, device, cost) as runtime:
         results, _, _ = run_in(runtime, model, requests, limits)
     return {"status": "ok", "match": [r.output_ids for r in results] == [r.output_ids for r in reference]}
+
+
+def packing(args: argparse.Namespace) -> Packing:
+    """How fast_model keeps the routed experts: --expert-format, quantized on --device."""
+    return Packing(args.expert_format, device=torch.device(args.device))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -302,6 +321,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="a CPU dry run: tiny shapes, every code path")
     parser.add_argument("--fail-scheduler", metavar="NAME", help="make this scheduler fail mid-run "
                         "(its first decode step): the isolation check")  # fmt: skip
+    parser.add_argument("--expert-format", default="native", choices=("native", *QUANTIZED_ON_LOAD),
+                        help="the routed experts quantized on load (on --device) and kept packed: they "
+                        "cross the link packed and are dequantized on the GPU (issue 26)")  # fmt: skip
     parser.add_argument("--no-accelerate", action="store_true")
     parser.add_argument("--trace-dir", type=Path, default=Path("bench/gpu-traces"))
     parser.add_argument("--trace-kernels", action="store_true", help="each scheduler's run under "
@@ -337,9 +359,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (dry run)"
     log = RowLog(args.out)
     started = time.perf_counter()
-    model = fast_model(bench_spec(args.model, args.layers, "bfloat16", args.tiny))
+    model = fast_model(bench_spec(args.model, args.layers, "bfloat16", args.tiny), packing(args))
+    experts = "" if args.expert_format == "native" else f", experts {args.expert_format}"
     meta = {"device": device_name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "model": f"{model.spec.name} x{args.layers} layers (bf16, random)", "hardware": args.hardware,
+            "model": f"{model.spec.name} x{args.layers} layers (bf16, random{experts})",
+            "hardware": args.hardware, "expert_format": args.expert_format,
             "setup_s": time.perf_counter() - started}  # fmt: skip
     log.add("meta", meta)
     console.print(f"model set up in {meta['setup_s']:.1f} s: {meta['model']}")
@@ -355,13 +379,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     limits = BatchLimits(args.micro_batches, size, args.new_tokens)
     batch = first_batch(requests, limits)
     args.trace_dir.mkdir(parents=True, exist_ok=True)
-    base = Policy(micro_batch_size=size, micro_batches=args.micro_batches)
+    base = Policy(micro_batch_size=size, micro_batches=args.micro_batches, expert_format=args.expert_format)
     cost = RooflineCost(hardware(args.hardware), model.spec)
     budgets = {name: dict.fromkeys(args.schedulers, parse_bytes(BUDGETS[name])) for name in args.budgets}
     if args.tiny:
         budgets = tiny_budgets(model, args.schedulers, base, batch, cost, args.budgets)
     rows = []
     for budget_name, each in budgets.items():
+        if not args.no_accelerate:  # the baseline first: a run cut by its time limit keeps it
+            most = max(each.values())
+            work = partial(accelerate_baseline, model.spec, requests, args.new_tokens, args.device, most)
+            row = {"budget": budget_name, "budget_bytes": most, "scheduler": "accelerate-offload"}
+            rows.append({**row, **isolated(args.device, work)})
+            log.add("row", rows[-1])
+            console.print(f"  {budget_name} accelerate-offload: {rows[-1]['status']}")
         for name, budget in each.items():
             work = partial(
                 measure, args, model, name, budget_name, budget, base, batch, requests, limits, cost, peaks
@@ -375,12 +406,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append({**row, "tokens_match_cpu": agree.get(name)})
             log.add("row", rows[-1])
             console.print(f"  {budget_name} {name}: {row['status']} {row.get('error', '')}")
-        if not args.no_accelerate:
-            most = max(each.values())
-            work = partial(accelerate_baseline, model.spec, requests, args.new_tokens, args.device, most)
-            row = {"budget": budget_name, "budget_bytes": most, "scheduler": "accelerate-offload"}
-            rows.append({**row, **isolated(args.device, work)})
-            log.add("row", rows[-1])
     show(rows, meta)
     if not args.tiny:
         write_results(args.results, meta, peaks, rows)

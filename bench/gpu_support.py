@@ -24,6 +24,7 @@ from flowmoe.core.spec import ModelSpec
 from flowmoe.core.workloads import LengthDistribution, Workload
 from flowmoe.model.arena import layer_arena, top_arena
 from flowmoe.model.checkpoint import TORCH_DTYPES
+from flowmoe.model.loading import Packing, layer_packer
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.random_weights import RandomSource
 from flowmoe.model.tensor_map import Shape, TensorMap
@@ -81,13 +82,16 @@ class TiledSource(RandomSource):
         return buffer
 
 
-def fast_model(spec: ModelSpec) -> MoEModel:
-    """`spec` with TiledSource weights, packed per layer as flowmoe.model.loading packs them."""
+def fast_model(spec: ModelSpec, packing: Packing | None = None) -> MoEModel:
+    """`spec` with TiledSource weights, packed per layer as flowmoe.model.loading packs them (its
+    routed experts quantized on `packing.device` where `packing` says, as `--expert-format` does)."""
     source, tensor_map = TiledSource(spec), TensorMap.for_spec(spec)
+    pack = layer_packer(spec.name, source, spec, packing or Packing())
     layers = []
     for layer in range(spec.layers):
         weights = tensor_map.load_layer(layer, source)
         layer_arena(weights)
+        pack(layer, weights)
         layers.append(weights)
     top = tensor_map.load_top(source, layers)
     top_arena(top)

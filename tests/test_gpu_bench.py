@@ -81,3 +81,22 @@ def test_rows_from_a_gpu_run_become_the_results_section(tmp_path: Path) -> None:
     measured = {line.split(" | ")[1] for line in section.splitlines() if line.startswith("| t4 |")}
     # the run predates the accelerate scheduler; Accelerate itself ran as the baseline row
     assert measured == set(builtin()) - {"eager", "accelerate"} | {"accelerate-offload"}
+
+
+def test_dry_run_with_int4_experts_runs_them_packed(tmp_path: Path) -> None:
+    """--expert-format int4: the experts quantized as the model is set up, every row ok with the
+    tokens of the eager scheduler on the same packed model, priced by the simulator in int4."""
+    out = tmp_path / "gpu.jsonl"
+    command = [sys.executable, "bench/gpu.py", "--device", "cpu", "--tiny", "--budgets", "t4",
+               "--expert-format", "int4", "--schedulers", "cgopipe", "on-demand", "--no-accelerate",
+               "--out", str(out), "--trace-dir", str(tmp_path / "traces")]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = read(out)
+    meta = next(r for r in records if r["kind"] == "meta")
+    assert meta["expert_format"] == "int4" and "experts int4" in meta["model"], meta
+    rows = [r for r in records if r["kind"] == "row"]
+    assert sorted(r["scheduler"] for r in rows) == ["cgopipe", "on-demand"]
+    for row in rows:
+        assert row["status"] == "ok" and row["tokens_match_cpu"] is True, row
+        assert row["tokens_per_s"] > 0 and row["predicted_tokens_per_s"] > 0, row
