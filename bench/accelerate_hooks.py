@@ -33,7 +33,7 @@ from torch import nn
 COUNTS = (1, 2, 3, 6)
 SMALL = (4, 4)
 EXPERT = (3, (14336, 4096))  # Mixtral-8x7B's w1, w3 [14336, 4096] and w2 (same count) in bf16
-ROUNDS = {"cpu": (7, 2000), "cuda": (5, 300)}  # rounds, calls per round
+ROUNDS = {"cpu": (7, 2000), "cuda": (3, 200)}  # rounds, calls per round
 EXPERT_ROUNDS = (3, 10)
 
 

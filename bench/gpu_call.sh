@@ -27,12 +27,12 @@
 set -u
 OUT=${OUT:-/tmp/flowmoe-gpu-out}
 WORK=/tmp/gpu-work
-BENCH_S=${BENCH_S:-300}
+BENCH_S=${BENCH_S:-310}
 BENCH_ARGS=${BENCH_ARGS:-}
-INT4_S=${INT4_S:-70}
+INT4_S=${INT4_S:-65}
 INT4_ARGS=${INT4_ARGS:---schedulers cgopipe klotski on-demand --budgets t4 --new-tokens 8}
 HOOKS_S=${HOOKS_S:-40}
-TESTS_S=${TESTS_S:-160}
+TESTS_S=${TESTS_S:-150}
 KERNELS_S=${KERNELS_S:-90}
 SLOTS_S=${SLOTS_S:-240}
 PARTS=${PARTS:-bench checks}
