@@ -265,6 +265,23 @@ def test_the_blocks_agree_at_groups_of_more_superblocks(group: int) -> None:
     assert kernel_group == group and all(torch.equal(a, b) for a, b in zip(portable, avx2, strict=True))
 
 
+@pytest.mark.skipif(len(ISAS) < 2, reason="no AVX2 + FMA + F16C here")
+@pytest.mark.parametrize("form", FORMATS)
+def test_the_blocks_quantize_ties_and_empty_blocks_alike(form: str) -> None:
+    """Both ISAs' activation quantization (cpu_packed.c's quantize_row; cpu_packed_avx2.c's for whole
+    blocks) rounds a tie half away from zero: blocks whose largest |x| is QMAX (d 1, each x its own
+    level before rounding) of half-integers of both signs, a block of zeros and one of -0.0 (d 0)."""
+    hidden = 320  # 5 superblocks: int4's groups of 128 with a short last one, hqq4's of 64
+    fmt, group, ffn = _kernel(_expert(7, hidden, 48, form, False, torch.float32))
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randint(-QMAX, QMAX, (4, hidden), generator=generator) + 0.5  # [4, hidden]: every x a tie
+    x[:, ::QB] = QMAX  # each block's largest |x|
+    x[1, QB : 2 * QB], x[2, 2 * QB : 3 * QB] = 0.0, -0.0
+    moe = _moe("silu")
+    portable = cpu_packed.swiglu_group([x], [ffn], fmt, group, moe, "portable")[0]
+    assert torch.equal(portable, cpu_packed.swiglu_group([x], [ffn], fmt, group, moe, "avx2")[0])
+
+
 @pytest.mark.parametrize("form", FORMATS)
 def test_a_row_gets_the_same_bits_whatever_the_rows_and_threads(isa: str, form: str) -> None:
     """Each of 3 experts with 1, 7 and 32 rows in one call, at 1 and 2 threads, and each row alone:
