@@ -39,7 +39,8 @@
 
    Blocks: `isa` 1 takes cpu_packed_avx2.c's (AVX2 + FMA + F16C intrinsics, chosen by the CPU's
    features in cpu_packed.py) and its activation quantization for whole blocks, 0 the portable ones
-   here (plain C, the same operations one output at a time). Threads: OpenMP over blocks of PB weight rows of all experts, the count the caller passes.
+   here (plain C, the same operations one output at a time). Threads: OpenMP over blocks of PB weight
+   rows of all experts, the count the caller passes.
 
    One-row blocks (an expert's one row, a decode step's): a gate / up block takes gate's PB rows and
    up's together, and each of down's first blocks its PB rows of the matrix's first half beside the
