@@ -5,7 +5,7 @@
    fp32. torch dispatches that as ~13 operations (upcast, pow, sum, div, add, rsqrt, mul, casts),
    ~30-45 us for one 1024-wide row on a 2-vCPU AMD EPYC, most of it per-operation cost. The sum of
    squares follows torch's CPU sum over a contiguous last dimension (aten's SumKernel: the row as
-   vectors of `width` floats, Vectorized<float> of the CPU capability torch runs, summed as four
+   vectors of `width` floats, the Vectorized<float> its sum kernel runs (cpu_norm.py), summed as four
    interleaved rows with a cascade of 2^4-step levels, the vectors' leftovers into the first, the
    four added in order, then the scalar tail, then the lanes in order); the rest is elementwise. */
 
@@ -19,7 +19,7 @@
 
 #define ILP 4     /* rows of vectors torch's multi_row_sum interleaves */
 #define LEVELS 4  /* its cascade levels */
-#define WMAX 16   /* the widest Vectorized<float> (AVX-512) */
+#define WMAX 16   /* the widest Vectorized<float> (AVX-512, which torch's sum kernel does not use) */
 
 /* acc[0..width) += v[i * width .. (i + 1) * width) */
 static inline void add_vector(float *acc, const float *v, long i, int width) {
@@ -67,7 +67,7 @@ float flowmoe_torch_sum(const float *v, long n, int width) {
 }
 
 /* out [rows, dim] (contiguous) = RMSNorm of x [rows, dim] (row stride ldx) with weight [dim], all
-   in fp32 or all in bf16; `width`: torch's Vectorized<float> size (8, or 16 with AVX-512). */
+   in fp32 or all in bf16; `width`: the Vectorized<float> size of torch's sum kernel (cpu_norm.py's SUM_WIDTH). */
 void flowmoe_rms_norm(const void *x, long rows, long dim, long ldx, const void *weight, int bf16, double eps,
                       int width, void *out, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)

@@ -3,15 +3,13 @@ giving torch's composite floats bit for bit, for fp32 and bf16 on the CPU.
 
 torch dispatches RMSNorm as ~13 operations, ~30-45 us for a decode step's 1024-wide row on a 2-vCPU
 AMD EPYC (AVX2), most of it per-operation cost; a decode step runs two norms per layer. The C sum
-of squares follows torch's CPU reduction order for the Vectorized<float> width torch runs
-(`torch.backends.cpu.get_cpu_capability()`: 16 lanes with AVX-512, else 8), so both paths give
-the same floats (tests/test_step_ops.py, tests/test_cpu_norm.py).
+of squares follows torch's CPU reduction order for the Vectorized<float> width its sum kernel
+runs (SUM_WIDTH), so both paths give the same floats (tests/test_step_ops.py, tests/test_cpu_norm.py).
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 
 import torch
@@ -27,10 +25,12 @@ def kernel() -> Callable[..., None] | None:
     return native.function("flowmoe_add_rms_norm", (_P, _P, _L, _L, _P, _I, _D, _I, _P, _I))
 
 
-@functools.cache
-def vector_width() -> int:
-    """Floats per Vectorized<float> in the kernels torch runs here (its reduction order)."""
-    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+# Floats per Vectorized<float> in the sum kernel torch runs on any x86 host: 8 (32-byte vectors) with
+# the AVX2 and the default capability, and 8 on AVX-512 hosts too, where aten's SumKernel.cpp registers
+# sum_stub with REGISTER_DISPATCH, which leaves the AVX-512 slot empty ("these kernels are slower with
+# AVX512 than with AVX2"), so the dispatcher runs the AVX2 kernel. Seen on an Intel Xeon with AVX-512
+# (the H200 machine, torch 2.11.0, 2026-11-28): 16 lanes there gave other floats than torch's sum.
+SUM_WIDTH = 8
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -97,7 +97,7 @@ def _normed(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         weight.data_ptr(),
         bf16,
         eps,
-        vector_width(),
+        SUM_WIDTH,
         normed.data_ptr(),
         threads,
     )

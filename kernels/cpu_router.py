@@ -51,7 +51,7 @@ def tail(
     scales = torch.empty(tokens * k, dtype=out)  # [T * k]
     counts = (ctypes.c_int64 * moe.experts)()
     bf16 = int(out == torch.bfloat16)
-    norm, width = int(moe.norm_topk), cpu_norm.vector_width()
+    norm, width = int(moe.norm_topk), cpu_norm.SUM_WIDTH
     run(
         tokens, k, moe.experts, top.data_ptr(), indices.data_ptr(), norm, width,
         bf16, weights.data_ptr(), rows.data_ptr(), scales.data_ptr(), counts,
