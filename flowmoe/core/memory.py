@@ -16,7 +16,12 @@ import os
 from attrs import evolve, frozen
 
 from flowmoe.core.errors import MemoryBudgetError
-from flowmoe.core.expert_formats import dense_layer_bytes, fp8_expert_bytes, packed_expert_bytes
+from flowmoe.core.expert_formats import (
+    dense_layer_bytes,
+    dequant_working_bytes,
+    fp8_expert_bytes,
+    packed_expert_bytes,
+)
 from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.policy import ExpertFormat
 from flowmoe.core.scheduling import BatchShape, Residency, Scheduler, StepShape
@@ -100,10 +105,13 @@ def gpu_memory(scheduler: Scheduler, batch: BatchShape) -> MemoryNeed:
     spec = scheduler.context.spec
     weights, home = resident_bytes(spec, scheduler.residency()), kv_bytes(scheduler, batch, on_gpu=True)
     copies = len(scheduler.kv_gpu_layers()) < spec.layers  # some cache layer is homed on the host
+    # an expert copied in packed is dequantized on arrival, beside the buffers' dequantized experts
+    form = scheduler.context.policy.expert_format
+    dequant = dequant_working_bytes(spec, form) if scheduler.weight_buffer_bytes() else 0
     needs = []
     for step in batch.steps():
         kv = home + (scheduler.kv_working_bytes(batch, step) if copies else 0)
-        buffers = scheduler.weight_buffer_bytes() + scheduler.gpu_working_bytes(step)
+        buffers = scheduler.weight_buffer_bytes() + scheduler.gpu_working_bytes(step) + dequant
         needs.append(MemoryNeed(weights, buffers, kv, step_activation_bytes(spec, step)))
     return max(needs, key=lambda need: need.total)
 

@@ -32,6 +32,7 @@ from typing import ClassVar, Self, TypeVar
 import torch
 from attrs import define, evolve
 
+from flowmoe.core.expert_formats import DEQUANT_ELEMENTS
 from flowmoe.model.weights import FFNWeights
 
 
@@ -78,7 +79,9 @@ class Int8Weight(PackedWeight):
         return self.values.shape[0], self.values.shape[1]
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # -> [R, C]
-        return (self.values.float() * self.scale).to(dtype)
+        return in_row_blocks(
+            self.shape, dtype, self.values.device, lambda r: self.values[r].float() * self.scale[r]
+        )
 
 
 @define
@@ -96,10 +99,30 @@ class Int4Weight(PackedWeight):
         return self.packed.shape[0], self.columns
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # -> [R, C]
-        q = unpack_int4(self.packed, self.columns).float()  # [R, C]
-        scale = self.scale.float().repeat_interleave(self.group, dim=-1)[:, : self.columns]  # [R, C]
-        zero = self.zero.float().repeat_interleave(self.group, dim=-1)[:, : self.columns]  # [R, C]
-        return ((q - zero) * scale).to(dtype)
+        return in_row_blocks(self.shape, dtype, self.packed.device, self._rows)
+
+    def _rows(self, rows: slice) -> torch.Tensor:  # -> [r, C] float32
+        q = unpack_int4(self.packed[rows], self.columns).float()  # [r, C]
+        scale = self.scale[rows].float().repeat_interleave(self.group, dim=-1)[:, : self.columns]  # [r, C]
+        zero = self.zero[rows].float().repeat_interleave(self.group, dim=-1)[:, : self.columns]  # [r, C]
+        return (q - zero) * scale
+
+
+def in_row_blocks(
+    shape: tuple[int, int], dtype: torch.dtype, device: torch.device, block: Callable[[slice], torch.Tensor]
+) -> torch.Tensor:
+    """[R, C] in `dtype` on `device`, from `block(rows)` ([r, C] float32) a few rows at a time: its
+    float32 temporaries (a few [r, C] each) stay within DEQUANT_ELEMENTS values, where a whole
+    projection's would take ~5 float32 copies of it (2.2 GiB for a Mixtral expert's gate_up on a GPU
+    whose budget counts only the expert's own bytes: core/memory.py). Each value rounds as `.to` does."""
+    rows, cols = shape
+    step = max(1, DEQUANT_ELEMENTS // max(cols, 1))
+    if rows <= step:
+        return block(slice(None)).to(dtype)
+    out = torch.empty(rows, cols, dtype=dtype, device=device)  # [R, C]
+    for start in range(0, rows, step):
+        out[start : start + step] = block(slice(start, start + step))
+    return out
 
 
 def stacked_rows(blocks: Sequence[Packed]) -> Packed:
