@@ -82,28 +82,27 @@ class InlineWorker:
                 self._team = self._tenants.team
                 torch.set_num_threads(self._team)  # this thread's team, the cores co-tenants leave
             ranges = self._ranges and torch.autograd.profiler._is_profiler_enabled  # once per queue run
+            clock = time.perf_counter
             with self._inference:
-                while queue:
-                    self._run(*queue.popleft(), ranges)
+                while queue:  # each node run here, not in a call of its own: one frame less a node
+                    node, action, finish = queue.popleft()
+                    start = clock()
+                    try:
+                        if ranges and action is not None:
+                            run_action(node, action)
+                        elif action is not None:
+                            action()
+                    except Exception as exc:  # reported through the executor, which names the node
+                        finish(start, clock(), exc)
+                    except BaseException as exc:  # an interrupt: the node failed, and the interrupt goes on
+                        finish(start, clock(), exc)
+                        raise
+                    else:
+                        finish(start, clock(), None)
         finally:
             self._running = False
             if queue:  # an interrupt left started nodes queued: they run in a callback of their own
                 asyncio.get_running_loop().call_soon(self._run_queue)
-
-    def _run(self, node: TaskNode, action: Action, finish: Finish, ranges: bool) -> None:
-        start = time.perf_counter()
-        try:
-            if ranges and action is not None:
-                run_action(node, action)
-            elif action is not None:
-                action()
-        except Exception as exc:  # reported through the executor, which names the node
-            finish(start, time.perf_counter(), exc)
-        except BaseException as exc:  # an interrupt: the node failed, and the interrupt goes on
-            finish(start, time.perf_counter(), exc)
-            raise
-        else:
-            finish(start, time.perf_counter(), None)
 
     def close(self) -> None:
         pass

@@ -264,6 +264,23 @@ class SchedulerContext:
     host_weight_bytes: int | None = None
 
 
+@frozen(slots=True)
+class Rate:
+    """An op's cost, linear in what its micro-batch brings to the step: bytes moved or read and flops,
+    each a fixed part (its weights) plus so much per new token, per cached token, per (query, key)
+    pair attended and per sequence."""
+
+    bytes: int
+    flops: int
+    bytes_per_token: int = 0
+    flops_per_token: int = 0
+    bytes_per_cached: int = 0
+    flops_per_pair: int = 0
+    bytes_per_sequence: int = 0
+    flops_per_sequence: int = 0
+    own_tokens: bool = False  # priced by the tokens its node is given (an FFN's), not its micro-batch's
+
+
 @define
 class NodeFactory:
     """Makes the nodes of a run: unique ids, and bytes/flops of each op from the spec."""
@@ -272,10 +289,8 @@ class NodeFactory:
     _ids: itertools.count = field(factory=itertools.count)
     expert_format: ExpertFormat = "native"  # the policy's: how an expert's PAGE_COPY crosses the link
     attention_format: AttentionFormat = "native"  # the policy's: how a dense part's attention crosses it
-    # what `_cost` works out once: a weight's figures by (op, layer, expert's or dense, formats), and the
-    # (weights read, activation elements per token) of the ops priced by those alone
-    _weight_costs: dict[tuple[object, ...], tuple[int, int]] = field(factory=dict, init=False, eq=False)
-    _per_token: dict[Op, tuple[int, int]] = field(factory=dict, init=False, eq=False)
+    # what `_cost` works out once per (op, layer, expert's or dense): the op's cost as a `Rate`
+    _rates: dict[tuple[Op, int, bool], Rate] = field(factory=dict, init=False, eq=False)
 
     def node(
         self,
@@ -302,7 +317,10 @@ class NodeFactory:
         `serves`: the micro-batches whose tokens an EXPERT_FFN's one GEMM takes (TaskNode.serves); the
         node is priced by its `tokens` all the same.
         `None` deps are dropped, so optional producers can be passed as is."""
-        clean = tuple(dict.fromkeys([d for d in deps if d is not None]))  # a list: no generator resumes
+        if len(deps) < 2 and None not in deps:  # most nodes: one producer, nothing to drop or merge
+            clean = tuple(deps)
+        else:  # a list, not a generator: no frame resumed per dep
+            clean = tuple(dict.fromkeys([d for d in deps if d is not None]))
         n_bytes, flops = self._cost(op, layer, mb, expert, tokens)
         if part >= 0:
             end = part + pages
@@ -321,34 +339,41 @@ class NodeFactory:
         self, op: Op, layer: int, mb: MicroBatchShape | None, expert: int, tokens: int | None
     ) -> tuple[int, int]:
         """-> (bytes moved or read, flops): weights read once, activations per token."""
-        if op in WEIGHT_OPS:  # a figure per layer and kind of weight (a plan pages thousands a step)
-            key = (op, layer, expert >= 0, self.expert_format, self.attention_format)
-            cost = self._weight_costs.get(key)
-            if cost is None:
-                cost = self._weight_costs[key] = self._weight_cost(op, layer, expert)
-            return cost
-        s, a, b = self.spec, self.spec.attention, self.spec.dtype_bytes
-        t = mb.tokens if mb else 0
-        if op in (Op.EXPERT_FFN, Op.SHARED_FFN):
-            inter = s.moe.intermediate if op is Op.EXPERT_FFN else self._shared_inter(layer)
-            n = t if tokens is None else tokens
-            return 3 * s.hidden * inter * b + 2 * n * s.hidden * b, 6 * n * s.hidden * inter
-        if op in (Op.CPU_ATTN, Op.GPU_ATTN):
-            kv_tokens, attended = (mb.kv_tokens, mb.attended) if mb else (0, 0)
-            kv_bytes = kv_tokens * 2 * a.kv_width * b
-            return kv_bytes + t * (a.q_width + a.out_width) * b, attended * a.pair_flops()
-        if op in (Op.KV_LOAD, Op.KV_STORE):  # load: the tokens cached before this step; store: its new ones
-            cached = (mb.kv_tokens - t if mb else 0) if op is Op.KV_LOAD else t
-            return cached * 2 * a.kv_width * b, 0
-        if op is Op.LM_HEAD:
-            rows = mb.sequences if mb else 0
-            return s.vocab * s.hidden * b + rows * s.hidden * b, 2 * rows * s.hidden * s.vocab
-        params, activations = (self._per_token or self._per_token_costs())[op]
-        return params * b + t * activations * b, 2 * params * t
+        key = (op, layer, expert >= 0)
+        rate = self._rates.get(key)
+        if rate is None:
+            rate = self._rates[key] = self._rate(op, layer, expert)
+        t, kv, pairs, seqs = (mb.tokens, mb.kv_tokens, mb.attended, mb.sequences) if mb else (0, 0, 0, 0)
+        if tokens is not None and rate.own_tokens:
+            t = tokens
+        n_bytes = rate.bytes + t * rate.bytes_per_token + kv * rate.bytes_per_cached
+        flops = rate.flops + t * rate.flops_per_token + pairs * rate.flops_per_pair
+        return n_bytes + seqs * rate.bytes_per_sequence, flops + seqs * rate.flops_per_sequence
 
-    def _per_token_costs(self) -> dict[Op, tuple[int, int]]:
-        """Fill `_per_token`: each op's (weights read, activation elements per token), weights 0 where
-        it reads none."""
+    def _rate(self, op: Op, layer: int, expert: int) -> Rate:
+        """What `_cost` prices `op` of `layer` (expert >= 0: an expert's) by."""
+        if op in WEIGHT_OPS:  # a figure per layer and kind of weight
+            return Rate(*self._weight_cost(op, layer, expert))
+        s, a, b = self.spec, self.spec.attention, self.spec.dtype_bytes
+        if op in (Op.EXPERT_FFN, Op.SHARED_FFN):  # priced by the tokens it is given
+            inter = s.moe.intermediate if op is Op.EXPERT_FFN else self._shared_inter(layer)
+            return Rate(3 * s.hidden * inter * b, 0, 2 * s.hidden * b, 6 * s.hidden * inter, own_tokens=True)
+        if op in (Op.CPU_ATTN, Op.GPU_ATTN):  # the cache read, q in and the output out; every pair attended
+            return Rate(0, 0, (a.q_width + a.out_width) * b, bytes_per_cached=2 * a.kv_width * b,
+                        flops_per_pair=a.pair_flops())  # fmt: skip
+        if op is Op.KV_LOAD:  # the tokens cached before this step
+            return Rate(0, 0, -2 * a.kv_width * b, bytes_per_cached=2 * a.kv_width * b)
+        if op is Op.KV_STORE:  # this step's new ones
+            return Rate(0, 0, 2 * a.kv_width * b)
+        if op is Op.LM_HEAD:  # the head's weights; each sequence's last row
+            return Rate(s.vocab * s.hidden * b, 0, bytes_per_sequence=s.hidden * b,
+                        flops_per_sequence=2 * s.hidden * s.vocab)  # fmt: skip
+        params, activations = self._per_token()[op]
+        return Rate(params * b, 0, activations * b, 2 * params)
+
+    def _per_token(self) -> dict[Op, tuple[int, int]]:
+        """Each op priced by its weights and tokens alone: (weights read, activation elements per token),
+        weights 0 where it reads none."""
         s, a = self.spec, self.spec.attention
         q, kv, out = a.q_width, a.kv_width, a.out_width
         params = {
@@ -371,8 +396,7 @@ class NodeFactory:
             Op.EXPERT_LOAD: s.hidden,
             Op.COMBINE: s.hidden * (s.moe.top_k + 2),
         }
-        self._per_token.update((op, (params.get(op, 0), n)) for op, n in activations.items())
-        return self._per_token
+        return {op: (params.get(op, 0), n) for op, n in activations.items()}
 
     def _weight_cost(self, op: Op, layer: int, expert: int) -> tuple[int, int]:
         """`_cost` of a weight's copy, staging copy, eviction or disk read (expert >= 0: an expert's)."""
