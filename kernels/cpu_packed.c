@@ -122,9 +122,9 @@ static inline long row_floats(int fmt, long K, long group) {
    of the group before the last full one in order, lane l += the int sum of the levels of the
    superblock's columns 8l..8l + 7 times the lane's d (fma): the sums of d x level that the blocks'
    lanes meet. `isa` 1: cpu_packed_avx2.c's the whole blocks (int4: superblocks) and the sums, the
-   same bits; the blocks past them here (the scalar loop alone was ~6% of the one-row int4 kernel: an
-   expert FFN of 1024 x 3584, 1 row, 1 thread, AMD EPYC Zen 3 2 vCPU, load 2.2, 15 rounds alternated,
-   16 experts from DRAM: int4 0.78 -> 0.73 ms, int8 0.93 -> 0.86 ms, the same bits). */
+   same bits; the blocks past them here. The scalar loop alone was 2.4% of a batch-1 int4 decode step's
+   perf samples, 0.2% so (1 thread, AMD EPYC Zen 3 2 vCPU); bench/packed_rows.py --baseline 6dd9efd,
+   11 rounds, load 2.2-2.5, from DRAM: 1 row int8 1.08x, int4 1.10x; 8 rows 1.09x, 1.16x. */
 static void quantize_row(const float *x, long K, int fmt, long group, int isa, int8_t *xq, float *xf) {
     long supers = K / SB, groups = fmt == 1 ? (K + group - 1) / group : 0, done = 0; /* blocks the AVX2 code quantized */
     float *lanes = xf + (K + QB - 1) / QB, *sums = lanes + supers * 8;
