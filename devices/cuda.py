@@ -44,11 +44,16 @@ class EventBook:
         self._anchor, self._anchor_host = self._reanchor()
 
     def take(self) -> cuda.Event:
-        """A timing event from the pool (a new one when the pool is empty)."""
+        """A timing event from the pool (a new one when the pool is empty). Blocking: a host wait on it
+        (a routing's counts, a CPU lane's GPU producer) sleeps in the driver instead of spinning.
+        With CUDA's default spin the waiting lane thread burned its CPU for as long as the device
+        was behind: on the H200 (bench/gpu-runs/2026-11-28-h200) the compute lane's thread used
+        ~90% of the wall time of every link-bound decode step (cgopipe 0.425 of 0.481 s, on-demand
+        2.08 of 2.30 s), CPU a co-tenant or the CPU lanes could use."""
         try:
             return self._free.pop()  # atomic: lane threads take concurrently
         except IndexError:
-            return cuda.Event(enable_timing=True)
+            return cuda.Event(enable_timing=True, blocking=True)
 
     def release(self, event: cuda.Event) -> None:
         """Give back an event no one waits on any more."""

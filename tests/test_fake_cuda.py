@@ -53,9 +53,10 @@ class FakeCuda:
         fake = self
 
         class Event:
-            def __init__(self, enable_timing: bool = False) -> None:
+            def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
                 fake.events_made += 1
                 self.at: float | None = None
+                self.blocking = blocking
 
             def record(self, stream=None) -> None:
                 fake.log.append(("record", self, stream or fake.current_stream()))
@@ -181,6 +182,7 @@ def test_routing_reaches_the_host_by_one_event_and_matches_the_gate(model) -> No
         counts = routings.counts(RoutingRequest(0, 0, after=0))
         assert [kind for kind, *_ in fake.log] == ["record", "sync"]  # the gate's event, nothing else
         assert fake.log[1][1] is fake.log[0][1] and fake.log[1][1] in book._free
+        assert fake.log[1][1].blocking  # the host sleeps on it rather than spin (devices/cuda.py)
     routing, eager = routings.decided((0, 0)), model.gate(0, x)
     assert counts.counts == tuple(eager.counts().items())
     assert routing.experts == eager.experts
