@@ -277,6 +277,12 @@ def write_results(path: Path, meta: dict, peaks: dict, rows: list[dict]) -> None
                 f"| {r['budget']} | {r['scheduler']} | | | | | {why} | | | {r.get('tokens_match_cpu', '')} |"
             )
             continue
+        if "modules" in r:  # Accelerate's offload: no trace, no flowmoe accounting, no prediction
+            on_gpu, share = f"{r['modules_on_gpu']} of {r['modules']}", r["max_memory_share"]
+            placed = f"{on_gpu} device-map entries on the GPU (max_memory {share:.0%})"
+            lines.append(f"| {r['budget']} | {r['scheduler']} | {placed} | {r['tokens_per_s']:.1f} "
+                         "| - | - | - | - | - | - |")  # fmt: skip
+            continue
         predicted = r.get("predicted_tokens_per_s")
         guess = (
             f"{predicted:.1f} ({r['measured_over_predicted']:.2f})"
@@ -294,4 +300,4 @@ def write_results(path: Path, meta: dict, peaks: dict, rows: list[dict]) -> None
     block = "\n".join(lines) + "\n"
     pattern = re.compile(re.escape(SECTION) + r"\n.*?(?=\n## |\Z)", re.S)
     text = pattern.sub(block.rstrip("\n"), text) if SECTION in text else text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
+    path.write_text(text.rstrip("\n") + "\n")
