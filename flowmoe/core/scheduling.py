@@ -317,8 +317,9 @@ class NodeFactory:
         `serves`: the micro-batches whose tokens an EXPERT_FFN's one GEMM takes (TaskNode.serves); the
         node is priced by its `tokens` all the same.
         `None` deps are dropped, so optional producers can be passed as is."""
-        if len(deps) < 2 and None not in deps:  # most nodes: one producer, nothing to drop or merge
-            clean = tuple(deps)
+        only = deps[0] if len(deps) == 1 else None  # most nodes: one producer, nothing to drop or merge
+        if only is not None:
+            clean: tuple[int, ...] = (only,)
         else:  # a list, not a generator: no frame resumed per dep
             clean = tuple(dict.fromkeys([d for d in deps if d is not None]))
         n_bytes, flops = self._cost(op, layer, mb, expert, tokens)
