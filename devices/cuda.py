@@ -117,7 +117,8 @@ class EventBook:
             return span
         begin, end, _ = entry
         start = self._anchor_host + self._anchor.elapsed_time(begin) / 1e3
-        return Span(span.node, start, self._anchor_host + self._anchor.elapsed_time(end) / 1e3, span.queued)
+        end_at = self._anchor_host + self._anchor.elapsed_time(end) / 1e3
+        return Span(span.node, start, end_at, span.queued, launch=span.end - span.start)
 
 
 class CudaStreamWorker:

@@ -117,6 +117,8 @@ def test_cross_lane_dependencies_are_waited_on_and_same_lane_ones_are_not(nodes:
             slack = book.anchor_slack  # how late the anchor that dates this step's GPU spans may be
             retimed = book.end_step(spans)
             check_order(nodes, retimed, slack)  # GPU spans on their events' clock, the rest on the host's
+            launched = {s.node.id: s.launch for s in retimed}  # the host's time in each GPU node's launch
+            assert all((launched[n.id] is not None and launched[n.id] >= 0) == n.lane.on_gpu for n in nodes)
             assert not book._events and len(book._free) == 2 * sum(n.lane.on_gpu for n in nodes)
             fake.log.clear()
             run_step(nodes, workers, fake)  # the next step draws its events from the pool

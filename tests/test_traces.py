@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from flowmoe.cli import main
+from flowmoe.cli.trace import stats_line
 from flowmoe.cli.ui import NO_GPU
 from flowmoe.core.executor import Span
 from flowmoe.core.plan import Lane, Op, TaskNode
@@ -47,6 +48,26 @@ def test_summary_of_a_hand_made_timeline() -> None:
     assert lanes["gpu.h2d"].bubble_us == 0
     assert [r.id for r in summary.critical_path] == [1, 2]
     assert summary.critical_by_op() == {"page_copy": pytest.approx(3e6), "expert_ffn": pytest.approx(2e6)}
+
+
+def test_launch_times_of_device_timed_spans_reach_the_summary() -> None:
+    """A CUDA span (device-timed) carries its launch's host time: the trace keeps it in the node's
+    args, the lane's stats add it up, and the summary line says it per step."""
+    spans = [
+        Span(TaskNode(0, Op.PRE_ATTN, Lane.GPU_COMPUTE, layer=0, mb=0), 0.0, 2.0, 0.0, launch=0.25),
+        Span(TaskNode(1, Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer=0, mb=0), 2.0, 3.0, 0.0, launch=0.5),
+        _span(2, Lane.CPU_COMPUTE, 0.0, 1.0, op=Op.CPU_ATTN),
+    ]
+    data = chrome_trace([Trace(spans=spans)])
+    args = {e["args"]["id"]: e["args"] for e in data["traceEvents"] if e["ph"] == "X"}
+    assert args[0]["launch_us"] == pytest.approx(0.25e6) and "launch_us" not in args[2]
+    (summary,) = summarize(json.loads(json.dumps(data)))
+    lanes = {lane.lane: lane for lane in summary.lanes}
+    assert (
+        lanes["gpu.compute"].launch_seconds == pytest.approx(0.75)
+        and lanes["cpu.compute"].launch_seconds is None
+    )
+    assert "launching threads in launches, ms/step: gpu.compute 750.00" in stats_line(summary.stats)
 
 
 def test_format_of_a_real_run(tmp_path: Path) -> None:

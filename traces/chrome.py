@@ -83,6 +83,8 @@ def chrome_trace(traces: list[Trace]) -> dict[str, Any]:
                 "bytes": node.bytes, "flops": node.flops, "deps": list(node.deps),
                 "queued_us": at(span.queued),
             }  # fmt: skip
+            if span.launch is not None:  # a device-timed span: the host's time in its launch
+                args["launch_us"] = span.launch * 1e6
             where: dict[str, float] = {"pid": pid_of[node.lane.device], "tid": _tid(node.lane)}
             start, end = _ns(span.start - origin), _ns(span.end - origin)
             ts, dur = _us(start), _us(end - start)

@@ -42,6 +42,7 @@ class SpanRecord:
     layer: int = -1
     expert: int = -1
     nbytes: int = 0
+    launch: float | None = None  # microseconds of host time in its launch (a device-timed span)
 
 
 @frozen
@@ -62,6 +63,7 @@ class LaneStats:
     busy_seconds: float  # union of the lane's intervals
     share: float  # busy / makespan
     bubble_seconds: float
+    launch_seconds: float | None = None  # host time in its nodes' launches, where the spans are the device's
 
     @property
     def busy_us(self) -> float:
@@ -78,7 +80,8 @@ class LaneStats:
     def to_json(self) -> dict:
         return {"lane": self.lane, "nodes": self.nodes, "bytes": self.bytes,
                 "busy_seconds": self.busy_seconds,
-                "busy_share": self.share, "bubble_seconds": self.bubble_seconds}  # fmt: skip
+                "busy_share": self.share, "bubble_seconds": self.bubble_seconds,
+                "launch_seconds": self.launch_seconds}  # fmt: skip
 
 
 @frozen
@@ -155,7 +158,8 @@ def run_stats(records: Sequence[SpanRecord], windows: Sequence[Window] = ()) -> 
         windows = [Window(min(r.start for r in records), max(r.end for r in records))]
     windows = sorted(windows, key=lambda w: w.start)
     makespan = steps = 0.0
-    lanes: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])  # nodes, bytes, busy, bubble
+    lanes: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, 0.0])  # nodes, bytes, busy,
+    launched: set[str] = set()  # bubble, launch; the lanes whose spans carry launch times
     hits = used = prefetched = copied = 0.0
     host, hosted = 0.0, 0.0
     for window, part in zip(windows, split(records, windows), strict=True):
@@ -173,11 +177,23 @@ def run_stats(records: Sequence[SpanRecord], windows: Sequence[Window] = ()) -> 
             total[1] += w * sum(r.nbytes for r in spans)
             total[2] += w * union_us([(r.start, r.end) for r in spans])
             total[3] += w * _bubbles_us(spans)
+            launches = [r.launch for r in spans if r.launch is not None]
+            if launches:
+                total[4] += w * sum(launches)
+                launched.add(lane)
         h, u, p, c = _expert_counts(part)
         hits, used, prefetched, copied = hits + w * h, used + w * u, prefetched + w * p, copied + w * c
     seconds = makespan / 1e6
     lane_stats = tuple(
-        LaneStats(lane, t[0], t[1], t[2] / 1e6, t[2] / makespan if makespan else 0.0, t[3] / 1e6)
+        LaneStats(
+            lane,
+            t[0],
+            t[1],
+            t[2] / 1e6,
+            t[2] / makespan if makespan else 0.0,
+            t[3] / 1e6,
+            t[4] / 1e6 if lane in launched else None,
+        )
         for lane, t in sorted(lanes.items())
     )
     return RunStats(

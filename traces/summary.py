@@ -162,6 +162,7 @@ def records_by_group(data: dict[str, Any]) -> dict[str, list[SpanRecord]]:
                 layer=_int(args.get("layer"), -1),
                 expert=_int(args.get("expert"), -1),
                 nbytes=_int(args.get("bytes"), 0),
+                launch=_finite(args.get("launch_us")),
             )
         )
     return dict(groups)

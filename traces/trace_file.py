@@ -29,7 +29,7 @@ BLOCK = 1 << 20
 MAX_VALUE = 64 << 20  # the longest single event (or other top-level value) a trace may hold
 EVENT_KEYS = ("name", "ph", "pid", "tid", "ts", "dur", "cat")
 # what a summary reads of a span's args (lane and node: of a kernel track's slice)
-SPAN_ARGS = ("id", "op", "queued_us", "deps", "layer", "expert", "bytes", "lane", "node")
+SPAN_ARGS = ("id", "op", "queued_us", "deps", "layer", "expert", "bytes", "lane", "node", "launch_us")
 _DECODER = json.JSONDecoder()
 _SPACE = " \t\r\n"
 _GZIP = b"\x1f\x8b"  # the magic number every gzip member starts with

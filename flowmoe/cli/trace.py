@@ -218,4 +218,8 @@ def stats_line(stats: RunStats) -> str:
         parts.append(f"prefetch accuracy {stats.prefetch_accuracy:.1%}")
     if stats.host_seconds_per_step is not None:
         parts.append(f"host {stats.host_seconds_per_step * 1e3:.2f} ms/step")
+    launches = [(lane.lane, lane.launch_seconds) for lane in stats.lanes if lane.launch_seconds is not None]
+    if launches and stats.steps:
+        each = ", ".join(f"{lane} {seconds / stats.steps * 1e3:.2f}" for lane, seconds in launches)
+        parts.append(f"launching threads in launches, ms/step: {each}")
     return ", ".join(parts)

@@ -45,6 +45,9 @@ class Span:
     start: float
     end: float
     queued: float = 0.0
+    # where start and end are the device's (a CUDA node, retimed from its events): the seconds its
+    # launching thread spent in the launch, waits for the device inside the node's action included
+    launch: float | None = None
 
 
 class Worker(Protocol):
