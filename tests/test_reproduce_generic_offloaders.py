@@ -1,7 +1,7 @@
 """`flowmoe reproduce generic-offloaders`: the published batch-1 figures at 8 and 64 experts per layer, each
 with the hooks' host costs, without them ("(ideal)") and as the old `on-demand` stand-in; MoE-Infinity's
 README rows beside them, Accelerate's at `device_map="auto"`'s share; its DeepSpeed row at 128 experts
-(Qwen3-30B-A3B), every expert module called."""
+(Qwen3-30B-A3B), every expert module called; Accelerate's own offload measured on an H200."""
 
 from __future__ import annotations
 
@@ -11,6 +11,12 @@ from flowmoe.core.hardware import hardware
 from flowmoe.core.presets import preset
 from flowmoe.study.reproduce import settings
 from flowmoe.study.reproduce.generic_offloader_numbers import (
+    H200_ACCELERATE,
+    H200_ACCELERATE_TOKENS_PER_S,
+    H200_LAYERS,
+    H200_LONGEST_PROMPT,
+    H200_MAX_MEMORY,
+    H200_PROMPTS,
     MOE_INFINITY,
     MOE_INFINITY_LATENCY,
     MOE_INFINITY_LEGACY,
@@ -40,6 +46,7 @@ def test_moe_gen_settings_have_one_published_figure_and_moe_infinity_settings_tw
 ):
     full = settings("generic-offloaders")
     assert {s.name.split(" ")[0] for s in full} == {"mixtral-8x7b", "deepseek-v2-lite", "qwen3-30b-a3b"}
+    assert len(full) == 6
     moe_gen = [s for s in full if s.where.startswith(MOE_GEN)]
     moe_infinity = [s for s in full if s.where == MOE_INFINITY]
     assert len(moe_gen) == len(moe_infinity) == 2
@@ -79,3 +86,22 @@ def test_device_map_share_fills_ninety_percent_of_the_gpu_less_the_largest_layer
     room = DEVICE_MAP_STORE * hw.gpu_memory - max(layer) - spec.vocab * spec.hidden * spec.dtype_bytes
     assert sum(layer[:placed]) <= room < sum(layer[: placed + 1])
     assert device_map_share(spec, hardware("a100-80")) > share
+
+
+def test_the_h200_row_is_the_measured_accelerate_run_with_its_device_map_and_longest_prompt() -> None:
+    """bench/gpu.py's prompts (requests_for(32, 128, vocab): lengths from torch's generator at seed 0)
+    padded to the longest; device_map at 90% of 16 GiB holds the embedding and 4 of the 12 layers (the 5
+    of 16 entries the run recorded); transformers 5.x's fused experts, whole layers offloaded."""
+    torch = pytest.importorskip("torch")
+    lengths = torch.randint(64, 192, (H200_PROMPTS,), generator=torch.Generator().manual_seed(0))
+    assert int(lengths.max()) == H200_LONGEST_PROMPT
+    (setting,) = [s for s in settings("generic-offloaders") if s.where == H200_ACCELERATE]
+    measured_row, ideal = setting.systems
+    spec = measured_row.setup.spec
+    assert spec.layers == H200_LAYERS and measured_row.setup.hardware.name == "h200"
+    assert measured_row.published == H200_ACCELERATE_TOKENS_PER_S and ideal.published is None
+    assert measured_row.given.weights_gpu_share == pytest.approx(4 / 12)
+    assert device_map_share(spec, hardware("h200"), H200_MAX_MEMORY) == pytest.approx(4 / 12)
+    assert measured_row.given.options == {"fused_experts": 1, "offload_dense": 1}
+    assert measured_row.given.batch_size == H200_PROMPTS and measured_row.given.micro_batches == 1
+    assert measured_row.setup.host_costs and not ideal.setup.host_costs

@@ -10,7 +10,16 @@ from attrs import evolve
 from flowmoe.core.cost import RooflineCost
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.hardware import hardware
-from flowmoe.core.host_costs import ACCELERATE, IDEAL, family
+from flowmoe.core.host_costs import (
+    ACCELERATE,
+    H200_EXPERT_BYTES,
+    H200_EXPERT_HOOKED_S,
+    H200_HOOK_PER_CALL_S,
+    H200_HOOK_PER_TENSOR_S,
+    H200_PAGEABLE_PEAK,
+    IDEAL,
+    family,
+)
 from flowmoe.core.plan import Lane, Op
 from flowmoe.core.policy import Policy
 from flowmoe.model.loading import load_model
@@ -97,13 +106,29 @@ def test_host_costs_price_each_tensor_and_module_call_and_can_be_switched_off() 
     priced = evolve(base, host=ACCELERATE)
     _, spans = accelerate_run(fused=0, cost=base)
     copy, ffn = of(spans, Op.PAGE_COPY)[0].node, of(spans, Op.EXPERT_FFN)[0].node
-    assert priced(copy) - base(copy) == pytest.approx(ACCELERATE.per_transfer)
+    assert copy.pageable
+    assert priced(copy) - base(copy) == pytest.approx(
+        ACCELERATE.per_transfer + ACCELERATE.per_pageable_byte * copy.bytes
+    )
+    assert priced(evolve(copy, pageable=False)) - base(evolve(copy, pageable=False)) == pytest.approx(
+        ACCELERATE.per_transfer
+    )
     assert priced(ffn) - base(ffn) == pytest.approx(ACCELERATE.per_call)
     gate = of(spans, Op.GATE)[0].node
     assert priced(gate) == base(gate) and IDEAL(copy) == 0.0
     assert ACCELERATE.source and family("accelerate") is ACCELERATE
     with pytest.raises(ConfigError, match="unknown host-cost family 'nope'"):
         family("nope")
+
+
+def test_the_per_byte_cost_gives_back_the_measured_hooked_expert_module_on_the_h200_host() -> None:
+    """A hooked Mixtral expert module (hooks.json) = its fixed hook costs + the bytes at the measured
+    pageable peak + the per-byte cost; with the h200 preset's pageable rate, ~7.6 GB/s in all."""
+    measured = H200_EXPERT_BYTES * ACCELERATE.per_pageable_byte + H200_EXPERT_BYTES / H200_PAGEABLE_PEAK
+    assert measured + 3 * H200_HOOK_PER_TENSOR_S + H200_HOOK_PER_CALL_S == pytest.approx(H200_EXPERT_HOOKED_S)
+    assert ACCELERATE.per_pageable_byte == pytest.approx(82.4e-12, rel=1e-3)
+    rate = 1 / (1 / hardware("h200").pageable_h2d + ACCELERATE.per_pageable_byte)
+    assert 7.0e9 < rate < 8.0e9
 
 
 def test_accelerate_copies_are_pageable_at_the_preset_rate() -> None:

@@ -32,6 +32,14 @@ other Qwen3 row is vLLM v0.8.5, whose wheel (built 2025-04-28) requires transfor
 the Qwen3 runs before 4.53.0. The other two behaviours run beside it as references, not counted. Not
 expressed: Switch-large-128 and NLLB-MoE-54B (encoder-decoder models), and Mixtral-offloading's Table 2
 (its naive-offloading row runs 2-3-bit HQQ experts).
+
+Measured on a real GPU (`h200_accelerate`): Accelerate's own offload in bench/gpu.py's H200 run, the
+model cut to the run's 12 layers, its 32 prompts as one batch at the longest one's length (`generate`
+left-pads them), 8 new tokens, on the `h200` preset. transformers 5.x holds a layer's experts in one
+module (`fused_experts` 1), and `device_map` offloads whole decoder layers (`offload_dense` 1); the
+share is `device_map_share` at the run's max_memory (embedding and layers 0-3 on the GPU: the 5 of 16
+entries it recorded). Not expressed: the offloaded final norm and LM head (the head's 262 MB a step, 1.1%
+of the 23.5 GB moved per step, uncharged here).
 """
 
 from __future__ import annotations
@@ -46,6 +54,13 @@ from flowmoe.core.spec import ModelSpec
 from flowmoe.study.best_policy import Given
 from flowmoe.study.reproduce import successor_numbers as N
 from flowmoe.study.reproduce.generic_offloader_numbers import (
+    H200_ACCELERATE,
+    H200_ACCELERATE_TOKENS_PER_S,
+    H200_LAYERS,
+    H200_LONGEST_PROMPT,
+    H200_MAX_MEMORY,
+    H200_NEW_TOKENS,
+    H200_PROMPTS,
     MOE_INFINITY,
     MOE_INFINITY_LATENCY,
     MOE_INFINITY_LEGACY,
@@ -64,7 +79,8 @@ NOTE = (
     "after, as Accelerate's offload hooks do, the dense parts' too; it stands in as `accelerate` (one "
     "module per expert, `offload_dense` 1) at "
     "Accelerate's measured per-tensor host cost, a lower bound for ZeRO-3's fetch path (its own per-"
-    "parameter cost is not measured here), and with pageable copies where ZeRO pins its parameters"
+    "parameter cost is not measured here), and with pageable copies at Accelerate's measured per-byte "
+    "cost of a `.to()` (core.host_costs) where ZeRO pins its parameters"
 )
 
 
@@ -73,14 +89,16 @@ NOTE = (
 DEVICE_MAP_STORE = 0.9
 
 
-def device_map_share(spec: ModelSpec, hw: HardwareSpec) -> float:
-    """The share of `spec`'s MoE layers that `device_map="auto"` puts on the GPU, as accelerate 0.27's
-    `infer_auto_device_map` fills it: modules in order (the input embedding, then whole decoder layers,
-    its no-split modules) into 90% of the GPU's memory less the largest layer, kept free to load an
-    offloaded one. The preset's whole GPU memory stands for the free memory it reads
-    (`torch.cuda.mem_get_info`): at most a layer more than a run with a CUDA context finds room for."""
+def device_map_share(spec: ModelSpec, hw: HardwareSpec, max_memory: float | None = None) -> float:
+    """The share of `spec`'s MoE layers that `device_map="auto"` puts on the GPU, as accelerate's
+    `infer_auto_device_map` fills it (0.27 to 1.15): modules in order (the input embedding, then whole
+    decoder layers, its no-split modules) into `max_memory` less the largest layer, kept free to load an
+    offloaded one; a layer that does not fit sends it and every later module to the CPU. Without
+    `max_memory`, 90% of the GPU's memory: the preset's whole GPU memory stands for the free memory it
+    reads (`torch.cuda.mem_get_info`), at most a layer more than a run with a CUDA context finds room for."""
+    store = DEVICE_MAP_STORE * hw.gpu_memory if max_memory is None else max_memory
     layers = [spec.layer_dense_bytes(i) + spec.layer_expert_bytes(i) for i in range(spec.layers)]
-    room = DEVICE_MAP_STORE * hw.gpu_memory - max(layers) - spec.vocab * spec.hidden * spec.dtype_bytes
+    room = store - max(layers) - spec.vocab * spec.hidden * spec.dtype_bytes
     placed = 0
     while placed < spec.layers and layers[placed] <= room:
         room -= layers[placed]
@@ -111,6 +129,7 @@ def generic_offloaders(quick: bool) -> Iterator[Setting]:
             yield moe_infinity(model, experts, setup)
     if not quick:
         yield qwen3_deepspeed()
+        yield h200_accelerate()
 
 
 def moe_infinity(model: str, experts: int, setup: Setup) -> Setting:
@@ -157,3 +176,27 @@ def qwen3_deepspeed() -> Setting:
         "Qwen3-MoE loop does (no skip of experts without tokens), and ZeRO-3 gathers each called module's "
         "parameters; published as seconds per token, compared as its inverse",
     )  # fmt: skip
+
+
+def h200_accelerate() -> Setting:
+    """Accelerate's offload measured on an H200 (bench/gpu.py's run): the same model cut, batch, device
+    map and transformers version, beside the same plan without the hooks' host costs."""
+    spec = preset("mixtral-8x7b").with_layers(H200_LAYERS)
+    setup = paper_setup(spec, "h200", f"fixed:{H200_LONGEST_PROMPT}:{H200_NEW_TOKENS}", H200_NEW_TOKENS)
+    share = device_map_share(spec, setup.hardware, H200_MAX_MEMORY)
+    given = Given(batch_size=H200_PROMPTS, micro_batches=1, attention_on="gpu", weights_gpu_share=share,
+                  kv_gpu_share=1.0, options={"fused_experts": 1, "offload_dense": 1})  # fmt: skip
+    return Setting(
+        "generic-offloaders",
+        f"mixtral-8x7b x{H200_LAYERS} layers (8 experts/layer) Accelerate offload, {H200_PROMPTS} prompts x "
+        f"{H200_NEW_TOKENS} new tokens @ one H200 (measured)",
+        H200_ACCELERATE,
+        (
+            System("Accelerate", "accelerate", setup, H200_ACCELERATE_TOKENS_PER_S, given=given),
+            System("Accelerate (ideal)", "accelerate", evolve(setup, host_costs=False), None, given=given),
+        ),
+        note="transformers 5.x: a layer's experts are one module, all moved per call (`fused_experts` 1); "
+        f"device_map keeps the embedding and the first {share:.0%} of the layers on the GPU and offloads the "
+        "others whole (`offload_dense` 1); tokens/s over the whole generate call (prefill and new tokens); "
+        "the offloaded LM head (262 MB a step) is not charged",
+    )
