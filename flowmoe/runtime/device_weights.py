@@ -100,6 +100,16 @@ class Devices:
     def to_cpu(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.cpu, non_blocking=False)
 
+    def to_cpu_lane(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` on its way to the host for a CPU-lane node, which waits for the copy's node
+        (devices/cuda.py, `EventBook.wait_host`): asynchronous on CUDA (torch lands it in
+        page-locked memory), so the copy lane's thread neither blocks nor spins on the device. The
+        source is the copy stream's until the copy has run (record_stream): its caller may drop it."""
+        host = tensor.to(self.cpu, non_blocking=True)
+        if tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+        return host
+
 
 def _ffn_to(devices: Devices, ffn: FFNWeights) -> FFNWeights:
     return ffn.mapped(devices.to_gpu)

@@ -75,7 +75,7 @@ def _expert_batch(s: StepState, n: TaskNode) -> None:
 
 def _hidden_offload(s: StepState, n: TaskNode) -> None:
     key = (n.layer, n.mb)
-    s.acts.x_cpu[key] = s.devices.to_cpu(s.acts.x[key])
+    s.acts.x_cpu[key] = s.devices.to_cpu_lane(s.acts.x[key])  # read by the CPU's experts
 
 
 def _expert_load(s: StepState, n: TaskNode) -> None:

@@ -33,7 +33,7 @@ def _pre_attn(s: StepState, n: TaskNode) -> None:
 
 def _qkv_offload(s: StepState, n: TaskNode) -> None:
     key = (n.layer, n.mb)
-    s.acts.qkv[key] = tuple(s.devices.to_cpu(t) for t in s.acts.qkv[key])
+    s.acts.qkv[key] = tuple(s.devices.to_cpu_lane(t) for t in s.acts.qkv[key])  # read by CPU attention
 
 
 def _attention(s: StepState, n: TaskNode) -> None:
