@@ -228,6 +228,12 @@ def decode_metrics(runtime: Runtime, phases: Phases, pinned_peak: float) -> dict
         "overlap": summary.makespan_us / summary.busiest.busy_us if summary.busiest.busy_us else 0.0,
         "busiest": summary.busiest.lane,
         "nodes_per_decode_step": len(spans) / decode_steps,
+        # the host's side of the GPU lanes: their threads' seconds in launches (traces: launch_us)
+        "launch_s_per_decode_step": {
+            lane.lane: lane.launch_seconds / decode_steps
+            for lane in summary.lanes
+            if lane.launch_seconds is not None
+        },
     }
 
 
