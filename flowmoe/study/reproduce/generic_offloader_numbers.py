@@ -26,7 +26,9 @@ MOE_INFINITY_LEGACY = (
 # seconds per generated token, one A5000, batch 1: DeepSpeed 0.16.2 on Qwen3-30B-A3B
 QWEN3_DEEPSPEED_LATENCY = 7.857
 
-H200_ACCELERATE = "bench/gpu-runs/2026-11-28-h200/gpu.jsonl (row 'accelerate-offload', NVIDIA H200, accelerate 1.15.0)"
+H200_ACCELERATE = (
+    "bench/gpu-runs/2026-11-28-h200/gpu.jsonl (row 'accelerate-offload', NVIDIA H200, accelerate 1.15.0)"
+)
 # tokens/s over the whole generate call (prefill and 8 new tokens of 32 prompts), and what it ran
 H200_ACCELERATE_TOKENS_PER_S = 8.04330735634564
 H200_LAYERS, H200_PROMPTS, H200_LONGEST_PROMPT, H200_NEW_TOKENS = 12, 32, 187, 8

@@ -19,8 +19,9 @@ experts), the first `device_map_share` of the MoE layers on the GPU. "(every exp
 same run with `empty_calls` 1 (transformers 4.40-4.51 call every expert module): a reference, not the
 stand-in, since both figures predate or bypass those versions (Mixtral's was published 2024-02-27,
 under transformers <= 4.38, which skip experts without tokens; DeepSeek-V2-Lite runs its own remote
-code, whose `moe_infer` skips them too). One sourced cost the stand-in does not price is Accelerate's
-`torch.cuda.empty_cache()` on every hooked tensor move (see `schedulers/accelerate.py`), unmeasured on a GPU.
+code, whose `moe_infer` skips them too). Every copy pays Accelerate's per-byte cost of a pageable
+`.to()` (`core.host_costs.ACCELERATE`, measured on an H200 host with its `torch.cuda.empty_cache()` on
+every hooked tensor move), the DeepSpeed stand-ins' too.
 
 At 128 experts per layer: the README's later table gives DeepSpeed 0.16.2 on Qwen3-30B-A3B (48 layers of
 128 experts, top 8), 7.857 s/token. Which expert modules ZeRO-3 gathers depends on the transformers version,
