@@ -327,3 +327,45 @@ int flowmoe_packed_ffn_group(int experts, const void *const *xs, const int *ns, 
     free(xw), free(acts), free(xf), free(af), free(xq), free(aq);
     return 0;
 }
+
+/* One projection of a few rows or many (an attention projection's, kept packed): out [n, R] = x [n, K]
+   W^T + bias, W [R, K] in `fmt` at weights (q, scale, zero; zero null for int8), x quantized per block
+   as the FFNs' x is (the header), each row's outputs the same bits whatever n, the threads and the
+   block. Threads: OpenMP over (chunks of up to CR rows) x (blocks of PB weight rows). x and out in bf16
+   where `bf16`, else fp32; bias fp32 or null. Returns 0, or 1 where there is no memory for the buffers. */
+#define CR 32 /* rows of levels a block reads together: cpu_packed.py's MAX_ROWS */
+int flowmoe_packed_linear(const void *x, long n, long K, long R, int fmt, long group, const void *const *weights,
+                          const float *bias, int bf16, void *out, int isa, int threads) {
+    long at_least = n > 0 ? n : 1, xfl = row_floats(fmt, K, group), blocks = (R + PB - 1) / PB;
+    long chunks = (n + CR - 1) / CR;
+    float *xw = malloc(sizeof(float) * at_least * K), *xf = malloc(sizeof(float) * at_least * xfl);
+    int8_t *xq = malloc(at_least * K); /* the rows' levels */
+    if (!xw || !xf || !xq) {
+        free(xw), free(xf), free(xq);
+        return 1;
+    }
+    widen(x, (int)n, K, bf16, xw);
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (long r = 0; r < n; r++) quantize_row(xw + r * K, K, fmt, group, isa, xq + r * K, xf + r * xfl);
+#pragma omp for schedule(static)
+        for (long t = 0; t < chunks * blocks; t++) {
+            long r0 = t / blocks * CR, o0 = t % blocks * PB;
+            int rows = (int)(n - r0 < CR ? n - r0 : CR), ob = (int)(R - o0 < PB ? R - o0 : PB);
+            float res[rows * PB];
+            packed_block(isa, fmt, xq + r0 * K, xf + r0 * xfl, rows, K, group, 1, weights, o0, ob, res);
+            for (int r = 0; r < rows; r++)
+                for (int j = 0; j < ob; j++) {
+                    long i = (r0 + r) * R + o0 + j;
+                    float v = res[r * PB + j] + (bias ? bias[o0 + j] : 0.0f);
+                    if (bf16)
+                        ((uint16_t *)out)[i] = float_to_bf16(v);
+                    else
+                        ((float *)out)[i] = v;
+                }
+        }
+    }
+    free(xw), free(xf), free(xq);
+    return 0;
+}

@@ -205,3 +205,53 @@ def swiglu_prepared(
     if status != 0:
         raise MemoryError("swiglu_group (packed): no memory for the kernel's fp32 buffers")
     return out
+
+
+def linear_kernel() -> Callable[..., int] | None:
+    """flowmoe_packed_linear, or None (see native.function)."""
+    return native.function("flowmoe_packed_linear", (_P, _L, _L, _L, _I, _L, _PP, _P, _I, _P, _I, _I), _I)
+
+
+def linear_fits(x: torch.Tensor, weight: Projection, fmt: str, group: int, rows: int) -> bool:
+    """Whether `linear` takes x [n, C] (`takes`, any n) through `weight`, a [rows, C] projection in
+    `fmt` ("int8", or "int4" at `group` columns per group)."""
+    if fmt not in FORMATS or (fmt == "int4" and (group <= 0 or group % GROUP_STEP)):
+        return False
+    cols = x.shape[-1]
+    return takes(x, cols) and _projection_fits(weight, fmt, rows, cols, group) and linear_kernel() is not None
+
+
+def linear(
+    x: torch.Tensor,
+    weight: Projection,
+    fmt: str,
+    group: int,
+    bias: torch.Tensor | None = None,
+    block: str | None = None,
+) -> torch.Tensor:
+    """x [n, C] through `weight` [R, C] (`linear_fits`) -> [n, R] in x's dtype: x's rows quantized per
+    block as the experts' are (the module docstring), each row's outputs the same bits at any n and
+    thread count; bias [R] (added in fp32 before the rounding) or None; `block` as `swiglu_group`'s."""
+    run = linear_kernel()
+    assert run is not None
+    rows = weight[0].shape[0]
+    x = x.contiguous()  # [n, C]
+    out = torch.empty(x.shape[0], rows, dtype=x.dtype)  # [n, R]: the kernel writes it
+    wide_bias = None if bias is None else bias.float().contiguous()  # [R]
+    status = run(
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        rows,
+        FORMATS[fmt],
+        group,
+        native.pointers([None if t is None else t.data_ptr() for t in weight]),
+        None if wide_bias is None else wide_bias.data_ptr(),
+        int(x.dtype == torch.bfloat16),
+        out.data_ptr(),
+        cpu_expert.ISAS[block or isa()],
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("linear (packed): no memory for the kernel's buffers")
+    return out

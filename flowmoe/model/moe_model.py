@@ -30,6 +30,7 @@ from flowmoe.kernels.query_scale import scale_queries
 from flowmoe.kernels.rope import Rotary, inverse_frequencies, longrope_scaling
 from flowmoe.kernels.router import Routing, route
 from flowmoe.model.packed_experts import packed_routed, packed_scaled
+from flowmoe.model.quantized import packed_linear
 from flowmoe.model.weights import FFNWeights, LayerWeights, ModelWeights
 
 EMBED_ROWS = 64  # rows of a mapped embedding read at once (`MoEModel.embed`): 4 MiB of pages mapped
@@ -116,7 +117,7 @@ class MoEModel:
             eps = self.spec.norm_eps
             assert w.kv_a_norm is not None, "multi-head latent attention has a latent norm"
             return mla_project(x, w.qkv, w.q_a_norm, w.q_b, w.kv_a_norm, a.mla, a.heads, rope, eps)
-        qkv = linear(x, w.qkv, w.qkv_bias)  # [T, (H + 2 KVH) * D]
+        qkv = self._projection(layer, 0, x, w.qkv, w.qkv_bias)  # [T, (H + 2 KVH) * D]
         if a.qk_norm == "full":  # over each projection's whole width, before clipping
             assert w.q_norm is not None and w.k_norm is not None, "qk_norm has q and k norms"
             q, k, v = qkv.split(
@@ -174,8 +175,22 @@ class MoEModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden + O(attn_out) [T, hidden], its post-attention norm [T, hidden])."""
         w = (lw or self.weights.layers[layer]).attn
-        out = self._residual(linear(attn_out, w.o, w.o_bias))  # [T, hidden], fresh: the sum may go over it
+        out = self._residual(self._projection(layer, 1, attn_out, w.o, w.o_bias))  # [T, hidden], fresh
         return add_then_norm(out, hidden, w.post_norm, self.spec.norm_eps, self.spec.norm)
+
+    def _projection(
+        self, layer: int, which: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [T, in] through attention projection `which` (0: q/k/v, 1: o) -> [T, out]: on the CPU, from
+        the host layer's packed copy where it keeps one (`LayerWeights.attention_packed`: whichever
+        copy `weight` is, every CPU lane computes the same bits), else `linear` of `weight` [out, in]."""
+        host = self.weights.layers[layer]
+        if host.attention_packed is not None and x.is_cpu:
+            bias = host.attn.qkv_bias if which == 0 else host.attn.o_bias  # [out], on the host
+            out = packed_linear(x, host.attention_packed[which], bias)
+            if out is not None:
+                return out
+        return linear(x, weight, bias)
 
     def _residual(self, out: torch.Tensor) -> torch.Tensor:
         """A block's output as added to the residual stream (Granite scales it)."""

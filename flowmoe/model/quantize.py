@@ -19,10 +19,12 @@ matrix, with the same values as one by one.
   size of 128" in Klotski's setting).
 
 `quantize_layer_attention` gives a layer's attention projections (q/k/v stacked, and o) the same formats
-(Klotski(q): "quantize both expert and attention tensors to 4 bits"), in place: each holds the values
-its packed form dequantizes to, so every lane computes the quantized model. They stay in the model's
-dtype in host memory and cross the link so: the runtime has no packed attention yet (the cost model
-prices the packed bytes: core/expert_formats.py, `dense_layer_bytes`).
+(Klotski(q): "quantize both expert and attention tensors to 4 bits"). The layer keeps them packed
+(`LayerWeights.attention_packed`), and the CPU computes them from the packed bytes (model/quantized.py,
+`packed_linear`: its activations quantized to int8 per block of 32, as the packed experts' are, so its
+outputs differ from the dequantized weights' by design); `attn` holds the values they dequantize to,
+in the model's dtype, for the GPU: they cross the link so (the cost model prices the packed bytes:
+core/expert_formats.py, `dense_layer_bytes`).
 """
 
 from __future__ import annotations
@@ -146,11 +148,15 @@ def quantize_expert(ffn: FFNWeights, expert_format: ExpertFormat, device: torch.
 def quantize_layer_attention(
     spec: ModelSpec, lw: LayerWeights, attention_format: AttentionFormat, device: torch.device
 ) -> None:
-    """A layer's q/k/v [q + 2kv, hidden] and o [hidden, q] overwritten in place with their
-    `attention_format` quantization (computed on `device`) dequantized to the model's dtype; biases
-    and norms kept. Grouped-query attention only (`attention_projections` refuses MLA)."""
+    """A layer's q/k/v [q + 2kv, hidden] and o [hidden, q] quantized to `attention_format` (computed on
+    `device`): kept packed where the layer is (`lw.attention_packed`), and overwritten in place with
+    their dequantization to the model's dtype; biases and norms kept. Grouped-query attention only
+    (`attention_projections` refuses MLA)."""
+    kept: list[PackedWeight] = []
     for name, shape in zip(("qkv", "o"), attention_projections(spec), strict=True):
         weight = getattr(lw.attn, name)  # [R, C] in the model's dtype, a view of the layer's arena
         assert tuple(weight.shape) == shape, f"{name} is {tuple(weight.shape)}, the spec says {shape}"
         packed = quantize_weight(weight.to(device), attention_format)
         weight.copy_(packed.dequantize(weight.dtype))  # [R, C]
+        kept.append(packed.rebuilt(iter([t.to(weight.device) for t in packed.tensors()])))
+    lw.attention_packed = (kept[0], kept[1])

@@ -33,6 +33,7 @@ import torch
 from attrs import define, evolve
 
 from flowmoe.core.expert_formats import DEQUANT_ELEMENTS
+from flowmoe.kernels import cpu_packed
 from flowmoe.model.weights import FFNWeights
 
 
@@ -123,6 +124,22 @@ def in_row_blocks(
     for start in range(0, rows, step):
         out[start : start + step] = block(slice(start, start + step))
     return out
+
+
+def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [n, C] through `weight` [R, C] (+ bias [R]) -> [n, R] by the CPU's packed kernel, which reads
+    an `Int8Weight` or `Int4Weight` as it is packed (kernels/cpu_packed.py, `linear`: x quantized to
+    int8 per block of 32, as the packed experts' is); None where the kernel does not take them."""
+    projection: cpu_packed.Projection  # (q, scale, zero)
+    if isinstance(weight, Int8Weight):
+        fmt, group, projection = "int8", 0, (weight.values, weight.scale, None)
+    elif isinstance(weight, Int4Weight):
+        fmt, group, projection = "int4", weight.group, (weight.packed, weight.scale, weight.zero)
+    else:
+        return None
+    if not cpu_packed.linear_fits(x, projection, fmt, group, weight.shape[0]):
+        return None
+    return cpu_packed.linear(x, projection, fmt, group, bias)
 
 
 def stacked_rows(blocks: Sequence[Packed]) -> Packed:

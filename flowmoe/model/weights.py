@@ -14,7 +14,7 @@ import torch
 from attrs import define, field
 
 if TYPE_CHECKING:
-    from flowmoe.model.quantized import QuantizedExpert
+    from flowmoe.model.quantized import PackedWeight, QuantizedExpert
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -85,6 +85,10 @@ class LayerWeights:
     # a packed expert format (fp8, int8, int4, hqq4: model/quantized.py): the routed experts as kept
     packed: list[QuantizedExpert] = field(factory=list)
     selection_bias: torch.Tensor | None = None  # [1, E] added to the scores for the choice only
+    # a packed attention format (int8, int4, hqq4: model/quantize.py): (q/k/v [q + 2kv, hidden],
+    # o [hidden, q]) as kept in host memory, which the CPU's packed kernels read; `attn` holds them
+    # dequantized (what the GPU copies)
+    attention_packed: tuple[PackedWeight, PackedWeight] | None = None
 
     def expert(self, expert: int) -> FFNWeights:
         """Routed expert `expert`: as loaded, or its packed copy where only that is kept (a PackedFFN:
