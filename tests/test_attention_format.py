@@ -73,8 +73,9 @@ def test_q_k_v_and_o_hold_their_quantized_values_in_place(folders, form: str) ->
 
 @pytest.fixture(scope="module")
 def quantized(folders) -> tuple[MoEModel, object]:
-    """Mixtral with hqq4 experts and hqq4 attention (Klotski(q)'s setting), and eager's run on it."""
-    model = load_model(folders["mixtral"], packing=Packing("hqq4", "hqq4"))
+    """Mixtral with hqq4 experts and hqq4 attention (Klotski(q)'s setting) and an hqq4 LM head
+    (--lm-head-format), and eager's run on it."""
+    model = load_model(folders["mixtral"], packing=Packing("hqq4", "hqq4", None, "hqq4"))
     return model, run_eager(model)
 
 

@@ -184,6 +184,12 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--attention-format", choices=ATTENTION_FORMATS, default="native", help=ATTENTION_FORMAT_HELP
     )
+    group.add_argument(
+        "--lm-head-format", choices=ATTENTION_FORMATS, default="native",
+        help="the LM head's [vocab, hidden]: native, or quantized as a bf16/fp16/fp32 model loads to int8, "
+        "int4 or hqq4 (the layouts of --expert-format), computed on the CPU from the packed bytes and "
+        "dequantized for a GPU; an untied head only (docs/quantized-attention.md)",
+    )  # fmt: skip
     add_option_flags(parser)
 
 
@@ -230,9 +236,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.ray:  # one job over many replicas (flowmoe/cluster)
         if args.format == OPENAI:
             raise ConfigError("an OpenAI batch runs in a single process; --ray takes flowmoe prompt files")
-        if args.attention_format != "native":
-            raise ConfigError("--attention-format quantizes the model one process loads; --ray's replicas "
-                              "load their own: leave one of them out")  # fmt: skip
+        quantized = (("--attention-format", args.attention_format), ("--lm-head-format", args.lm_head_format))
+        for flag, form in quantized:
+            if form != "native":
+                raise ConfigError(f"{flag} quantizes the model one process loads; --ray's replicas "
+                                  "load their own: leave one of them out")  # fmt: skip
         return run_on_ray(args, sampling, policy, guard)
     if args.replicas:
         raise FlowmoeError("--replicas needs --ray ADDRESS (--ray local: this machine's CPUs)")
@@ -336,12 +344,13 @@ def run_json(
 
 
 def packing_from(args: argparse.Namespace) -> Packing:
-    """--expert-format and --attention-format as the load packs each layer (model/loading.py),
-    quantizing on the run's GPU where it has one."""
+    """--expert-format, --attention-format and --lm-head-format as the load packs the weights
+    (model/loading.py), quantizing on the run's GPU where it has one."""
     from flowmoe.model.loading import Packing
     from flowmoe.runtime.device_weights import Devices
 
-    return Packing(args.expert_format, args.attention_format, Devices.detect(args.device).gpu)
+    gpu = Devices.detect(args.device).gpu
+    return Packing(args.expert_format, args.attention_format, gpu, args.lm_head_format)
 
 
 def measured_for_run(

@@ -22,11 +22,11 @@ from flowmoe.model.arena import layer_arena, plan_layer, top_arena
 from flowmoe.model.checkpoint import TORCH_DTYPES, Checkpoint
 from flowmoe.model.int4_checkpoints import Int4Format
 from flowmoe.model.moe_model import MoEModel
-from flowmoe.model.quantize import quantize_expert, quantize_layer_attention
+from flowmoe.model.quantize import quantize_expert, quantize_layer_attention, quantize_lm_head
 from flowmoe.model.quantized import QuantizedExpert
 from flowmoe.model.random_weights import RandomSource
 from flowmoe.model.tensor_map import Shape, TensorMap, TensorSource
-from flowmoe.model.weights import LayerWeights
+from flowmoe.model.weights import LayerWeights, ModelWeights
 
 Progress = Callable[[int, int], None]
 LayerPacker = Callable[[int, LayerWeights], None]  # packs layer `layer`, just read, in place
@@ -37,19 +37,25 @@ _LIBC = ctypes.CDLL(None)  # the C library this process runs on
 @frozen
 class Packing:
     """How a load keeps each layer: its routed experts in `expert_format` (model/quantized.py), its
-    attention projections in `attention_format` (model/quantize.py, `quantize_layer_attention`), what
-    is quantized computed on `device` (None: the CPU). Each layer is packed as it is read, and its
+    attention projections in `attention_format` (model/quantize.py, `quantize_layer_attention`), the
+    LM head in `lm_head_format` (`quantize_lm_head`), what is quantized computed on `device` (None: the
+    CPU). Each layer is packed as it is read, and its
     weights in the model's dtype let go before the next is: a load holds the packed layers and one
     layer in the model's dtype, never the whole model so."""
 
     expert_format: ExpertFormat = "native"
     attention_format: AttentionFormat = "native"
     device: torch.device | None = None
+    lm_head_format: AttentionFormat = "native"
 
     @property
     def quantizes(self) -> bool:
         """Whether weights in the model's dtype are quantized on load (not fp8: kept as stored)."""
-        return self.expert_format in QUANTIZED_ON_LOAD or self.attention_format != "native"
+        return (
+            self.expert_format in QUANTIZED_ON_LOAD
+            or self.attention_format != "native"
+            or self.lm_head_format != "native"
+        )
 
 
 def load_model(
@@ -69,11 +75,13 @@ def load_model(
         if layers is not None:
             raise ConfigError("--layers applies to presets only; a checkpoint loads all its layers")
         ckpt = Checkpoint.open(path, dtype)
-        return _assemble(ckpt, ckpt.spec, progress, layer_packer(source, ckpt, ckpt.spec, packing))
+        head = head_packer(source, ckpt, ckpt.spec, packing)
+        return _assemble(ckpt, ckpt.spec, progress, layer_packer(source, ckpt, ckpt.spec, packing), head)
     if str(source) in PRESETS:
         spec = preset(str(source), layers=layers, dtype=dtype)
         random = RandomSource(spec)
-        return _assemble(random, spec, progress, layer_packer(source, random, spec, packing))
+        head = head_packer(source, random, spec, packing)
+        return _assemble(random, spec, progress, layer_packer(source, random, spec, packing), head)
     raise ConfigError(f"{source}: neither a checkpoint folder nor a preset (presets: {', '.join(PRESETS)})")
 
 
@@ -108,7 +116,7 @@ def layer_packer(source: str | Path, tensors: TensorSource, spec: ModelSpec, pac
     attention = packing.attention_format
     if attention != "native":
         attention_projections(spec)  # multi-head latent attention is refused
-        _check_attention_source(source, tensors, attention)
+        _check_unquantized_source(source, tensors, "--attention-format", attention)
     experts = _expert_packer(source, tensors, packing.expert_format, where)
 
     def pack(layer: int, lw: LayerWeights) -> None:
@@ -172,16 +180,35 @@ def _expert_packer(
     return lambda _layer, lw: [quantize_expert(ffn, expert_format, where) for ffn in lw.experts]
 
 
-def _check_attention_source(
-    source: str | Path, tensors: TensorSource, attention_format: AttentionFormat
+def _check_unquantized_source(
+    source: str | Path, tensors: TensorSource, flag: str, form: AttentionFormat
 ) -> None:
-    """--attention-format quantizes weights in the model's own dtype: not a checkpoint quantized
-    before (GPTQ, AWQ, compressed-tensors, FP8)."""
+    """`flag` (--attention-format, --lm-head-format) quantizes weights in the model's own dtype: not a
+    checkpoint quantized before (GPTQ, AWQ, compressed-tensors, FP8)."""
     if isinstance(tensors, Checkpoint) and (tensors.int4 is not None or tensors.fp8 is not None):
         raise ConfigError(
-            f"--attention-format {attention_format} quantizes a checkpoint in bfloat16, float16 or float32 "
-            f"as it loads, and {source} is stored quantized already: leave --attention-format out"
+            f"{flag} {form} quantizes a checkpoint in bfloat16, float16 or float32 "
+            f"as it loads, and {source} is stored quantized already: leave {flag} out"
         )
+
+
+def head_packer(
+    source: str | Path, tensors: TensorSource, spec: ModelSpec, packing: Packing
+) -> Callable[[ModelWeights], None] | None:
+    """What quantizes the LM head once read, as `packing.lm_head_format` says (None: nothing to do);
+    a head it cannot take (tied to the embedding, stored quantized) is refused here, before any
+    layer is read."""
+    form = packing.lm_head_format
+    if form == "native":
+        return None
+    _check_unquantized_source(source, tensors, "--lm-head-format", form)
+    if spec.tie_embeddings:
+        raise ConfigError(
+            f"--lm-head-format {form} quantizes an LM head of its own, and this model's is its embedding "
+            "(tied): leave --lm-head-format out"
+        )
+    where = packing.device or torch.device("cpu")
+    return lambda weights: quantize_lm_head(spec, weights, form, where)
 
 
 @frozen
@@ -231,10 +258,14 @@ def read_layer(source: TensorSource, spec: ModelSpec, layer: int) -> LayerWeight
 
 
 def _assemble(
-    source: TensorSource, spec: ModelSpec, progress: Progress | None, pack: LayerPacker
+    source: TensorSource,
+    spec: ModelSpec,
+    progress: Progress | None,
+    pack: LayerPacker,
+    pack_head: Callable[[ModelWeights], None] | None,
 ) -> MoEModel:
     """Each layer read and packed in turn (the one before let go of all but its packed form), then the
-    embedding, final norm and LM head."""
+    embedding, final norm and LM head (packed by `pack_head`, if given)."""
     layers = []
     for layer in range(spec.layers):
         lw = read_layer(source, spec, layer)
@@ -244,4 +275,6 @@ def _assemble(
             progress(layer + 1, spec.layers)
     weights = TensorMap.for_spec(spec).load_top(_into_arena(source), layers)
     top_arena(weights, TORCH_DTYPES[spec.dtype])
+    if pack_head is not None:
+        pack_head(weights)
     return MoEModel.build(spec, weights)

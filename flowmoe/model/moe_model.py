@@ -323,8 +323,20 @@ class MoEModel:
         bias = None
         if self.spec.lm_head_bias:  # [vocab, hidden + 1]: the bias is the last column
             head, bias = head[:, :-1], head[:, -1]
-        logits = linear(x, head, bias).float()
+        logits = self._head(x, head, bias).float()
         return logits / self.spec.logits_divisor if self.spec.logits_divisor != 1.0 else logits
+
+    def _head(self, x: torch.Tensor, head: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [B, hidden] through the LM head [vocab, hidden] (+ bias [vocab]) -> [B, vocab]: on the CPU
+        from the host's packed head where --lm-head-format keeps one (whichever copy `head` is), else
+        `linear`."""
+        packed = self.weights.lm_head_packed
+        if packed is not None and x.is_cpu:
+            host_bias = self.weights.lm_head[:, -1] if self.spec.lm_head_bias else None  # [vocab]
+            out = packed_linear(x, packed, host_bias)
+            if out is not None:
+                return out
+        return linear(x, head, bias)
 
     # ---- eager composition
 

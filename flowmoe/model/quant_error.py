@@ -6,7 +6,8 @@ model unquantized, and neither does the measurement), compared per prompt as the
 ||quantized - reference|| / ||reference|| (2-norms over the vocabulary). A run reports its
 largest and its mean (cli/run.py: the printed report, --json, the run record), and what was
 quantized: the routed experts (--expert-format), the attention projections (--attention-format:
-model/quantize.py, `quantize_layer_attention`), or both, measured together.
+model/quantize.py, `quantize_layer_attention`), the LM head (--lm-head-format, `quantize_lm_head`),
+or several, measured together.
 
 A checkpoint quantized before flowmoe read it (GPTQ, AWQ, compressed-tensors) is reported as such
 instead, whatever the expert format: its quantization, and that its error against the unquantized
@@ -27,6 +28,7 @@ from flowmoe.kernels.layout import TokenLayout
 from flowmoe.kernels.no_copy import on
 from flowmoe.model.loading import Packing, opened, read_layer, stored_quantization
 from flowmoe.model.moe_model import MoEModel
+from flowmoe.model.tensor_map import TensorMap
 
 MAX_PROMPTS = 8  # bounds the two eager passes' cost; a sample, not the job
 
@@ -39,6 +41,7 @@ class QuantError:
     mean_rel: float | None  # mean over the prompts
     checkpoint: str | None = None  # the checkpoint's own quantization, where it came quantized
     attention_format: AttentionFormat = "native"  # the attention projections' (q/k/v, o)
+    lm_head_format: AttentionFormat = "native"  # the LM head's
 
     @classmethod
     def between(
@@ -47,15 +50,18 @@ class QuantError:
         reference: torch.Tensor,
         quantized: torch.Tensor,
         attention_format: AttentionFormat = "native",
+        lm_head_format: AttentionFormat = "native",
     ) -> QuantError:
         """reference, quantized: [B, vocab] logits of the same prompts."""
         ref, ours = reference.float(), quantized.float()
         tiny = torch.finfo(torch.float32).tiny
         rel = (ours - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(tiny)  # [B]
-        return cls(expert_format, rel.numel(), float(rel.max()), float(rel.mean()), None, attention_format)
+        errors = (float(rel.max()), float(rel.mean()))
+        return cls(expert_format, rel.numel(), *errors, None, attention_format, lm_head_format)
 
     def as_json(self) -> dict[str, Any]:
         return {"expert_format": self.expert_format, "attention_format": self.attention_format,
+                "lm_head_format": self.lm_head_format,
                 "quantized_on_load": self.checkpoint is None, "prompts": self.prompts,
                 "logits_rel_err_max": self.max_rel, "logits_rel_err_mean": self.mean_rel,
                 "checkpoint": self.checkpoint}  # fmt: skip
@@ -68,6 +74,8 @@ class QuantError:
             parts.append(f"experts quantized to {self.expert_format}")
         if self.attention_format != "native":
             parts.append(f"attention (q/k/v and o projections) quantized to {self.attention_format}")
+        if self.lm_head_format != "native":
+            parts.append(f"the LM head quantized to {self.lm_head_format}")
         return " and ".join(parts)
 
     def line(self) -> str:
@@ -100,8 +108,12 @@ def reference_logits(model: MoEModel, source: str | Path, prompts: Sequence[Sequ
     go, so only one layer is ever held unquantized -> [B, vocab]."""
     ids, cache, layout = _prefill(model, prompts)
     layers = model.weights.layers
-    reference = evolve(model, weights=evolve(model.weights, layers=list(layers)))  # its own layer list
     with torch.inference_mode(), opened(source, model.spec) as tensors:
+        top = model.weights
+        if top.lm_head_packed is not None:  # --lm-head-format: the head as stored
+            stored = TensorMap.for_spec(model.spec).load_top(tensors, []).lm_head  # [vocab, hidden (+ 1)]
+            top = evolve(top, lm_head=stored, lm_head_packed=None)
+        reference = evolve(model, weights=evolve(top, layers=list(layers)))  # its own layer list
         hidden = reference.embed(ids)  # [T, hidden]
         rope = reference.rope(layout, hidden.device)
         for layer in range(model.spec.layers):
@@ -134,4 +146,6 @@ def measured(
         return None
     quantized = last_logits(model, sample)
     reference = reference_logits(model, source, sample)
-    return QuantError.between(packing.expert_format, reference, quantized, packing.attention_format)
+    return QuantError.between(
+        packing.expert_format, reference, quantized, packing.attention_format, packing.lm_head_format
+    )

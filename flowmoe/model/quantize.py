@@ -18,6 +18,9 @@ matrix, with the same values as one by one.
   scale and zero as float16 without HQQ's optional 8-bit quantization of them ("a zero scale group
   size of 128" in Klotski's setting).
 
+`quantize_lm_head` does the same to the LM head (`--lm-head-format`): kept packed for the CPU
+(`ModelWeights.lm_head_packed`), the dense head overwritten with its dequantization.
+
 `quantize_layer_attention` gives a layer's attention projections (q/k/v stacked, and o) the same formats
 (Klotski(q): "quantize both expert and attention tensors to 4 bits"). The layer keeps them packed
 (`LayerWeights.attention_packed`), and the CPU computes them from the packed bytes (model/quantized.py,
@@ -45,7 +48,7 @@ from flowmoe.model.quantized import (
     pack_int4,
     stacked_rows,
 )
-from flowmoe.model.weights import FFNWeights, LayerWeights
+from flowmoe.model.weights import FFNWeights, LayerWeights, ModelWeights
 
 if TYPE_CHECKING:
     from flowmoe.core.spec import ModelSpec
@@ -158,5 +161,23 @@ def quantize_layer_attention(
         assert tuple(weight.shape) == shape, f"{name} is {tuple(weight.shape)}, the spec says {shape}"
         packed = quantize_weight(weight.to(device), attention_format)
         weight.copy_(packed.dequantize(weight.dtype))  # [R, C]
-        kept.append(packed.rebuilt(iter([t.to(weight.device) for t in packed.tensors()])))
+        kept.append(_moved(packed, weight.device))
     lw.attention_packed = (kept[0], kept[1])
+
+
+def quantize_lm_head(
+    spec: ModelSpec, weights: ModelWeights, lm_head_format: AttentionFormat, device: torch.device
+) -> None:
+    """The LM head's [vocab, hidden] quantized to `lm_head_format` (computed on `device`): kept packed
+    where the head is (`weights.lm_head_packed`), and overwritten in place with its dequantization to
+    the model's dtype; a bias column kept. The head must not be the embedding (loading.py refuses a
+    tied one)."""
+    head = weights.lm_head[:, :-1] if spec.lm_head_bias else weights.lm_head  # [vocab, hidden], a view
+    packed = quantize_weight(head.to(device), lm_head_format)
+    head.copy_(packed.dequantize(head.dtype))  # [vocab, hidden]
+    weights.lm_head_packed = _moved(packed, head.device)
+
+
+def _moved(weight: PackedWeight, device: torch.device) -> PackedWeight:
+    """`weight` with its tensors on `device`."""
+    return weight.rebuilt(iter([t.to(device) for t in weight.tensors()]))

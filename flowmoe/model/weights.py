@@ -113,3 +113,6 @@ class ModelWeights:
     final_norm: torch.Tensor  # [hidden]; [2, hidden] for a LayerNorm
     lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied; [vocab, hidden + 1] with a bias
     layers: list[LayerWeights]
+    # --lm-head-format (int8, int4, hqq4: model/quantize.py): the head's [vocab, hidden] as kept in host
+    # memory, which the CPU's packed kernel reads; `lm_head` holds it dequantized (what the GPU copies)
+    lm_head_packed: PackedWeight | None = None
