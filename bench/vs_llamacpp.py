@@ -35,7 +35,10 @@ quantized by llama_model_quantize from the f32 one with the same type for the ro
 the attention projections, token embeddings and output in bf16 (its tt_overrides,
 token_embedding_type and output_tensor_type; the router and norms stay f32, as llama.cpp keeps
 them). A further tool, `flowmoe-torch`, is flowmoe at the same commit with the packed CPU kernels
-bypassed (each expert dequantized in torch per call: the path before them).
+bypassed (each expert dequantized in torch per call: the path before them); `flowmoe all` quantizes
+its attention projections and LM head as well (--attention-format, --lm-head-format: packed, computed by
+the packed kernels), and the `llama.cpp` row's ratios are against it (like for like), the others'
+against `flowmoe`.
 Saved to bench/vs_llamacpp_quant.json unless --out says otherwise.
 
 It runs outside CI: the first build of llama-cpp-python takes minutes.
@@ -57,8 +60,11 @@ HERE = Path(__file__).resolve().parent
 CACHE = Path.home() / ".cache" / "flowmoe-bench"
 LLAMA_CPP_VERSION = "0.3.36"  # the version issue 25 measured with
 TOOLS = ("flowmoe", "llama.cpp")
-# flowmoe-torch: the packed kernels bypassed; llama.cpp experts: its routed experts alone quantized
-QUANT_TOOLS = ("flowmoe", "flowmoe-torch", "llama.cpp", "llama.cpp experts")
+# flowmoe-torch: the packed kernels bypassed; flowmoe all: its attention projections and LM head quantized
+# too (--attention-format, --lm-head-format); llama.cpp experts: its routed experts alone quantized
+QUANT_TOOLS = ("flowmoe", "flowmoe-torch", "flowmoe all", "llama.cpp", "llama.cpp experts")
+# the flowmoe row each tool's row is compared with: like for like in what each quantized
+AGAINST = {"llama.cpp": "flowmoe all"}
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0"}
 
 
@@ -221,9 +227,10 @@ def flowmoe_worker(job: dict) -> dict:
     from flowmoe.model.loading import Packing, load_model
     from flowmoe.runtime.runner import Runtime
 
-    form = job.get("expert_format", "native")
-    # as `flowmoe run --expert-format` loads: each layer's experts quantized as the layer is read
-    model = load_model(job["model"], job["dtype"], packing=Packing(expert_format=form))
+    form, dense = job.get("expert_format", "native"), job.get("dense_format", "native")
+    # as `flowmoe run --expert-format [--attention-format --lm-head-format]` loads: quantized as read
+    packing = Packing(expert_format=form, attention_format=dense, lm_head_format=dense)
+    model = load_model(job["model"], job["dtype"], packing=packing)
     if job.get("torch_dequantize"):  # the path before the packed kernels: each expert dequantized in torch
         import flowmoe.model.moe_model as moe_model
 
@@ -433,9 +440,15 @@ def rows_from(runs: dict[tuple[str, str], list[dict]], prompt: int) -> list[dict
                 "load": [round(c["load_before"], 1) for c in cells] + [round(cells[-1]["load_after"], 1)],
                 "tokens": first["tokens"],
             })  # fmt: skip
-    flowmoe = {(r["dtype"], r["batch"], r["threads"]): r for r in rows if r["tool"] == "flowmoe"}
+    flowmoe = {
+        (r["tool"], r["dtype"], r["batch"], r["threads"]): r for r in rows if r["tool"].startswith("flowmoe")
+    }
     for row in rows:
-        ours = flowmoe[(row["dtype"], row["batch"], row["threads"])]
+        against = AGAINST.get(row["tool"], "flowmoe")
+        if (against, row["dtype"], row["batch"], row["threads"]) not in flowmoe:
+            against = "flowmoe"
+        row["against"] = against
+        ours = flowmoe[(against, row["dtype"], row["batch"], row["threads"])]
         # flowmoe's speed over this row's tool's, by CPU time per step (> 1: flowmoe ahead)
         row["decode_cpu_ratio"] = row["decode_cpu_ms_step"] / ours["decode_cpu_ms_step"]
         # by wall time too: at several threads CPU time also counts the threads' spin-waits
@@ -469,11 +482,11 @@ def columns(rows: list[dict]) -> tuple[tuple[str, str], ...]:
     """COLUMNS, with what each tool quantized after the tool where the rows say (--formats)."""
     if not any("weights" in row for row in rows):
         return COLUMNS
-    return (*COLUMNS[:4], ("weights", "{weights}"), *COLUMNS[4:])
+    return (*COLUMNS[:4], ("weights", "{weights}"), ("ratios against", "{against}"), *COLUMNS[4:])
 
 
 def cells(row: dict, shown: tuple[tuple[str, str], ...]) -> list[str]:
-    known = {"decode_wall_ratio": float("nan")} | row  # files written before the wall ratio: nan
+    known = {"decode_wall_ratio": float("nan"), "against": "flowmoe"} | row  # older files: nan, flowmoe
     return [form.format(**known) for _, form in shown]
 
 
@@ -545,7 +558,8 @@ def main() -> None:
                 job = {"model": model, "dtype": dtype, "prompts": prompts, "cells": grid,
                        "prompt": args.prompt, "new_tokens": args.new_tokens}  # fmt: skip
                 if args.formats and ours:
-                    job |= {"expert_format": kind, "torch_dequantize": tool == "flowmoe-torch"}
+                    job |= {"expert_format": kind, "torch_dequantize": tool == "flowmoe-torch",
+                            "dense_format": kind if tool == "flowmoe all" else "native"}  # fmt: skip
                 worker = (sys.executable, "flowmoe") if ours else (python, "llama.cpp")
                 result = run_worker(*worker, job)
                 runs.setdefault((kind, tool), []).append(result)
@@ -568,7 +582,10 @@ def main() -> None:
         held = {key: gguf_weights(args, path) for key, path in ggufs.items()}
         for row in rows:
             dense = GGUF_TYPES[args.quant_dtype]
-            row["weights"] = held.get((row["dtype"], row["tool"]), f"{row['dtype']} experts, {dense} rest")
+            mine = f"{row['dtype']} experts, attention and LM head" if row["tool"] == "flowmoe all" else None
+            row["weights"] = held.get(
+                (row["dtype"], row["tool"]), mine or f"{row['dtype']} experts, {dense} rest"
+            )
         meta["model"] += f"; flowmoe in {args.quant_dtype} with its routed experts quantized on load"
     saved = {"meta": meta, "rows": rows}
     if not args.quick:  # a check of the script: printed only
