@@ -331,13 +331,18 @@ int flowmoe_packed_ffn_group(int experts, const void *const *xs, const int *ns, 
 /* One projection of a few rows or many (an attention projection's, kept packed): out [n, R] = x [n, K]
    W^T + bias, W [R, K] in `fmt` at weights (q, scale, zero; zero null for int8), x quantized per block
    as the FFNs' x is (the header), each row's outputs the same bits whatever n, the threads and the
-   block. Threads: OpenMP over (chunks of up to CR rows) x (blocks of PB weight rows). x and out in bf16
-   where `bf16`, else fp32; bias fp32 or null. Returns 0, or 1 where there is no memory for the buffers. */
+   block. Threads: OpenMP over (chunks of up to CR rows) x (blocks of PB weight rows); one row takes
+   its blocks in pairs, rows [0, half) beside [half, 2 half), as the FFNs' down does (the header's
+   one-row blocks: two streams through the matrix). x and out in bf16 where `bf16`, else fp32; bias
+   fp32 or null. Returns 0, or 1 where there is no memory for the buffers. */
 #define CR 32 /* rows of levels a block reads together: cpu_packed.py's MAX_ROWS */
 int flowmoe_packed_linear(const void *x, long n, long K, long R, int fmt, long group, const void *const *weights,
                           const float *bias, int bf16, void *out, int isa, int threads) {
-    long at_least = n > 0 ? n : 1, xfl = row_floats(fmt, K, group), blocks = (R + PB - 1) / PB;
-    long chunks = (n + CR - 1) / CR;
+    long half = n == 1 ? R / (2 * PB) * PB : 0, pairs = half / PB, blocks = pairs + (R - 2 * half + PB - 1) / PB;
+    long at_least = n > 0 ? n : 1, xfl = row_floats(fmt, K, group), chunks = (n + CR - 1) / CR;
+    long row_bytes = fmt == 1 ? (K + 1) / 2 : K, scales = fmt == 1 ? (K + group - 1) / group * 2 : 4;
+    const void *p[6] = {weights[0], weights[1], weights[2], rows_on(weights[0], half, row_bytes),
+                        rows_on(weights[1], half, scales), rows_on(weights[2], half, scales)};
     float *xw = malloc(sizeof(float) * at_least * K), *xf = malloc(sizeof(float) * at_least * xfl);
     int8_t *xq = malloc(at_least * K); /* the rows' levels */
     if (!xw || !xf || !xq) {
@@ -351,19 +356,21 @@ int flowmoe_packed_linear(const void *x, long n, long K, long R, int fmt, long g
         for (long r = 0; r < n; r++) quantize_row(xw + r * K, K, fmt, group, isa, xq + r * K, xf + r * xfl);
 #pragma omp for schedule(static)
         for (long t = 0; t < chunks * blocks; t++) {
-            long r0 = t / blocks * CR, o0 = t % blocks * PB;
+            long r0 = t / blocks * CR, b = t % blocks, o0 = b < pairs ? b * PB : 2 * half + (b - pairs) * PB;
             int rows = (int)(n - r0 < CR ? n - r0 : CR), ob = (int)(R - o0 < PB ? R - o0 : PB);
-            float res[rows * PB];
-            packed_block(isa, fmt, xq + r0 * K, xf + r0 * xfl, rows, K, group, 1, weights, o0, ob, res);
-            for (int r = 0; r < rows; r++)
-                for (int j = 0; j < ob; j++) {
-                    long i = (r0 + r) * R + o0 + j;
-                    float v = res[r * PB + j] + (bias ? bias[o0 + j] : 0.0f);
-                    if (bf16)
-                        ((uint16_t *)out)[i] = float_to_bf16(v);
-                    else
-                        ((float *)out)[i] = v;
-                }
+            int mats = b < pairs ? 2 : 1;
+            float res[2 * rows * PB];
+            packed_block(isa, fmt, xq + r0 * K, xf + r0 * xfl, rows, K, group, mats, p, o0, ob, res);
+            for (int m = 0; m < mats; m++)
+                for (int r = 0; r < rows; r++)
+                    for (int j = 0; j < ob; j++) {
+                        long o = o0 + m * half + j, i = (r0 + r) * R + o;
+                        float v = res[(m * rows + r) * PB + j] + (bias ? bias[o] : 0.0f);
+                        if (bf16)
+                            ((uint16_t *)out)[i] = float_to_bf16(v);
+                        else
+                            ((float *)out)[i] = v;
+                    }
         }
     }
     free(xw), free(xf), free(xq);
