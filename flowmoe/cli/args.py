@@ -100,7 +100,7 @@ EXPERT_FORMAT_HELP = (
 ATTENTION_FORMAT_HELP = (
     "how each layer's attention projections (q/k/v and o) are kept where the layer's dense part is "
     "offloaded (Klotski(q)): native, or quantized as a bf16/fp16/fp32 model loads to int8, int4 or hqq4 "
-    "(the layouts of --expert-format); `run` computes with the quantized values but still keeps and "
-    "copies them in the model's dtype, `simulate`/`plan` price the packed bytes; grouped-query "
-    "attention only"
+    "(the layouts of --expert-format); `run` computes them on the CPU from the packed bytes (int8 "
+    "activations) and keeps and copies them dequantized in the model's dtype for a GPU; `simulate`/`plan` "
+    "price the packed bytes; grouped-query attention only"
 )

@@ -260,6 +260,7 @@ def _run(args: argparse.Namespace) -> int:
         job,
         expert_format=policy.expert_format,
         attention_format=policy.attention_format,
+        lm_head_format=args.lm_head_format,
         quantization=measured,
     )
     if args.scheduler == "auto":  # every scheduler simulated on this job; the best runs, its policy too

@@ -51,6 +51,7 @@ class JobSpec:
     model_names: tuple[str, ...] = ()  # an OpenAI batch request's "model" is one; responses give the first
     expert_format: str = "native"  # how the experts are kept (Policy.expert_format); recorded
     attention_format: str = "native"  # the attention projections' (Policy.attention_format); recorded
+    lm_head_format: str = "native"  # the LM head's (--lm-head-format); recorded
     quantization: dict[str, Any] | None = None  # the error quantize-on-load introduced (model/quant_error.py)
 
     def settings(self) -> dict[str, Any]:
@@ -60,6 +61,8 @@ class JobSpec:
         packed = {"--expert-format": self.expert_format} if self.expert_format != "native" else {}  # so too
         if self.attention_format != "native":
             packed["--attention-format"] = self.attention_format
+        if self.lm_head_format != "native":
+            packed["--lm-head-format"] = self.lm_head_format
         return {**(self.produced_by or {}), "--max-new-tokens": self.max_new_tokens,
                 "--temperature": s.temperature, "--top-p": s.top_p, "--top-k": s.top_k, "--seed": s.seed,
                 "--stop": list(self.stop), "--chat": self.chat, **batch, **packed}  # fmt: skip
