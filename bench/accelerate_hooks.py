@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -58,14 +59,7 @@ def seconds_per_call(module: nn.Module, device: torch.device, hooked: bool, roun
         weights = {k: v.clone() for k, v in module.state_dict().items()}  # the offload's weights map
         attach_align_device_hook(module, execution_device=device, offload=True, weights_map=weights)
     x = torch.zeros(4, device=device)
-    best = float("inf")
-    for _ in range(rounds[0]):
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(rounds[1]):
-            module(x)
-        _sync(device)
-        best = min(best, (time.perf_counter() - start) / rounds[1])
+    best = best_per_call(lambda: module(x), device, rounds)
     if hooked:
         remove_hook_from_submodules(module)
     return best
@@ -73,14 +67,19 @@ def seconds_per_call(module: nn.Module, device: torch.device, hooked: bool, roun
 
 def plain_copy_seconds(tensors: list[torch.Tensor], device: torch.device, rounds: tuple[int, int]) -> float:
     """The same tensors copied to `device` by plain `.to()` calls (pageable, as the hook's source
-    is), each round's copies let go: the bytes' own cost, which the roofline prices."""
+    is), each call's copies let go: the bytes' own cost, which the roofline prices."""
+    return best_per_call(lambda: [t.to(device) for t in tensors], device, rounds)
+
+
+def best_per_call(call: Callable[[], object], device: torch.device, rounds: tuple[int, int]) -> float:
+    """The best of `rounds[0]` rounds' mean seconds per call of `call`, `rounds[1]` calls a round,
+    the device synchronized around each round (its work counted in it)."""
     best = float("inf")
     for _ in range(rounds[0]):
         _sync(device)
         start = time.perf_counter()
         for _ in range(rounds[1]):
-            moved = [t.to(device) for t in tensors]
-            del moved
+            call()
         _sync(device)
         best = min(best, (time.perf_counter() - start) / rounds[1])
     return best
