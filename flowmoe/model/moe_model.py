@@ -30,7 +30,7 @@ from flowmoe.kernels.query_scale import scale_queries
 from flowmoe.kernels.rope import Rotary, inverse_frequencies, longrope_scaling
 from flowmoe.kernels.router import Routing, route
 from flowmoe.model.packed_experts import packed_routed, packed_scaled
-from flowmoe.model.quantized import packed_linear
+from flowmoe.model.quantized import PackedWeight, packed_linear
 from flowmoe.model.weights import FFNWeights, LayerWeights, ModelWeights
 
 EMBED_ROWS = 64  # rows of a mapped embedding read at once (`MoEModel.embed`): 4 MiB of pages mapped
@@ -185,12 +185,9 @@ class MoEModel:
         the host layer's packed copy where it keeps one (`LayerWeights.attention_packed`: whichever
         copy `weight` is, every CPU lane computes the same bits), else `linear` of `weight` [out, in]."""
         host = self.weights.layers[layer]
-        if host.attention_packed is not None and x.is_cpu:
-            bias = host.attn.qkv_bias if which == 0 else host.attn.o_bias  # [out], on the host
-            out = packed_linear(x, host.attention_packed[which], bias)
-            if out is not None:
-                return out
-        return linear(x, weight, bias)
+        packed = host.attention_packed[which] if host.attention_packed is not None else None
+        host_bias = host.attn.qkv_bias if which == 0 else host.attn.o_bias  # [out], on the host
+        return _packed_or_linear(x, packed, host_bias, weight, bias)
 
     def _residual(self, out: torch.Tensor) -> torch.Tensor:
         """A block's output as added to the residual stream (Granite scales it)."""
@@ -331,12 +328,8 @@ class MoEModel:
         from the host's packed head where --lm-head-format keeps one (whichever copy `head` is), else
         `linear`."""
         packed = self.weights.lm_head_packed
-        if packed is not None and x.is_cpu:
-            host_bias = self.weights.lm_head[:, -1] if self.spec.lm_head_bias else None  # [vocab]
-            out = packed_linear(x, packed, host_bias)
-            if out is not None:
-                return out
-        return linear(x, head, bias)
+        host_bias = self.weights.lm_head[:, -1] if packed is not None and self.spec.lm_head_bias else None
+        return _packed_or_linear(x, packed, host_bias, head, bias)
 
     # ---- eager composition
 
@@ -427,3 +420,20 @@ def all_finite(tensor: torch.Tensor) -> bool:
         return True
     low, high = torch.aminmax(tensor)
     return math.isfinite(low.item()) and math.isfinite(high.item())
+
+
+def _packed_or_linear(
+    x: torch.Tensor,
+    packed: PackedWeight | None,
+    host_bias: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [T, in] -> [T, out]: on the CPU through the host's packed copy of the projection (`packed`,
+    with `host_bias`) where there is one and the packed kernel takes it, else `linear` of `weight`
+    [out, in] (+ `bias`)."""
+    if packed is not None and x.is_cpu:
+        out = packed_linear(x, packed, host_bias)
+        if out is not None:
+            return out
+    return linear(x, weight, bias)

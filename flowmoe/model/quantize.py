@@ -159,9 +159,7 @@ def quantize_layer_attention(
     for name, shape in zip(("qkv", "o"), attention_projections(spec), strict=True):
         weight = getattr(lw.attn, name)  # [R, C] in the model's dtype, a view of the layer's arena
         assert tuple(weight.shape) == shape, f"{name} is {tuple(weight.shape)}, the spec says {shape}"
-        packed = quantize_weight(weight.to(device), attention_format)
-        weight.copy_(packed.dequantize(weight.dtype))  # [R, C]
-        kept.append(_moved(packed, weight.device))
+        kept.append(_quantized_in_place(weight, attention_format, device))
     lw.attention_packed = (kept[0], kept[1])
 
 
@@ -173,11 +171,12 @@ def quantize_lm_head(
     the model's dtype; a bias column kept. The head must not be the embedding (loading.py refuses a
     tied one)."""
     head = weights.lm_head[:, :-1] if spec.lm_head_bias else weights.lm_head  # [vocab, hidden], a view
-    packed = quantize_weight(head.to(device), lm_head_format)
-    head.copy_(packed.dequantize(head.dtype))  # [vocab, hidden]
-    weights.lm_head_packed = _moved(packed, head.device)
+    weights.lm_head_packed = _quantized_in_place(head, lm_head_format, device)
 
 
-def _moved(weight: PackedWeight, device: torch.device) -> PackedWeight:
-    """`weight` with its tensors on `device`."""
-    return weight.rebuilt(iter([t.to(device) for t in weight.tensors()]))
+def _quantized_in_place(weight: torch.Tensor, form: AttentionFormat, device: torch.device) -> PackedWeight:
+    """weight [R, C] quantized to `form` (computed on `device`) and overwritten with its dequantization
+    in its own dtype -> the packed form, its tensors where `weight` is."""
+    packed = quantize_weight(weight.to(device), form)
+    weight.copy_(packed.dequantize(weight.dtype))  # [R, C]
+    return packed.rebuilt(iter([t.to(weight.device) for t in packed.tensors()]))
