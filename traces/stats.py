@@ -158,8 +158,9 @@ def run_stats(records: Sequence[SpanRecord], windows: Sequence[Window] = ()) -> 
         windows = [Window(min(r.start for r in records), max(r.end for r in records))]
     windows = sorted(windows, key=lambda w: w.start)
     makespan = steps = 0.0
-    lanes: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, 0.0])  # nodes, bytes, busy,
-    launched: set[str] = set()  # bubble, launch; the lanes whose spans carry launch times
+    # per lane: nodes, bytes, busy, bubble, launch (summed where its spans carry launch times: `launched`)
+    lanes: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0, 0.0])
+    launched: set[str] = set()
     hits = used = prefetched = copied = 0.0
     host, hosted = 0.0, 0.0
     for window, part in zip(windows, split(records, windows), strict=True):

@@ -105,13 +105,14 @@ def gpu_memory(scheduler: Scheduler, batch: BatchShape) -> MemoryNeed:
     spec = scheduler.context.spec
     weights, home = resident_bytes(spec, scheduler.residency()), kv_bytes(scheduler, batch, on_gpu=True)
     copies = len(scheduler.kv_gpu_layers()) < spec.layers  # some cache layer is homed on the host
+    copied = scheduler.weight_buffer_bytes()
     # an expert copied in packed is dequantized on arrival, beside the buffers' dequantized experts
     form = scheduler.context.policy.expert_format
-    dequant = dequant_working_bytes(spec, form) if scheduler.weight_buffer_bytes() else 0
+    dequant = dequant_working_bytes(spec, form) if copied else 0
     needs = []
     for step in batch.steps():
         kv = home + (scheduler.kv_working_bytes(batch, step) if copies else 0)
-        buffers = scheduler.weight_buffer_bytes() + scheduler.gpu_working_bytes(step) + dequant
+        buffers = copied + scheduler.gpu_working_bytes(step) + dequant
         needs.append(MemoryNeed(weights, buffers, kv, step_activation_bytes(spec, step)))
     return max(needs, key=lambda need: need.total)
 
