@@ -4,8 +4,10 @@ GPU compute takes max(flops / (peak x GEMM efficiency at the node's rows), bytes
 memory bandwidth); CPU compute takes max(flops / sustained flop/s, bytes / sustained GEMM or
 attention bandwidth). Copies take bytes / the pinned or, for a node the scheduler marks
 `pageable`, the pageable bandwidth; a packed expert's copy (Policy.expert_format: fp8, int8,
-int4, hqq4) adds its dequantization on the GPU. Every node adds its lane's launch cost, and a node the
-scheduler marks `sync` (the host waits on it) adds the synchronisation cost. A node stands for
+int4, hqq4) moves its packed bytes alone (the GPU dequantizes the expert on the compute stream, at
+its first use), a packed dense part's (Policy.attention_format) adds its dequantization. Every
+node adds its lane's launch cost, and a node the scheduler marks `sync` (the host waits on it) adds
+the synchronisation cost. A node stands for
 several kernels (`KERNELS`): the host issues each, so a GPU node takes at least its kernels x the
 host's dispatch time (the GPU runs ahead of the host only while kernels outlast their issue), and a
 CPU node adds its ops' dispatch. CPU streaming work is capped by what the cores it runs on stream
@@ -122,10 +124,14 @@ class RooflineCost:
         return fixed + copy + self.dequant_seconds(node)
 
     def dequant_seconds(self, node: TaskNode) -> float:
-        """A copy with flops is a packed expert dequantized on the GPU as it arrives, on the copy's own
-        stream: a memory-bound pass, reading the packed page and writing the weights' dtype, at one
-        flop per weight (the unpacking and zero of int4 add a few more, far under the GPU's flop/s)."""
-        if node.flops == 0 or node.lane is not Lane.GPU_H2D:
+        """A copy with flops carries packed weights the GPU dequantizes: a memory-bound pass, reading
+        the packed page and writing the weights' dtype, at one flop per weight (the unpacking and zero
+        of int4 add a few more, far under the GPU's flop/s). A dense part's runs on the copy's own
+        stream, as it arrives; an expert's on the compute stream, at its first use
+        (runtime/device_weights.py: one fused kernel per int4 projection), so its copy is charged none.
+        That pass (~0.1 ms for a Mixtral expert on an H200, ~6% of its copy) is not yet charged to the
+        compute lane: its EXPERT_FFN nodes do not say which use is the first since a copy."""
+        if node.flops == 0 or node.lane is not Lane.GPU_H2D or node.expert >= 0:
             return 0.0
         return self.compute_seconds("gpu", node.flops, node.bytes + node.flops * self.dtype_bytes)
 

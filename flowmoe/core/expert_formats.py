@@ -30,9 +30,10 @@ FP8_BLOCK = (128, 128)  # weight_block_size of the DeepSeek-V3, Kimi K2 and Qwen
 INT4_GROUP = 128  # columns per scale and zero of `int4`
 HQQ4_GROUP = 64  # of `hqq4`: Klotski's weight group size
 INT4_GROUPS: dict[ExpertFormat, int] = {"int4": INT4_GROUP, "hqq4": HQQ4_GROUP}
-# an int8 / int4 / hqq4 projection dequantizes a few rows at a time (model/quantized.py, in_row_blocks):
-# each float32 temporary holds at most this many values, and a block keeps at most DEQUANT_TEMPORARIES
-# of them alive (the unpacked values, the scales and zeros spread over the columns, their difference)
+# an int8 / int4 / hqq4 projection dequantizes in torch a few rows at a time (model/quantized.py,
+# in_row_blocks; on a GPU with triton int4 / hqq4 take one fused kernel, no temporaries): each float32
+# temporary holds at most this many values, and a block keeps at most DEQUANT_TEMPORARIES of them alive
+# (the unpacked values, the scales and zeros spread over the columns, their difference)
 DEQUANT_ELEMENTS = 1 << 23
 DEQUANT_TEMPORARIES = 4
 
@@ -106,9 +107,11 @@ def dense_layer_bytes(spec: ModelSpec, layer: int, attention_format: AttentionFo
 
 
 def dequant_working_bytes(spec: ModelSpec, expert_format: ExpertFormat) -> int:
-    """GPU bytes an expert's dequantization on arrival holds beyond the dequantized expert the weight
-    buffers count: its packed copy and the float32 temporaries of one row block, for the formats
-    quantized on load (int8, int4, hqq4); 0 for native. (fp8 and the GPTQ / AWQ / compressed-tensors
+    """GPU bytes an expert's dequantization (at its first use after its copy: one expert at a time, on
+    the compute stream) holds beyond the dequantized expert the weight buffers count: its packed copy
+    and the float32 temporaries of one row block of the torch path (the int4 / hqq4 Triton kernel has
+    none: the bound holds either way), for the formats quantized on load (int8, int4, hqq4); 0 for
+    native. (fp8 and the GPTQ / AWQ / compressed-tensors
     layouts still dequantize a whole projection at once: not counted here.)"""
     if expert_format not in QUANTIZED_ON_LOAD:
         return 0

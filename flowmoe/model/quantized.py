@@ -4,10 +4,12 @@
 A `QuantizedExpert` holds its projections as `PackedWeight`s, each a few tensors (packed values,
 scales, zeros) and a rule to dequantize them, plus its biases, if any, in the model's dtype. Under a
 packed format a layer keeps only these in host memory (`LayerWeights.packed`). On the GPU an expert
-is dequantized after its copy (flowmoe/runtime/device_weights.py). On the CPU (`LayerWeights.expert`
-hands it out as a `PackedFFN`) int8 and int4 / hqq4 experts of up to 32 rows are computed by C
-kernels that read the packed bytes as they are (kernels/cpu_packed.py, dispatched by
-model/packed_experts.py); anything else (more rows, fp8, the GPTQ / AWQ / compressed-tensors
+crosses packed and is dequantized at its first use, on the stream that uses it
+(flowmoe/runtime/device_weights.py); an int4 / hqq4 projection there by one Triton kernel launch
+into the expert's buffer (kernels/int4_triton.py: the same bits), where triton imports. On the
+CPU (`LayerWeights.expert` hands it out as a `PackedFFN`) int8 and int4 / hqq4 experts of up to 32
+rows are computed by C kernels that read the packed bytes as they are (kernels/cpu_packed.py,
+dispatched by model/packed_experts.py); anything else (more rows, fp8, the GPTQ / AWQ / compressed-tensors
 layouts where they did not convert exactly to `Int4Weight` on load, fp16, no compiler) dequantizes
 the expert in torch for the call, when its tensors are first read.
 
@@ -25,8 +27,11 @@ The formats (`quantize.py` makes the quantize-on-load ones):
 
 from __future__ import annotations
 
+import functools
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
 from typing import ClassVar, Self, TypeVar
 
 import torch
@@ -64,6 +69,10 @@ class PackedWeight(ABC):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """[R, C] in `dtype`, on the device the tensors are on, computed in float32."""
 
+    def dequantize_into(self, out: torch.Tensor) -> None:
+        """`out` [R, C] (a row block of a larger buffer too) overwritten with `dequantize(out.dtype)`."""
+        out.copy_(self.dequantize(out.dtype))
+
 
 Packed = TypeVar("Packed", bound=PackedWeight)
 
@@ -80,9 +89,10 @@ class Int8Weight(PackedWeight):
         return self.values.shape[0], self.values.shape[1]
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # -> [R, C]
-        return in_row_blocks(
-            self.shape, dtype, self.values.device, lambda r: self.values[r].float() * self.scale[r]
-        )
+        return _filled(self, dtype)
+
+    def dequantize_into(self, out: torch.Tensor) -> None:
+        in_row_blocks(out, lambda r: self.values[r].float() * self.scale[r])
 
 
 @define
@@ -100,7 +110,17 @@ class Int4Weight(PackedWeight):
         return self.packed.shape[0], self.columns
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # -> [R, C]
-        return in_row_blocks(self.shape, dtype, self.packed.device, self._rows)
+        return _filled(self, dtype)
+
+    def dequantize_into(self, out: torch.Tensor) -> None:
+        """On a CUDA device where triton imports (or on any under TRITON_INTERPRET=1: Triton's
+        interpreter, as the tests run it on the CPU): one kernel launch, no float32 temporaries; else
+        torch operations a few rows at a time. The same bits."""
+        kernel = _int4_triton() if out.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" else None
+        if kernel is not None:
+            kernel.dequantize(self.packed, self.scale, self.zero, self.group, out)
+        else:
+            in_row_blocks(out, self._rows)
 
     def _rows(self, rows: slice) -> torch.Tensor:  # -> [r, C] float32
         packed = self.packed[rows]  # [r, ceil(C / 2)]
@@ -119,21 +139,32 @@ class Int4Weight(PackedWeight):
         return q.view(packed.shape[0], self.columns)
 
 
-def in_row_blocks(
-    shape: tuple[int, int], dtype: torch.dtype, device: torch.device, block: Callable[[slice], torch.Tensor]
-) -> torch.Tensor:
-    """[R, C] in `dtype` on `device`, from `block(rows)` ([r, C] float32) a few rows at a time: its
-    float32 temporaries (a few [r, C] each) stay within DEQUANT_ELEMENTS values, where a whole
-    projection's would take ~5 float32 copies of it (2.2 GiB for a Mixtral expert's gate_up on a GPU
-    whose budget counts only the expert's own bytes: core/memory.py). Each value rounds as `.to` does."""
-    rows, cols = shape
+def _filled(weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """A new [R, C] buffer in `dtype`, on the weight's device, filled by `weight.dequantize_into`."""
+    out = torch.empty(weight.shape, dtype=dtype, device=weight.tensors()[0].device)
+    weight.dequantize_into(out)
+    return out
+
+
+@functools.cache
+def _int4_triton() -> ModuleType | None:
+    """kernels/int4_triton.py where triton imports, else None (imported at the first use: ~1 s)."""
+    try:
+        from flowmoe.kernels import int4_triton
+    except ImportError:
+        return None
+    return int4_triton
+
+
+def in_row_blocks(out: torch.Tensor, block: Callable[[slice], torch.Tensor]) -> None:
+    """`out` [R, C] from `block(rows)` ([r, C] float32) a few rows at a time: its float32 temporaries
+    (a few [r, C] each) stay within DEQUANT_ELEMENTS values, where a whole projection's would take ~5
+    float32 copies of it (2.2 GiB for a Mixtral expert's gate_up on a GPU whose budget counts only the
+    expert's own bytes: core/memory.py). Each value rounds as `.to` does."""
+    rows, cols = out.shape
     step = max(1, DEQUANT_ELEMENTS // max(cols, 1))
-    if rows <= step:
-        return block(slice(None)).to(dtype)
-    out = torch.empty(rows, cols, dtype=dtype, device=device)  # [R, C]
     for start in range(0, rows, step):
         out[start : start + step] = block(slice(start, start + step))
-    return out
 
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -229,9 +260,13 @@ class QuantizedExpert:
 
     def to_ffn(self) -> FFNWeights:
         """The expert in flowmoe's layout, in the model's dtype, on the device its tensors are on:
-        gate_up [2I, hidden] (gate rows first), down [hidden, I]."""
-        blocks = [w.dequantize(self.dtype) for w in self.gate_up]
-        gate_up = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        gate_up [2I, hidden] (gate rows first), down [hidden, I], each row block dequantized into its
+        rows of the one buffer."""
+        device = self.down.tensors()[0].device
+        rows = [w.shape[0] for w in self.gate_up]
+        gate_up = torch.empty(sum(rows), self.gate_up[0].shape[1], dtype=self.dtype, device=device)
+        for weight, part in zip(self.gate_up, gate_up.split(rows), strict=True):  # [rows, hidden] views
+            weight.dequantize_into(part)
         return FFNWeights(gate_up, self.down.dequantize(self.dtype), self.gate_up_bias, self.down_bias)
 
 

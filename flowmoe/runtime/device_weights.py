@@ -5,6 +5,12 @@ how a scheduler that forgets a copy (or evicts too early) is caught.
 Without CUDA the "GPU" is the CPU and a resident copy is the CPU tensor itself. Where the GPU holds
 copies, a native expert lands in a slot of one pool (runtime/expert_slots.py: a group of experts on
 the device is then one strided view, the grouped GEMM's operand) where the accounting allows it.
+
+An expert of a packed format (int8, int4, hqq4, fp8) crosses packed and stays packed on the device
+until its first use, which dequantizes it into the model's dtype on the using lane's stream (the
+compute stream: its node already waits there for the copy's event) and keeps that in its place for
+its later uses, once per arrival: the copy lane's stream only copies. At most one expert is held
+both packed and dequantized at once (the dequantization's working set: core/memory.py).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import overload
 
 import torch
 from attrs import define, field, fields, frozen
+from torch import cuda
 
 from flowmoe.core.errors import FlowmoeError, MemoryBudgetError
 from flowmoe.core.memory import gib
@@ -168,7 +175,8 @@ class DeviceWeights:
     model: MoEModel
     devices: Devices
     _dense: dict[int, LayerWeights] = field(factory=dict)
-    # a packed expert stays packed where the "GPU" is the host (`expert` hands it out as a PackedFFN)
+    # a packed expert: as it crossed, until its first use dequantizes it (where the "GPU" is the host
+    # it stays packed, and `expert` hands it out as a PackedFFN)
     _experts: dict[tuple[int, int], FFNWeights | QuantizedExpert] = field(factory=dict)
     _partial: dict[tuple[int, int], _Arriving] = field(factory=dict)
     _spans: dict[tuple[int, int], HostSpan] = field(factory=dict)  # (layer, expert) -> its host bytes, once
@@ -178,7 +186,7 @@ class DeviceWeights:
     _bytes: int = 0  # bytes of every dense part, expert and partly copied expert held
     _sizes: dict[tuple[int, int], int] = field(factory=dict)  # (layer, expert or -1) -> bytes
     _lock: threading.Lock = field(factory=threading.Lock)
-    # other than "native": an expert crosses packed (LayerWeights.packed), dequantized on arrival
+    # other than "native": an expert crosses packed (LayerWeights.packed), dequantized at its first use
     expert_format: ExpertFormat = "native"
     _release: Callable[[], None] | None = None  # its entry in the process's ledger (set by setup)
     _pool: ExpertSlots | None = None  # the experts' slots (set by setup where `_pooled` takes them)
@@ -235,14 +243,13 @@ class DeviceWeights:
                 self._load_pages(layer, expert, part, parts, pages)
 
     def _expert_to(self, lw: LayerWeights, expert: int) -> FFNWeights | QuantizedExpert:
-        """A whole expert onto the GPU: in the model's dtype, or packed and dequantized on the GPU (on
-        the copy lane's stream, after the copy) into the model's dtype; packed as it is where the
-        "GPU" is the host (the CPU's packed kernels read it so: model/packed_experts.py)."""
+        """A whole expert onto the GPU: in the model's dtype, or packed (dequantized at its first use:
+        `expert`); packed as it is where the "GPU" is the host (the CPU's packed kernels read it so:
+        model/packed_experts.py)."""
         if self.expert_format == "native":
             return _ffn_to(self.devices, lw.expert(expert))
-        if not self.devices.copies:
-            return lw.packed[expert]
-        return lw.packed[expert].to(self.devices.gpu).to_ffn()
+        packed = lw.packed[expert]
+        return packed.to(self.devices.gpu) if self.devices.copies else packed
 
     def _load_pages(self, layer: int, expert: int, part: int, parts: int, pages: int) -> None:
         key = (layer, expert)
@@ -263,10 +270,7 @@ class DeviceWeights:
             copy_run(self._spans[key], arriving.flat, part, parts, pages)
         arriving.pages.update(range(part, part + pages))
         if len(arriving.pages) == parts:
-            target = arriving.weights
-            if isinstance(target, QuantizedExpert) and arriving.flat is not None:  # else the host's own
-                target = target.to_ffn()
-            self._experts[key] = target
+            self._experts[key] = arriving.weights
             del self._partial[key]
 
     def _land(self, key: tuple[int, int], ffn: Paged, span: HostSpan) -> tuple[torch.Tensor, Paged]:
@@ -324,7 +328,7 @@ class DeviceWeights:
                 self._pool.give(slot)
                 tensors = []
         if self.devices.cuda:
-            stream = torch.cuda.current_stream(self.devices.gpu)
+            stream = cuda.current_stream(self.devices.gpu)
             for tensor in tensors:
                 tensor.record_stream(stream)
 
@@ -377,7 +381,25 @@ class DeviceWeights:
         ffn = self._experts.get((layer, expert))
         if ffn is None:
             raise NotResident(f"expert {expert} of layer {layer} is not resident on the GPU")
-        return ffn.as_ffn() if isinstance(ffn, QuantizedExpert) else ffn
+        if not isinstance(ffn, QuantizedExpert):
+            return ffn
+        return self._dequantized((layer, expert), ffn) if self.devices.copies else ffn.as_ffn()
+
+    def _dequantized(self, key: tuple[int, int], packed: QuantizedExpert) -> FFNWeights:
+        """A packed expert's first use since it arrived: dequantized on the current stream (the using
+        lane's, ordered after the copy by its node's wait on the copy's event) and kept in its place.
+        Its packed bytes, allocated on the copy stream, are marked as read by this stream before they
+        are let go, so the copy stream's next expert does not land in them while the dequantization
+        still reads them (record_stream)."""
+        ffn = packed.to_ffn()
+        if self.devices.cuda:
+            stream = cuda.current_stream(self.devices.gpu)
+            for tensor in packed.tensors():
+                tensor.record_stream(stream)
+        with self._lock:
+            if self._experts.get(key) is packed:  # not evicted meanwhile
+                self._experts[key] = ffn
+        return ffn
 
     def close(self) -> None:
         """Drop every weight held on the device and this object's entry in the process's ledger."""
