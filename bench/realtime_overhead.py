@@ -62,6 +62,8 @@ from flowmoe.core.presets import preset
 from flowmoe.core.synthetic_routing import RoutingModel
 from flowmoe.core.thread_cpu import role
 from flowmoe.core.workloads import workload
+from flowmoe.devices.cuda import DEFAULT_RUN_AHEAD
+from flowmoe.devices.realclock import NOW, RUN4, DeviceWaits, WaitMode, Waits
 from flowmoe.kernels.native import cpuinfo_field
 from flowmoe.study.best_policy import Given, best_policy
 from flowmoe.study.realtime import (
@@ -73,9 +75,11 @@ from flowmoe.study.realtime import (
     ops_per_node,
     other_seconds_per_node,
     realtime_run,
+    replay_host,
+    split_spins,
 )
 from flowmoe.study.sim_report import RealtimeRun
-from flowmoe.study.simulate import Setup, Simulation
+from flowmoe.study.simulate import Setup, Simulation, run_steps
 from flowmoe.traces.chrome import chrome_trace
 
 console = Console()
@@ -184,12 +188,18 @@ def h200_costs(h200: LaunchStats, own: tuple[float, float], ops: dict[Op, float]
             "spans only (before)": spans}  # fmt: skip
 
 
+NO_WAITS = DeviceWaits(syncs={})  # the real clock before it modelled the CUDA worker's waits
+NOTHING_SPINS = WaitMode(spin=False)
+
+
 def h200_rows(
-    steps: int, ops: dict[Op, float], other: float = 0.0
+    steps: int, ops: dict[Op, float], other: float = 0.0, run_ahead: int = DEFAULT_RUN_AHEAD
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The H200 run's setting on the real clock: without launch costs, then with each set compared
-    (`ops`: torch operations per node by kind), and with `other` CPU seconds per GPU node of threads
-    outside the stack added to the last set where a per-thread record gave it."""
+    (`ops`: torch operations per node by kind). Where a per-thread record gave `other` (CPU seconds
+    per GPU node of threads outside the stack), the net set with it: with the CUDA worker's waits
+    modelled (every wait counted as spun, as at 8fcf0a3: `by_role` applies other wait modes), with
+    them and the run-ahead bound, and without them (the rows before); else the sets alone, no waits."""
     spec = preset("mixtral-8x7b", layers=12)
     setup = Setup(spec, hardware("h200"), workload("fixed:128:16"), Policy(), RoutingModel(0.5, 0.3))
     given = Given(32, 4, "gpu", None, 0.25, None, parse_bytes("16GiB"))
@@ -201,24 +211,65 @@ def h200_rows(
     cost = RooflineCost(setup.hardware, spec)
     h200 = LaunchStats.of(trace_steps(read_trace_gz(H200_TRACE)))
 
-    def row(label: str, launch: LaunchCosts) -> tuple[dict[str, Any], RealtimeRun]:
-        run = realtime_run(simulation, "cgopipe", decode, model=model, launch=launch)
+    def row(
+        label: str, launch: LaunchCosts, waits: DeviceWaits = NO_WAITS, mode: WaitMode = NOTHING_SPINS
+    ) -> tuple[dict[str, Any], RealtimeRun]:
+        run = realtime_run(simulation, "cgopipe", decode, model=model, launch=launch, waits=waits, mode=mode)
         charged = launch.charge([s.node for s in run.trace.spans]) / run.steps
         lanes = {k: v / run.steps for k, v in run.host_seconds.items()}
         link = sum(cost(s.node) for s in run.trace.spans if s.node.lane == Lane.GPU_H2D) / run.steps
         return {"label": label, "charged_s_per_step": charged, "lanes_s_per_step": lanes,
-                "link_s_per_step": link, "launch": costs_json(launch), **run.to_json()}, run  # fmt: skip
+                "link_s_per_step": link, "launch": costs_json(launch),
+                "waits": {"syncs": {str(k): v for k, v in waits.syncs.items()}, "run_ahead": waits.run_ahead},
+                **run.to_json()}, run  # fmt: skip
 
     first, alone = row("host stack only", NO_LAUNCH)
     own = own_costs(alone)
     costs = h200_costs(h200, own, ops)
+    sets: list[tuple[str, LaunchCosts, DeviceWaits, WaitMode]] = []
     if other:
-        net = costs["net of the real clock's own"]
-        costs = {"+ other threads (per-thread record)": evolve(net, other_seconds=other), **costs}
-    rows = [row(label, launch)[0] for label, launch in costs.items()]
+        net = evolve(costs["net of the real clock's own"], other_seconds=other)
+        sets = [("+ other threads, the worker's waits", net, DeviceWaits(), RUN4),
+                (f"+ other threads, waits, run-ahead {run_ahead}", net, DeviceWaits(run_ahead=run_ahead),
+                 RUN4),
+                ("+ other threads, no waits (before)", net, NO_WAITS, NOTHING_SPINS)]  # fmt: skip
+    else:
+        sets = [(label, launch, NO_WAITS, NOTHING_SPINS) for label, launch in costs.items()]
+    rows = [row(*s)[0] for s in sets]
     sources = {"h200_trace": str(H200_TRACE.name), "h200": h200.to_json(),
                "own_host_s_per_gpu_node": own[0], "own_gate_to_expert_queued_s": own[1]}  # fmt: skip
+    if other:  # the waits replayed on the simulated timeline, the H200 host's costs per node
+        virtual = run_steps(
+            simulation.scheduler("cgopipe", simulation.popularity), decode, simulation.trace, cost
+        )
+        full = costs["all in full (upper bound)"]
+        sources["replayed"] = {str(bound): replayed(virtual, full, DeviceWaits(run_ahead=bound))
+                               for bound in (0, run_ahead)}  # fmt: skip
     return [*rows, first], sources
+
+
+def replayed(virtual: list[Any], launch: LaunchCosts, waits: DeviceWaits) -> dict[str, Any]:
+    """`replay_host` over the simulated steps `virtual`: per step, the waits by "thread waits on what",
+    the charged host seconds by thread, and the step's time with the launches in it."""
+    runs = [replay_host(r.spans, launch, waits) for r in virtual]
+    per_step: dict[str, float] = {}
+    for r in runs:
+        for (thread, on), seconds in r.waits.items():
+            key = f"{thread} on {on}"
+            per_step[key] = per_step.get(key, 0.0) + seconds / len(runs)
+    busy = {k: sum(r.busy.get(k, 0.0) for r in runs) / len(runs) for k in runs[0].busy}
+    return {"waits_s_per_step": per_step, "busy_s_per_step": busy,
+            "step_s": sum(r.seconds for r in runs) / len(runs),
+            "simulated_step_s": sum(v.seconds for v in virtual) / len(virtual)}  # fmt: skip
+
+
+def waits_of(replay: dict[str, Any]) -> Waits:
+    """A `replayed` summary's waits back as (thread, what it waited on) -> seconds per step."""
+    out: Waits = {}
+    for key, seconds in replay["waits_s_per_step"].items():
+        thread, _, on = key.rpartition(" on ")
+        out[(thread, on)] = seconds
+    return out
 
 
 def costs_json(launch: LaunchCosts) -> dict[str, float]:
@@ -256,7 +307,9 @@ def table(label: str, rows: list[dict[str, Any]]) -> Table:
     return t
 
 
-def h200_main(label: str, steps: int, out: Path, threads: Path | None) -> None:
+def h200_main(
+    label: str, steps: int, out: Path, threads: Path | None, run_ahead: int = DEFAULT_RUN_AHEAD
+) -> None:
     """The code as it is now (its plan, its operations per node from bench/step_counts.json) on the
     real clock. Without `threads`: against the H200 run's 0.79 s, measured on the code before issue 29
     item 3's cuts (a reference, not a check). With `threads` (a bench/gpu.py --out of a run of this
@@ -266,7 +319,7 @@ def h200_main(label: str, steps: int, out: Path, threads: Path | None) -> None:
     record, nodes = thread_record(threads) if threads is not None else ({}, 0.0)
     other = other_seconds_per_node(record, nodes) if record else 0.0
     target = record["process_cpu_s_per_step"] if record else H200_HOST_MEASURED
-    rows, sources = h200_rows(steps, counted_ops(), other)
+    rows, sources = h200_rows(steps, counted_ops(), other, run_ahead)
     t = Table(title=f"H200 run's setting on the real clock ({label}), {machine()}")
     for column in ("launches", "host s/decode step", "of it charged", f"vs measured {target:.2f} s",
                    "link s/step", "host / link", "real-clock s/step", "busiest host thread"):  # fmt: skip
@@ -280,7 +333,9 @@ def h200_main(label: str, steps: int, out: Path, threads: Path | None) -> None:
                   f"{top} {lanes[top]:.3f} s")  # fmt: skip
     console.print(t)
     if record:
-        console.print(by_role(rows[0]["lanes_s_per_step"], record))
+        console.print(by_role(rows, record, sources["replayed"]))
+        for bound, replay in sources["replayed"].items():
+            console.print(f"replayed, run-ahead {bound} (0: unbounded): {replay}")
     where = f"the run of {threads} (its process CPU)" if record else "the H200 run, code before the cuts"
     console.print(
         f"measured on {where}: host {target:.3f} s/step; the H200 run's link {H200_LINK_MEASURED} s/step"
@@ -301,21 +356,44 @@ def h200_main(label: str, steps: int, out: Path, threads: Path | None) -> None:
     out.write_text(json.dumps(data, indent=1) + "\n")
 
 
-def by_role(predicted: dict[str, float], record: dict[str, Any]) -> Table:
-    """CPU s per decode step by role: the real clock's threads (its lanes as "lanes") beside the GPU
-    run's per-thread record (its flowmoe-* threads as "lanes", the rest "other", exited threads apart)."""
+def roles(host: dict[str, float], spun: dict[str, float]) -> dict[str, float]:
+    """CPU s per decode step by role: a real-clock row's threads' host work (`host`: its seconds per
+    step, its own waits left out) plus the seconds each thread spins (`spun`): main, lanes, other,
+    the process, and "spinning" (of it)."""
+    cpu, _ = split_spins(host)
+    out = {"main": 0.0, "lanes": 0.0, "other": 0.0}
+    for thread, seconds in [*cpu.items(), *spun.items()]:
+        out["main" if thread == "main" else "other" if thread == "other threads" else "lanes"] += seconds
+    return {**out, "process": sum(out.values()), "spinning": sum(spun.values())}
+
+
+def by_role(rows: list[dict[str, Any]], record: dict[str, Any], replays: dict[str, Any]) -> Table:
+    """CPU s per decode step by role: the GPU run's per-thread record (its flowmoe-* threads as
+    "lanes", the rest "other", exited threads apart) beside the real clock's rows (the first two with
+    the CUDA worker's waits, without and with the run-ahead bound; the third without waits), each
+    thread's spinning from the waits replayed on the simulated timeline (`replay_host`) under the
+    wait modes compared: 8fcf0a3's (CUDA's default spin, events not blocking), the code's now
+    (blocking events), `cudaDeviceScheduleBlockingSync` (nothing spins)."""
     measured = {"main": 0.0, "lanes": 0.0, "other": other_seconds_per_node(record, 1.0)}
     for group, seconds in record["thread_cpu_s_per_step"].items():
         if role(group) != "other":
             measured[role(group)] += seconds
-    mine = {"main": predicted.get("main", 0.0), "other": predicted.get("other threads", 0.0)}
-    mine["lanes"] = sum(predicted.values()) - mine["main"] - mine["other"]
-    t = Table(title="CPU s per decode step by role: real clock vs the GPU run's per-thread record")
-    for column in ("role", "real clock", "GPU run", "real clock / GPU run"):
+    measured |= {"process": record["process_cpu_s_per_step"], "spinning": float("nan")}
+    waits, bounded, before = (r["lanes_s_per_step"] for r in rows[:3])
+    free, bound = (waits_of(replays[k]) for k in replays)
+    columns = {"real clock, 8fcf0a3 (spin)": roles(waits, RUN4.spun(free)),
+               "now": roles(waits, NOW.spun(free)),
+               f"now + run-ahead {list(replays)[1]}": roles(bounded, NOW.spun(bound)),
+               "BlockingSync": roles(waits, {}), "no waits (before)": roles(before, {})}  # fmt: skip
+    t = Table(title="CPU s per decode step by role: the GPU run's per-thread record vs the real clock")
+    for column in ("role", "GPU run (8fcf0a3)", *columns, "8fcf0a3 / GPU run"):
         t.add_column(column, justify="right")
-    for name in ("main", "lanes", "other"):
-        ratio = f"{mine[name] / measured[name]:.2f}" if measured[name] else "-"
-        t.add_row(name, f"{mine[name]:.3f}", f"{measured[name]:.3f}", ratio)
+    for name in ("main", "lanes", "other", "process", "spinning"):
+        first = columns["real clock, 8fcf0a3 (spin)"][name]
+        ratio = (
+            f"{first / measured[name]:.2f}" if measured[name] == measured[name] and measured[name] else "-"
+        )
+        t.add_row(name, f"{measured[name]:.3f}", *(f"{c[name]:.3f}" for c in columns.values()), ratio)
     return t
 
 
@@ -334,11 +412,14 @@ def main() -> None:
     parser.add_argument("--threads", type=Path, metavar="JSONL", help="with --h200: a bench/gpu.py --out "
                         "whose cgopipe t4 row carries a per-thread CPU record (thread_cpu): predict that "
                         "run's host time, the code as it is now")  # fmt: skip
+    parser.add_argument("--run-ahead", type=int, default=DEFAULT_RUN_AHEAD, help="with --threads: the "
+                        "bound on the compute lane's launches compared (devices/cuda.py "
+                        "FLOWMOE_CUDA_RUN_AHEAD)")  # fmt: skip
     args = parser.parse_args()
     if args.threads is not None and not args.h200:
         parser.error("--threads goes with --h200")
     if args.h200:
-        h200_main(args.label, args.steps, args.out, args.threads)
+        h200_main(args.label, args.steps, args.out, args.threads, args.run_ahead)
         return
     names = args.only.split(",") if args.only else SCHEDULERS
     model = meta_model(preset("mixtral-8x7b"))

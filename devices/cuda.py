@@ -7,6 +7,19 @@ it only needs to order; producers on its own stream are ordered by the stream
 itself. CPU-lane nodes that consume GPU results wait on the producer's event on
 their own thread (`EventBook.wait_host`).
 
+The compute lane's launches run ahead of its stream by at most `run_ahead` nodes (the environment's
+FLOWMOE_CUDA_RUN_AHEAD, default 2; 0: unbounded): before its k-th node of a step the lane's thread
+waits on the end event of its (k - run_ahead)-th, a blocking event, so it sleeps in the driver. The
+executor counts a GPU node done once launched, so without the bound the lane runs ahead until a
+read-back inside an action makes it wait for the device: a gate's `torch.bincount` reads its input's
+min and max back to the host, the LM head copies its logits back. Those are stream synchronizations,
+which spin under CUDA's default scheduling whatever the events' flags: on the H200 (run 4, 8fcf0a3)
+the compute lane's thread spun through ~0.4 s of each 0.48 s decode step at the gates, waiting for
+the experts before them, which wait for their copies (bench/RESULTS.md; `flowmoe.study.realtime.
+replay_host` replays it). With the bound the thread sleeps until two nodes before the gate have run,
+and the gate's read-back finds the stream nearly drained. The copy lanes read nothing back and run
+unbounded (their queue keeps the link busy).
+
 Events come from a pool and go back to it when the step ends (`end_step`), so
 a run holds a step's worth of events, not two per node it ever ran. Spans are
 timed with CUDA events against an anchor event re-recorded at every step end
@@ -19,16 +32,30 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 
 import torch
 from torch import cuda
 
+from flowmoe.core.errors import ConfigError
 from flowmoe.core.executor import Action, Finish, Span
 from flowmoe.core.plan import Lane, TaskNode
 from flowmoe.devices.threadpool import LaneThreads, run_action
 
 Entry = tuple["cuda.Event", "cuda.Event", "cuda.Stream"]
 NVTX = os.environ.get("FLOWMOE_NVTX") == "1"  # name each node in Nsight Systems (costs µs per node)
+RUN_AHEAD = "FLOWMOE_CUDA_RUN_AHEAD"  # nodes the compute lane may launch ahead of its stream (0: unbounded)
+DEFAULT_RUN_AHEAD = 2
+BOUNDED_LANES = frozenset({Lane.GPU_COMPUTE})  # the GPU lanes whose actions read the device back
+
+
+def run_ahead_setting() -> int:
+    """The bound on the compute lane's launches ahead of its stream, from FLOWMOE_CUDA_RUN_AHEAD
+    (unset or empty: 2; 0: unbounded)."""
+    text = os.environ.get(RUN_AHEAD, "").strip() or str(DEFAULT_RUN_AHEAD)
+    if not text.isdigit():
+        raise ConfigError(f"{RUN_AHEAD}={text!r}: a whole number of GPU nodes (0: unbounded)")
+    return int(text)
 
 
 class EventBook:
@@ -41,6 +68,7 @@ class EventBook:
         self._free: list[cuda.Event] = []
         self._lock = threading.Lock()
         self.anchor_slack = 0.0  # seconds: the anchor's host time is at most this late
+        self.step = 0  # steps ended: an event taken in an earlier step may be recorded again since
         self._anchor, self._anchor_host = self._reanchor()
 
     def take(self) -> cuda.Event:
@@ -92,6 +120,7 @@ class EventBook:
             for begin, end, _ in self._events.values():
                 self._free += (begin, end)
             self._events.clear()
+            self.step += 1
         return retimed
 
     def close(self) -> None:
@@ -122,10 +151,16 @@ class EventBook:
 
 
 class CudaStreamWorker:
-    def __init__(self, device: torch.device, events: EventBook, nvtx: bool = NVTX) -> None:
+    def __init__(
+        self, device: torch.device, events: EventBook, nvtx: bool = NVTX, run_ahead: int | None = None
+    ) -> None:
+        """`run_ahead`: nodes the compute lane may launch ahead of its stream (None:
+        FLOWMOE_CUDA_RUN_AHEAD's; 0: unbounded)."""
         self._device = device
         self._events = events
         self._nvtx = nvtx
+        self._run_ahead = run_ahead_setting() if run_ahead is None else run_ahead
+        self._ahead: dict[Lane, deque[tuple[int, cuda.Event]]] = {}  # lane -> (step, end event), its thread's
         self._streams: dict[Lane, cuda.Stream] = {}
         self._lock = threading.Lock()
         self._lanes = LaneThreads(self._launch, prefix="flowmoe-cuda", init=self._bind)
@@ -150,6 +185,7 @@ class CudaStreamWorker:
         events = self._events
         try:
             stream = self._streams[node.lane]
+            ahead = self._hold(node.lane)
             events.wait_gpu(node, stream)
             begin, end = events.take(), events.take()
             begin.record(stream)
@@ -163,9 +199,24 @@ class CudaStreamWorker:
                         cuda.nvtx.range_pop()
             end.record(stream)
             events.put(node.id, begin, end, stream)
+            if ahead is not None:
+                ahead.append((events.step, end))
         except BaseException as exc:  # reported through the executor, which names the node
             error = exc
         finish(start, time.perf_counter(), error)
+
+    def _hold(self, lane: Lane) -> deque[tuple[int, cuda.Event]] | None:
+        """On a bounded lane, sleep until its node `run_ahead` launches back has ended on the device
+        (its blocking end event); -> the lane's launched end events (None: unbounded)."""
+        if not self._run_ahead or lane not in BOUNDED_LANES:
+            return None
+        ahead = self._ahead.setdefault(lane, deque())
+        step = self._events.step
+        while ahead and ahead[0][0] != step:  # an earlier step's: back in the pool, maybe taken again
+            ahead.popleft()
+        if len(ahead) >= self._run_ahead:
+            ahead.popleft()[1].synchronize()
+        return ahead
 
     def close(self) -> None:
         self._lanes.close()

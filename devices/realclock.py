@@ -11,6 +11,15 @@ cpu.compute or disk.read node first waits until its producers' device time has e
 worker's `wait_host`), then holds its thread for its cost; `sync(node)` is a routing read-back
 (`.tolist()` on the gate's output) and `synchronize()` the step's device synchronize.
 
+How the host waits for the device (`DeviceWaits`): a GPU node whose action reads the device back
+(`syncs`: a gate's `torch.bincount`, the LM head's logits copied to the host) holds its lane thread,
+after its launches, until its stream's device time reaches it; `run_ahead` holds a lane's thread
+before its k-th node of a step until its (k - run_ahead)-th has ended (devices/cuda.py's bound);
+`sync`, `synchronize` and a host node's wait for its GPU producers are the event and device waits
+above. Each wait's length comes from the simulated timeline, kept by thread and by what it waits on
+(`wait_seconds`: a pooled event, a stream, the device), apart from what the thread measurably spent;
+`WaitMode.spun` says which of them CUDA would spin through, as CPU time of the waiting thread.
+
 A GPU node's host-side launches (`host(node)`: the modelled CPU seconds a CUDA run's launch thread
 spends dispatching the node's torch operations and kernel launches, e.g. `study.realtime.LaunchCosts`)
 are charged on the lane's own thread, as CPU time, after its action and before its device time may
@@ -26,14 +35,75 @@ not compute), so what the host stack costs per lane is measured next to the wall
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+from attrs import field, frozen
 
 from flowmoe.core.executor import Action, Finish
-from flowmoe.core.plan import GPU_LANES, Lane, TaskNode
+from flowmoe.core.plan import GPU_LANES, Lane, Op, TaskNode
+from flowmoe.devices.cuda import BOUNDED_LANES
 from flowmoe.devices.threadpool import LaneThreads
 
 Cost = Callable[[TaskNode], float]
 SPIN_SECONDS = 50e-6
+
+
+# Stream synchronizations inside a GPU node's action, the same at 8fcf0a3 (the H200 run 4) and now: a
+# gate's `torch.bincount` on CUDA reads its input's min (`.cpu()`) and max (`.item()`) back to the host
+# to size its output (aten/src/ATen/native/cuda/SummaryOps.cu, `_bincount_cuda_template`), so the gate's
+# launching thread waits until its stream has run everything before the gate; the LM head copies its
+# logits to the host with `non_blocking=False` (torch's `memcpy_and_sync`: a stream synchronize).
+IN_ACTION_SYNCS: Mapping[Op, int] = {Op.GATE: 2, Op.PREGATE: 2, Op.LM_HEAD: 1}
+
+
+EVENT, STREAM, DEVICE = "event", "stream", "device"  # what a host wait waits on
+Waits = dict[tuple[str, str], float]  # (thread, what it waited on) -> seconds waited
+
+
+@frozen
+class DeviceWaits:
+    """The host waits a CUDA run's code makes beyond the executor's order: `syncs`, the stream
+    synchronizations inside a GPU node's action, by kind; `run_ahead`, the CUDA worker's bound on the
+    launches of the lanes that read back (devices/cuda.py `BOUNDED_LANES`, FLOWMOE_CUDA_RUN_AHEAD;
+    0: unbounded)."""
+
+    syncs: Mapping[Op, int] = field(factory=lambda: dict(IN_ACTION_SYNCS))
+    run_ahead: int = 0
+
+    def bound(self, lane: Lane) -> int:
+        """The nodes `lane` may launch ahead of its stream (0: unbounded)."""
+        return self.run_ahead if lane in BOUNDED_LANES else 0
+
+
+@frozen
+class WaitMode:
+    """How a host thread waits for the device (CUDA Runtime API, `cudaSetDeviceFlags`). `spin`: the
+    context's scheduling spins: CUDA's default, `cudaDeviceScheduleAuto`, resolves to
+    `cudaDeviceScheduleSpin` when the process has no more active CUDA contexts than the host has
+    logical CPUs (any one-GPU host), so a stream or device synchronize, a blocking copy and a wait on
+    an event made without `cudaEventBlockingSync` burn the waiting thread's CPU for as long as they
+    wait; False: `cudaDeviceScheduleBlockingSync`, every wait sleeps. `blocking_events`: the CUDA
+    worker's pooled events carry `cudaEventBlockingSync` (devices/cuda.py since a6ee63a; not at
+    8fcf0a3): a wait on one (a routing's read-back, a CPU lane's GPU producer, the run-ahead bound)
+    sleeps whatever `spin` says."""
+
+    spin: bool = True
+    blocking_events: bool = True
+
+    def spins(self, waited_on: str) -> bool:
+        return self.spin and not (waited_on == EVENT and self.blocking_events)
+
+    def spun(self, waits: Waits) -> dict[str, float]:
+        """Seconds each thread spends spinning, of the waits `waits` (`RealClockWorker.wait_seconds`)."""
+        out: dict[str, float] = {}
+        for (thread, waited_on), seconds in waits.items():
+            if self.spins(waited_on):
+                out[thread] = out.get(thread, 0.0) + seconds
+        return out
+
+
+RUN4 = WaitMode(spin=True, blocking_events=False)  # 8fcf0a3 as the H200 run 4 ran it
+NOW = WaitMode(spin=True, blocking_events=True)  # the code as it is (a6ee63a's blocking events)
 
 
 def wait_until(deadline: float, spin: float = SPIN_SECONDS) -> None:
@@ -54,16 +124,25 @@ def burn(seconds: float) -> None:
 
 
 class RealClockWorker:
-    def __init__(self, cost: Cost, spin: float = SPIN_SECONDS, host: Cost | None = None) -> None:
+    def __init__(
+        self,
+        cost: Cost,
+        spin: float = SPIN_SECONDS,
+        host: Cost | None = None,
+        waits: DeviceWaits | None = None,
+    ) -> None:
         self._cost = cost
         self._host = host
+        self._waits = DeviceWaits(syncs={}) if waits is None else waits
         self._charged: dict[Lane, float] = {}  # lane -> modelled launch seconds charged (its thread only)
         self._spin = spin
         self._lanes = LaneThreads(self._serve, prefix="flowmoe-realclock")
         self._ends: dict[int, float] = {}  # node id -> end of its device time (this step's nodes)
         self._free: dict[Lane, float] = {}  # GPU lane -> end of its last enqueued node
         self._busy: dict[Lane, float] = {}  # lane -> host CPU seconds (written by that lane's thread only)
-        self.sync_cpu_seconds = 0.0  # CPU the caller of sync / synchronize spent waiting (spinning)
+        self._launched: dict[Lane, list[float]] = {}  # GPU lane -> device ends of this step's nodes, in order
+        self._waited: Waits = {}  # (thread, what it waits on) -> seconds; "main": sync's caller
+        self.sync_cpu_seconds = 0.0  # CPU the caller of sync / synchronize spent waiting
 
     def start(self, node: TaskNode, action: Action, finish: Finish) -> None:
         self._lanes.put(node, action, finish)
@@ -74,21 +153,28 @@ class RealClockWorker:
     def _launch(self, node: TaskNode, action: Action, finish: Finish) -> None:
         """A GPU node: the action on the host, then the device time queued behind lane and producers."""
         cost, charge, error = self._model(node)
+        waits, lane = self._waits, node.lane
+        ended, bound = self._launched.setdefault(lane, []), waits.bound(lane)
+        if bound and len(ended) >= bound:  # the bound's wait on a pooled event
+            self._hold(str(lane), ended[-bound], EVENT)
         cpu = time.thread_time()
         if error is None:
             cost, error = self._act(action, cost)
         if self._host is not None and error is None:
-            self._charged[node.lane] = self._charged.get(node.lane, 0.0) + charge
+            self._charged[lane] = self._charged.get(lane, 0.0) + charge
             burn(charge)  # the launches, on this thread: the device time begins after them
-        begin = max(time.perf_counter(), self._free.get(node.lane, 0.0), self._after(node))
-        end = self._ends[node.id] = self._free[node.lane] = begin + cost
+        begin = max(time.perf_counter(), self._free.get(lane, 0.0), self._after(node))
+        if error is None and waits.syncs.get(node.op):  # a read-back: the stream reaches the node first
+            cpu += self._hold(str(lane), begin, STREAM)
+        end = self._ends[node.id] = self._free[lane] = begin + cost
+        ended.append(end)
         finish(begin, end, error)  # enqueued; the executor's hand-off to released nodes runs here
-        self._busy[node.lane] = self._busy.get(node.lane, 0.0) + time.thread_time() - cpu
+        self._busy[lane] = self._busy.get(lane, 0.0) + time.thread_time() - cpu
 
     def _run(self, node: TaskNode, action: Action, finish: Finish) -> None:
         """A host node: wait for its GPU producers, run the action, hold the thread for its cost."""
         cost, _, error = self._model(node)
-        wait_until(self._after(node), self._spin)
+        self._hold(str(node.lane), self._after(node), EVENT)  # `wait_host`
         cpu = time.thread_time()
         start = time.perf_counter()
         if error is None:
@@ -124,23 +210,38 @@ class RealClockWorker:
         return max((self._ends.get(dep, 0.0) for dep in node.deps), default=0.0)
 
     def sync(self, node_id: int) -> None:
-        """Block the calling thread until node `node_id`'s device time has ended (a read-back)."""
-        self._wait(self._ends.get(node_id, 0.0))
+        """Block the calling thread until node `node_id`'s device time has ended (a read-back: a wait
+        on the node's pooled event)."""
+        self._wait(self._ends.get(node_id, 0.0), EVENT)
 
     def synchronize(self) -> None:
-        """Block until every enqueued node has ended; a new step starts from an idle device."""
-        self._wait(max(self._ends.values(), default=0.0))
+        """Block until every enqueued node has ended (a device synchronize); a new step starts from an
+        idle device."""
+        self._wait(max(self._ends.values(), default=0.0), DEVICE)
         self._ends.clear()
         self._free.clear()
+        self._launched.clear()
 
-    def _wait(self, deadline: float) -> None:
-        cpu = time.thread_time()
+    def _wait(self, deadline: float, waited_on: str) -> None:
+        self.sync_cpu_seconds += self._hold("main", deadline, waited_on)
+
+    def _hold(self, thread: str, deadline: float, waited_on: str) -> float:
+        """Wait until `deadline`, its length (from the timeline) kept as `thread`'s wait on
+        `waited_on`. -> the CPU this thread measurably spent in the wait."""
+        cpu, start = time.thread_time(), time.perf_counter()
         wait_until(deadline, self._spin)
-        self.sync_cpu_seconds += time.thread_time() - cpu
+        key = (thread, waited_on)
+        self._waited[key] = self._waited.get(key, 0.0) + max(0.0, deadline - start)
+        return time.thread_time() - cpu
 
     def host_seconds(self) -> dict[str, float]:
         """CPU seconds each lane thread spent on host work (actions and the executor), waits excluded."""
         return {str(lane): seconds for lane, seconds in sorted(self._busy.items())}
+
+    def wait_seconds(self) -> Waits:
+        """Seconds each thread (a lane's; "main": the caller of sync and synchronize) waited for the
+        device, by what it waited on, from the timeline (not in `host_seconds`)."""
+        return dict(sorted(self._waited.items()))
 
     def charged_seconds(self) -> dict[str, float]:
         """The modelled launch seconds charged on each GPU lane's thread (`host`), exact: the CPU time

@@ -21,8 +21,10 @@ import attrs
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import flowmoe.devices.cuda as cuda_worker
+from flowmoe.core.errors import ConfigError
 from flowmoe.core.executor import Executor, Span
 from flowmoe.core.plan import RoutingRequest, TaskNode
 from flowmoe.core.policy import Policy
@@ -255,3 +257,55 @@ def test_gpu_memory_caps_the_caching_allocator(monkeypatch: pytest.MonkeyPatch) 
     for budget in (16 * 2**30, 200 * 2**30, None):
         cap_allocator(torch.device("cuda"), budget)
     assert fractions == [0.2, 1.0, 1.0]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dags(), st.integers(1, 3))
+def test_the_compute_lane_launches_at_most_run_ahead_nodes_ahead(nodes: list[TaskNode], bound: int) -> None:
+    """With FLOWMOE_CUDA_RUN_AHEAD=N, the compute lane's thread waits on the end event of its node N
+    launches back before it begins the next (a blocking event: it sleeps), never on an event of an
+    earlier step (back in the pool, maybe recorded again); the copy lanes are not held; the order
+    stays the executor's."""
+    fake = FakeCuda()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuda_worker, "cuda", fake)
+        patch.setenv(cuda_worker.RUN_AHEAD, str(bound))
+        workers, book = make_workers(torch.device("cuda"))
+        try:
+            for _ in range(2):  # the second step draws the first step's events from the pool
+                fake.log.clear()
+                run_step(nodes, workers, fake)
+                check(nodes, fake, book)
+                check_run_ahead(nodes, fake, book, bound)
+                book.end_step(None)
+        finally:
+            for worker in {id(w): w for w in workers.values()}.values():
+                worker.close()
+
+
+def check_run_ahead(nodes: list[TaskNode], fake: FakeCuda, book: cuda_worker.EventBook, bound: int) -> None:
+    """Each bounded lane's node waited on the end of its node `bound` back before its begin event, and
+    the lane threads waited on nothing else."""
+    log = fake.log
+    waited = {id(e): p for p, (k, e, who) in enumerate(log) if k == "sync" and who.startswith("flowmoe-cuda")}
+    position = {id(e): p for p, (k, e, _) in enumerate(log) if k == "record"}
+    expected = 0
+    for lane in cuda_worker.BOUNDED_LANES:
+        on_lane = [n for n in nodes if n.lane is lane]
+        for back, node in zip(on_lane, on_lane[bound:], strict=False):
+            end = book.entry(back.id)[1]
+            assert end.blocking and waited[id(end)] < position[id(book.entry(node.id)[0])], (
+                f"{node.id} ran ahead"
+            )
+            expected += 1
+    assert len(waited) == expected  # those waits alone: none on an earlier step's events, none on copy lanes
+
+
+def test_a_bad_run_ahead_is_one_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cuda_worker.RUN_AHEAD, "two")
+    with pytest.raises(ConfigError, match="FLOWMOE_CUDA_RUN_AHEAD='two': a whole number"):
+        cuda_worker.run_ahead_setting()
+    monkeypatch.setenv(cuda_worker.RUN_AHEAD, "")
+    assert cuda_worker.run_ahead_setting() == cuda_worker.DEFAULT_RUN_AHEAD  # unset or empty: the default
+    monkeypatch.setenv(cuda_worker.RUN_AHEAD, "0")
+    assert cuda_worker.run_ahead_setting() == 0  # unbounded

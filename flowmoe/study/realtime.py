@@ -30,12 +30,12 @@ import torch
 from attrs import evolve, field, frozen
 
 from flowmoe.core.cost import RooflineCost
-from flowmoe.core.executor import Action
+from flowmoe.core.executor import Action, Span
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import StepShape
 from flowmoe.core.spec import ModelSpec
 from flowmoe.core.thread_cpu import role
-from flowmoe.devices.realclock import RealClockWorker, burn
+from flowmoe.devices.realclock import EVENT, NOW, STREAM, DeviceWaits, RealClockWorker, WaitMode, Waits, burn
 from flowmoe.model.checkpoint import TORCH_DTYPES
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.tensor_map import Shape, TensorMap
@@ -209,10 +209,15 @@ def realtime_run(
     runner: Runner = asyncio.run,
     model: MoEModel | None = None,
     launch: LaunchCosts | None = None,
+    waits: DeviceWaits | None = None,
+    mode: WaitMode = NOW,
 ) -> RealtimeRun:
     """Scheduler `name` over `steps` (default: the simulation's) on the real clock, next to the same
     steps on the virtual clock. `runner` runs the coroutine (the CLI passes uvloop's); `launch`: the
-    host cost of each GPU node's launches (default: the H200 run's, `LaunchCosts()`)."""
+    host cost of each GPU node's launches (default: the H200 run's, `LaunchCosts()`); `waits`: the
+    host waits the CUDA worker's code makes (default: the code as it is, `DeviceWaits()`); `mode`:
+    how CUDA waits (default: the code as it is on a one-GPU host, `NOW`). The CPU a thread spins away
+    in its waits is in `host_seconds` apart, as "<thread> spins on <event | stream | device>"."""
     setup = simulation.setup
     steps = list(simulation.steps if steps is None else steps)
     cost = RooflineCost(setup.hardware, setup.spec)
@@ -225,7 +230,8 @@ def realtime_run(
     weights.setup(scheduler.residency(), scheduler.weight_buffer_bytes())
     launch = LaunchCosts() if launch is None else launch
     lanes: dict[int, Lane] = {}  # node id -> lane, as the driver submits them: whose waits cross lanes
-    worker = RealClockWorker(cost, host=lambda node: launch(node, cross_lane_waits(node, lanes)))
+    waits = DeviceWaits() if waits is None else waits
+    worker = RealClockWorker(cost, host=lambda node: launch(node, cross_lane_waits(node, lanes)), waits=waits)
     runtime = Runtime(model, scheduler, devices, weights, dict.fromkeys(Lane, worker), None, Trace(name=name))
     state = StepState.create(model, [], devices, weights)
 
@@ -268,9 +274,100 @@ def realtime_run(
     finally:
         runtime.close()
     host = {**worker.host_seconds(), "main": main}
+    spun = {(thread, on): s for (thread, on), s in worker.wait_seconds().items() if mode.spins(on)}
+    host.update({spin_key(thread, on): seconds for (thread, on), seconds in spun.items()})
     if launch.other_seconds:
         host["other threads"] = launch.other([s.node for s in runtime.trace.spans])
     return RealtimeRun(len(steps), sum(r.seconds for r in virtual), wall, host, runtime.trace)
+
+
+SPINS_ON = " spins on "  # a host_seconds key: a thread's CPU spun away waiting for the device
+
+
+def spin_key(thread: str, waited_on: str) -> str:
+    return f"{thread}{SPINS_ON}{waited_on}"
+
+
+def split_spins(host: Mapping[str, float]) -> tuple[dict[str, float], Waits]:
+    """A RealtimeRun's `host_seconds` -> the threads' CPU seconds of host work, and their spinning by
+    (thread, what it waited on). Under `RUN4` every wait spins, so any other `WaitMode` is its
+    `spun` of these."""
+    cpu: dict[str, float] = {}
+    waits: Waits = {}
+    for key, seconds in host.items():
+        thread, _, waited_on = key.partition(SPINS_ON)
+        if waited_on:
+            waits[(thread, waited_on)] = seconds
+        else:
+            cpu[key] = seconds
+    return cpu, waits
+
+
+@frozen
+class HostReplay:
+    """What `replay_host` found over a step: `waits`, seconds by (thread, what it waited on); `busy`,
+    each thread's host seconds charged (`LaunchCosts`); `seconds`, the step's time with the
+    launches in it (the simulated step's where the host never holds the device back)."""
+
+    waits: Waits
+    busy: dict[str, float]
+    seconds: float
+
+
+def replay_host(spans: Sequence[Span], launch: LaunchCosts, waits: DeviceWaits) -> HostReplay:
+    """A step's host threads replayed against its simulated device timeline (`spans`: one step on
+    the virtual clock), deterministically. Each GPU lane's thread launches its nodes in its stream's
+    order, each taking `launch`'s charge for it (the H200 host's seconds), no earlier than the
+    executor hands it over: its GPU producers launched, its host producers ended, and for a node
+    reading a gate's routing, the driver's read-back of it done (the driver waits on the gate's event
+    from its launch to its end, then `readback_seconds`). A node's device time (its simulated
+    duration) begins once it is launched, its stream's previous node and its producers have ended.
+    `waits.bound` holds a lane's thread (on an event) until its node that many back has ended; a
+    node with `waits.syncs` holds it (on its stream) after its launch until the device reaches the
+    node. A host node's thread waits (on events) for its GPU producers, then holds its duration."""
+    ordered = sorted(spans, key=lambda s: (s.start, s.node.id))
+    lanes = {s.node.id: s.node.lane for s in spans}
+    start = min((s.start for s in spans), default=0.0)
+    launched: dict[int, float] = {}  # GPU node -> when the executor heard it was launched
+    answered: dict[int, float] = {}  # gate -> when the driver had its routing
+    ends: dict[int, float] = {}  # node -> end of its device (or host) time, replayed
+    cursor: dict[Lane, float] = {}  # lane -> when its thread is free
+    free: dict[Lane, float] = {}  # GPU lane -> when its stream is free
+    behind: dict[Lane, list[float]] = {}  # GPU lane -> its nodes' ends, in launch order
+    waited: Waits = {}
+    busy: dict[str, float] = {}
+    driver = start
+
+    def wait(thread: str, on: str, since: float, until: float) -> float:
+        waited[(thread, on)] = waited.get((thread, on), 0.0) + max(0.0, until - since)
+        return max(since, until)
+
+    for span in ordered:
+        node, lane, duration = span.node, span.node.lane, span.end - span.start
+        deps = [d for d in node.deps if d in lanes]
+        handed = max([cursor.get(lane, start), *(launched.get(d, ends[d]) for d in deps),
+                      *(answered[d] for d in deps if d in answered)])  # fmt: skip
+        producers = max((ends[d] for d in deps), default=start)
+        if not lane.on_gpu:  # `wait_host` on its GPU producers' events, then its own time
+            began = wait(str(lane), EVENT, handed, producers)
+            cursor[lane] = ends[node.id] = began + duration
+            continue
+        mine, bound = behind.setdefault(lane, []), waits.bound(lane)
+        if bound and len(mine) >= bound:
+            handed = wait(str(lane), EVENT, handed, mine[-bound])
+        charge = launch(node, cross_lane_waits(node, lanes))
+        busy[str(lane)] = busy.get(str(lane), 0.0) + charge
+        done = handed + charge
+        began = max(done, free.get(lane, start), producers)
+        if waits.syncs.get(node.op):
+            done = wait(str(lane), STREAM, done, began)
+        cursor[lane] = launched[node.id] = done  # the executor hears of it once the action returns
+        free[lane] = ends[node.id] = began + duration
+        mine.append(ends[node.id])
+        if node.op in ROUTED:  # the driver reads the routing back, in plan order
+            driver = wait("main", EVENT, max(driver, done), ends[node.id]) + launch.readback_seconds
+            answered[node.id] = driver
+    return HostReplay(waited, busy, max([*ends.values(), *launched.values()], default=start) - start)
 
 
 def with_realtime(setup: Setup, result: SimulationResult, runner: Runner = asyncio.run) -> SimulationResult:
