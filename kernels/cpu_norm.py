@@ -87,7 +87,9 @@ def _normed(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     rows = x.numel() // dim if dim else 0
     normed = torch.empty_like(x)
     bf16 = int(x.dtype == torch.bfloat16)
-    threads = torch.get_num_threads()
+    # one thread below torch's grain (a decode step's few rows): waking the team for ~1 us of work per
+    # row costs more than the row (the threads share out whole rows, so the floats are the same)
+    threads = torch.get_num_threads() if rows * dim >= GRAIN else 1
     added = residual.data_ptr() if residual is not None else None
     run(
         x.data_ptr(),

@@ -59,3 +59,21 @@ def test_add_rms_norm_is_torchs_add_then_norm(dtype: torch.dtype, rows: int) -> 
     other = residual.float() if dtype == torch.bfloat16 else residual.bfloat16()
     assert not cpu_norm.fits_add(out, other, weight)  # dtypes differ
     assert not cpu_norm.fits_add(out, residual.repeat(1, 2)[:, ::2], weight)  # not contiguous
+
+
+@compiled
+def test_few_rows_run_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below torch's grain (a decode step's rows) the kernel runs on the calling thread alone, no
+    OpenMP team woken; from it on, on torch's threads; the floats the same either way."""
+    real, asked = cpu_norm.kernel(), []
+
+    def recording(*args: object) -> None:
+        asked.append(args[-1])  # the kernel's `threads`
+        real(*args)  # type: ignore[misc]  # compiled: the kernel exists
+
+    monkeypatch.setattr(cpu_norm, "kernel", lambda: recording)
+    weight = torch.randn(1024)
+    few, many = torch.randn(4, 1024), torch.randn(cpu_norm.GRAIN // 1024, 1024)
+    assert torch.equal(cpu_norm.rms_norm(few, weight, 1e-6), _reference(few, weight, 1e-6))
+    assert torch.equal(cpu_norm.rms_norm(many, weight, 1e-6), _reference(many, weight, 1e-6))
+    assert asked == [1, torch.get_num_threads()]
