@@ -10,7 +10,7 @@ from flowmoe.core.errors import PlanError
 from flowmoe.core.executor import Action, Executor
 from flowmoe.core.page_runs import page_runs
 from flowmoe.core.plan import ExpertCounts, RoutingRequest, TaskNode
-from flowmoe.core.scheduling import PlanItems, PlanStream, WrappedPlan
+from flowmoe.core.scheduling import PlanStream, WrappedPlan
 
 ActionFor = Callable[[TaskNode], Action]
 Answer = Callable[[RoutingRequest], ExpertCounts]
@@ -58,14 +58,20 @@ async def drive(
     emits back to back go as one node each (`page_runs`), in a real run and a simulated one alike;
     the budget counts the plan's own nodes."""
     plan = page_runs(plan if budget is None else _Within(plan, budget))
-    items = PlanItems(plan)
+    submit, send = executor.submit, plan.send
+    reply: ExpertCounts | None = None
     try:
-        for item in items:
+        while True:  # a for loop over the plan, with each routing answer sent back into it
+            try:
+                item = send(reply)
+            except StopIteration:
+                break
             if isinstance(item, TaskNode):
-                executor.submit(item, action_for(item))
+                reply = None
+                submit(item, action_for(item))
             else:
                 await executor.wait(item.after)
-                items.reply = answer(item)
+                reply = answer(item)
         await executor.drain()
     except BaseException:
         executor.cancel()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, TypeVar
 
@@ -46,24 +46,6 @@ class WrappedPlan(Generator[TaskNode | RoutingRequest, ExpertCounts | None, None
 
     def close(self) -> None:
         self.plan.close()
-
-
-class PlanItems:
-    """A plan's items in a for loop: the answer to a routing request goes back into the plan by
-    setting `reply` before the next item is asked for."""
-
-    def __init__(self, plan: PlanStream) -> None:
-        self.plan = plan
-        self.reply: ExpertCounts | None = None
-
-    def __iter__(self) -> Iterator[TaskNode | RoutingRequest]:
-        while True:
-            try:
-                item = self.plan.send(self.reply)
-            except StopIteration:
-                return
-            self.reply = None
-            yield item
 
 
 @frozen
