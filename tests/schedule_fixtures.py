@@ -15,11 +15,13 @@ from flowmoe.core.scheduling import MicroBatchShape, NodeFactory, SchedulerConte
 from flowmoe.core.spec import ModelSpec
 from flowmoe.jobs.engine import Engine, Request, Result, StepInput, eager_step
 from flowmoe.model.moe_model import MoEModel
+from flowmoe.runtime.device_weights import Devices, DeviceWeights
 from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.hybrimoe import HybriMoEOptions
 from flowmoe.schedulers.lru_cache import LRUCacheOptions
 from flowmoe.schedulers.registry import create
 from flowmoe.schedulers.shared_options import ExpertCacheOptions, PagedOptions
+from flowmoe.traces.trace import Trace
 
 TINY_CONFIG = {
     "architectures": ["MixtralForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
@@ -103,6 +105,20 @@ def run_scheduler(model: MoEModel, name: str, policy: Policy | None = None, devi
     runtime = Runtime.create(model, name, policy or Policy(micro_batch_size=3, micro_batches=2), device)
     try:
         return generate(model, runtime), runtime
+    finally:
+        runtime.close()
+
+
+def run_through(model: MoEModel, name: str, policy: Policy, devices: Devices, workers, events):
+    """`name`'s tokens and logits on the built-in prompts with these `workers` (the fake CUDA's, say),
+    its weights on `devices` in the policy's expert format."""
+    form = policy.expert_format
+    plugin = create(name, SchedulerContext(model.spec, policy, NodeFactory(model.spec, expert_format=form)))
+    weights = DeviceWeights(model, devices, expert_format=form)
+    weights.setup(plugin.residency(), plugin.weight_buffer_bytes())
+    runtime = Runtime(model, plugin, devices, weights, workers, events, Trace(name=name))
+    try:
+        return generate(model, runtime)
     finally:
         runtime.close()
 

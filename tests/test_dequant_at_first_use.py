@@ -18,18 +18,16 @@ import flowmoe.runtime.device_weights as device_weights
 import flowmoe.runtime.lane_weights as lane_weights
 from flowmoe.core.plan import Lane
 from flowmoe.core.policy import Policy
-from flowmoe.core.scheduling import NodeFactory, Residency, SchedulerContext
+from flowmoe.core.scheduling import Residency
 from flowmoe.devices.factory import make_workers
 from flowmoe.model.loading import Packing, load_model
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.quantized import QuantizedExpert
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
 from flowmoe.runtime.pinned import pin_layers
-from flowmoe.runtime.runner import Runtime
-from flowmoe.schedulers.registry import available, create
-from flowmoe.traces.trace import Trace
+from flowmoe.schedulers.registry import available
 from tests.hf_models import hf_model, save_hf
-from tests.schedule_fixtures import generate, run_eager
+from tests.schedule_fixtures import run_eager, run_through
 from tests.test_fake_cuda import FakeCuda
 from tests.test_grouped_experts import torch_ops_only  # noqa: F401  # a fixture, used by name
 
@@ -174,14 +172,7 @@ def test_every_scheduler_gives_eagers_tokens_dequantizing_at_first_use_on_the_co
     workers, events = make_workers(torch.device("cuda"))
     h2d, compute = (workers[lane].stream(lane) for lane in (Lane.GPU_H2D, Lane.GPU_COMPUTE))
     policy = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.5, expert_format="int4")
-    plugin = create(name, SchedulerContext(model.spec, policy, NodeFactory(model.spec, expert_format="int4")))
-    weights = DeviceWeights(model, COPYING, expert_format="int4")
-    weights.setup(plugin.residency(), plugin.weight_buffer_bytes())
-    runtime = Runtime(model, plugin, COPYING, weights, workers, events, Trace(name=name))
-    try:
-        (results, _) = generate(model, runtime)
-    finally:
-        runtime.close()
+    (results, _) = run_through(model, name, policy, COPYING, workers, events)
     assert [r.output_ids for r in results] == [r.output_ids for r in reference]
     dequantized = _dequantized_after_their_copies(fake, h2d, compute)
     assert dequantized > 0

@@ -13,18 +13,14 @@ import pytest
 import torch
 
 from flowmoe.core.policy import Policy
-from flowmoe.core.scheduling import NodeFactory, SchedulerContext
 from flowmoe.devices.factory import make_workers
 from flowmoe.model.loading import Packing, load_model
 from flowmoe.model.quantize import hqq, quantize_int4
 from flowmoe.model.quantized import Int4Weight, in_row_blocks
-from flowmoe.runtime.device_weights import Devices, DeviceWeights
+from flowmoe.runtime.device_weights import Devices
 from flowmoe.runtime.pinned import pin_layers
-from flowmoe.runtime.runner import Runtime
-from flowmoe.schedulers.registry import create
-from flowmoe.traces.trace import Trace
 from tests.hf_models import hf_model, save_hf
-from tests.schedule_fixtures import generate, run_eager
+from tests.schedule_fixtures import run_eager, run_through
 from tests.test_grouped_experts import torch_ops_only  # noqa: F401  # a fixture, used by name
 
 pytest.importorskip(
@@ -135,17 +131,7 @@ def test_a_scheduler_dequantizing_with_the_kernel_gives_eagers_tokens(
     calls = []
     monkeypatch.setattr(int4_triton, "dequantize", lambda *args: (calls.append(1), kernel(*args)))
     devices = Devices(torch.device("cpu", 0))
-    workers, events = make_workers(devices.gpu)
     policy = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.5, expert_format="int4")
-    plugin = create(
-        "cgopipe", SchedulerContext(model.spec, policy, NodeFactory(model.spec, expert_format="int4"))
-    )
-    weights = DeviceWeights(model, devices, expert_format="int4")
-    weights.setup(plugin.residency(), plugin.weight_buffer_bytes())
-    runtime = Runtime(model, plugin, devices, weights, workers, events, Trace(name="cgopipe"))
-    try:
-        (results, _) = generate(model, runtime)
-    finally:
-        runtime.close()
+    (results, _) = run_through(model, "cgopipe", policy, devices, *make_workers(devices.gpu))
     assert calls  # gate, up and down of each expert dequantized on the "GPU"
     assert [r.output_ids for r in results] == [r.output_ids for r in reference]
