@@ -165,6 +165,7 @@ def test_cuda_lanes_group_the_experts_whose_copies_their_stream_can_wait_for(
     fake = FakeCuda()
     monkeypatch.setattr(cuda_worker, "cuda", fake)
     monkeypatch.setattr(lane_weights, "cuda", fake)
+    monkeypatch.setenv(cuda_worker.RUN_AHEAD, "0")  # the bound's own waits (tests/test_fake_cuda.py) apart
     workers, events = make_workers(torch.device("cuda"))
     policy = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.5)
     plugin = create(name, SchedulerContext(model.spec, policy, NodeFactory(model.spec)))
