@@ -110,6 +110,22 @@ def test_the_kernel_runs_under_the_interpreter_or_on_cuda_and_torch_otherwise(
     assert len(calls) == 1 and calls[0].shape == (16, 256)
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the compiled kernel is checked on a GPU run"
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_compiled_kernel_on_cuda_gives_the_torch_paths_bits(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As under the interpreter: a CUDA weight's dequantization is the kernel's, equal to the torch
+    path's on the host ((q - zero) x scale has no multiply-add to fuse, and from float16 operands no
+    float32 subnormal to flush)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for weight in (_random(1024, 4096, 128, seed=7), _random(4096, 1000, 64, seed=8)):
+        on_gpu = weight.rebuilt(iter([t.cuda() for t in weight.tensors()]))
+        assert _same_bits(on_gpu.dequantize(dtype).cpu(), _torch_path(weight, dtype))
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> object:
     folder: Path = save_hf(hf_model("mixtral"), tmp_path_factory.mktemp("int4-triton") / "mixtral")
