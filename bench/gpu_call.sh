@@ -4,7 +4,8 @@
 #   bench    bench/gpu.py: every scheduler and Accelerate's offload at $BENCH_ARGS' budgets, each row
 #            synced to $OUT/gpu.jsonl as it finishes, with each thread group's CPU seconds per decode
 #            step (feed the file to `python bench/realtime_overhead.py --h200 --threads gpu.jsonl`)
-#   int4     bench/gpu.py with --expert-format int4 ($INT4_ARGS): the experts cross the link packed
+#   int4     bench/gpu.py with --expert-format int4 ($INT4_ARGS): the experts cross the link packed,
+#            dequantized at first use on the compute stream (int4.log's first line: the triton used)
 #   hooks    bench/accelerate_hooks.py --device cuda: Accelerate's offload hook per call and tensor
 #            with real moves to the GPU (the empty_cache after each), and over an expert's copy
 #   checks   the test suite with CUDA visible, and beside it a --trace-kernels run of the built-in
@@ -62,9 +63,10 @@ bench() {
 }
 
 int4() {
+    python3 -c "import triton; print('triton', triton.__version__)" >"$WORK/int4.log" 2>&1
     timeout "$INT4_S" python3 bench/gpu.py --hardware h200 --expert-format int4 --no-accelerate \
         --out "$OUT/gpu-int4.jsonl" --trace-dir "$WORK/traces-int4" --results "$WORK/results-int4.md" \
-        $INT4_ARGS >"$WORK/int4.log" 2>&1
+        $INT4_ARGS >>"$WORK/int4.log" 2>&1
     gzip -f "$WORK"/traces-int4/*.json 2>/dev/null
     tail -n 12 "$WORK/int4.log"
 }
