@@ -68,7 +68,7 @@ from flowmoe.core.synthetic_routing import RoutingModel
 from flowmoe.core.thread_cpu import role
 from flowmoe.core.workloads import workload
 from flowmoe.devices.cuda import DEFAULT_RUN_AHEAD
-from flowmoe.devices.realclock import NOW, RUN4, DeviceWaits, WaitMode, Waits
+from flowmoe.devices.realclock import NOW, RUN4, SYNCS_AT_8FCF0A3, DeviceWaits, WaitMode, Waits
 from flowmoe.kernels.native import cpuinfo_field
 from flowmoe.study.best_policy import Given, best_policy
 from flowmoe.study.realtime import (
@@ -194,6 +194,7 @@ def h200_costs(h200: LaunchStats, own: tuple[float, float], ops: dict[Op, float]
 
 
 NO_WAITS = DeviceWaits(syncs={})  # the real clock before it modelled the CUDA worker's waits
+AT_8FCF0A3 = DeviceWaits(syncs=SYNCS_AT_8FCF0A3)  # the waits of the code the H200 run 4 ran
 NOTHING_SPINS = WaitMode(spin=False)
 
 
@@ -202,9 +203,9 @@ def h200_rows(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The H200 run's setting on the real clock: without launch costs, then with each set compared
     (`ops`: torch operations per node by kind). Where a per-thread record gave `other` (CPU seconds
-    per GPU node of threads outside the stack), the net set with it: with the CUDA worker's waits
-    modelled (every wait counted as spun, as at 8fcf0a3: `by_role` applies other wait modes), with
-    them and the run-ahead bound, and without them (the rows before); else the sets alone, no waits."""
+    per GPU node of threads outside the stack), the net set with it: with the CUDA worker's waits of
+    8fcf0a3 (the code the GPU run ran: a gate's bincount read-back; every wait spun), with today's
+    waits and the run-ahead bound, and without waits (the rows before); else the sets alone, no waits."""
     spec = preset("mixtral-8x7b", layers=12)
     setup = Setup(spec, hardware("h200"), workload("fixed:128:16"), Policy(), RoutingModel(0.5, 0.3))
     given = Given(32, 4, "gpu", None, 0.25, None, parse_bytes("16GiB"))
@@ -234,9 +235,9 @@ def h200_rows(
     sets: list[tuple[str, LaunchCosts, DeviceWaits, WaitMode]] = []
     if other:
         net = evolve(costs["net of the real clock's own"], other_seconds=other)
-        sets = [("+ other threads, the worker's waits", net, DeviceWaits(), RUN4),
-                (f"+ other threads, waits, run-ahead {run_ahead}", net, DeviceWaits(run_ahead=run_ahead),
-                 RUN4),
+        sets = [("+ other threads, the worker's waits at 8fcf0a3", net, AT_8FCF0A3, RUN4),
+                (f"+ other threads, waits now, run-ahead {run_ahead}", net, DeviceWaits(run_ahead=run_ahead),
+                 NOW),
                 ("+ other threads, no waits (before)", net, NO_WAITS, NOTHING_SPINS)]  # fmt: skip
     else:
         sets = [(label, launch, NO_WAITS, NOTHING_SPINS) for label, launch in costs.items()]
@@ -248,8 +249,9 @@ def h200_rows(
             simulation.scheduler("cgopipe", simulation.popularity), decode, simulation.trace, cost
         )
         full = costs["all in full (upper bound)"]
-        sources["replayed"] = {str(bound): replayed(virtual, full, DeviceWaits(run_ahead=bound))
-                               for bound in (0, run_ahead)}  # fmt: skip
+        sources["replayed"] = {"8fcf0a3": replayed(virtual, full, AT_8FCF0A3),
+                               **{str(bound): replayed(virtual, full, DeviceWaits(run_ahead=bound))
+                                  for bound in (0, run_ahead)}}  # fmt: skip
     return [*rows, first], sources
 
 
@@ -374,21 +376,22 @@ def roles(host: dict[str, float], spun: dict[str, float]) -> dict[str, float]:
 
 def by_role(rows: list[dict[str, Any]], record: dict[str, Any], replays: dict[str, Any]) -> Table:
     """CPU s per decode step by role: the GPU run's per-thread record (its flowmoe-* threads as
-    "lanes", the rest "other", exited threads apart) beside the real clock's rows (the first two with
-    the CUDA worker's waits, without and with the run-ahead bound; the third without waits), each
-    thread's spinning from the waits replayed on the simulated timeline (`replay_host`) under the
-    wait modes compared: 8fcf0a3's (CUDA's default spin, events not blocking), the code's now
-    (blocking events), `cudaDeviceScheduleBlockingSync` (nothing spins)."""
+    "lanes", the rest "other", exited threads apart) beside the real clock's rows (the first with
+    8fcf0a3's waits, the second with today's and the run-ahead bound, the third without waits), each
+    thread's spinning from the waits replayed on the simulated timeline (`replay_host`): 8fcf0a3's
+    code and wait mode (CUDA's default spin, events not blocking), today's code (the gate's counts
+    without a read-back, blocking events) unbounded and bounded, `cudaDeviceScheduleBlockingSync`
+    (nothing spins)."""
     measured = {"main": 0.0, "lanes": 0.0, "other": other_seconds_per_node(record, 1.0)}
     for group, seconds in record["thread_cpu_s_per_step"].items():
         if role(group) != "other":
             measured[role(group)] += seconds
     measured |= {"process": record["process_cpu_s_per_step"], "spinning": float("nan")}
     waits, bounded, before = (r["lanes_s_per_step"] for r in rows[:3])
-    free, bound = (waits_of(replays[k]) for k in replays)
-    columns = {"real clock, 8fcf0a3 (spin)": roles(waits, RUN4.spun(free)),
-               "now": roles(waits, NOW.spun(free)),
-               f"now + run-ahead {list(replays)[1]}": roles(bounded, NOW.spun(bound)),
+    then, free, bound = (waits_of(replays[k]) for k in replays)
+    columns = {"real clock, 8fcf0a3 (spin)": roles(waits, RUN4.spun(then)),
+               "now, unbounded": roles(bounded, NOW.spun(free)),
+               f"now + run-ahead {list(replays)[2]}": roles(bounded, NOW.spun(bound)),
                "BlockingSync": roles(waits, {}), "no waits (before)": roles(before, {})}  # fmt: skip
     t = Table(title="CPU s per decode step by role: the GPU run's per-thread record vs the real clock")
     for column in ("role", "GPU run (8fcf0a3)", *columns, "8fcf0a3 / GPU run"):

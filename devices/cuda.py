@@ -11,14 +11,14 @@ The compute lane's launches run ahead of its stream by at most `run_ahead` nodes
 FLOWMOE_CUDA_RUN_AHEAD, default 2; 0: unbounded): before its k-th node of a step the lane's thread
 waits on the end event of its (k - run_ahead)-th, a blocking event, so it sleeps in the driver. The
 executor counts a GPU node done once launched, so without the bound the lane runs ahead until a
-read-back inside an action makes it wait for the device: a gate's `torch.bincount` reads its input's
-min and max back to the host, the LM head copies its logits back. Those are stream synchronizations,
-which spin under CUDA's default scheduling whatever the events' flags: on the H200 (run 4, 8fcf0a3)
-the compute lane's thread spun through ~0.4 s of each 0.48 s decode step at the gates, waiting for
-the experts before them, which wait for their copies (bench/RESULTS.md; `flowmoe.study.realtime.
-replay_host` replays it). With the bound the thread sleeps until two nodes before the gate have run,
-and the gate's read-back finds the stream nearly drained. The copy lanes read nothing back and run
-unbounded (their queue keeps the link busy).
+read-back inside an action makes it wait for the device (the LM head copies its logits back; at
+8fcf0a3 a gate's `torch.bincount` also read its input's min and max back). Those are stream
+synchronizations, which spin under CUDA's default scheduling whatever the events' flags: on the H200
+(run 4, 8fcf0a3) the compute lane's thread spun through ~0.4 s of each 0.48 s decode step at the
+gates, waiting for the experts before them, which wait for their copies (bench/RESULTS.md;
+`flowmoe.study.realtime.replay_host` replays it). The gate now counts without a read-back; with the
+bound the thread sleeps until two nodes before a read-back have run, which then finds the stream
+nearly drained. The copy lanes read nothing back and run unbounded (their queue keeps the link busy).
 
 Events come from a pool and go back to it when the step ends (`end_step`), so
 a run holds a step's worth of events, not two per node it ever ran. Spans are

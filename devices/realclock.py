@@ -48,12 +48,14 @@ Cost = Callable[[TaskNode], float]
 SPIN_SECONDS = 50e-6
 
 
-# Stream synchronizations inside a GPU node's action, the same at 8fcf0a3 (the H200 run 4) and now: a
-# gate's `torch.bincount` on CUDA reads its input's min (`.cpu()`) and max (`.item()`) back to the host
-# to size its output (aten/src/ATen/native/cuda/SummaryOps.cu, `_bincount_cuda_template`), so the gate's
-# launching thread waits until its stream has run everything before the gate; the LM head copies its
-# logits to the host with `non_blocking=False` (torch's `memcpy_and_sync`: a stream synchronize).
-IN_ACTION_SYNCS: Mapping[Op, int] = {Op.GATE: 2, Op.PREGATE: 2, Op.LM_HEAD: 1}
+# Stream synchronizations inside a GPU node's action. Now: the LM head copies its logits to the host
+# with `non_blocking=False` (torch's `memcpy_and_sync`: a stream synchronize). At 8fcf0a3 (the H200 run 4)
+# also a gate's (and pre-gate's) `torch.bincount`, which on CUDA reads its input's min (`.cpu()`) and max
+# (`.item()`) back to the host to size its output (aten/src/ATen/native/cuda/SummaryOps.cu,
+# `_bincount_cuda_template`), so the gate's launching thread waited until its stream had run everything
+# before the gate; the gate now counts with `index_add_` (kernels/router.py `sort_by_expert`).
+IN_ACTION_SYNCS: Mapping[Op, int] = {Op.LM_HEAD: 1}
+SYNCS_AT_8FCF0A3: Mapping[Op, int] = {Op.GATE: 2, Op.PREGATE: 2, Op.LM_HEAD: 1}
 
 
 EVENT, STREAM, DEVICE = "event", "stream", "device"  # what a host wait waits on

@@ -144,11 +144,16 @@ def sort_by_expert(
     indices: torch.Tensor, weights: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The device half, no host sync: -> token rows [T * k] and scales [T * k] sorted by expert,
-    tokens per expert [E]."""
+    tokens per expert [E]. The counts are an `index_add_` of ones, not `torch.bincount`: on CUDA
+    bincount reads its input's min and max back to the host to size its output
+    (aten/src/ATen/native/cuda/SummaryOps.cu, `_bincount_cuda_template`), a stream synchronize on the
+    gate's launching thread, which under CUDA's default scheduling spins (the H200 run 4's compute
+    lane: ~90% of every link-bound step)."""
     flat = indices.reshape(-1)  # [T * k]
     order = torch.argsort(flat, stable=True)  # [T * k]
     rows = order // indices.shape[1]  # [T * k] token row of each sorted pair
-    return rows, weights.take(order), torch.bincount(flat, minlength=num_experts)
+    counts = flat.new_zeros(num_experts).index_add_(0, flat, torch.ones_like(flat))  # [E]
+    return rows, weights.take(order), counts
 
 
 def split_by_expert(

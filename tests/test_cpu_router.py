@@ -40,3 +40,16 @@ def test_other_routers_and_dtypes_stay_with_torch() -> None:
     x = torch.randn(2, 8)
     assert not cpu_router.fits(x, MoESpec(experts=8, top_k=2, intermediate=16, router="topk_softmax"))
     assert not cpu_router.fits(x.half(), MoESpec(experts=8, top_k=2, intermediate=16))
+
+
+def test_the_device_half_counts_without_reading_its_input() -> None:
+    """sort_by_expert's counts are bincount's, computed by a kernel that does not read its input back
+    to size its output (CUDA's bincount does: a stream synchronize on the gate's lane thread): it runs
+    on meta tensors, where no data exists to read."""
+    indices = torch.tensor([[3, 1], [1, 0], [7, 3], [3, 1]])  # [T, k]
+    weights = torch.rand(4, 2)
+    rows, scales, counts = router.sort_by_expert(indices, weights, 8)
+    assert counts.tolist() == torch.bincount(indices.reshape(-1), minlength=8).tolist()
+    assert rows.tolist() == [1, 0, 1, 3, 0, 2, 3, 2]
+    meta = router.sort_by_expert(indices.to("meta"), weights.to("meta"), 8)
+    assert [t.shape for t in meta] == [(8,), (8,), (8,)]

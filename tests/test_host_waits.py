@@ -9,7 +9,17 @@ import pytest
 
 from flowmoe.core.executor import Executor, Span
 from flowmoe.core.plan import Lane, Op, TaskNode
-from flowmoe.devices.realclock import DEVICE, EVENT, NOW, RUN4, STREAM, DeviceWaits, RealClockWorker, WaitMode
+from flowmoe.devices.realclock import (
+    DEVICE,
+    EVENT,
+    NOW,
+    RUN4,
+    STREAM,
+    SYNCS_AT_8FCF0A3,
+    DeviceWaits,
+    RealClockWorker,
+    WaitMode,
+)
 from flowmoe.study.realtime import LaunchCosts, realtime_run, replay_host, split_spins
 from tests.test_realtime import simulation
 
@@ -21,6 +31,7 @@ NODES = (COPY, FFN, ATTN, GATE)
 COSTS = {COPY.id: 0.05, FFN.id: 0.001, ATTN.id: 0.001, GATE.id: 0.001}  # seconds on the device
 CHARGE = LaunchCosts(op_seconds=0.0, node_seconds=1e-3, ops={}, node_gap_seconds=0.0, wait_seconds=0.0,
                      evict_seconds=0.0, readback_seconds=0.0)  # fmt: skip
+THEN = DeviceWaits(syncs=SYNCS_AT_8FCF0A3)  # the H200 run 4's code: a gate's bincount read its input back
 
 
 def run_nodes(waits: DeviceWaits) -> tuple[dict[int, Span], RealClockWorker]:
@@ -50,14 +61,15 @@ def test_the_wait_modes_say_what_spins() -> None:
 
 
 def test_a_gate_holds_its_lane_until_the_device_reaches_it() -> None:
-    """A gate's read-backs (torch.bincount's) wait on its stream for everything before it, here a
-    50 ms copy; the lane's next launch comes after; without the syncs the lane runs ahead."""
-    spans, worker = run_nodes(DeviceWaits())
+    """At 8fcf0a3 a gate's read-backs (torch.bincount's) waited on its stream for everything before
+    it, here a 50 ms copy, and the lane's next launch came after; today's gate counts without a
+    read-back, and the lane runs ahead."""
+    spans, worker = run_nodes(THEN)
     waited = worker.wait_seconds()
     assert waited[("gpu.compute", STREAM)] == pytest.approx(0.05, abs=0.01)
     assert spans[GATE.id].start >= spans[ATTN.id].end
     assert worker.host_seconds()["gpu.compute"] < 0.01  # the wait is not host work
-    _, free = run_nodes(DeviceWaits(syncs={}))
+    _, free = run_nodes(DeviceWaits())
     assert ("gpu.compute", STREAM) not in free.wait_seconds()
 
 
@@ -65,7 +77,7 @@ def test_the_run_ahead_bound_waits_on_an_event_instead() -> None:
     """With run_ahead 1 the compute lane waits for its previous node's end (a pooled event) before the
     next launch, so the gate's read-back finds its stream drained: the wait is an event's, and it
     sleeps with blocking events."""
-    _, worker = run_nodes(DeviceWaits(run_ahead=1))
+    _, worker = run_nodes(DeviceWaits(syncs=SYNCS_AT_8FCF0A3, run_ahead=1))
     waited = worker.wait_seconds()
     assert waited[("gpu.compute", EVENT)] == pytest.approx(0.05, abs=0.01)
     assert waited.get(("gpu.compute", STREAM), 0.0) < 0.005
@@ -80,11 +92,11 @@ def test_the_replay_is_the_timeline_s_waits() -> None:
     the gate's for the attention's) and each launch then holds the device: 55 ms."""
     at = {COPY.id: (0.0, 0.05), FFN.id: (0.05, 0.051), ATTN.id: (0.051, 0.052), GATE.id: (0.052, 0.053)}
     spans = [Span(n, *at[n.id]) for n in NODES]
-    free = replay_host(spans, CHARGE, DeviceWaits())
+    free = replay_host(spans, CHARGE, THEN)
     assert free.busy == pytest.approx({"gpu.h2d": 0.0, "gpu.compute": 3e-3})
     assert free.waits == pytest.approx({("gpu.compute", STREAM): 0.049, ("main", EVENT): 0.001})
     assert free.seconds == pytest.approx(0.053)
-    bound = replay_host(spans, CHARGE, DeviceWaits(run_ahead=1))
+    bound = replay_host(spans, CHARGE, DeviceWaits(syncs=SYNCS_AT_8FCF0A3, run_ahead=1))
     assert bound.waits[("gpu.compute", EVENT)] == pytest.approx(0.051)  # 1 -> 51 ms, 52 -> 53 ms
     assert bound.waits[("gpu.compute", STREAM)] == pytest.approx(0.0)
     assert bound.seconds == pytest.approx(0.055)

@@ -6,7 +6,7 @@ the executor, one thread per lane (`RealClockWorker`), the runtime's counters an
 weight-residency bookkeeping of PAGE_COPY and EVICT (`DeviceWeights` over a model whose weights are
 torch `meta` tensors: shapes and bytes, no storage), and each GPU node's lookup of the weights it
 uses (a plan that forgot a copy fails as in a real run). The tensor math is what the wait stands
-for: the actions do run on meta tensors up to the gate (whose `bincount` has no meta kernel), but
+for: the actions could run on meta tensors, but
 torch's meta kernels are Python reference implementations (measured on the 2-vCPU VM, Mixtral,
 64 decode sequences: pre-attention 1.6 ms, attention 0.6 ms per call), far more host time than a
 CUDA launch of the same ops, so running them would charge the host for work a GPU run does not
