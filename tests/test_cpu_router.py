@@ -51,5 +51,6 @@ def test_the_device_half_counts_without_reading_its_input() -> None:
     rows, scales, counts = router.sort_by_expert(indices, weights, 8)
     assert counts.tolist() == torch.bincount(indices.reshape(-1), minlength=8).tolist()
     assert rows.tolist() == [1, 0, 1, 3, 0, 2, 3, 2]
+    assert scales.tolist() == weights.reshape(-1)[[3, 1, 2, 7, 0, 5, 6, 4]].tolist()
     meta = router.sort_by_expert(indices.to("meta"), weights.to("meta"), 8)
     assert [t.shape for t in meta] == [(8,), (8,), (8,)]
