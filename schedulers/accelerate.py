@@ -120,6 +120,7 @@ class AccelerateScheduler(Scheduler):
     )
     Options: ClassVar[type[AccelerateOptions]] = AccelerateOptions
     host_family: ClassVar[str] = "accelerate"
+    pageable: ClassVar[bool] = True  # its copies' host side: Accelerate's weights map is plain CPU memory
 
     def __init__(self, context: SchedulerContext) -> None:
         super().__init__(context)
@@ -127,7 +128,7 @@ class AccelerateScheduler(Scheduler):
         self.options = context.policy.options_for(self.Options)
         if self.options.empty_calls and self.options.fused_experts:
             raise ConfigError(
-                "accelerate: --empty-calls 1 needs --fused-experts 0 (a fused module moves every expert)"
+                f"{self.name}: --empty-calls 1 needs --fused-experts 0 (a fused module moves every expert)"
             )
         moe = moe_layers(context.spec)
         self.resident = frozenset(moe[: int(context.policy.weights_gpu_share * len(moe) + 1e-9)])
@@ -164,7 +165,9 @@ class AccelerateScheduler(Scheduler):
             copy = None
             if layer in self.dense_offloaded:
                 after = list(last.values())
-                copy = f.node(Op.PAGE_COPY, Lane.GPU_H2D, layer, deps=after, pageable=True, sync=True)
+                copy = f.node(
+                    Op.PAGE_COPY, Lane.GPU_H2D, layer, deps=after, pageable=self.pageable, sync=True
+                )
                 yield copy
             for mb in step.micro_batches:
                 attention = gpu_attention(f, layer, mb, last[mb.index] if copy is None else copy.id)
@@ -225,14 +228,31 @@ class AccelerateScheduler(Scheduler):
     def _copies(
         self, layer: int, mb: MicroBatchShape, experts: list[int], tensors: int, after: int
     ) -> SubPlan[int]:
-        """One synchronous pageable PAGE_COPY per tensor of a module holding `experts`, one after the
-        other, the first after `after`; returns the last one's id."""
+        """One synchronous PAGE_COPY per tensor of a module holding `experts` (pageable or pinned: the
+        class's `pageable`), one after the other, the first after `after`; returns the last one's id."""
         last = after
         for tensor in range(tensors):
             copy: TaskNode = self.context.factory.node(
                 Op.PAGE_COPY, Lane.GPU_H2D, layer, mb, experts[0], deps=[last], part=tensor, parts=tensors,
-                pageable=True, sync=True, more=experts[1:],
+                pageable=self.pageable, sync=True, more=experts[1:],
             )  # fmt: skip
             yield copy
             last = copy.id
         return last
+
+
+class ZeroInferenceScheduler(AccelerateScheduler):
+    """DeepSpeed ZeRO-3 / ZeRO-Inference with `offload_param` on the CPU, one GPU: the plan of
+    `accelerate` (ZeRO-3's hooks fetch a module's parameters before its forward and release them after,
+    with nothing prefetched once an MoE's module order invalidates its trace, DeepSpeed #4808), its copies
+    from pinned memory (`offload_param.pin_memory`) and priced with ZeRO-3's own hook costs
+    (`core.host_costs.DEEPSPEED`). The stand-ins run it with one module per expert and the dense parts
+    offloaded too (`--fused-experts 0 --offload-dense 1`)."""
+
+    name: ClassVar[str] = "zero-inference"
+    summary: ClassVar[str] = (
+        "DeepSpeed ZeRO-Inference: each module's parameters copied from pinned memory before its forward "
+        "by ZeRO-3's hooks, released after; no overlap"
+    )
+    host_family: ClassVar[str] = "deepspeed"
+    pageable: ClassVar[bool] = False

@@ -16,7 +16,7 @@ def test_the_readme_setting_runs_fiddler_ahead_of_both_offloaders() -> None:
     assert (fiddler.scheduler, offloading.scheduler, deepspeed.scheduler) == (
         "fiddler",
         "lru-cache",
-        "accelerate",
+        "zero-inference",
     )
     assert fiddler.published == B.FIDDLER_README_TPS and fiddler.policy is not None
     assert fiddler.policy.weights_gpu_share == 56 / 256 and fiddler.policy.cpu_threads == 16

@@ -26,17 +26,22 @@ class HostCosts:
     """`per_transfer`: seconds per PAGE_COPY node (a hook moves one tensor per node: its pre-forward
     binds it on the GPU, its post-forward unbinds it); `per_call`: seconds per GPU EXPERT_FFN node
     (the hook's wrapper around a module call); `per_pageable_byte`: seconds per byte of a pageable
-    PAGE_COPY on top of the roofline's pageable copy."""
+    PAGE_COPY on top of the roofline's pageable copy; `per_dense_part`: seconds per PAGE_COPY of a
+    layer's dense part (a node with no expert), whose several modules' hooks run around it (None: one
+    tensor's `per_transfer`)."""
 
     name: str
     per_transfer: float = 0.0
     per_call: float = 0.0
     per_pageable_byte: float = 0.0
+    per_dense_part: float | None = None
     source: str = ""
 
     def __call__(self, node: TaskNode) -> float:
         if node.op is Op.PAGE_COPY:
-            return self.per_transfer + (self.per_pageable_byte * node.bytes if node.pageable else 0.0)
+            dense = self.per_dense_part if node.expert < 0 else None
+            fixed = self.per_transfer if dense is None else dense
+            return fixed + (self.per_pageable_byte * node.bytes if node.pageable else 0.0)
         if node.op is Op.EXPERT_FFN and node.lane is Lane.GPU_COMPUTE:
             return self.per_call
         return 0.0
@@ -84,7 +89,59 @@ ACCELERATE = HostCosts(
         "host's measured 19.4 GB/s pageable peak = 82.4 ps per byte"
     ),
 )
-FAMILIES = {family.name: family for family in (IDEAL, ACCELERATE)}
+
+# DeepSpeed ZeRO-3 (ZeRO-Inference, DeepSpeed-MII's offload) fetches a module's own parameters in a
+# pre-forward hook on every module (deepspeed/runtime/zero/parameter_offload.py,
+# `_register_hooks_recursively`; partitioned_param_coordinator.py `fetch_sub_module`) and releases them in
+# its post-forward hook (`release_sub_module`: `param.partition()`, the data freed). On one GPU
+# `all_gather_coalesced` takes its no-gather path (0.16.2, partition_parameters.py: `num_partitions == 1` ->
+# `NoGatherCoalescedHandle`: `ds_tensor.data.to(device, non_blocking=True)` per parameter, one stream
+# synchronize per module), so the bytes are one host-to-device copy per parameter, pinned where
+# `offload_param.pin_memory` is set (the roofline's pinned link: the stand-in copies are marked pinned). The
+# trace ZeRO-3 prefetches by is invalidated whenever the called module order changes, as an MoE layer's
+# routed experts do every step (DeepSpeed #4808, tjruwase 2024-01-07: "the parameter trace cache is
+# invalidated when the expert changes"), so nothing is prefetched: copy, compute, free, module after module,
+# as Accelerate's hooks. Pinned is an assumption: `offload_param.pin_memory` defaulted to False until
+# DeepSpeed #8207 (2026-08), and DeepSpeedExamples' zero_inference/run_model.py has `--pin-memory 0` by
+# default, while its own A6000 scripts run both; Fiddler §4.1 states pin_memory for DeepSpeed-MII and
+# MoE-Lightning §5.1 that ZeRO-Inference pins (`reproduce.setting.pageable`).
+#
+# The hooks' host time, measured (bench script zero3_hooks.py of issue 28's report, 2026-11-28: DeepSpeed
+# 0.16.2, torch 2.13 CPU, DS_ACCELERATOR=cpu, one gloo rank, on the dev VM, AMD EPYC 2 vCPUs at load 6-7,
+# timed in process CPU time, best of 7 rounds of 20 steps): a parent module calls 64 children in an order
+# shuffled every step (the MoE case: every step invalidates the trace), each child holding n 4x4
+# parameters of its own, under ZeRO stage 3 with offload_param "cpu" and stage3_param_persistence_threshold
+# 0; the child's device is where its partition is, so no byte moves and only the hooks' Python runs. Per
+# child call, less the bare module's: 205.5 us with no parameter of its own (a container, an activation, a
+# norm whose parameter is persistent), 542.8 us with one (a bias-free Linear); an earlier run of 5 rounds of
+# 10 steps: 250.6 / 575.2 us, and 806.6 / 972.0 us with 3 / 6 parameters; the same runs with the order
+# fixed (the trace complete, prefetching on): 170.0 / 332.8 us.
+# A transformers 4.x expert call runs the hooks of its MLP module and its activation (no parameter of their
+# own) and of its three Linears (one each): 2 x 205.5 + 3 x 542.8 = 2.039 ms, charged on its three copies
+# (a third each), since the hooks run whether the call has tokens or not (an empty call has no FFN node).
+# A layer's dense part (one PAGE_COPY here) is priced as a transformers 4.x GQA decoder layer (Mixtral):
+# the decoder layer, attention, rotary embedding and sparse-MoE block, its two norms and its router
+# (32768 elements: persistent under the default stage3_param_persistence_threshold of 1e5) without a
+# parameter to fetch, q/k/v/o with one: 7 x 205.5 + 4 x 542.8 = 3.610 ms. Not priced: DeepSeek-V2's MLA and
+# shared-expert layer has 9 + 8 such modules (6.192 ms, 2.58 ms more per layer); the model's own embedding,
+# final norm and LM head modules (once per step); the CUDA calls of the fetch (a copy launch per
+# parameter, a stream synchronize per module, the freed tensors), absent on the CPU.
+ZERO3_MODULE_S = 0.00020554535078124992  # a module call without a parameter of its own
+ZERO3_LINEAR_S = 0.0005428065640625022  # with one
+ZERO3_EXPERT_CALL_S = 2 * ZERO3_MODULE_S + 3 * ZERO3_LINEAR_S  # MLP module + act_fn, w1 + w3 + w2
+DEEPSPEED = HostCosts(
+    "deepspeed",
+    per_transfer=ZERO3_EXPERT_CALL_S / 3,  # a third on each of the expert's three copies
+    per_dense_part=7 * ZERO3_MODULE_S + 4 * ZERO3_LINEAR_S,
+    source=(
+        "ZeRO-3's fetch/release hooks (DeepSpeed 0.16.2 on the dev VM, CPU, one rank, module order shuffled "
+        "every step as an MoE's is): 205.5 us per module call without a parameter of its own, 542.8 us with "
+        "one; an expert call (MLP, act_fn, three Linears) 2.039 ms, a 4.x GQA decoder layer's dense modules "
+        "(7 without, q/k/v/o with one) 3.610 ms; bytes pinned (offload_param.pin_memory), no prefetch (the "
+        "MoE order invalidates ZeRO-3's trace: DeepSpeed #4808)"
+    ),
+)
+FAMILIES = {family.name: family for family in (IDEAL, ACCELERATE, DEEPSPEED)}
 
 
 def family(name: str) -> HostCosts:

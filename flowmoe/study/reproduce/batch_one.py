@@ -2,8 +2,9 @@
 at a time, on the Fiddler presets (`fiddler-env1`, `fiddler-env2`, the paper's Table 1 machines).
 
 Stand-ins: Fiddler -> `fiddler` with its GPU experts (Table 1) at the 16 CPU threads its code sets;
-DeepSpeed-MII (ZeRO-Infinity) -> `accelerate` with one module per expert, the dense parts moving too
-(ZeRO-3 gathers every parameter) and the hooks' host costs, as `generic-offloaders` runs DeepSpeed;
+DeepSpeed-MII (ZeRO-Infinity) -> `zero-inference` with one module per expert, the dense parts moving too
+(ZeRO-3 gathers every parameter), pinned copies and ZeRO-3's hook costs, as `generic-offloaders` runs
+DeepSpeed;
 Mixtral-offloading in 16 bits (Fiddler's port) -> `lru-cache --gpu-misses 1`, 8 - `offload_per_layer`
 ways in one set per MoE layer (a miss fetched to the GPU at once, computed there, nothing prefetched).
 Every figure is in `batch_one_numbers` with its source.
@@ -27,8 +28,8 @@ from flowmoe.study.simulate import Setup
 README_WORK = "fixed:32:256"  # one of the README's configurations, among its longer outputs (>3 tok/s)
 TTFT_LENGTH = 1024  # one of §4.2's prompt lengths; its speedups are averages over 512-4096
 NOTE = (
-    "DeepSpeed-MII pins its parameters (§4.1: pin_memory) where `accelerate` copies pageable tensors, "
-    "and its ZeRO-Infinity fetch path stands in at Accelerate's measured per-tensor host cost"
+    "DeepSpeed-MII pins its parameters (§4.1: pin_memory): `zero-inference` copies them from pinned "
+    "memory at ZeRO-3's measured hook costs (core.host_costs.DEEPSPEED)"
 )
 
 
@@ -40,7 +41,7 @@ def _systems(setup: Setup, env: str, metric: str) -> list[System]:
     return [
         System("Fiddler", "fiddler", setup, None, fiddler, metric=metric),
         System("Mixtral-offloading", "lru-cache", setup, None, cache, metric=metric),
-        System("DeepSpeed-MII", "accelerate", setup, None, given=HOOKS, metric=metric),
+        System("DeepSpeed-MII", "zero-inference", setup, None, given=HOOKS, metric=metric),
     ]
 
 

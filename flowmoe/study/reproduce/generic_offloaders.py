@@ -1,11 +1,12 @@
 """Generic offloaders at batch 1 (issue 28): the framework baselines users compare against, with the
 host costs of their hooks (`core.host_costs`), beside the same runs priced as ideal pipelines.
 
-Each published figure is a hook-based offloader's decode rate at batch 1. The system stands in as
-`accelerate` with one module per expert (transformers 4.x, what those runs used: only the routed
-experts move, each tensor a synchronous copy before its forward, freed after) and with every offloaded
-layer's dense part moving too (`offload_dense`: ZeRO-3 partitions and gathers every parameter above
-its persistence threshold, attention and shared experts included); "(ideal)" is the same
+Each published figure is a hook-based offloader's decode rate at batch 1. DeepSpeed stands in as
+`zero-inference` (`accelerate`'s plan, its copies pinned, ZeRO-3's measured hook costs) with one module
+per expert (transformers 4.x, what those runs used: only the routed experts move, each tensor a
+synchronous copy before its forward, freed after) and with every offloaded layer's dense part moving too
+(`offload_dense`: ZeRO-3 partitions and gathers every parameter above its persistence threshold,
+attention and shared experts included); "(ideal)" is the same
 plan without the hooks' host costs (`Setup.host_costs` False), and "(on-demand)" flowmoe's
 `on-demand` at its ideal pricing, the stand-in before issue 28: the two show what the fixed costs
 and the lost overlap each add. Every figure comes from `successor_numbers`, with its table.
@@ -19,9 +20,10 @@ experts), the first `device_map_share` of the MoE layers on the GPU. "(every exp
 same run with `empty_calls` 1 (transformers 4.40-4.51 call every expert module): a reference, not the
 stand-in, since both figures predate or bypass those versions (Mixtral's was published 2024-02-27,
 under transformers <= 4.38, which skip experts without tokens; DeepSeek-V2-Lite runs its own remote
-code, whose `moe_infer` skips them too). Every copy pays Accelerate's per-byte cost of a pageable
-`.to()` (`core.host_costs.ACCELERATE`, measured on an H200 host with its `torch.cuda.empty_cache()` on
-every hooked tensor move), the DeepSpeed stand-ins' too.
+code, whose `moe_infer` skips them too). Every Accelerate copy pays Accelerate's per-byte cost of a
+pageable `.to()` (`core.host_costs.ACCELERATE`, measured on an H200 host with its
+`torch.cuda.empty_cache()` on every hooked tensor move); DeepSpeed's copies are pinned
+(`offload_param.pin_memory`) at ZeRO-3's own hook costs (`core.host_costs.DEEPSPEED`).
 
 At 128 experts per layer: the README's later table gives DeepSpeed 0.16.2 on Qwen3-30B-A3B (48 layers of
 128 experts, top 8), 7.857 s/token. Which expert modules ZeRO-3 gathers depends on the transformers version,
@@ -77,11 +79,10 @@ AT_BATCH_1 = Given(batch_size=1, micro_batches=1, attention_on="gpu", weights_gp
 HOOKS = evolve(AT_BATCH_1, options={"fused_experts": 0, "offload_dense": 1})
 NOTE = (
     "DeepSpeed ZeRO-Inference fetches a module's parameters in its pre-forward hook and releases them "
-    "after, as Accelerate's offload hooks do, the dense parts' too; it stands in as `accelerate` (one "
-    "module per expert, `offload_dense` 1) at "
-    "Accelerate's measured per-tensor host cost, a lower bound for ZeRO-3's fetch path (its own per-"
-    "parameter cost is not measured here), and with pageable copies at Accelerate's measured per-byte "
-    "cost of a `.to()` (core.host_costs) where ZeRO pins its parameters"
+    "after, the dense parts' too, with nothing prefetched once the experts' order invalidates its trace "
+    "(DeepSpeed #4808); it stands in as `zero-inference` (one module per expert, `offload_dense` 1): "
+    "Accelerate's plan, its copies from pinned memory (offload_param.pin_memory), priced with ZeRO-3's "
+    "measured hook costs (core.host_costs.DEEPSPEED: 205.5 us per module call, 542.8 us per Linear)"
 )
 
 
@@ -120,8 +121,8 @@ def generic_offloaders(quick: bool) -> Iterator[Setting]:
             f"{model} ({experts} experts/layer) DeepSpeed decode at batch 1, prompt 512, gen 32 @ C1",
             f"{N.MOE_GEN}, Table 9 (§A.1)",
             (
-                System("DeepSpeed", "accelerate", setup, published, given=HOOKS, metric=DECODE),
-                System("DeepSpeed (ideal)", "accelerate", ideal, None, given=HOOKS, metric=DECODE),
+                System("DeepSpeed", "zero-inference", setup, published, given=HOOKS, metric=DECODE),
+                System("DeepSpeed (ideal)", "zero-inference", ideal, None, given=HOOKS, metric=DECODE),
                 System("DeepSpeed (on-demand)", "on-demand", ideal, None, given=AT_BATCH_1, metric=DECODE),
             ),
             note=NOTE,
@@ -144,7 +145,9 @@ def moe_infinity(model: str, experts: int, setup: Setup) -> Setting:
         f"{model} ({experts} experts/layer) DeepSpeed and Accelerate s/token at batch 1 @ one A5000",
         MOE_INFINITY,
         (
-            System("DeepSpeed", "accelerate", setup, 1 / latency["DeepSpeed"], given=HOOKS, metric=DECODE),
+            System(
+                "DeepSpeed", "zero-inference", setup, 1 / latency["DeepSpeed"], given=HOOKS, metric=DECODE
+            ),
             System(
                 "Accelerate", "accelerate", setup, 1 / latency["Accelerate"], given=device_map, metric=DECODE
             ),
@@ -167,10 +170,11 @@ def qwen3_deepspeed() -> Setting:
         "qwen3-30b-a3b (128 experts/layer) DeepSpeed s/token at batch 1 @ one A5000",
         MOE_INFINITY_LEGACY,
         (
-            System("DeepSpeed", "accelerate", setup, 1 / QWEN3_DEEPSPEED_LATENCY, given=every, metric=DECODE),
-            System("DeepSpeed (routed experts only: transformers 4.53-4.57)", "accelerate", setup, None,
+            System("DeepSpeed", "zero-inference", setup, 1 / QWEN3_DEEPSPEED_LATENCY, given=every,
+                   metric=DECODE),
+            System("DeepSpeed (routed experts only: transformers 4.53-4.57)", "zero-inference", setup, None,
                    given=HOOKS, metric=DECODE),
-            System("DeepSpeed (fused experts: transformers >= 5)", "accelerate", setup, None, given=fused,
+            System("DeepSpeed (fused experts: transformers >= 5)", "zero-inference", setup, None, given=fused,
                    metric=DECODE),
         ),
         note=f"{NOTE}. Every one of a layer's 128 expert modules is called, as transformers 4.51.0-4.52.4's "
