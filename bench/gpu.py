@@ -66,6 +66,7 @@ from flowmoe.core.plan import Lane, Op
 from flowmoe.core.policy import QUANTIZED_ON_LOAD, ExpertFormat, Policy, parse_bytes
 from flowmoe.core.scheduling import BatchShape, NodeFactory, SchedulerContext
 from flowmoe.core.thread_cpu import ThreadCpu
+from flowmoe.devices.cuda import run_ahead_setting
 from flowmoe.jobs.batching import BatchLimits
 from flowmoe.jobs.engine import Engine, Request, StepInput, StepStats, eager_step
 from flowmoe.jobs.job import first_batch
@@ -370,7 +371,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     meta = {"device": device_name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "model": f"{model.spec.name} x{args.layers} layers (bf16, random{experts})",
             "hardware": args.hardware, "expert_format": args.expert_format,
-            "setup_s": time.perf_counter() - started}  # fmt: skip
+            "cuda_run_ahead": run_ahead_setting(), "setup_s": time.perf_counter() - started}  # fmt: skip
     log.add("meta", meta)
     console.print(f"model set up in {meta['setup_s']:.1f} s: {meta['model']}")
     peaks = link_peaks(args.device, tiny=args.tiny)
