@@ -88,4 +88,5 @@ def dequantize(
         BF16=bf16,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
+        enable_fp_fusion=False,  # (q - zero) x scale rounded twice, as torch does
     )
