@@ -1,8 +1,9 @@
 """The int4 Triton kernel (kernels/int4_triton.py) under Triton's interpreter (TRITON_INTERPRET=1) on
 CPU tensors: the torch path's bits (model/quantized.py, `Int4Weight._rows`) and an independent numpy
 unpacking's, in bfloat16, float16 and float32, ragged groups and odd columns, into a row block of a
-larger buffer; the dispatch (the kernel under the interpreter or on CUDA, torch otherwise); and a
-scheduler whose device dequantizes every expert with it giving eager's tokens."""
+larger buffer; the dispatch (the kernel under the interpreter or on CUDA, torch otherwise); a
+scheduler whose device dequantizes every expert with it giving eager's tokens; its sm_90 build
+(compiled here, no GPU needed); and, where CUDA is visible, the compiled kernel's bits."""
 
 from __future__ import annotations
 
@@ -23,12 +24,12 @@ from tests.hf_models import hf_model, save_hf
 from tests.schedule_fixtures import run_eager, run_through
 from tests.test_grouped_experts import torch_ops_only  # noqa: F401  # a fixture, used by name
 
-pytest.importorskip(
+triton = pytest.importorskip(
     "triton",
     reason="triton is not installed (pip install -e '.[test]' brings it on Linux x86-64; CUDA builds of "
     "torch bring their own): the int4 Triton kernel is checked under its interpreter",
 )
-from flowmoe.kernels import int4_triton  # needs triton
+from flowmoe.kernels import int4_triton  # noqa: E402  # needs triton
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -124,6 +125,24 @@ def test_the_compiled_kernel_on_cuda_gives_the_torch_paths_bits(
     for weight in (_random(1024, 4096, 128, seed=7), _random(4096, 1000, 64, seed=8)):
         on_gpu = weight.rebuilt(iter([t.cuda() for t in weight.tensors()]))
         assert _same_bits(on_gpu.dequantize(dtype).cpu(), _torch_path(weight, dtype))
+
+
+@pytest.mark.parametrize(("out", "bf16"), [("*u16", True), ("*fp16", False), ("*fp32", False)])
+def test_the_kernel_compiles_for_an_h200_with_no_multiply_add_and_no_flush(out: str, bf16: bool) -> None:
+    """Compiled for sm_90 here (triton's own ptxas, no GPU needed), as the launch compiles it: its PTX
+    fuses no multiply-add and flushes no subnormal, so a GPU rounds as the interpreter and torch do."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constants = {"GROUP": 128, "BF16": bf16, "BLOCK_R": 4, "BLOCK_C": 1024}
+    pointers = {"packed": "*u8", "scale": "*fp16", "zero": "*fp16", "out": out}
+    integers = dict.fromkeys(["rows", "columns", "packed_row", "group_row", "out_row"], "i32")
+    signature = pointers | integers | dict.fromkeys(constants, "constexpr")  # the kernel's order
+    source = ASTSource(int4_triton._kernel(False), signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+    ptx = compiled.asm["ptx"]
+    assert ".target sm_90" in ptx and compiled.asm["cubin"]
+    assert "fma." not in ptx and ".ftz" not in ptx
 
 
 @pytest.fixture(scope="module")
