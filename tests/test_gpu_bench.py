@@ -43,7 +43,7 @@ def test_dry_run_isolates_a_failure_and_writes_rows_as_they_finish(tmp_path: Pat
     assert process.returncode == 0, output
     rows = [r for r in read(out) if r["kind"] == "row"]
     schedulers = sorted(name for name in builtin() if name != "eager")
-    assert len(schedulers) == 13  # the twelve, and the accelerate scheduler
+    assert len(schedulers) == 14  # the twelve, and the accelerate and zero-inference schedulers
     assert sorted(r["scheduler"] for r in rows if r["scheduler"] != "accelerate-offload") == schedulers
     assert any(0 < n < len(rows) for n in seen), f"rows appeared only at the end: {sorted(seen)}"
     for row in rows:
@@ -79,8 +79,8 @@ def test_rows_from_a_gpu_run_become_the_results_section(tmp_path: Path) -> None:
     section = text.split("## CUDA path: the last GPU run (bench/gpu.py)")[1]
     assert "NVIDIA H200" in section
     measured = {line.split(" | ")[1] for line in section.splitlines() if line.startswith("| t4 |")}
-    # the run predates the accelerate scheduler; Accelerate itself ran as the baseline row
-    assert measured == set(builtin()) - {"eager", "accelerate"} | {"accelerate-offload"}
+    # the run predates the accelerate and zero-inference schedulers; Accelerate itself ran as the baseline row
+    assert measured == set(builtin()) - {"eager", "accelerate", "zero-inference"} | {"accelerate-offload"}
 
 
 def test_dry_run_with_int4_experts_runs_them_packed(tmp_path: Path) -> None:
