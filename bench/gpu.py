@@ -80,9 +80,10 @@ from flowmoe.traces.chrome import chrome_trace, write_chrome
 from flowmoe.traces.profiler import kernels_into
 from flowmoe.traces.summary import records_by_group, summarize_records
 
-# every registered scheduler but eager (everything resident: it cannot run under these budgets);
-# on-demand is flowmoe's own baseline, accelerate flowmoe's plan of Accelerate's hooks (beside the real
-# Accelerate offload row)
+# every registered scheduler but eager (everything resident: it cannot run under these budgets) and
+# zero-inference (accelerate's plan with its copies pinned: run for real, flowmoe pins every copy and runs
+# no hooks, so it is the accelerate row again); on-demand is flowmoe's own baseline, accelerate flowmoe's
+# plan of Accelerate's hooks (beside the real Accelerate offload row)
 SCHEDULERS = (
     "cgopipe",
     "klotski",

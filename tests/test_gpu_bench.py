@@ -42,8 +42,9 @@ def test_dry_run_isolates_a_failure_and_writes_rows_as_they_finish(tmp_path: Pat
     output = log.read_text()
     assert process.returncode == 0, output
     rows = [r for r in read(out) if r["kind"] == "row"]
-    schedulers = sorted(name for name in builtin() if name != "eager")
-    assert len(schedulers) == 14  # the twelve, and the accelerate and zero-inference schedulers
+    # the twelve and accelerate: eager cannot run under the budgets, zero-inference's run is accelerate's
+    schedulers = sorted(name for name in builtin() if name not in ("eager", "zero-inference"))
+    assert len(schedulers) == 13
     assert sorted(r["scheduler"] for r in rows if r["scheduler"] != "accelerate-offload") == schedulers
     assert any(0 < n < len(rows) for n in seen), f"rows appeared only at the end: {sorted(seen)}"
     for row in rows:
