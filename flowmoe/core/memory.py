@@ -106,7 +106,7 @@ def gpu_memory(scheduler: Scheduler, batch: BatchShape) -> MemoryNeed:
     weights, home = resident_bytes(spec, scheduler.residency()), kv_bytes(scheduler, batch, on_gpu=True)
     copies = len(scheduler.kv_gpu_layers()) < spec.layers  # some cache layer is homed on the host
     copied = scheduler.weight_buffer_bytes()
-    # an expert copied in packed is dequantized on arrival, beside the buffers' dequantized experts
+    # an expert copied in packed is dequantized at its first use, beside the buffers' dequantized experts
     form = scheduler.context.policy.expert_format
     dequant = dequant_working_bytes(spec, form) if copied else 0
     needs = []
