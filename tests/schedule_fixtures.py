@@ -79,8 +79,11 @@ def golden_listing(name: str, policy: Policy | None = None) -> str:
 REQUESTS = [Request(str(i), tuple(range(3 + i, 3 + i + 4 + 2 * i)), i) for i in range(5)]
 
 
-def generate(model: MoEModel, runner, micro_batches: int = 2, new_tokens: int = 6):
-    """-> (results sorted by id, every step's logits per micro-batch)."""
+def generate(
+    model: MoEModel, runner, micro_batches: int = 2, new_tokens: int = 6, prefill_chunk: int | None = None
+):
+    """-> (results sorted by id, every runner call's logits per micro-batch; `prefill_chunk`: the
+    engine's tokens per call)."""
     logits: list[list[torch.Tensor]] = []
 
     async def recording(m: MoEModel, inputs: Sequence[StepInput]) -> list[torch.Tensor]:
@@ -90,8 +93,8 @@ def generate(model: MoEModel, runner, micro_batches: int = 2, new_tokens: int = 
 
     async def go() -> list[Result]:
         homes = runner.cache_device if isinstance(runner, Runtime) else "cpu"
-        engine = Engine(model, recording, max_new_tokens=new_tokens,
-                        cache_device=homes)  # fmt: skip
+        engine = Engine(model, recording, max_new_tokens=new_tokens, cache_device=homes,
+                        prefill_chunk=prefill_chunk)  # fmt: skip
         size = -(-len(REQUESTS) // micro_batches)
         mbs = [engine.micro_batch(i, REQUESTS[i * size : (i + 1) * size]) for i in range(micro_batches)]
         return [r async for r in engine.run_batch(mbs)]

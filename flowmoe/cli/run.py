@@ -82,6 +82,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="per request (%(type)s; an OpenAI batch request's max_tokens overrides it)",
     )  # fmt: skip
     run.add_argument(
+        "--prefill-chunk", type=POSITIVE_INT,
+        help="a micro-batch's tokens per forward pass, at most: a longer prefill runs in chunks, which "
+        "bounds its working memory (%(type)s; default: 128 where the KV cache lives on the CPU alone, "
+        "else no limit; llama.cpp's n_ubatch is 512)",
+    )  # fmt: skip
+    run.add_argument(
         "-s", "--scheduler", default="eager", help="scheduler plugin (see `flowmoe schedulers`), or auto"
     )
     run.add_argument("--trace", type=OUTPUT_FILE, help="write a Chrome trace (open it in Perfetto)")
@@ -262,6 +268,7 @@ def _run(args: argparse.Namespace) -> int:
         attention_format=policy.attention_format,
         lm_head_format=args.lm_head_format,
         quantization=measured,
+        prefill_chunk=args.prefill_chunk,
     )
     if args.scheduler == "auto":  # every scheduler simulated on this job; the best runs, its policy too
         args.scheduler, policy, job = auto_scheduler(args, model, codec, job)

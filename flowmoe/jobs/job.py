@@ -53,6 +53,7 @@ class JobSpec:
     attention_format: str = "native"  # the attention projections' (Policy.attention_format); recorded
     lm_head_format: str = "native"  # the LM head's (--lm-head-format); recorded
     quantization: dict[str, Any] | None = None  # the error quantize-on-load introduced (model/quant_error.py)
+    prefill_chunk: int | None = None  # a micro-batch's tokens per runner call (--prefill-chunk); recorded
 
     def settings(self) -> dict[str, Any]:
         """Everything a result depends on, as the output's run record keeps it (jobs/provenance.py)."""
@@ -63,6 +64,8 @@ class JobSpec:
             packed["--attention-format"] = self.attention_format
         if self.lm_head_format != "native":
             packed["--lm-head-format"] = self.lm_head_format
+        if self.prefill_chunk is not None:  # it changes the prefill's floats
+            packed["--prefill-chunk"] = self.prefill_chunk
         return {**(self.produced_by or {}), "--max-new-tokens": self.max_new_tokens,
                 "--temperature": s.temperature, "--top-p": s.top_p, "--top-k": s.top_k, "--seed": s.seed,
                 "--stop": list(self.stop), "--chat": self.chat, **batch, **packed}  # fmt: skip
@@ -229,6 +232,7 @@ def make_engine(
         stop_strings=StopStrings(codec, job.stop) if job.stop and codec else None,
         on_step=progress.generated,
         codec=codec,
+        **({"prefill_chunk": job.prefill_chunk} if job.prefill_chunk is not None else {}),
     )
 
 

@@ -1,0 +1,95 @@
+"""A step's tokens in chunks of at most `prefill_chunk` (flowmoe/jobs/prefill_chunks.py): how a step
+is cut, the same logits as the whole step, and every scheduler runs eager's chunks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from flowmoe.core.policy import Policy
+from flowmoe.jobs.engine import StepInput, eager_step
+from flowmoe.jobs.prefill_chunks import CPU_PREFILL_CHUNK, Chunk, chunked, default_chunk, final_logits
+from flowmoe.kernels.kv_cache import SlotSplit
+from flowmoe.kernels.layout import TokenLayout
+from flowmoe.model.loading import load_model
+from flowmoe.runtime.runner import Runtime
+from flowmoe.schedulers.registry import available
+from tests.helpers import rel_err
+from tests.hf_models import hf_model, save_hf
+from tests.schedule_fixtures import generate
+
+
+def _listed(chunks: list[Chunk]) -> list[tuple]:
+    return [(c.start, c.layout.slots, c.layout.counts, c.layout.past, c.ends) for c in chunks]
+
+
+def test_a_step_that_fits_is_one_chunk() -> None:
+    layout = TokenLayout((0, 1), (3, 2), (0, 0))
+    (chunk,) = chunked(layout, 5)
+    assert chunk.layout is layout and (chunk.start, chunk.ends) == (0, (0, 1))
+
+
+def test_a_prompt_cut_by_a_chunk_goes_on_in_the_next() -> None:
+    """Sequences in slots 3, 0, 1 with 4, 7 and 1 new tokens, in chunks of 5: slot 0's prompt runs
+    over three chunks, each piece's past counting the tokens before it."""
+    layout = TokenLayout((3, 0, 1), (4, 7, 1), (0, 0, 5))
+    assert _listed(chunked(layout, 5)) == [
+        (0, (3, 0), (4, 1), (0, 0), (0,)),
+        (5, (0,), (5,), (1,), ()),
+        (10, (0, 1), (1, 1), (6, 5), (0, 1)),
+    ]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])  # attention over the cache, and MLA's
+def test_chunks_give_the_whole_steps_logits(tmp_path, family: str) -> None:
+    """fp32: a prefill of 3 prompts in chunks of 4 tokens -> each sequence's last logits within 1e-5
+    of the prefill in one call."""
+    model = load_model(save_hf(hf_model(family), tmp_path / family))
+    layout = TokenLayout((1, 0, 2), (6, 3, 5), (0, 0, 0))
+    ids = torch.randint(3, model.spec.vocab, (layout.tokens,), generator=torch.Generator().manual_seed(0))
+
+    def run(limit: int) -> torch.Tensor:
+        cache = model.new_cache(3, 8)
+        chunks = chunked(layout, limit)
+        step = [StepInput(0, ids[c.start : c.start + c.layout.tokens], c.layout, cache) for c in chunks]
+        return final_logits(chunks, [asyncio.run(eager_step(model, [s]))[0] for s in step])
+
+    whole, parts = run(layout.tokens), run(4)
+    assert whole.shape == parts.shape == (3, model.spec.vocab)
+    assert rel_err(parts, whole) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory):
+    return load_model(save_hf(hf_model("mixtral"), tmp_path_factory.mktemp("chunks") / "mixtral"))
+
+
+@pytest.fixture(scope="module")
+def eager_chunks(mixtral):
+    return generate(mixtral, eager_step, prefill_chunk=5)
+
+
+@pytest.mark.parametrize("name", sorted(available()))
+def test_every_scheduler_runs_eagers_chunks(mixtral, eager_chunks, name: str) -> None:
+    """Prompts of 4-12 tokens in micro-batches of up to 30, in chunks of 5: each runner call of a
+    scheduler gives eager's logits within 1e-5, and the same tokens."""
+    runtime = Runtime.create(mixtral, name, Policy(micro_batch_size=3, micro_batches=2))
+    try:
+        results, logits = generate(mixtral, runtime, prefill_chunk=5)
+    finally:
+        runtime.close()
+    ref_results, ref_logits = eager_chunks
+    assert [r.output_ids for r in results] == [r.output_ids for r in ref_results]
+    assert len(logits) == len(ref_logits) == 5 + 5  # the prefill in 5 calls (22 tokens), 5 decode steps
+    for call, (ours, ref) in enumerate(zip(logits, ref_logits, strict=True)):
+        for mb, (a, b) in enumerate(zip(ours, ref, strict=True)):
+            assert rel_err(a, b) <= 1e-5, f"call {call} mb {mb}"
+
+
+def test_only_a_cpu_cache_is_chunked_by_default() -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert default_chunk("cpu") == default_chunk([cpu, cpu]) == CPU_PREFILL_CHUNK
+    for homes in (gpu, [cpu, gpu], SlotSplit(gpu, lambda slots: slots)):
+        assert default_chunk(homes) is None
