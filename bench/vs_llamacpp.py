@@ -54,7 +54,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 CACHE = Path.home() / ".cache" / "flowmoe-bench"
@@ -242,14 +244,35 @@ def flowmoe_worker(job: dict) -> dict:
         try:
             flowmoe_generate(model, runtime, [job["prompts"][0][:8]], 2)  # warm: first use of the kernels
             load = os.getloadavg()[0]
+            before = team_runs(runtime)
             clock = Clock()
             out = flowmoe_generate(model, runtime, job["prompts"][:batch], job["new_tokens"], clock)
             # a run's ticks: each call of the step runner, then its end; the first mark is before setup
             steps = clock.steps()[1 : job["new_tokens"] + 1]
-            cells.append(cell_result(batch, threads, steps, out, load))
+            cell = cell_result(batch, threads, steps, out, load)
+            cell["team_runs"] = {str(k): v for k, v in (team_runs(runtime) - before).items()}
+            cells.append(cell)
         finally:
             runtime.close()
     return {"cells": cells, "peak_rss": peak_rss()}
+
+
+def team_runs(runtime: Any) -> Counter[int]:
+    """The runtime's inline queue runs so far by the OpenMP team width they ran with (a team asked for
+    several threads narrows where co-tenants keep a core busy: core/threads.py CoTenants)."""
+    runs: Counter[int] = Counter()
+    for worker in {id(w): w for w in runtime.workers.values()}.values():
+        runs.update(getattr(worker, "team_runs", {}))
+    return runs
+
+
+def threads_ran(threads: int, cells: list[dict]) -> str:
+    """`threads`, and where flowmoe's team ran narrower in part of the queue runs, how often."""
+    runs: Counter[int] = Counter()
+    for cell in cells:
+        runs.update({int(k): v for k, v in cell.get("team_runs", {}).items()})
+    narrower = sum(v for k, v in runs.items() if k < threads)
+    return f"{threads} ({narrower / sum(runs.values()):.0%} narrower)" if narrower else str(threads)
 
 
 # ---- setup: llama-cpp-python, the checkpoint and its GGUFs
@@ -429,6 +452,7 @@ def rows_from(runs: dict[tuple[str, str], list[dict]], prompt: int) -> list[dict
             decode_cpu = [sum(c["decode_cpu_s"]) for c in cells]
             rows.append({
                 "dtype": dtype, "tool": tool, "batch": batch, "threads": threads,
+                "threads_ran": threads_ran(threads, cells),
                 "prefill_tok_s": statistics.median(batch * prompt / c["prefill_wall_s"] for c in cells),
                 "prefill_cpu_s": statistics.median(c["prefill_cpu_s"] for c in cells),
                 "prefill_spread": spread([c["prefill_wall_s"] for c in cells]),
@@ -466,7 +490,7 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
 
 
 COLUMNS = (
-    ("dtype", "{dtype}"), ("batch", "{batch}"), ("threads", "{threads}"), ("tool", "{tool}"),
+    ("dtype", "{dtype}"), ("batch", "{batch}"), ("threads", "{threads_ran}"), ("tool", "{tool}"),
     ("prefill tok/s", "{prefill_tok_s:.1f}"), ("prefill CPU s", "{prefill_cpu_s:.2f}"),
     ("decode tok/s", "{decode_tok_s:.2f}"), ("decode ms/step", "{decode_wall_ms_step:.0f}"),
     ("decode CPU ms/step", "{decode_cpu_ms_step:.0f}"),
@@ -486,7 +510,8 @@ def columns(rows: list[dict]) -> tuple[tuple[str, str], ...]:
 
 
 def cells(row: dict, shown: tuple[tuple[str, str], ...]) -> list[str]:
-    known = {"decode_wall_ratio": float("nan"), "against": "flowmoe"} | row  # older files: nan, flowmoe
+    # older files: nan, flowmoe, the threads asked for
+    known = {"decode_wall_ratio": float("nan"), "against": "flowmoe", "threads_ran": row["threads"]} | row
     return [form.format(**known) for _, form in shown]
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 
 import torch
 
@@ -45,6 +45,9 @@ class InlineWorker:
         # a team of several threads keeps to the cores other processes leave free (core/threads.py)
         self._tenants = CoTenants(threads) if threads is not None and threads > 1 else None
         self._team = threads
+        # queue runs by the team width they ran with: a run asked for several threads says how often
+        # co-tenants left it fewer (bench/vs_llamacpp.py reports it beside its rows)
+        self.team_runs: Counter[int] = Counter()
         self._ranges = profile_ranges
         self._inference = torch.inference_mode()  # entered around each run of the queue (not reentrant)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop the queue belongs to
@@ -78,9 +81,11 @@ class InlineWorker:
                 self._thread = threading.get_ident()
                 set_intra_op(self._threads)
                 self._team = self._threads
-            if self._tenants is not None and self._tenants.width(time.monotonic()) != self._team:
-                self._team = self._tenants.team
-                torch.set_num_threads(self._team)  # this thread's team, the cores co-tenants leave
+            if self._tenants is not None:
+                if self._tenants.width(time.monotonic()) != self._team:
+                    self._team = self._tenants.team
+                    torch.set_num_threads(self._team)  # this thread's team, the cores co-tenants leave
+                self.team_runs[self._team] += 1
             ranges = self._ranges and torch.autograd.profiler._is_profiler_enabled  # once per queue run
             clock = time.perf_counter
             with self._inference:

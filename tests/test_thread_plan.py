@@ -4,6 +4,7 @@ counted, so no OpenMP thread of a run waits on a core it shares with a co-tenant
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 
 import flowmoe.core.threads as threads
 import flowmoe.devices.factory as factory
+from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.threads import (
     FREE,
     PROC_STAT,
@@ -29,6 +31,7 @@ from flowmoe.core.threads import (
     team_beside,
     usable_cores,
 )
+from flowmoe.devices.inline import InlineWorker
 from flowmoe.devices.threadpool import set_intra_op
 
 
@@ -154,3 +157,34 @@ def test_workers_spin_briefly_on_a_free_machine_and_sleep_on_a_busy_one(
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     omp_waits()
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_the_inline_worker_counts_its_queue_runs_by_team_width() -> None:
+    """A run asked for 2 threads whose co-tenants narrowed it to 1 for a while says so: each queue run
+    is counted under the width it ran with (bench/vs_llamacpp.py shows the share beside its rows)."""
+
+    class Widths:
+        def __init__(self) -> None:
+            self.seen = iter([2, 1, 1, 2])
+            self.team = 2
+
+        def width(self, now: float) -> int:
+            self.team = next(self.seen)
+            return self.team
+
+    worker = InlineWorker(2)
+    worker._tenants = Widths()
+    previous = torch.get_num_threads()
+
+    async def run() -> None:
+        for n in range(4):
+            done = asyncio.get_running_loop().create_future()
+            node = TaskNode(n, Op.GATE, Lane.CPU_COMPUTE, layer=0, mb=0)
+            worker.start(node, lambda: None, lambda *args, done=done: done.set_result(args))
+            await done
+
+    try:
+        asyncio.run(run())
+    finally:
+        torch.set_num_threads(previous)
+    assert worker.team_runs == {2: 2, 1: 2}
