@@ -4,6 +4,8 @@ is cut, the same logits as the whole step, and every scheduler runs eager's chun
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,3 +95,16 @@ def test_only_a_cpu_cache_is_chunked_by_default() -> None:
     assert default_chunk("cpu") == default_chunk([cpu, cpu]) == CPU_PREFILL_CHUNK
     for homes in (gpu, [cpu, gpu], SlotSplit(gpu, lambda slots: slots)):
         assert default_chunk(homes) is None
+
+
+def test_the_cli_runs_a_prefill_in_chunks(tmp_path) -> None:
+    """`flowmoe run --prefill-chunk 2`: the built-in model's fp32 tokens are the default run's."""
+    from flowmoe.cli import main
+
+    prompts = Path(__file__).parent.parent / "examples" / "prompts.jsonl"
+    outputs = []
+    for name, extra in (("whole", []), ("chunked", ["--prefill-chunk", "2"])):
+        out = tmp_path / f"{name}.jsonl"
+        assert main(["run", "--prompts", str(prompts), "--output", str(out), "-n", "5", *extra]) == 0
+        outputs.append({r["id"]: r["output_ids"] for r in map(json.loads, out.read_text().splitlines())})
+    assert outputs[0] == outputs[1]

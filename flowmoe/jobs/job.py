@@ -64,11 +64,14 @@ class JobSpec:
             packed["--attention-format"] = self.attention_format
         if self.lm_head_format != "native":
             packed["--lm-head-format"] = self.lm_head_format
-        if self.prefill_chunk is not None:  # it changes the prefill's floats
-            packed["--prefill-chunk"] = self.prefill_chunk
         return {**(self.produced_by or {}), "--max-new-tokens": self.max_new_tokens,
                 "--temperature": s.temperature, "--top-p": s.top_p, "--top-k": s.top_k, "--seed": s.seed,
-                "--stop": list(self.stop), "--chat": self.chat, **batch, **packed}  # fmt: skip
+                "--stop": list(self.stop), "--chat": self.chat, **batch, **packed,
+                **self._chunk()}  # fmt: skip
+
+    def _chunk(self) -> dict[str, int]:
+        """--prefill-chunk where the job sets one: it changes a prefill's floats."""
+        return {"--prefill-chunk": self.prefill_chunk} if self.prefill_chunk is not None else {}
 
     @property
     def layout(self) -> LogLayout:
@@ -222,7 +225,7 @@ def make_engine(
 ) -> Engine:
     """The generation loop of a job: its sampling, stop ids and strings, on the runner's cache device."""
     stop_ids = frozenset(model.spec.eos_token_ids) | (codec.eos_ids if codec else frozenset())
-    return Engine(
+    engine = Engine(
         model,
         runner,
         job.sampling,
@@ -232,8 +235,10 @@ def make_engine(
         stop_strings=StopStrings(codec, job.stop) if job.stop and codec else None,
         on_step=progress.generated,
         codec=codec,
-        **({"prefill_chunk": job.prefill_chunk} if job.prefill_chunk is not None else {}),
     )
+    if job.prefill_chunk is not None:  # else the engine's default for its cache's device
+        engine.prefill_chunk = job.prefill_chunk
+    return engine
 
 
 def first_batch(todo: list[Request], limits: BatchLimits) -> BatchShape:
