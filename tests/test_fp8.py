@@ -287,6 +287,36 @@ def test_fp8_copy_prices_a_byte_per_weight_plus_scales() -> None:
     assert 0.45 < fast / slow < 0.55
 
 
+def test_the_first_gpu_use_after_a_copy_pays_the_dequantization() -> None:
+    """An expert's first EXPERT_FFN on the GPU since its copy reads the packed bytes and writes the
+    dequantized weights (a flop a weight); later uses, CPU uses and resident experts pay nothing."""
+    from flowmoe.core.expert_formats import packed_expert_bytes
+    from flowmoe.core.plan import Lane, Op
+    from flowmoe.core.presets import preset
+    from flowmoe.core.scheduling import MicroBatchShape, NodeFactory
+
+    spec = preset("mixtral-8x7b", layers=2, dtype="bfloat16")
+    params = 3 * 4096 * 14336
+    mb = MicroBatchShape(0, 4, 4, 40, 40)
+    native = NodeFactory(spec)
+    plain = native.node(Op.EXPERT_FFN, Lane.GPU_COMPUTE, 0, mb, expert=1)
+
+    def ffn(factory: NodeFactory, lane: Lane, expert: int) -> tuple[int, int]:
+        node = factory.node(Op.EXPERT_FFN, lane, 0, mb, expert=expert)
+        return node.bytes - plain.bytes, node.flops - plain.flops
+
+    for form in ("fp8", "int4"):
+        packed = NodeFactory(spec, expert_format=form)
+        packed.node(Op.PAGE_COPY, Lane.GPU_H2D, 0, expert=1, part=0, parts=2, more=(2,))
+        assert ffn(packed, Lane.CPU_COMPUTE, 1) == (0, 0)  # the host's own copy
+        pass_bytes = packed_expert_bytes(spec, form) + spec.expert_bytes
+        assert ffn(packed, Lane.GPU_COMPUTE, 1) == (pass_bytes, params)
+        assert ffn(packed, Lane.GPU_COMPUTE, 1) == (0, 0)  # dequantized once per arrival
+        assert ffn(packed, Lane.GPU_COMPUTE, 2)[1] == params  # `more`: the run's other expert
+        assert ffn(packed, Lane.GPU_COMPUTE, 3) == (0, 0)  # never copied: resident
+        assert ffn(native, Lane.GPU_COMPUTE, 1) == (0, 0)
+
+
 def test_simulation_moves_half_the_bytes_with_fp8_experts() -> None:
     from flowmoe.core.hardware import hardware
     from flowmoe.core.policy import Policy

@@ -128,9 +128,8 @@ class RooflineCost:
         the packed page and writing the weights' dtype, at one flop per weight (the unpacking and zero
         of int4 add a few more, far under the GPU's flop/s). A dense part's runs on the copy's own
         stream, as it arrives; an expert's on the compute stream, at its first use
-        (runtime/device_weights.py: one fused kernel per int4 projection), so its copy is charged none.
-        That pass (~0.1 ms for a Mixtral expert on an H200, ~6% of its copy) is not yet charged to the
-        compute lane: its EXPERT_FFN nodes do not say which use is the first since a copy."""
+        (runtime/device_weights.py: one fused kernel per int4 projection), so its copy is charged none:
+        that pass's bytes and flops are the first GPU EXPERT_FFN's since the copy (NodeFactory)."""
         if node.flops == 0 or node.lane is not Lane.GPU_H2D or node.expert >= 0:
             return 0.0
         return self.compute_seconds("gpu", node.flops, node.bytes + node.flops * self.dtype_bytes)

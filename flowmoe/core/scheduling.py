@@ -273,6 +273,8 @@ class NodeFactory:
     attention_format: AttentionFormat = "native"  # the policy's: how a dense part's attention crosses it
     # what `_cost` works out once per (op, layer, expert's or dense): the op's cost as a `Rate`
     _rates: dict[tuple[Op, int, bool], Rate] = field(factory=dict, init=False, eq=False)
+    # packed experts copied onto the GPU whose first use there, which dequantizes them, is still to come
+    _arrived: set[tuple[int, int]] = field(factory=set, init=False, eq=False)
 
     def node(
         self,
@@ -311,12 +313,30 @@ class NodeFactory:
             flops = flops * end // parts - flops * part // parts
         if more:
             n_bytes, flops = n_bytes * (1 + len(more)), flops * (1 + len(more))
+        if self.expert_format != "native" and expert >= 0 and lane.on_gpu:
+            n_bytes, flops = self._dequantized_once(op, layer, (expert, *more), n_bytes, flops)
         index = mb.index if mb else -1
         rowless = flops == 0 and op is not Op.COMBINE  # COMBINE: no GEMM, but its rows are all-reduced (TP)
         rows = 0 if rowless else (mb.sequences if op is Op.LM_HEAD and mb else tokens if tokens is not None
                                   else mb.tokens if mb else 0)  # fmt: skip
         return TaskNode(next(self._ids), op, lane, layer, index, expert, clean, n_bytes, flops, part, parts,
                         pages, rows, pageable, sync, tuple(more), tuple(serves))  # fmt: skip
+
+    def _dequantized_once(
+        self, op: Op, layer: int, experts: tuple[int, ...], n_bytes: int, flops: int
+    ) -> tuple[int, int]:
+        """A packed expert crosses packed and is dequantized at its first use on the GPU, on the compute
+        stream (runtime/device_weights.py): that use's EXPERT_FFN also reads the packed bytes and writes
+        the weights in the model's dtype, a flop a weight (as a copy's flops count them); a copy marks
+        its experts as arrived, their first GPU FFN since pays it."""
+        if op is Op.PAGE_COPY:
+            self._arrived.update((layer, e) for e in experts)
+        elif op is Op.EXPERT_FFN and (layer, experts[0]) in self._arrived:
+            self._arrived.discard((layer, experts[0]))
+            s = self.spec
+            n_bytes += packed_expert_bytes(s, self.expert_format) + s.expert_bytes
+            flops += 3 * s.hidden * s.moe.intermediate
+        return n_bytes, flops
 
     def _cost(
         self, op: Op, layer: int, mb: MicroBatchShape | None, expert: int, tokens: int | None
