@@ -189,19 +189,25 @@ def flowmoe_generate(
     model: MoEModel, runner: Runner, batch: list[list[int]], new_tokens: int, clock: Clock | None = None
 ) -> Tokens:
     """The whole batch in one micro-batch (`flowmoe run --batch-size 16`), prompts packed without
-    padding; every call of the step runner is a step boundary."""
+    padding; a step's first call of the step runner is a step boundary (a prefill in chunks calls it
+    once per chunk: jobs/prefill_chunks.py)."""
     requests = [Request(str(i), tuple(p), i) for i, p in enumerate(batch)]
     limits = BatchLimits(micro_batches=1, micro_batch_size=len(batch), max_new_tokens=new_tokens)
+    first = [True]  # the next runner call is a step's first
 
     async def step(m: MoEModel, inputs: Sequence[StepInput]) -> list[torch.Tensor]:
-        if clock is not None:
+        if clock is not None and first[0]:
             clock.tick()
+        first[0] = False
         return await runner(m, inputs)  # type: ignore[misc]
+
+    def stepped(tokens: int) -> None:
+        first[0] = True
 
     async def go() -> dict[str, tuple[int, ...]]:
         homes = runner.cache_device if isinstance(runner, Runtime) else "cpu"
         engine = Engine(model, step, max_new_tokens=new_tokens, stop_ids=frozenset(),
-                        cache_device=homes)  # fmt: skip
+                        cache_device=homes, on_step=stepped)  # fmt: skip
         return {r.id: r.output_ids async for r in engine.generate(requests, limits)}
 
     out = uvloop.run(go())  # `flowmoe run`'s loop

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from flowmoe.core.policy import Policy
-from flowmoe.jobs.engine import StepInput, eager_step
+from flowmoe.jobs.engine import Engine, StepInput, eager_step
 from flowmoe.jobs.prefill_chunks import CPU_PREFILL_CHUNK, Chunk, chunked, default_chunk, final_logits
 from flowmoe.kernels.kv_cache import SlotSplit
 from flowmoe.kernels.layout import TokenLayout
 from flowmoe.model.loading import load_model
-from flowmoe.runtime.runner import Runtime
+from flowmoe.runtime.runner import Runtime, step_shape
 from flowmoe.schedulers.registry import available
 from tests.helpers import rel_err
 from tests.hf_models import hf_model, save_hf
@@ -90,11 +90,31 @@ def test_every_scheduler_runs_eagers_chunks(mixtral, eager_chunks, name: str) ->
             assert rel_err(a, b) <= 1e-5, f"call {call} mb {mb}"
 
 
-def test_only_a_cpu_cache_is_chunked_by_default() -> None:
+def test_only_a_run_on_the_cpu_alone_is_chunked_by_default() -> None:
+    """A GPU run keeps its prefill in one call even where its cache is on the host (cgopipe's CPU
+    attention): an offloading scheduler would copy each expert in once per chunk."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert default_chunk("cpu") == default_chunk([cpu, cpu]) == CPU_PREFILL_CHUNK
+    assert default_chunk("cpu", gpu=True) is None
     for homes in (gpu, [cpu, gpu], SlotSplit(gpu, lambda slots: slots)):
         assert default_chunk(homes) is None
+
+
+def test_a_runtime_with_gpu_copies_runs_its_prefill_in_one_call() -> None:
+    """The engine's default asks the runner whether its GPU holds copies (a CUDA runtime), and a later
+    chunk of a prompt is a prefill step to the schedulers."""
+
+    class Runner:
+        def __init__(self, copies: bool) -> None:
+            self.devices = type("Devices", (), {"copies": copies})()
+
+    model = object()
+    assert Engine(model, Runner(copies=True)).prefill_chunk is None  # type: ignore[arg-type]
+    assert Engine(model, Runner(copies=False)).prefill_chunk == CPU_PREFILL_CHUNK  # type: ignore[arg-type]
+    later = TokenLayout(slots=(0, 1), counts=(128, 1), past=(128, 7))
+    decode = TokenLayout(slots=(0, 1), counts=(1, 1), past=(128, 7))
+    assert step_shape(1, [StepInput(0, torch.zeros(129), later, None)]).prefill  # type: ignore[arg-type]
+    assert not step_shape(2, [StepInput(0, torch.zeros(2), decode, None)]).prefill  # type: ignore[arg-type]
 
 
 def test_the_cli_runs_a_prefill_in_chunks(tmp_path) -> None:

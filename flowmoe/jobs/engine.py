@@ -89,6 +89,12 @@ async def eager_step(model: MoEModel, inputs: Sequence[StepInput]) -> list[torch
         return [model.forward(i.ids, i.cache, i.layout) for i in inputs]
 
 
+def _copies_to_gpu(runner: object) -> bool:
+    """Whether `runner` (a runtime: runtime/runner.py) runs on a GPU that holds copies of weights."""
+    devices = getattr(runner, "devices", None)
+    return bool(getattr(devices, "copies", False))
+
+
 def _chunk_input(step: StepInput, chunk: Chunk) -> StepInput:
     """The share of `step` that `chunk` covers."""
     ids = step.ids[chunk.start : chunk.start + chunk.layout.tokens]  # [chunk's tokens]
@@ -168,7 +174,7 @@ class Engine:
     codec: TextCodec | None = None  # decodes the outputs of requests with stop strings of their own
     # a micro-batch's tokens per runner call, at most (None: no limit; default: prefill_chunks.py's)
     prefill_chunk: int | None = field(
-        default=Factory(lambda e: default_chunk(e.cache_device), takes_self=True)
+        default=Factory(lambda e: default_chunk(e.cache_device, _copies_to_gpu(e.runner)), takes_self=True)
     )
 
     def open(self, index: int, plan: MicroBatchPlan) -> MicroBatch:

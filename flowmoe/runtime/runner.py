@@ -66,7 +66,11 @@ def step_shape(step: int, inputs: Sequence[StepInput]) -> StepShape:
     shapes = tuple(
         MicroBatchShape.from_lengths(i.micro_batch, i.layout.counts, i.layout.past) for i in inputs
     )
-    prefill = any(p == 0 for i in inputs for p in i.layout.past)
+    # a prompt's step: its first tokens, or a later chunk of it (jobs/prefill_chunks.py: several tokens
+    # of one sequence over a cache it already has); a decode step brings one token a sequence
+    prefill = any(
+        p == 0 or c > 1 for i in inputs for c, p in zip(i.layout.counts, i.layout.past, strict=True)
+    )
     return StepShape(step, prefill, shapes)
 
 
