@@ -50,7 +50,7 @@ def builtin() -> dict[str, type[Scheduler]]:
                 and not inspect.isabstract(cls)
             ):
                 found[cls.name] = cls
-    return found
+    return dict(sorted(found.items()))  # by name: a module may hold several (accelerate, zero-inference)
 
 
 def plugins() -> dict[str, EntryPoint]:

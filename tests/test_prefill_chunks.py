@@ -96,6 +96,7 @@ def test_only_a_run_on_the_cpu_alone_is_chunked_by_default() -> None:
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert default_chunk("cpu") == default_chunk([cpu, cpu]) == CPU_PREFILL_CHUNK
     assert default_chunk("cpu", gpu=True) is None
+    assert default_chunk("cpu", dtype=torch.float32) is None  # widens no weight: one call
     for homes in (gpu, [cpu, gpu], SlotSplit(gpu, lambda slots: slots)):
         assert default_chunk(homes) is None
 
@@ -108,7 +109,7 @@ def test_a_runtime_with_gpu_copies_runs_its_prefill_in_one_call() -> None:
         def __init__(self, copies: bool) -> None:
             self.devices = type("Devices", (), {"copies": copies})()
 
-    model = object()
+    model = type("Model", (), {"dtype": torch.bfloat16})()
     assert Engine(model, Runner(copies=True)).prefill_chunk is None  # type: ignore[arg-type]
     assert Engine(model, Runner(copies=False)).prefill_chunk == CPU_PREFILL_CHUNK  # type: ignore[arg-type]
     later = TokenLayout(slots=(0, 1), counts=(128, 1), past=(128, 7))

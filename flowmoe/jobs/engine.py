@@ -174,7 +174,9 @@ class Engine:
     codec: TextCodec | None = None  # decodes the outputs of requests with stop strings of their own
     # a micro-batch's tokens per runner call, at most (None: no limit; default: prefill_chunks.py's)
     prefill_chunk: int | None = field(
-        default=Factory(lambda e: default_chunk(e.cache_device, _copies_to_gpu(e.runner)), takes_self=True)
+        default=Factory(
+            lambda e: default_chunk(e.cache_device, _copies_to_gpu(e.runner), e.model.dtype), takes_self=True
+        )
     )
 
     def open(self, index: int, plan: MicroBatchPlan) -> MicroBatch:
