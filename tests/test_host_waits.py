@@ -3,11 +3,9 @@ timeline (issue 29 item 4): which waits the code makes, which of them CUDA spins
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from flowmoe.core.executor import Executor, Span
+from flowmoe.core.executor import Span
 from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.devices.realclock import (
     DEVICE,
@@ -22,6 +20,7 @@ from flowmoe.devices.realclock import (
 )
 from flowmoe.study.realtime import LaunchCosts, realtime_run, replay_host, split_spins
 from tests.test_realtime import simulation
+from tests.test_realtime_launch import run_nodes as on_worker
 
 COPY = TaskNode(0, Op.PAGE_COPY, Lane.GPU_H2D, layer=0, mb=0)
 FFN = TaskNode(1, Op.EXPERT_FFN, Lane.GPU_COMPUTE, layer=0, mb=0, deps=(0,))
@@ -36,19 +35,7 @@ THEN = DeviceWaits(syncs=SYNCS_AT_8FCF0A3)  # the H200 run 4's code: a gate's bi
 
 def run_nodes(waits: DeviceWaits) -> tuple[dict[int, Span], RealClockWorker]:
     worker = RealClockWorker(lambda node: COSTS[node.id], waits=waits)
-
-    async def run() -> list[Span]:
-        executor = Executor(dict.fromkeys(Lane, worker))
-        for node in NODES:
-            executor.submit(node, None)
-        await executor.drain()
-        worker.synchronize()
-        return executor.spans
-
-    try:
-        return {s.node.id: s for s in asyncio.run(run())}, worker
-    finally:
-        worker.close()
+    return on_worker(worker, NODES), worker
 
 
 def test_the_wait_modes_say_what_spins() -> None:

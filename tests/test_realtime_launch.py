@@ -33,10 +33,12 @@ HOST = TaskNode(3, Op.CPU_ATTN, Lane.CPU_COMPUTE, layer=0, mb=0, deps=(2,))
 NODES = (COPY, FFN, ATTN, HOST)
 
 
-def run_nodes(worker: RealClockWorker) -> dict[int, Span]:
+def run_nodes(worker: RealClockWorker, nodes: tuple[TaskNode, ...] = NODES) -> dict[int, Span]:
+    """`nodes` through an executor on `worker` (every lane), the worker closed after -> spans by id."""
+
     async def run() -> list[Span]:
         executor = Executor(dict.fromkeys(Lane, worker))
-        for node in NODES:
+        for node in nodes:
             executor.submit(node, None)
         await executor.drain()
         worker.synchronize()
