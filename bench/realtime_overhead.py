@@ -29,11 +29,11 @@ and the measured 0.79 s (measured on the code before item 3's cuts: a reference,
 `--threads JSONL` (with --h200): a bench/gpu.py --out of a GPU run of this code, whose cgopipe t4 row
 carries the per-thread CPU record; the threads outside the stack are charged from it per GPU node, the
 prediction is compared with that run's process CPU per decode step, role by role (main, lanes, other),
-each thread's waits for the device replayed on the simulated steps (`flowmoe.study.realtime.
-replay_host`: the gates' and the LM head's read-backs, the driver's, the run-ahead bound) and counted
-as CPU where CUDA spins through them: at 8fcf0a3 (spin, events not blocking), now (blocking events),
-now with the compute lane's run-ahead bound (`--run-ahead N`, devices/cuda.py), and under
-`cudaDeviceScheduleBlockingSync`.
+each thread's waits for the device replayed on the simulated steps
+(`flowmoe.study.realtime.replay_host`: the LM head's read-back, at 8fcf0a3 the gates' too, the
+driver's, the run-ahead bound) and counted as CPU where CUDA spins through them: at 8fcf0a3 (spin,
+events not blocking), now (blocking events), now with the compute lane's run-ahead bound (`--run-ahead
+N`, devices/cuda.py), and under `cudaDeviceScheduleBlockingSync`.
 
 Prints a rich table; results go into bench/realtime_overhead.json under the label (other labels
 are kept, so a baseline and a later run sit side by side).

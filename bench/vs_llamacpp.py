@@ -247,7 +247,7 @@ def flowmoe_worker(job: dict) -> dict:
             before = team_runs(runtime)
             clock = Clock()
             out = flowmoe_generate(model, runtime, job["prompts"][:batch], job["new_tokens"], clock)
-            # a run's ticks: each call of the step runner, then its end; the first mark is before setup
+            # a run's ticks: each step's first call of the step runner; the first mark is before setup
             steps = clock.steps()[1 : job["new_tokens"] + 1]
             cell = cell_result(batch, threads, steps, out, load)
             cell["team_runs"] = {str(k): v for k, v in (team_runs(runtime) - before).items()}

@@ -12,13 +12,14 @@ worker's `wait_host`), then holds its thread for its cost; `sync(node)` is a rou
 (`.tolist()` on the gate's output) and `synchronize()` the step's device synchronize.
 
 How the host waits for the device (`DeviceWaits`): a GPU node whose action reads the device back
-(`syncs`: a gate's `torch.bincount`, the LM head's logits copied to the host) holds its lane thread,
-after its launches, until its stream's device time reaches it; `run_ahead` holds a lane's thread
-before its k-th node of a step until its (k - run_ahead)-th has ended (devices/cuda.py's bound);
-`sync`, `synchronize` and a host node's wait for its GPU producers are the event and device waits
-above. Each wait's length comes from the simulated timeline, kept by thread and by what it waits on
-(`wait_seconds`: a pooled event, a stream, the device), apart from what the thread measurably spent;
-`WaitMode.spun` says which of them CUDA would spin through, as CPU time of the waiting thread.
+(`syncs`: the LM head's logits copied to the host; at 8fcf0a3 also a gate's `torch.bincount`) holds
+its lane thread, after its launches, until its stream's device time reaches it; `run_ahead` holds a
+lane's thread before its k-th node of a step until its (k - run_ahead)-th has ended
+(devices/cuda.py's bound); `sync`, `synchronize` and a host node's wait for its GPU producers are
+the event and device waits above. Each wait's length comes from the simulated timeline, kept by
+thread and by what it waits on (`wait_seconds`: a pooled event, a stream, the device), apart from
+what the thread measurably spent; `WaitMode.spun` says which of them CUDA would spin through, as CPU
+time of the waiting thread.
 
 A GPU node's host-side launches (`host(node)`: the modelled CPU seconds a CUDA run's launch thread
 spends dispatching the node's torch operations and kernel launches, e.g. `study.realtime.LaunchCosts`)

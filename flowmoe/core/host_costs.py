@@ -106,16 +106,16 @@ ACCELERATE = HostCosts(
 # default, while its own A6000 scripts run both; Fiddler §4.1 states pin_memory for DeepSpeed-MII and
 # MoE-Lightning §5.1 that ZeRO-Inference pins (`reproduce.setting.pageable`).
 #
-# The hooks' host time, measured (bench script zero3_hooks.py of issue 28's report, 2026-11-28: DeepSpeed
-# 0.16.2, torch 2.13 CPU, DS_ACCELERATOR=cpu, one gloo rank, on the dev VM, AMD EPYC 2 vCPUs at load 6-7,
-# timed in process CPU time, best of 7 rounds of 20 steps): a parent module calls 64 children in an order
-# shuffled every step (the MoE case: every step invalidates the trace), each child holding n 4x4
+# The hooks' host time, measured (bench/zero3_hooks.py, its runs in bench/zero3_hooks.json, 2026-11-28:
+# DeepSpeed 0.16.2, torch 2.13 CPU, DS_ACCELERATOR=cpu, one gloo rank, on the dev VM, AMD EPYC 2 vCPUs at
+# load 6-7, timed in process CPU time, best of 7 rounds of 20 steps): a parent module calls 64 children in
+# an order shuffled every step (the MoE case: every step invalidates the trace), each child holding n 4x4
 # parameters of its own, under ZeRO stage 3 with offload_param "cpu" and stage3_param_persistence_threshold
 # 0; the child's device is where its partition is, so no byte moves and only the hooks' Python runs. Per
 # child call, less the bare module's: 205.5 us with no parameter of its own (a container, an activation, a
 # norm whose parameter is persistent), 542.8 us with one (a bias-free Linear); an earlier run of 5 rounds of
-# 10 steps: 250.6 / 575.2 us, and 806.6 / 972.0 us with 3 / 6 parameters; the same runs with the order
-# fixed (the trace complete, prefetching on): 170.0 / 332.8 us.
+# 10 steps: 250.6 / 575.2 us, and 806.6 / 972.0 us with 3 / 6 parameters; the same runs with the order fixed
+# (the trace complete, prefetching on): 170.0 / 332.8 us.
 # A transformers 4.x expert call runs the hooks of its MLP module and its activation (no parameter of their
 # own) and of its three Linears (one each): 2 x 205.5 + 3 x 542.8 = 2.039 ms, charged on its three copies
 # (a third each), since the hooks run whether the call has tokens or not (an empty call has no FFN node).

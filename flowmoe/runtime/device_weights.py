@@ -114,7 +114,7 @@ class Devices:
         source is the copy stream's until the copy has run (record_stream): its caller may drop it."""
         host = tensor.to(self.cpu, non_blocking=True)
         if tensor.is_cuda:
-            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+            tensor.record_stream(cuda.current_stream(tensor.device))
         return host
 
 
