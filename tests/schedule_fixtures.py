@@ -22,6 +22,7 @@ from flowmoe.schedulers.lru_cache import LRUCacheOptions
 from flowmoe.schedulers.registry import create
 from flowmoe.schedulers.shared_options import ExpertCacheOptions, PagedOptions
 from flowmoe.traces.trace import Trace
+from tests.helpers import rel_err
 
 TINY_CONFIG = {
     "architectures": ["MixtralForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
@@ -100,6 +101,17 @@ def generate(
         return [r async for r in engine.run_batch(mbs)]
 
     return sorted(asyncio.run(go()), key=lambda r: r.id), logits
+
+
+def assert_as_eager(ours: tuple[list[Result], list[list[torch.Tensor]]], reference) -> None:
+    """`generate`'s (results, logits) against eager's: the same tokens, as many runner calls, and each
+    call's logits per micro-batch within 1e-5 (fp32)."""
+    (results, logits), (ref_results, ref_logits) = ours, reference
+    assert [r.output_ids for r in results] == [r.output_ids for r in ref_results]
+    assert len(logits) == len(ref_logits)
+    for call, (mine, ref) in enumerate(zip(logits, ref_logits, strict=True)):
+        for mb, (a, b) in enumerate(zip(mine, ref, strict=True)):
+            assert rel_err(a, b) <= 1e-5, f"call {call} mb {mb}"
 
 
 def run_scheduler(model: MoEModel, name: str, policy: Policy | None = None, device: str = "auto"):

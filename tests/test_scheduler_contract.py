@@ -11,9 +11,8 @@ from flowmoe.core.errors import ConfigError
 from flowmoe.model.loading import load_model
 from flowmoe.schedulers.registry import available
 from flowmoe.traces.chrome import chrome_trace, validate_chrome
-from tests.helpers import rel_err
 from tests.hf_models import hf_model, save_hf
-from tests.schedule_fixtures import golden_listing, run_eager, run_scheduler
+from tests.schedule_fixtures import assert_as_eager, golden_listing, run_eager, run_scheduler
 
 SCHEDULERS = sorted(available())
 
@@ -35,13 +34,8 @@ def reference(model):
 
 @pytest.mark.parametrize("name", SCHEDULERS)
 def test_same_tokens_and_logits_as_eager(model, reference, name: str) -> None:
-    (results, logits), runtime = run_scheduler(model, name)
-    ref_results, ref_logits = reference
-    assert [r.output_ids for r in results] == [r.output_ids for r in ref_results]
-    assert len(logits) == len(ref_logits)
-    for step, (ours, ref) in enumerate(zip(logits, ref_logits, strict=True)):
-        for mb, (a, b) in enumerate(zip(ours, ref, strict=True)):
-            assert rel_err(a, b) <= 1e-5, f"step {step} mb {mb}"
+    ours, runtime = run_scheduler(model, name)
+    assert_as_eager(ours, reference)
     assert not validate_chrome(chrome_trace([runtime.trace]))
 
 
