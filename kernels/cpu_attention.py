@@ -9,7 +9,7 @@ sees one contiguous range of keys); sinks enter the softmax's denominator in the
 Numbers: bench/RESULTS.md (issue 15).
 
 The kernel is chosen by the CPU's features at run time, as cpu_expert's block is (`cpu_expert.isa`):
-cpu_attention_avx2.c's on a CPU with AVX2 and FMA but no AVX-512 (or where FLOWMOE_CPU_ISA=avx2),
+cpu_attention_avx2.c's on a CPU with AVX2 and FMA (unless FLOWMOE_CPU_ISA=portable),
 cpu_attention.c's (built for AVX-512 hosts only) elsewhere. Without the library (no compiler, a
 non-x86 host, FLOWMOE_CPU_KERNELS=0), on a host with neither, or for other dtypes and head sizes,
 kernels/attention.py takes torch's path instead.

@@ -10,13 +10,16 @@ Its sums run in a fixed order per output element whatever the number of rows, so
 its rows the same result however a schedule splits them. Numbers: bench/RESULTS.md (issue 15).
 
 Which block multiplies is chosen by the CPU's features at run time (`isa`): on a CPU with AVX2 and
-FMA but no AVX-512, cpu_rows_avx2.c's intrinsics (the portable block's two-register vectors there
-are compute-bound at a quarter to a half of the read roof, see that file); elsewhere the portable
-block, compiled for the host (-march=native: AVX-512 where the CPU has it).
+FMA, cpu_rows_avx2.c's intrinsics (the portable block's two-register vectors are compute-bound at a
+quarter to a half of the read roof there, see that file); elsewhere the portable block, compiled
+for the host. The AVX2 block is taken on AVX-512 CPUs too: on a 2-vCPU AMD EPYC Zen 4 (AVX-512 with
+BF16 and VNNI) a bf16 batch-1 decode step took 26.6 ms with it against 52.7 with the portable block
+compiled for AVX-512, fp32 44 against 66 (bench/RESULTS.md, issue 25).
 FLOWMOE_CPU_ISA=portable forces the portable block, =avx2 the AVX2 one where the CPU has AVX2 and
 FMA (for comparison, and to test both on one machine). bf16 weights from two rows on go to oneDNN
 where torch has native bf16 matmuls (AVX512-BF16 / AMX), to these kernels elsewhere (torch
-emulates bf16 there at a fraction of the read rate).
+emulates bf16 there at a fraction of the read rate); with the AVX2 block, up to MAX_ROWS bf16 rows
+go to the kernels there too (a decode step's), more (a prefill's) to oneDNN.
 
 The C source is built with the others of this folder by `native.library()`; without it (no
 compiler, a non-x86 host, FLOWMOE_CPU_KERNELS=0) every caller takes torch's path instead.
@@ -68,8 +71,8 @@ ISAS = {"portable": 0, "avx2": 1}  # the C kernels' `isa` argument
 
 @functools.cache
 def isa() -> str:
-    """The block the kernels multiply with here: "avx2" on a CPU with AVX2 and FMA but no AVX-512
-    (or where FLOWMOE_CPU_ISA=avx2 and the CPU has AVX2 and FMA), else "portable". Worked out at the
+    """The block the kernels multiply with here: "avx2" on a CPU with AVX2 and FMA (unless
+    FLOWMOE_CPU_ISA=portable), else "portable". Worked out at the
     first call (it is asked at every kernel call): `isa.cache_clear()` after changing FLOWMOE_CPU_ISA."""
     return _isa(os.environ.get("FLOWMOE_CPU_ISA", ""), native.cpu_flags())
 
@@ -81,7 +84,7 @@ def _isa(wanted: str, flags: frozenset[str]) -> str:
         raise ValueError(f"FLOWMOE_CPU_ISA={wanted!r}: expected one of {', '.join(ISAS)} (or unset)")
     if wanted:
         return "avx2" if wanted == "avx2" and avx2 else "portable"
-    return "avx2" if avx2 and "avx512f" not in flags else "portable"
+    return "avx2" if avx2 else "portable"
 
 
 @functools.cache
@@ -96,11 +99,14 @@ def emulated(dtype: torch.dtype) -> bool:
 
 def max_rows(dtype: torch.dtype) -> int:
     """The most rows the kernels take in `dtype`: MAX_ROWS (AVX2_MAX_ROWS with the AVX2 block), but
-    one bf16 row where torch's bf16 matmuls are native (from two rows on oneDNN's AMX / AVX512-BF16
-    kernels read bf16 faster)."""
-    if dtype != torch.float32 and not emulated(dtype):
-        return 1
-    return AVX2_MAX_ROWS if isa() == "avx2" else MAX_ROWS
+    where torch's bf16 matmuls are native (oneDNN's AMX / AVX512-BF16 kernels) one bf16 row with the
+    portable block and MAX_ROWS with the AVX2 one: on the Zen 4 above, batch-8 bf16 decode steps took
+    105 ms with the kernels against 232 through oneDNN, and a 128-token prefill 3.8 CPU s through
+    oneDNN against 6.2 with the kernels."""
+    native = dtype != torch.float32 and not emulated(dtype)
+    if isa() == "avx2":
+        return MAX_ROWS if native else AVX2_MAX_ROWS
+    return 1 if native else MAX_ROWS
 
 
 def _rows_fit(x: torch.Tensor, rows: int | None = None) -> bool:

@@ -13,8 +13,9 @@ value off by at most its block's max |x| / 254), summed in one order whatever th
 block (cpu_packed.c's header: the portable and AVX2 blocks give the same bits).
 
 The block is chosen as cpu_expert.py chooses its own (`cpu_expert.isa()`, FLOWMOE_CPU_ISA): the AVX2 +
-FMA + F16C intrinsics of cpu_packed_avx2.c on a CPU with them but no AVX-512, else the portable C
-block.
+FMA + F16C intrinsics of cpu_packed_avx2.c on a CPU with them (AVX-512 ones too: on a Zen 4, a b1
+decode step with int4 experts, attention and LM head took 12.1 ms with them against 131 with the
+portable block compiled for AVX-512), else the portable C block.
 Without the compiled library (no compiler, a non-x86 host, FLOWMOE_CPU_KERNELS=0) `fits` says no and
 the caller dequantizes in torch.
 """

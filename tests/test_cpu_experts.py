@@ -153,9 +153,16 @@ def test_which_shapes_take_the_kernels() -> None:
     assert cpu_expert.fits(torch.zeros(limit, 16), w32)
     assert not cpu_expert.fits(torch.zeros(limit + 1, 16), w32)  # compute-bound: MKL
     assert cpu_expert.fits(torch.zeros(1, 16, dtype=torch.bfloat16), w16)
-    # from two bf16 rows on: oneDNN's where torch has native bf16 (AMX, AVX512-BF16), else the kernels
-    bf16_rows = torch.zeros(2, 16, dtype=torch.bfloat16)
-    assert cpu_expert.fits(bf16_rows, w16) == cpu_expert.emulated(torch.bfloat16)
+    # bf16 rows: all `limit` where torch emulates bf16; where it has native bf16 (AMX, AVX512-BF16),
+    # MAX_ROWS with the AVX2 block (oneDNN's beyond) and one row with the portable one
+    native_bf16 = not cpu_expert.emulated(torch.bfloat16)
+    bf16_limit = cpu_expert.max_rows(torch.bfloat16)
+    if not native_bf16:
+        assert bf16_limit == limit
+    else:
+        assert bf16_limit == (cpu_expert.MAX_ROWS if cpu_expert.isa() == "avx2" else 1)
+    assert cpu_expert.fits(torch.zeros(bf16_limit, 16, dtype=torch.bfloat16), w16)
+    assert not cpu_expert.fits(torch.zeros(bf16_limit + 1, 16, dtype=torch.bfloat16), w16)
     assert not cpu_expert.fits(torch.zeros(2, 16, dtype=torch.float16), w16.half())
     assert not cpu_expert.fits(torch.zeros(2, 16), w32.t().contiguous().t())  # a transposed weight
     assert not cpu_expert.fits(torch.zeros(0, 16), w32)
@@ -338,8 +345,8 @@ def test_routed_group_is_gather_group_and_scale(
 
 
 def test_isa_follows_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """AVX2 + FMA without AVX-512: the AVX2 block; AVX-512 or no AVX2: the portable one (compiled
-    for the host); FLOWMOE_CPU_ISA forces either where the CPU can run it, and names bad values."""
+    """AVX2 + FMA, with or without AVX-512: the AVX2 block; no AVX2 or no FMA: the portable one
+    (compiled for the host); FLOWMOE_CPU_ISA forces either where the CPU can run it, and names bad values."""
     monkeypatch.delenv("FLOWMOE_CPU_ISA", raising=False)
 
     def _chosen() -> str:
@@ -348,7 +355,7 @@ def test_isa_follows_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch
 
     cases = {
         frozenset({"avx2", "fma"}): "avx2",
-        frozenset({"avx2", "fma", "avx512f"}): "portable",
+        frozenset({"avx2", "fma", "avx512f"}): "avx2",
         frozenset({"avx2"}): "portable",  # no FMA
         frozenset(): "portable",  # no /proc/cpuinfo
     }
@@ -356,8 +363,8 @@ def test_isa_follows_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(native, "cpu_flags", lambda flags=flags: flags)
         assert _chosen() == expected
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
-    monkeypatch.setenv("FLOWMOE_CPU_ISA", "avx2")
-    assert _chosen() == "avx2"
+    monkeypatch.setenv("FLOWMOE_CPU_ISA", "portable")
+    assert _chosen() == "portable"
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"sse4_2"}))
     assert _chosen() == "portable"  # never an instruction the CPU lacks
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
