@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from kernel_revisions import Roof, builds, compared, parser, report, summary
 
-from flowmoe.kernels import cpu_expert, cpu_packed, native
+from flowmoe.kernels import cpu_packed, native
 from flowmoe.kernels.host_memory import huge_copy
 
 HIDDEN, INTER, GROUP, EXPERTS = 1024, 3584, 128, 16
@@ -70,7 +70,7 @@ class Calls:
         self.fn, self.fmt, self.x = fn, cpu_packed.FORMATS[fmt], x
         self.pointers = [native.pointers([None if t is None else t.data_ptr() for t in w]) for w in weights]
         self.outs = [torch.empty_like(x) for _ in weights]
-        self.block = cpu_expert.ISAS[cpu_packed.isa()]
+        self.block = cpu_packed.BLOCKS[cpu_packed.isa()]
 
     def run(self, e: int, into: int) -> None:
         none = native.pointers([None])

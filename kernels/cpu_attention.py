@@ -8,28 +8,32 @@ batch and with any thread count. Windows and chunked attention need no mask here
 sees one contiguous range of keys); sinks enter the softmax's denominator in the kernel.
 Numbers: bench/RESULTS.md (issue 15).
 
-The kernel is chosen by the CPU's features at run time, as cpu_expert's block is (`cpu_expert.isa`):
-cpu_attention_avx2.c's on a CPU with AVX2 and FMA (unless FLOWMOE_CPU_ISA=portable),
-cpu_attention.c's (built for AVX-512 hosts only) elsewhere. Without the library (no compiler, a
-non-x86 host, FLOWMOE_CPU_KERNELS=0), on a host with neither, or for other dtypes and head sizes,
-kernels/attention.py takes torch's path instead.
+The kernel is chosen by the CPU's features at run time (`isa`): cpu_attention_avx2.c's ("avx2") on a
+CPU with AVX2 and FMA, else cpu_attention.c's ("avx512", built for AVX-512 hosts only);
+FLOWMOE_CPU_ISA names one where the CPU runs it (=portable: no AVX2 intrinsics, the AVX-512 one).
+Without the library (no compiler, a non-x86 host, FLOWMOE_CPU_KERNELS=0), on a host with neither,
+or for other dtypes and head sizes, kernels/attention.py takes torch's path instead.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from collections.abc import Callable
 
 import torch
 
-from flowmoe.kernels import cpu_expert, native
+from flowmoe.kernels import native
 
 CHUNK = 512  # keys per work item: 128-256 KiB of K (and as much V) at head dim 128
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
 
-KERNELS = {"portable": "flowmoe_decode_attention", "avx2": "flowmoe_decode_attention_avx2"}  # by isa
+KERNELS = {"avx2": "flowmoe_decode_attention_avx2", "avx512": "flowmoe_decode_attention"}  # by isa
+NEEDS = {"avx2": frozenset({"avx2", "fma"}), "avx512": frozenset()}  # avx512: where the library has it
+DEFAULT = ("avx2", "avx512")  # the first of these the CPU runs is the default
+FORCED = {"portable": "avx512"}  # FLOWMOE_CPU_ISA's other names: the kernel each takes
 
 
 @functools.cache
@@ -51,13 +55,21 @@ def library() -> ctypes.CDLL | None:
 
 def kernel() -> Callable[..., int] | None:
     """This CPU's decode attention kernel (see the module's notes), or None where there is none."""
-    return _kernel(library(), cpu_expert.isa())
+    name = isa()
+    return None if name is None else getattr(library(), KERNELS[name])
+
+
+def isa() -> str | None:
+    """The kernel this CPU runs (a key of KERNELS): the one FLOWMOE_CPU_ISA names (or FORCED maps it
+    to) where the CPU runs it, else the first of DEFAULT; None where it runs neither."""
+    return _isa(library(), os.environ.get("FLOWMOE_CPU_ISA", ""))
 
 
 @functools.cache
-def _kernel(lib: ctypes.CDLL | None, isa: str) -> Callable[..., int] | None:
-    name = KERNELS[isa]
-    return getattr(lib, name) if lib is not None and hasattr(lib, name) else None
+def _isa(lib: ctypes.CDLL | None, wanted: str) -> str | None:
+    flags = native.cpu_flags()
+    runs = [n for n in KERNELS if lib is not None and hasattr(lib, KERNELS[n]) and NEEDS[n] <= flags]
+    return next((n for n in (FORCED.get(wanted, wanted), *DEFAULT) if n in runs), None)
 
 
 def fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:

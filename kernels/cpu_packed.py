@@ -12,10 +12,10 @@ fp32 once per block: the result is the dequantized weights times those quantized
 value off by at most its block's max |x| / 254), summed in one order whatever the rows, threads and
 block (cpu_packed.c's header: the portable and AVX2 blocks give the same bits).
 
-The block is chosen as cpu_expert.py chooses its own (`cpu_expert.isa()`, FLOWMOE_CPU_ISA): the AVX2 +
-FMA + F16C intrinsics of cpu_packed_avx2.c on a CPU with them (AVX-512 ones too: on a Zen 4, a b1
-decode step with int4 experts, attention and LM head took 12.1 ms with them against 131 with the
-portable block compiled for AVX-512), else the portable C block.
+The block is chosen by the CPU's flags at run time (`isa`): the AVX2 + FMA + F16C intrinsics of
+cpu_packed_avx2.c on a CPU with them (AVX-512 ones too: on a Zen 4, a b1 decode step with int4
+experts, attention and LM head took 12.1 ms with them against 131 with the portable block compiled
+for AVX-512), else the portable C block; FLOWMOE_CPU_ISA names one where the CPU runs it.
 Without the compiled library (no compiler, a non-x86 host, FLOWMOE_CPU_KERNELS=0) `fits` says no and
 the caller dequantizes in torch.
 """
@@ -23,6 +23,7 @@ the caller dequantizes in torch.
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable
 
 import torch
@@ -34,6 +35,9 @@ from flowmoe.kernels import cpu_expert, native
 MAX_ROWS = 32  # as cpu_expert: beyond it the GEMM is compute-bound and a dequantized matmul wins
 GROUP_STEP = 64  # cpu_packed.c's SB: an int4 group is whole superblocks of 64 columns (32 bytes)
 FORMATS = {"int8": 0, "int4": 1}  # cpu_packed.c's `fmt`
+BLOCKS = {"portable": 0, "avx2": 1}  # cpu_packed.c's `isa`
+NEEDS = {"portable": frozenset(), "avx2": frozenset({"avx2", "fma", "f16c"})}  # the CPU flags of each
+DEFAULT = ("avx2", "portable")  # the first of these the CPU runs is the default
 
 # (q, scale, zero): int8 q [R, C] int8, scale [R] or [R, 1] float32, zero None;
 # int4 q [R, ceil(C / 2)] uint8, scale and zero [R, ceil(C / group)] float16
@@ -55,10 +59,10 @@ def kernel() -> Callable[..., int] | None:
 
 
 def isa() -> str:
-    """The block this CPU runs: `cpu_expert.isa()`, where "avx2" also needs F16C (the groups' float16
-    scales and zeros), else "portable"."""
-    chosen = cpu_expert.isa()
-    return chosen if chosen != "avx2" or "f16c" in native.cpu_flags() else "portable"
+    """The block this CPU runs (a key of BLOCKS): the one FLOWMOE_CPU_ISA names where the CPU has its
+    flags (NEEDS; F16C for the groups' float16 scales and zeros), else the first of DEFAULT it has."""
+    wanted, flags = os.environ.get("FLOWMOE_CPU_ISA", ""), native.cpu_flags()
+    return next(b for b in (wanted, *DEFAULT) if b in NEEDS and NEEDS[b] <= flags)
 
 
 def _projection_fits(p: Projection, fmt: str, rows: int, cols: int, group: int) -> bool:
@@ -146,7 +150,7 @@ def swiglu_group(
 ) -> list[torch.Tensor]:
     """xs[e] [n_e, hidden] through ffns[e] -> [n_e, hidden] each, in x's dtype (views of one output
     buffer), in one call. Every (x, ffn) must `fits` at `fmt` and `group`, and all share one shape
-    and x's dtype; `block`: one of cpu_expert.ISAS the CPU runs (default `isa()`)."""
+    and x's dtype; `block`: one of BLOCKS the CPU runs (default `isa()`)."""
     hidden = xs[0].shape[1]
     experts = [e for e in (prepare(f, fmt, group, hidden) for f in ffns) if e is not None]
     assert len(experts) == len(ffns), "an expert the kernel does not read (see fits)"
@@ -200,7 +204,7 @@ def swiglu_prepared(
         moe.swiglu_limit,
         int(dtype == torch.bfloat16),
         out.data_ptr(),
-        cpu_expert.ISAS[block or isa()],
+        BLOCKS[block or isa()],
         torch.get_num_threads(),
     )
     if status != 0:
@@ -250,7 +254,7 @@ def linear(
         None if wide_bias is None else wide_bias.data_ptr(),
         int(x.dtype == torch.bfloat16),
         out.data_ptr(),
-        cpu_expert.ISAS[block or isa()],
+        BLOCKS[block or isa()],
         torch.get_num_threads(),
     )
     if status != 0:
