@@ -9,7 +9,6 @@ the caches, where each of torch's ~6 operations for it runs cold.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 
 import torch
 
@@ -19,46 +18,44 @@ _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _PP, _PI = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int)
 
 
-def kernel() -> Callable[..., int] | None:
-    """flowmoe_combine, or None (see native.function)."""
-    return native.function("flowmoe_combine", (_L, _L, _P, _L, _I, _I, _PP, _PI, _I, _P, _P, _I), _I)
+kernel = native.Kernel("flowmoe_combine", (_L, _L, _P, _L, _I, _I, _PP, _PI, _I, _P, _P, _I), _I)  # or None
 
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def fits(hidden: torch.Tensor, outputs: list[torch.Tensor]) -> bool:
-    """Whether `combine` takes hidden [T, H] and the experts' outputs [n_e, H]: host tensors, fp32
-    or bf16, rows of unit column stride (the outputs contiguous), no autograd. Asked first thing after
-    a layer's experts streamed their weights through the caches, where each attribute read misses:
-    `is_cpu` (no device object made), each output's dtype and width against the first's."""
-    if not outputs or not hidden.is_cpu or hidden.dtype not in _DTYPES or hidden.dim() != 2:
-        return False
-    dtype, width = outputs[0].dtype, hidden.shape[1]
-    return (
-        hidden.stride(1) == 1
-        and dtype in _DTYPES
-        and all(
-            o.is_cpu and o.dtype is dtype and o.shape[1:] == (width,) and o.is_contiguous() for o in outputs
-        )
-        and not (torch.is_grad_enabled() and (hidden.requires_grad or any(o.requires_grad for o in outputs)))
-        and kernel() is not None
-    )
-
-
-def combine(hidden: torch.Tensor, rows: torch.Tensor, outputs: list[torch.Tensor]) -> torch.Tensor:
+def combine(hidden: torch.Tensor, rows: torch.Tensor, outputs: list[torch.Tensor]) -> torch.Tensor | None:
     """hidden [T, H] + outputs[e] [n_e, H] added into the rows rows[...] (rows [sum n_e] int64, each
-    expert's n_e in turn; experts in the order given) -> [T, H] in hidden's dtype (where `fits`)."""
+    expert's n_e in turn; experts in the order given) -> [T, H] in hidden's dtype, in one C call; None
+    where the kernel does not take them (torch's path then): host tensors, fp32 or bf16, rows of unit
+    column stride (the outputs contiguous, of one dtype), no autograd. Asked first thing after a
+    layer's experts streamed their weights through the caches, where each attribute read misses:
+    `is_cpu` (no device object made), each output's dtype and width against the first's."""
     run = kernel()
-    assert run is not None
-    index = rows.contiguous()  # [sum n_e]
+    if run is None or not outputs or not hidden.is_cpu or hidden.dim() != 2 or hidden.stride(1) != 1:
+        return None
+    dtype, values = hidden.dtype, outputs[0].dtype
+    if dtype not in _DTYPES or values not in _DTYPES:
+        return None
     tokens, width = hidden.shape
-    out = torch.empty(tokens, width, dtype=hidden.dtype)  # [T, H]
-    pointers = native.pointers([o.data_ptr() for o in outputs])
-    counts = (ctypes.c_int * len(outputs))(*[o.shape[0] for o in outputs])  # not len(o): a Python call each
-    bf16, values_bf16 = int(hidden.dtype == torch.bfloat16), int(outputs[0].dtype == torch.bfloat16)
+    grad = torch.is_grad_enabled()
+    if grad and hidden.requires_grad:
+        return None
+    pointers, counts = [], []  # not len(o): a Python call each
+    for o in outputs:
+        if not (
+            o.is_cpu and o.dtype is values and o.dim() == 2 and o.shape[1] == width and o.is_contiguous()
+        ) or (grad and o.requires_grad):
+            return None
+        pointers.append(o.data_ptr())
+        counts.append(o.shape[0])
+    index = rows.contiguous()  # [sum n_e]
+    out = torch.empty(tokens, width, dtype=dtype)  # [T, H]
+    bf16, values_bf16 = int(dtype is torch.bfloat16), int(values is torch.bfloat16)
+    experts = len(counts)
+    addresses, sizes = (ctypes.c_void_p * experts)(*pointers), (ctypes.c_int * experts)(*counts)
     status = run(
-        tokens, width, hidden.data_ptr(), hidden.stride(0), bf16, len(outputs), pointers, counts, values_bf16,
+        tokens, width, hidden.data_ptr(), hidden.stride(0), bf16, experts, addresses, sizes, values_bf16,
         index.data_ptr(), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status:
@@ -66,9 +63,7 @@ def combine(hidden: torch.Tensor, rows: torch.Tensor, outputs: list[torch.Tensor
     return out
 
 
-def scaler() -> Callable[..., None] | None:
-    """flowmoe_scale_rows, or None (see native.function)."""
-    return native.function("flowmoe_scale_rows", (_L, _L, _P, _I, _P, _I, _P, _I))
+scaler = native.Kernel("flowmoe_scale_rows", (_L, _L, _P, _I, _P, _I, _P, _I))  # or None
 
 
 def scale_rows(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:

@@ -8,7 +8,6 @@ per layer, each costing a dispatch after the experts' weights streamed through t
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 
 import torch
 
@@ -18,52 +17,58 @@ from flowmoe.kernels.layout import TokenLayout
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
 
-def kernel() -> Callable[..., None] | None:
-    """flowmoe_write_kv, or None (see native.function)."""
-    return native.function(
-        "flowmoe_write_kv", (_I, _P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _P, _L, _L, _L)
-    )
+kernel = native.Kernel(
+    "flowmoe_write_kv", (_I, _P, _L, _L, _P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _P, _L, _L, _L)
+)  # or None
 
 
-def fits(
-    keys: torch.Tensor, values: torch.Tensor, layout: TokenLayout, k: torch.Tensor, v: torch.Tensor
-) -> bool:
-    """Whether `write` takes k, v [T, kv_heads, head_dim] into keys / values [slots, kv_heads, capacity,
-    head_dim] at the layout's (slot, position)s: host tensors of one dtype and shape each pair, unit
-    last strides, every position inside the cache, no autograd."""
-    slots, _, capacity, dim = keys.shape
-    return (
-        keys.is_cpu  # `is_cpu`: no device object made (asked at every layer, with the caches cold)
-        and values.is_cpu
-        and k.is_cpu
-        and v.is_cpu
-        and keys.dtype == values.dtype == k.dtype == v.dtype
-        and values.shape == keys.shape
-        and k.shape == v.shape == (layout.tokens, keys.shape[1], dim)
-        and keys.stride(-1) == values.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-        and layout.derived(("kv inside", slots, capacity), lambda: _inside(layout, slots, capacity))
-        and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
-        and kernel() is not None
-    )
+def _cache_facts(cache: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], tuple[int, ...]] | None:
+    """A layer's keys or values [slots, kv_heads, capacity, head_dim] as the kernel takes them: (dtype,
+    shape, (address, slot, head and position strides in bytes)), or None where it does not (off the
+    host, not 4-d, a last stride other than 1)."""
+    if not cache.is_cpu or cache.dim() != 4 or cache.stride(3) != 1:
+        return None
+    size = cache.element_size()
+    strides = tuple(s * size for s in cache.stride()[:3])
+    return cache.dtype, tuple(cache.shape), (cache.data_ptr(), *strides)
+
+
+_cache = native.Facts(_cache_facts)  # a cache's layers are checked on their first write
 
 
 def write(
     keys: torch.Tensor, values: torch.Tensor, layout: TokenLayout, k: torch.Tensor, v: torch.Tensor
-) -> None:
+) -> bool:
     """k, v [T, kv_heads, head_dim] into keys / values [slots, kv_heads, capacity, head_dim] at each
-    token's (slot, position) (where `fits`)."""
-    run = kernel()
-    assert run is not None
+    token's (slot, position) in one C call, where the kernel takes them (-> True; else False, nothing
+    written): host tensors of one dtype and shape each pair, unit last strides, every position inside
+    the cache, no autograd (the caches' part checked once per cache tensor)."""
+    held, kept, run = _cache(keys), _cache(values), kernel()
+    if held is None or kept is None or run is None:
+        return False
+    dtype, (slots, heads, capacity, dim) = held[0], held[1]
+    if not (
+        kept[0] is dtype
+        and kept[1] == held[1]
+        and k.is_cpu  # `is_cpu`: no device object made (asked at every layer, with the caches cold)
+        and v.is_cpu
+        and k.dtype is dtype
+        and v.dtype is dtype
+        and k.shape == v.shape == (layout.tokens, heads, dim)
+        and k.stride(-1) == v.stride(-1) == 1
+        and layout.derived(("kv inside", slots, capacity), lambda: _inside(layout, slots, capacity))
+        and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+    ):
+        return False
     size = k.element_size()
     where = layout.derived("kv where", lambda: _where(layout))  # built by the step's first layer
-    ks, vs = keys.stride(), values.stride()
+    ks, vs = k.stride(), v.stride()
     run(
-        len(layout.slots), where, keys.shape[1], keys.shape[3] * size,
-        k.data_ptr(), k.stride(0) * size, k.stride(1) * size,
-        v.data_ptr(), v.stride(0) * size, v.stride(1) * size,
-        keys.data_ptr(), ks[0] * size, ks[1] * size, ks[2] * size,
-        values.data_ptr(), vs[0] * size, vs[1] * size, vs[2] * size,
+        len(layout.slots), where, heads, dim * size,
+        k.data_ptr(), ks[0] * size, ks[1] * size, v.data_ptr(), vs[0] * size, vs[1] * size,
+        *held[2], *kept[2],
     )  # fmt: skip
+    return True
 
 
 def _inside(layout: TokenLayout, slots: int, capacity: int) -> bool:

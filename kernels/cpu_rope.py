@@ -7,7 +7,6 @@ in fp32 and bf16.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 
 import torch
 
@@ -16,89 +15,75 @@ from flowmoe.kernels import native
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
 
-def kernel() -> Callable[..., None] | None:
-    """flowmoe_rope, or None (see native.function)."""
-    return native.function("flowmoe_rope", (_P, _L, _L, _L, _L, _L, _P, _P, _I, _P))
+kernel = native.Kernel("flowmoe_rope", (_P, _L, _L, _L, _L, _L, _P, _P, _I, _P))  # or None
+inplace_kernel = native.Kernel("flowmoe_rope_inplace", (_P, _L, _L, _L, _L, _L, _P, _P, _I))  # or None
+
+# cos and signed_sin [T, 1, R] as the kernels take them: (dtype, T, R, their addresses)
+Tables = tuple[torch.dtype, int, int, int, int]
 
 
-def inplace_kernel() -> Callable[..., None] | None:
-    """flowmoe_rope_inplace, or None (see native.function)."""
-    return native.function("flowmoe_rope_inplace", (_P, _L, _L, _L, _L, _L, _P, _P, _I))
-
-
-def fits(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
-    """Whether `rotate` takes x [T, heads, R] with cos and signed_sin [T, 1, R]: host tensors of one
-    dtype, fp32 or bf16, every dim of x rotated, x's last dimension and the tables contiguous, no
-    autograd."""
-    dtype = x.dtype
-    return (
+def tables(cos: torch.Tensor, signed_sin: torch.Tensor) -> Tables | None:
+    """cos and signed_sin [T, 1, R] as the kernels take them, or None where they do not: contiguous host
+    tensors of one dtype, fp32 or bf16, of one shape, R even. A step's tables are checked once (a
+    `Rotary` keeps them), its layers' heads at each call."""
+    dtype = cos.dtype
+    if (
         (dtype is torch.float32 or dtype is torch.bfloat16)
-        and x.is_cpu  # `is_cpu`: no device object made (asked at every layer, with the caches cold)
-        and x.dim() == 3
-        and cos.dtype is dtype
         and signed_sin.dtype is dtype
-        and cos.shape == signed_sin.shape == (x.shape[0], 1, x.shape[2])
-        and x.shape[2] % 2 == 0
-        and x.stride(2) == 1
+        and cos.is_cpu
+        and signed_sin.is_cpu
+        and cos.dim() == 3
+        and cos.shape == signed_sin.shape
+        and cos.shape[1] == 1
+        and cos.shape[2] % 2 == 0
         and cos.is_contiguous()
         and signed_sin.is_contiguous()
-        and not (torch.is_grad_enabled() and x.requires_grad)
-        and kernel() is not None
-    )
+    ):
+        return dtype, cos.shape[0], cos.shape[2], cos.data_ptr(), signed_sin.data_ptr()
+    return None
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, R] -> x * cos + x.roll(R // 2, dims=-1) * signed_sin [T, heads, R] (where `fits`)."""
+def rotated(x: torch.Tensor, rotary: Tables) -> torch.Tensor | None:
+    """x [T, heads, R] -> x * cos + x.roll(R // 2, dims=-1) * signed_sin [T, heads, R] in one C call, or
+    None where the kernel does not take x with the tables `rotary`: a host tensor of their dtype and
+    rows, every dim rotated, a unit last stride, no autograd."""
     run = kernel()
-    assert run is not None
-    tokens, heads, rotary = x.shape
-    out = torch.empty(tokens, heads, rotary, dtype=x.dtype)
-    bf16 = int(x.dtype == torch.bfloat16)
+    if (
+        run is None
+        or x.dtype is not rotary[0]
+        or not x.is_cpu  # `is_cpu`: no device object made (asked at every layer, with the caches cold)
+        or x.dim() != 3
+        or x.shape[0] != rotary[1]
+        or x.shape[2] != rotary[2]
+        or x.stride(2) != 1
+        or (torch.is_grad_enabled() and x.requires_grad)
+    ):
+        return None
+    tokens, heads, dim = x.shape
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype)
+    bf16 = int(rotary[0] is torch.bfloat16)
     ld_t, ld_h = x.stride(0), x.stride(1)
-    run(
-        x.data_ptr(),
-        tokens,
-        heads,
-        rotary,
-        ld_t,
-        ld_h,
-        cos.data_ptr(),
-        signed_sin.data_ptr(),
-        bf16,
-        out.data_ptr(),
-    )
+    run(x.data_ptr(), tokens, heads, dim, ld_t, ld_h, rotary[3], rotary[4], bf16, out.data_ptr())
     return out
 
 
-def fits_inplace(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
-    """Whether `rotate_` takes x [T, heads, D] with cos and signed_sin [T, 1, R], R <= D: as `fits`,
-    a partial rotary (R < D) included."""
-    dtype = x.dtype
-    return (
-        (dtype is torch.float32 or dtype is torch.bfloat16)
-        and x.is_cpu  # `is_cpu`: no device object made (asked at every layer, with the caches cold)
-        and x.dim() == 3
-        and cos.dtype is dtype
-        and signed_sin.dtype is dtype
-        and cos.shape == signed_sin.shape
-        and cos.shape[0] == x.shape[0]
-        and cos.shape[1] == 1
-        and cos.shape[2] % 2 == 0
-        and cos.shape[2] <= x.shape[2]
-        and x.stride(2) == 1
-        and cos.is_contiguous()
-        and signed_sin.is_contiguous()
-        and not (torch.is_grad_enabled() and x.requires_grad)
-        and inplace_kernel() is not None
-    )
-
-
-def rotate_(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
-    """x [T, heads', D]'s first `heads` heads, the first R dims of each, rotated in place: the floats
-    of `rotate` (where `fits_inplace`, heads <= heads')."""
+def rotate_(x: torch.Tensor, heads: int, rotary: Tables) -> bool:
+    """x [T, heads', D]'s first `heads` heads (heads <= heads'), the first R dims of each, rotated in
+    place with the tables `rotary` [T, 1, R], R <= D, the floats of `rotated`, in one C call where the
+    kernel takes x (-> True; else False, x as it was): as `rotated`, a partial rotary (R < D) included."""
     run = inplace_kernel()
-    assert run is not None and 0 <= heads <= x.shape[1]
-    tokens = x.shape[0]
-    bf16 = int(x.dtype == torch.bfloat16)
-    run(x.data_ptr(), tokens, heads, cos.shape[2], x.stride(0), x.stride(1), cos.data_ptr(),
-        signed_sin.data_ptr(), bf16)  # fmt: skip
+    if (
+        run is None
+        or x.dtype is not rotary[0]
+        or not x.is_cpu
+        or x.dim() != 3
+        or x.shape[0] != rotary[1]
+        or x.shape[2] < rotary[2]
+        or x.stride(2) != 1
+        or (torch.is_grad_enabled() and x.requires_grad)
+    ):
+        return False
+    assert 0 <= heads <= x.shape[1]
+    bf16 = int(rotary[0] is torch.bfloat16)
+    run(x.data_ptr(), rotary[1], heads, rotary[2], x.stride(0), x.stride(1), rotary[3], rotary[4], bf16)
+    return True

@@ -10,7 +10,6 @@ A decode step routes a handful of tokens per layer, where torch's ~10 operations
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 
 import torch
 
@@ -20,9 +19,7 @@ from flowmoe.kernels import cpu_norm, native
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
 
-def kernel() -> Callable[..., None] | None:
-    """flowmoe_route_tail, or None (see native.function)."""
-    return native.function("flowmoe_route_tail", (_L, _I, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P))
+kernel = native.Kernel("flowmoe_route_tail", (_L, _I, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P))  # or None
 
 
 def fits(x: torch.Tensor, moe: MoESpec) -> bool:

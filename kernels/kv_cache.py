@@ -115,11 +115,10 @@ def write_kv(
     keys: torch.Tensor, values: torch.Tensor, layout: TokenLayout, k: torch.Tensor, v: torch.Tensor
 ) -> None:
     """k, v: [T, kv_heads, head_dim] written into keys/values [slots, kv_heads, capacity, head_dim]
-    at each token's (slot, position): on the host in one C call where `cpu_kv.fits` (the same bytes)."""
-    if cpu_kv.fits(keys, values, layout, k, v):
-        cpu_kv.write(keys, values, layout, k, v)
-        return
-    write_rows(keys, values, layout.token_slots, layout.positions, k, v)
+    at each token's (slot, position): on the host in one C call where `cpu_kv.write` takes them (the
+    same bytes)."""
+    if not cpu_kv.write(keys, values, layout, k, v):
+        write_rows(keys, values, layout.token_slots, layout.positions, k, v)
 
 
 def write_rows(

@@ -20,12 +20,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import weakref
 from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import structlog
+import torch
+from attrs import define, field
 
 log = structlog.get_logger(__name__)
 
@@ -135,6 +138,48 @@ def function(name: str, argtypes: tuple[Any, ...], restype: Any = None) -> Calla
     kernels off and forgetting that lookup (tests) turns the function off too."""
     lib = library()
     return None if lib is None else _declared(lib, name, argtypes, restype)
+
+
+@define
+class Kernel:
+    """The library's function `name` with its argument and result types declared: called, it gives
+    that function, or None where there is no library (as `function`), for the price of one lookup of
+    the cached library and one comparison: the function is looked up again only when the library
+    is another (forgotten and looked up anew: tests that turn the kernels off)."""
+
+    name: str
+    argtypes: tuple[Any, ...]
+    restype: Any = None
+    _lib: ctypes.CDLL | None = field(default=None, init=False, eq=False, repr=False)
+    _fn: Callable[..., Any] | None = field(default=None, init=False, eq=False, repr=False)
+
+    def __call__(self) -> Callable[..., Any] | None:
+        lib = library()
+        if lib is not self._lib:
+            self._fn = None if lib is None else _declared(lib, self.name, self.argtypes, self.restype)
+            self._lib = lib
+        return self._fn
+
+
+T = TypeVar("T")
+
+
+class Facts(Generic[T]):
+    """What `work_out` finds about a tensor that stays as it is while it lives (a weight, a KV cache:
+    shape, dtype, strides, device and address as made), worked out on a tensor's first call and
+    remembered while it lives: a kernel wrapper's checks of it then cost one lookup per call."""
+
+    def __init__(self, work_out: Callable[[torch.Tensor], T]) -> None:
+        self._work_out = work_out
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], T]] = {}
+
+    def __call__(self, tensor: torch.Tensor) -> T:
+        seen = self._seen.get(id(tensor))
+        if seen is not None and seen[0]() is tensor:
+            return seen[1]
+        facts, key, known = self._work_out(tensor), id(tensor), self._seen
+        known[key] = (weakref.ref(tensor, lambda _: known.pop(key, None)), facts)  # forgotten as it dies
+        return facts
 
 
 def pointers(values: Sequence[int | None]) -> ctypes.Array[ctypes.c_void_p]:

@@ -10,10 +10,9 @@ from flowmoe.kernels import cpu_norm
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., dim], weight: [dim] -> [..., dim] in x's dtype: one C call on the CPU where
-    `cpu_norm.fits` (the same floats), else torch's."""
-    if cpu_norm.fits(x, weight):
-        return cpu_norm.rms_norm(x, weight, eps)
-    return weight * _normed(x, eps)
+    the kernel takes them (the same floats), else torch's."""
+    out = cpu_norm.normed(x, None, weight, eps)
+    return weight * _normed(x, eps) if out is None else out
 
 
 def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,10 +33,12 @@ def add_then_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, kind: str = "rms"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + x, its `norm_of_kind`) [..., dim] each. x must be a tensor of the caller's own (a
-    block's fresh output): where `cpu_norm.fits_add`, the sum is written over it and both come from
+    block's fresh output): where the kernel takes them, the sum is written over it and both come from
     one C call (the same floats), else from torch's add and norm."""
-    if kind == "rms" and cpu_norm.fits_add(x, residual, weight):
-        return x, cpu_norm.add_rms_norm(x, residual, weight, eps)
+    if kind == "rms":
+        normed = cpu_norm.normed(x, residual, weight, eps)
+        if normed is not None:
+            return x, normed
     total = residual + x
     return total, norm_of_kind(total, weight, eps, kind)
 

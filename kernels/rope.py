@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-from attrs import frozen
+from attrs import Factory, field, frozen
 
 from flowmoe.core.spec import RopeSpec
 from flowmoe.kernels import cpu_rope
@@ -79,6 +79,10 @@ class Rotary:
 
     cos: torch.Tensor  # [T, 1, R]
     signed_sin: torch.Tensor  # [T, 1, R]
+    # the two as the C kernels take them (None: they do not), checked once for the step's layers
+    _tables: cpu_rope.Tables | None = field(
+        init=False, default=Factory(lambda self: cpu_rope.tables(self.cos, self.signed_sin), takes_self=True)
+    )
 
     @classmethod
     def at(
@@ -103,16 +107,16 @@ class Rotary:
         rotary = self.cos.shape[-1]
         if rotary < x.shape[-1]:
             return torch.cat((self(x[..., :rotary]), x[..., rotary:]), dim=-1)
-        if cpu_rope.fits(x, self.cos, self.signed_sin):  # one C call, the same floats
-            return cpu_rope.rotate(x, self.cos, self.signed_sin)
+        tables = self._tables
+        out = None if tables is None else cpu_rope.rotated(x, tables)  # one C call, the same floats
+        if out is not None:
+            return out
         return x * self.cos + x.roll(rotary // 2, dims=-1) * self.signed_sin
 
-    def rotates_in_place(self, x: torch.Tensor) -> bool:
-        """Whether `rotate_` takes x [T, heads, D] (one C call on the host, see cpu_rope)."""
-        return cpu_rope.fits_inplace(x, self.cos, self.signed_sin)
-
-    def rotate_(self, x: torch.Tensor, heads: int) -> None:
-        """x [T, heads', D]'s first `heads` heads rotated in place, the first R dims of each (where
-        `rotates_in_place`): the floats of `self(x[:, :heads])`, no new tensor. For a tensor of the
-        caller's own (a projection's fresh output)."""
-        cpu_rope.rotate_(x, heads, self.cos, self.signed_sin)
+    def rotate_(self, x: torch.Tensor, heads: int) -> bool:
+        """x [T, heads', D]'s first `heads` heads rotated in place, the first R dims of each, where one
+        C call on the host takes x (-> True, else False: see cpu_rope.rotate_): the floats of
+        `self(x[:, :heads])`, no new tensor. For a tensor of the caller's own (a projection's fresh
+        output)."""
+        tables = self._tables
+        return tables is not None and cpu_rope.rotate_(x, heads, tables)

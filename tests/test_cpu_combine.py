@@ -32,26 +32,27 @@ def test_combine_is_torchs_floats(
     outputs = [torch.randn(n, width, generator=generator).to(values_dtype) for n in counts]  # [n_e, H] each
     wide = torch.randn(tokens, width + 3, generator=generator).to(dtype)
     hidden = wide[:, 1 : 1 + width]  # rows with a stride of their own
-    assert cpu_combine.fits(hidden, outputs)
     expected = _torch_combine(hidden, rows, outputs)
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             out = cpu_combine.combine(hidden, rows, outputs)
-            assert out.dtype == dtype and torch.equal(out, expected), threads
+            assert out is not None and out.dtype == dtype and torch.equal(out, expected), threads
     finally:
         torch.set_num_threads(before)
 
 
 @compiled
 def test_what_it_does_not_take() -> None:
-    hidden = torch.zeros(2, 8)
-    assert not cpu_combine.fits(hidden, [])
-    assert not cpu_combine.fits(hidden, [torch.zeros(1, 8, dtype=torch.float16)])
-    assert not cpu_combine.fits(hidden, [torch.zeros(8, 2).t()])  # not contiguous
-    assert not cpu_combine.fits(hidden.half(), [torch.zeros(1, 8)])
-    assert not cpu_combine.fits(hidden, [torch.zeros(1, 8), torch.zeros(1, 8).bfloat16()])  # mixed dtypes
+    hidden, rows = torch.zeros(2, 8), torch.zeros(1, dtype=torch.int64)
+    assert cpu_combine.combine(hidden, rows[:0], []) is None
+    assert cpu_combine.combine(hidden, rows, [torch.zeros(1, 8, dtype=torch.float16)]) is None
+    assert cpu_combine.combine(hidden, rows.repeat(2), [torch.zeros(8, 2).t()]) is None  # not contiguous
+    assert cpu_combine.combine(hidden.half(), rows, [torch.zeros(1, 8)]) is None
+    mixed = [torch.zeros(1, 8), torch.zeros(1, 8).bfloat16()]
+    assert cpu_combine.combine(hidden, rows.repeat(2), mixed) is None  # mixed dtypes
+    assert cpu_combine.combine(hidden.t(), rows, [torch.zeros(1, 2)]) is None  # strided columns
 
 
 @compiled

@@ -24,8 +24,7 @@ def test_write_is_the_indexed_write(dtype: torch.dtype, counts: tuple[int, ...])
     k, v = heads[:, 4:8], heads[:, 8:]
     want_keys, want_values = keys.clone(), values.clone()
     write_rows(want_keys, want_values, layout.token_slots, layout.positions, k, v)
-    assert cpu_kv.fits(keys, values, layout, k, v)
-    cpu_kv.write(keys, values, layout, k, v)
+    assert cpu_kv.write(keys, values, layout, k, v)
     assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
 
 
@@ -33,9 +32,9 @@ def test_what_it_leaves_to_torch() -> None:
     keys, values = torch.zeros(2, 4, 16, 32), torch.zeros(2, 4, 16, 32)
     k, v = torch.randn(1, 4, 32), torch.randn(1, 4, 32)
     no_slot, past_end = TokenLayout(slots=(2,), counts=(1,), past=(0,)), TokenLayout((0,), (1,), (16,))
-    assert not cpu_kv.fits(keys, values, no_slot, k, v)
-    assert not cpu_kv.fits(keys, values, past_end, k, v)
+    assert not cpu_kv.write(keys, values, no_slot, k, v)
+    assert not cpu_kv.write(keys, values, past_end, k, v)
     fits, two = TokenLayout(slots=(1,), counts=(1,), past=(3,)), TokenLayout((1,), (2,), (3,))
-    assert not cpu_kv.fits(keys, values, fits, k.bfloat16(), v.bfloat16())  # dtypes differ
-    assert not cpu_kv.fits(keys, values, fits, k[..., ::2], v[..., ::2])  # strided rows
-    assert not cpu_kv.fits(keys, values, two, k, v)  # tokens differ
+    assert not cpu_kv.write(keys, values, fits, k.bfloat16(), v.bfloat16())  # dtypes differ
+    assert not cpu_kv.write(keys, values, fits, k[..., ::2], v[..., ::2])  # strided rows
+    assert not cpu_kv.write(keys, values, two, k, v)  # tokens differ

@@ -12,6 +12,13 @@ from flowmoe.kernels import cpu_norm
 compiled = pytest.mark.skipif(cpu_norm.kernel() is None, reason="no C kernels on this host")
 
 
+def _normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """cpu_norm.normed of x without a residual, which must take it."""
+    out = cpu_norm.normed(x, None, weight, eps)
+    assert out is not None
+    return out
+
+
 def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.to(torch.float32)
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -26,22 +33,21 @@ def test_rms_norm_is_torchs_composite_bit_for_bit(dtype: torch.dtype, dim: int, 
     scale = torch.rand(rows, 1, generator=generator) * 10  # rows of different magnitudes
     x = (torch.randn(rows, dim, generator=generator) * scale).to(dtype)
     weight = torch.randn(dim, generator=generator).to(dtype)
-    assert cpu_norm.fits(x, weight)
-    assert torch.equal(cpu_norm.rms_norm(x, weight, 1e-6), _reference(x, weight, 1e-6))
+    assert torch.equal(_normed(x, weight, 1e-6), _reference(x, weight, 1e-6))
     many = x.reshape(1, rows, dim)  # [..., dim] rows in any shape
-    assert torch.equal(cpu_norm.rms_norm(many, weight, 1e-5), _reference(many, weight, 1e-5))
+    assert torch.equal(_normed(many, weight, 1e-5), _reference(many, weight, 1e-5))
 
 
 @compiled
 def test_what_it_leaves_to_torch() -> None:
     x, weight = torch.randn(3, 64), torch.randn(64)
-    assert not cpu_norm.fits(x.half(), weight.half())
-    assert not cpu_norm.fits(x, weight.bfloat16())
-    assert not cpu_norm.fits(x.t(), torch.randn(3))  # not contiguous
-    assert not cpu_norm.fits(x, weight[:32])
-    assert not cpu_norm.fits(x.requires_grad_(), weight)
+    assert cpu_norm.normed(x.half(), None, weight.half(), 1e-6) is None
+    assert cpu_norm.normed(x, None, weight.bfloat16(), 1e-6) is None
+    assert cpu_norm.normed(x.t(), None, torch.randn(3), 1e-6) is None  # not contiguous
+    assert cpu_norm.normed(x, None, weight[:32], 1e-6) is None
+    assert cpu_norm.normed(x.requires_grad_(), None, weight, 1e-6) is None
     wide = torch.randn(1, cpu_norm.GRAIN)
-    assert not cpu_norm.fits(wide, torch.randn(cpu_norm.GRAIN))
+    assert cpu_norm.normed(wide, None, torch.randn(cpu_norm.GRAIN), 1e-6) is None
 
 
 @compiled
@@ -53,12 +59,12 @@ def test_add_rms_norm_is_torchs_add_then_norm(dtype: torch.dtype, rows: int) -> 
     out, residual = ((torch.randn(rows, 1024, generator=generator) * 4).to(dtype) for _ in range(2))
     weight = torch.randn(1024, generator=generator).to(dtype)
     total = residual + out
-    assert cpu_norm.fits_add(out, residual, weight)
-    normed = cpu_norm.add_rms_norm(out, residual, weight, 1e-6)
-    assert torch.equal(out, total) and torch.equal(normed, _reference(total, weight, 1e-6))
     other = residual.float() if dtype == torch.bfloat16 else residual.bfloat16()
-    assert not cpu_norm.fits_add(out, other, weight)  # dtypes differ
-    assert not cpu_norm.fits_add(out, residual.repeat(1, 2)[:, ::2], weight)  # not contiguous
+    assert cpu_norm.normed(out, other, weight, 1e-6) is None  # dtypes differ: out left as it was
+    assert cpu_norm.normed(out, residual.repeat(1, 2)[:, ::2], weight, 1e-6) is None  # not contiguous
+    normed = cpu_norm.normed(out, residual, weight, 1e-6)
+    assert normed is not None
+    assert torch.equal(out, total) and torch.equal(normed, _reference(total, weight, 1e-6))
 
 
 @compiled
@@ -75,6 +81,6 @@ def test_few_rows_run_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_norm, "kernel", lambda: recording)
     weight = torch.randn(1024)
     few, many = torch.randn(4, 1024), torch.randn(cpu_norm.GRAIN // 1024, 1024)
-    assert torch.equal(cpu_norm.rms_norm(few, weight, 1e-6), _reference(few, weight, 1e-6))
-    assert torch.equal(cpu_norm.rms_norm(many, weight, 1e-6), _reference(many, weight, 1e-6))
+    assert torch.equal(_normed(few, weight, 1e-6), _reference(few, weight, 1e-6))
+    assert torch.equal(_normed(many, weight, 1e-6), _reference(many, weight, 1e-6))
     assert asked == [1, torch.get_num_threads()]

@@ -23,8 +23,11 @@ def test_rotate_is_the_torch_form_bit_for_bit(dtype: torch.dtype, tokens: int, d
     rotary = Rotary.at(inv_freq, 1.0, torch.randint(0, 4096, (tokens,), generator=generator), dtype)
     heads = (torch.randn(tokens, 12, dim, generator=generator) * 5).to(dtype)  # q, k and v heads
     qk = heads[:, :10]  # a strided view, as pre_attention's
-    assert cpu_rope.fits(qk, rotary.cos, rotary.signed_sin)
+    tables = cpu_rope.tables(rotary.cos, rotary.signed_sin)
+    assert tables is not None
     want = qk * rotary.cos + qk.roll(dim // 2, dims=-1) * rotary.signed_sin
+    out = cpu_rope.rotated(qk, tables)
+    assert out is not None and torch.equal(out, want)
     assert torch.equal(rotary(qk), want)
 
 
@@ -40,18 +43,20 @@ def test_rotate_in_place_is_the_torch_form_bit_for_bit(dtype: torch.dtype, token
     heads = (torch.randn(tokens, 12, 64, generator=generator) * 5).to(dtype)  # q, k and v heads
     want = heads.clone()
     want[:, :10] = rotary(heads[:, :10])
-    assert rotary.rotates_in_place(heads)
-    rotary.rotate_(heads, 10)
+    assert rotary.rotate_(heads, 10)
     assert torch.equal(heads, want)
 
 
 def test_what_it_leaves_to_torch() -> None:
     rotary = Rotary.at(torch.ones(8), 1.0, torch.arange(3), torch.float32)
     x = torch.randn(3, 4, 16)
-    assert not cpu_rope.fits(x.bfloat16(), rotary.cos, rotary.signed_sin)  # dtypes differ
-    assert not cpu_rope.fits(x.half(), rotary.cos.half(), rotary.signed_sin.half())
-    assert not cpu_rope.fits(x[..., ::2], rotary.cos[..., :8], rotary.signed_sin[..., :8])  # strided dims
-    assert not cpu_rope.fits_inplace(x.bfloat16(), rotary.cos, rotary.signed_sin)
-    assert not cpu_rope.fits_inplace(x[:, :, :8], rotary.cos, rotary.signed_sin)  # fewer dims than rotated
-    assert not cpu_rope.fits(x.requires_grad_(), rotary.cos, rotary.signed_sin)
-    assert not cpu_rope.fits_inplace(x, rotary.cos, rotary.signed_sin)
+    tables = cpu_rope.tables(rotary.cos, rotary.signed_sin)
+    assert tables is not None
+    assert cpu_rope.rotated(x.bfloat16(), tables) is None  # dtypes differ
+    assert cpu_rope.tables(rotary.cos.half(), rotary.signed_sin.half()) is None
+    assert cpu_rope.tables(rotary.cos[..., :8], rotary.signed_sin[..., :8]) is None  # strided tables
+    assert cpu_rope.rotated(torch.randn(3, 4, 32)[..., ::2], tables) is None  # strided dims
+    assert not cpu_rope.rotate_(x.bfloat16(), 4, tables)
+    assert not cpu_rope.rotate_(x[:, :, :8], 4, tables)  # fewer dims than rotated
+    assert cpu_rope.rotated(x.requires_grad_(), tables) is None
+    assert not cpu_rope.rotate_(x, 4, tables)

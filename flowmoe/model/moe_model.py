@@ -128,8 +128,8 @@ class MoEModel:
         if a.clip_qkv is not None:
             qkv = qkv.clamp(-a.clip_qkv, a.clip_qkv)
         heads = qkv.view(hidden.shape[0], a.heads + 2 * a.kv_heads, a.head_dim)  # [T, H + 2 KVH, D]
-        if a.qk_norm == "none" and a.uses_rope(layer) and rope.rotates_in_place(heads):
-            rope.rotate_(heads, a.heads + a.kv_heads)  # q and k, in qkv (this call's own)
+        if a.qk_norm == "none" and a.uses_rope(layer) and rope.rotate_(heads, a.heads + a.kv_heads):
+            # q and k rotated in qkv (this call's own)
             q, k, v = heads.split_with_sizes([a.heads, a.kv_heads, a.kv_heads], dim=1)  # no Python wrapper
             return q, k, v
         qk, v = heads.split_with_sizes([a.heads + a.kv_heads, a.kv_heads], dim=1)  # qk: [T, H + KVH, D]
@@ -275,13 +275,11 @@ class MoEModel:
         else:
             experts = [e for e in routing.experts if e not in deferred]
             routed = [outputs[e] for e in experts]  # [n_e, hidden] each
-            if (
-                carry is None
-                and shared is None
-                and self.spec.residual_multiplier == 1.0
-                and cpu_combine.fits(hidden, routed)
-            ):  # the same floats in one C call
-                return cpu_combine.combine(hidden, on(routing.rows_of(experts)[0], hidden.device), routed)
+            if carry is None and shared is None and self.spec.residual_multiplier == 1.0 and routed:
+                rows = on(routing.rows_of(experts)[0], hidden.device)  # [sum n_e]
+                out = cpu_combine.combine(hidden, rows, routed)  # the same floats in one C call, or None
+                if out is not None:
+                    return out
             moe = self.routed_sum(hidden, routing, outputs, experts)
         if carry is not None:
             moe = moe + carry
