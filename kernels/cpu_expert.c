@@ -9,8 +9,10 @@
 
    Written with GCC vector extensions: one AVX-512 register per vector with -march=native on an
    AVX-512 CPU, two AVX2 registers elsewhere. `isa` = 1 takes cpu_rows_avx2.c's block instead (AVX2
-   + FMA intrinsics; x in bf16 column order for a bf16 weight, which the entry points here arrange),
-   the caller's choice by the CPU's features (cpu_expert.py). Threads: OpenMP over blocks of weight
+   + FMA intrinsics; x in bf16 column order for a bf16 weight), `isa` = 2 cpu_rows_avx512.c's
+   (AVX-512 + BF16; x in bf16 for a bf16 weight, the FFN's fp32 activation split into bf16 hi and
+   lo rows), which the entry points here arrange; the caller's choice by the CPU's features
+   (cpu_expert.py). Threads: OpenMP over blocks of weight
    rows, with the thread count the caller passes (torch's, so that both share one pool of workers).
 
    One row (a decode step's): a gate / up block takes gate's rows and up's together, and down's and a
@@ -35,6 +37,11 @@ void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void *w, 
                         const void *next, long next_rows, float *res);
 void flowmoe_pair_block_avx2(const float *x, long K, const void *w, int bf16, long o0, int ob, long apart,
                              float *res);
+/* cpu_rows_avx512.c */
+void flowmoe_block_avx512(const void *x, long ldx, long lo, int n, long K, const void *w, int bf16, long o0,
+                          int ob, const void *next, long next_rows, float *res);
+void flowmoe_pair_block_avx512(const void *x, long lo, long K, const void *w, int bf16, long o0, int ob,
+                               long apart, float *res);
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -209,36 +216,51 @@ static void block(const float *x, long ldx, int n, long K, const void *w, int bf
         }
 }
 
-#define OB_AVX2 8 /* cpu_rows_avx2.c's weight rows per block */
+#define OB_SIMD 8 /* cpu_rows_avx2.c's and cpu_rows_avx512.c's weight rows per block */
 #define OB_MAX 8  /* the most of any block */
 
 /* Weight rows per block of an isa: res[r * block_rows(isa) + j]. */
 static inline int block_rows(int isa) {
-    return isa == 1 ? OB_AVX2 : OB;
+    return isa ? OB_SIMD : OB;
 }
 
-/* `block` (isa 0) or cpu_rows_avx2.c's (isa 1, x in bf16 column order for a bf16 weight). */
-static inline void block_of(int isa, const float *x, long ldx, int n, long K, const void *w, int bf16, long o0,
-                            int ob, const void *next, long next_rows, float *res) {
-    if (isa == 1)
-        flowmoe_block_avx2(x, ldx, n, K, w, bf16, o0, ob, next, next_rows, res);
+/* The rows of x a block reads: fp32 (in bf16 column order for isa 1 against a bf16 weight), or for
+   isa 2 against a bf16 weight bf16, split where lo > 0 (each row's low part lo elements after it,
+   see cpu_rows_avx512.c); row stride ld elements. */
+typedef struct {
+    const void *p;
+    long ld, lo;
+} rows_in;
+
+/* `block` (isa 0), cpu_rows_avx2.c's (isa 1) or cpu_rows_avx512.c's (isa 2). */
+static inline void block_of(int isa, rows_in x, int n, long K, const void *w, int bf16, long o0, int ob,
+                            const void *next, long next_rows, float *res) {
+    if (isa == 2)
+        flowmoe_block_avx512(x.p, x.ld, x.lo, n, K, w, bf16, o0, ob, next, next_rows, res);
+    else if (isa == 1)
+        flowmoe_block_avx2(x.p, x.ld, n, K, w, bf16, o0, ob, next, next_rows, res);
     else
-        block(x, ldx, n, K, w, bf16, o0, ob, next, next_rows, res);
+        block(x.p, x.ld, n, K, w, bf16, o0, ob, next, next_rows, res);
 }
 
 /* Two blocks: res + m n bs = the rows [o0 + m apart, + ob) of w [., K] against the n rows of x, m < 2
    (bs: block_rows(isa)); the block read after them: `then_rows` rows from row `then`. At one row,
-   cpu_rows_avx2.c's pair block (isa 1) reads the two blocks' rows side by side: two streams in
-   address order (else one block, then the other, each prefetching the one read after it). */
-static inline void two_blocks(int isa, const float *x, long ldx, int n, long K, const void *w, int bf16, long o0,
-                              int ob, long apart, long then, long then_rows, float *res) {
+   the pair blocks of cpu_rows_avx2.c (isa 1) and cpu_rows_avx512.c (isa 2) read the two blocks' rows
+   side by side: two streams in address order (else one block, then the other, each prefetching the
+   one read after it). */
+static inline void two_blocks(int isa, rows_in x, int n, long K, const void *w, int bf16, long o0, int ob,
+                              long apart, long then, long then_rows, float *res) {
     int bs = block_rows(isa);
-    if (isa == 1 && n == 1) {
-        flowmoe_pair_block_avx2(x, K, w, bf16, o0, ob, apart, res);
+    if (isa == 2 && n == 1) {
+        flowmoe_pair_block_avx512(x.p, x.lo, K, w, bf16, o0, ob, apart, res);
         return;
     }
-    block_of(isa, x, ldx, n, K, w, bf16, o0, ob, row_at(w, o0 + apart, K, bf16), ob, res);
-    block_of(isa, x, ldx, n, K, w, bf16, o0 + apart, ob, row_at(w, then, K, bf16), then_rows, res + n * bs);
+    if (isa == 1 && n == 1) {
+        flowmoe_pair_block_avx2(x.p, K, w, bf16, o0, ob, apart, res);
+        return;
+    }
+    block_of(isa, x, n, K, w, bf16, o0, ob, row_at(w, o0 + apart, K, bf16), ob, res);
+    block_of(isa, x, n, K, w, bf16, o0 + apart, ob, row_at(w, then, K, bf16), then_rows, res + n * bs);
 }
 
 /* A matrix of O rows in blocks: pairs of blocks (at one row block i of rows [0, half) beside block
@@ -261,8 +283,8 @@ typedef struct {
 
 /* res + m n bs = block b of the pairs above against the n rows of x: the rows [o0 + m apart, + ob)
    of w [O, K], m < both (the block read after them prefetched by the several-row blocks). */
-static inline pair_at paired(int isa, const float *x, long ldx, int n, long K, const void *w, int bf16, long O,
-                             long b, float *res) {
+static inline pair_at paired(int isa, rows_in x, int n, long K, const void *w, int bf16, long O, long b,
+                             float *res) {
     int bs = block_rows(isa);
     long half = half_of(O, bs), pairs = half / bs;
     pair_at p = {b < pairs ? b * (n == 1 ? bs : 2 * bs) : 2 * half + (b - pairs) * bs, n == 1 ? half : bs, 0,
@@ -270,9 +292,9 @@ static inline pair_at paired(int isa, const float *x, long ldx, int n, long K, c
     p.ob = (int)rows_at(O, p.o0, bs);
     long then = p.o0 + (p.both - 1) * p.apart + bs; /* the block after the last */
     if (p.both == 2)
-        two_blocks(isa, x, ldx, n, K, w, bf16, p.o0, p.ob, p.apart, then, rows_at(O, then, bs), res);
+        two_blocks(isa, x, n, K, w, bf16, p.o0, p.ob, p.apart, then, rows_at(O, then, bs), res);
     else
-        block_of(isa, x, ldx, n, K, w, bf16, p.o0, p.ob, row_at(w, then, K, bf16), rows_at(O, then, bs), res);
+        block_of(isa, x, n, K, w, bf16, p.o0, p.ob, row_at(w, then, K, bf16), rows_at(O, then, bs), res);
     return p;
 }
 
@@ -304,26 +326,31 @@ static inline int reorders(int isa, int bf16) {
     return isa == 1 && bf16;
 }
 
+/* Whether an isa reads x in bf16 against a bf16 weight (else widened to fp32). */
+static inline int bf16_rows(int isa, int bf16) {
+    return isa == 2 && bf16;
+}
+
 /* y [n, O] (row stride ldy) = x [n, K] (row stride ldx) @ w [O, K]^T (+ bias [O], fp32); x and y
    in the weight's dtype (bf16 where `bf16`, else fp32), accumulated in fp32 (a bf16 x is widened
-   into a buffer first, in bf16 column order where the isa reads it so). Returns 0, or 1 where
-   there is no memory for that buffer. */
+   into a buffer first, in bf16 column order where the isa reads it so, unless the isa reads bf16).
+   Returns 0, or 1 where there is no memory for that buffer. */
 int flowmoe_linear(const void *x, long ldx, int n, long K, const void *w, int bf16, long O,
                    const float *bias, void *y, long ldy, int isa, int threads) {
     int bs = block_rows(isa);
     long blocks = paired_blocks(O, bs);
     float *wide = 0;
-    const float *xf = (const float *)x;
-    if (bf16) {
+    rows_in xs = {x, ldx, 0};
+    if (bf16 && !bf16_rows(isa, bf16)) {
         wide = malloc(sizeof(float) * n * K);
         if (!wide) return 1;
         widen_rows(x, ldx, n, K, reorders(isa, bf16), wide);
-        xf = wide, ldx = K;
+        xs.p = wide, xs.ld = K;
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long b = 0; b < blocks; b++) {
         float res[2 * n * OB_MAX];
-        pair_at p = paired(isa, xf, ldx, n, K, w, bf16, O, b, res);
+        pair_at p = paired(isa, xs, n, K, w, bf16, O, b, res);
         for (int m = 0; m < p.both; m++)
             for (int r = 0; r < n; r++)
                 for (int j = 0; j < p.ob; j++) {
@@ -354,21 +381,32 @@ static inline void store_row(rows_out to, long i, long at, float v, int weights_
     store(to.out, at, v, to.bf16);
 }
 
+/* An activation v into row r of the acts buffer (I columns; see ffn_rows) at column o. */
+static inline void store_act(void *acts, int isa, int bf16, long r, long I, long o, float v) {
+    if (bf16_rows(isa, bf16)) { /* hi, then lo I columns on (cpu_rows_avx512.c's split rows) */
+        uint16_t *row = (uint16_t *)acts + r * 2 * I, hi = float_to_bf16(v);
+        row[o] = hi;
+        row[I + o] = float_to_bf16(v - bf16_to_float(hi));
+    } else {
+        ((float *)acts)[r * I + (reorders(isa, bf16) ? bf16_position(o, I) : o)] = v;
+    }
+}
+
 /* The expert FFNs of a group of experts (a layer's routed experts, or one) in one parallel pass:
    for expert e, act_e [n_e, I] = swiglu(x_e @ gate^T + bg, x_e @ up^T + bu) with gate_up_e
    [2I, H] (gate rows, then up rows), then out_e [n_e, H] = act_e @ down_e^T + bd with down_e
-   [H, I]. fx[e]: expert e's rows of x in fp32 (row stride H; in bf16 column order where the isa
-   reads x so), first[e]: its first row in the group; the acts in fp32 in a buffer of the kernel's
-   own (in bf16 column order likewise). Threads share the blocks of all experts; the biases may be
+   [H, I]. fx[e]: expert e's rows of x (row stride H), in fp32 (in bf16 column order where the isa
+   reads x so) or in bf16 where the isa reads bf16 rows; first[e]: its first row in the group; the
+   acts in fp32 in a buffer of the kernel's own (in bf16 column order likewise; split into bf16 hi
+   and lo rows where the isa reads bf16). Threads share the blocks of all experts; the biases may be
    null. Returns 0, or 1 where there is no memory for the buffer. */
-static int ffn_rows(int experts, const float *const *fx, const int *ns, const long *first, long rows, long H,
+static int ffn_rows(int experts, const void *const *fx, const int *ns, const long *first, long rows, long H,
                     long I, const void *const *gate_ups, const void *const *downs, int bf16,
                     const float *const *gate_up_biases, const float *const *down_biases, int clamped, float alpha,
                     float limit, rows_out to, int isa, int threads) {
-    int bs = block_rows(isa);
+    int bs = block_rows(isa), split = bf16_rows(isa, bf16);
     long up_blocks = (I + bs - 1) / bs, down_blocks = paired_blocks(H, bs); /* down's: as gate's beside up's */
-    int reorder = reorders(isa, bf16);
-    float *acts = malloc(sizeof(float) * (rows > 0 ? rows : 1) * I);
+    float *acts = malloc(sizeof(float) * (rows > 0 ? rows : 1) * I); /* as many bytes as split bf16 rows */
     if (!acts) return 1;
 #pragma omp parallel num_threads(threads)
     {
@@ -379,14 +417,14 @@ static int ffn_rows(int experts, const float *const *fx, const int *ns, const lo
             int ob = (int)rows_at(I, o0, bs);
             const float *bias = gate_up_biases[e];
             const void *gu = gate_ups[e];
-            float gu_res[2 * n * OB_MAX], *g = gu_res, *u = gu_res + n * bs, *act = acts + first[e] * I;
-            two_blocks(isa, fx[e], H, n, H, gu, bf16, o0, ob, I, o0 + bs, rows_at(I, o0 + bs, bs), gu_res); /* gate, up */
+            float gu_res[2 * n * OB_MAX], *g = gu_res, *u = gu_res + n * bs;
+            rows_in x = {fx[e], H, 0};
+            two_blocks(isa, x, n, H, gu, bf16, o0, ob, I, o0 + bs, rows_at(I, o0 + bs, bs), gu_res); /* gate, up */
             for (int r = 0; r < n; r++)
                 for (int j = 0; j < ob; j++) {
                     float gv = g[r * bs + j] + (bias ? bias[o0 + j] : 0.0f);
                     float uv = u[r * bs + j] + (bias ? bias[I + o0 + j] : 0.0f);
-                    long at = reorder ? bf16_position(o0 + j, I) : o0 + j;
-                    act[r * I + at] = swiglu(gv, uv, clamped, alpha, limit);
+                    store_act(acts, isa, bf16, first[e] + r, I, o0 + j, swiglu(gv, uv, clamped, alpha, limit));
                 }
         }
 #pragma omp for schedule(static)
@@ -394,7 +432,9 @@ static int ffn_rows(int experts, const float *const *fx, const int *ns, const lo
             int e = (int)(t / down_blocks), n = ns[e];
             const float *bias = down_biases[e];
             float res[2 * n * OB_MAX];
-            pair_at p = paired(isa, acts + first[e] * I, I, n, I, downs[e], bf16, H, t % down_blocks, res);
+            rows_in act = {acts + first[e] * I, I, 0};
+            if (split) act.ld = 2 * I, act.lo = I;
+            pair_at p = paired(isa, act, n, I, downs[e], bf16, H, t % down_blocks, res);
             for (int m = 0; m < p.both; m++)
                 for (int r = 0; r < n; r++)
                     for (int j = 0; j < p.ob; j++) {
@@ -408,21 +448,21 @@ static int ffn_rows(int experts, const float *const *fx, const int *ns, const lo
 }
 
 /* The group's FFNs for xs[e] [n_e, H] (contiguous rows, in the weights' dtype) -> out [sum n_e, H]
-   (every expert's rows in turn) in the weights' dtype; a bf16 x_e is widened into a buffer first.
-   Returns 0, or 1 where there is no memory for the buffers. */
+   (every expert's rows in turn) in the weights' dtype; a bf16 x_e is widened into a buffer first
+   unless the isa reads bf16 rows. Returns 0, or 1 where there is no memory for the buffers. */
 int flowmoe_ffn_group(int experts, const void *const *xs, const int *ns, long H, long I,
                       const void *const *gate_ups, const void *const *downs, int bf16,
                       const float *const *gate_up_biases, const float *const *down_biases, int clamped,
                       float alpha, float limit, void *out, int isa, int threads) {
-    int n_experts = experts > 0 ? experts : 1;
+    int n_experts = experts > 0 ? experts : 1, widen = bf16 && !bf16_rows(isa, bf16);
     long first[n_experts], rows = 0; /* expert e's first row in out and the buffers */
     for (int e = 0; e < experts; e++) first[e] = rows, rows += ns[e];
     float *wide = 0;
-    const float *fx[n_experts];
-    if (bf16 && !(wide = malloc(sizeof(float) * (rows > 0 ? rows : 1) * H))) return 1;
+    const void *fx[n_experts];
+    if (widen && !(wide = malloc(sizeof(float) * (rows > 0 ? rows : 1) * H))) return 1;
     for (int e = 0; e < experts; e++) {
-        fx[e] = (const float *)xs[e];
-        if (bf16) {
+        fx[e] = xs[e];
+        if (widen) {
             widen_rows(xs[e], H, ns[e], H, reorders(isa, bf16), wide + first[e] * H);
             fx[e] = wide + first[e] * H;
         }
@@ -435,28 +475,30 @@ int flowmoe_ffn_group(int experts, const void *const *xs, const int *ns, long H,
 }
 
 /* A layer's routed experts from the rows of x they take: expert e's n_e rows are x's rows
-   rows[first[e]...] (x [T, H] in the weights' dtype, row stride ldx; gathered and widened into
-   an fp32 buffer), and each output row is multiplied by its scale (see rows_out): out [sum n_e, H]
-   in bf16 where out_bf16, else fp32. Returns 0, or 1 where there is no memory for the buffers. */
+   rows[first[e]...] (x [T, H] in the weights' dtype, row stride ldx; gathered into a buffer, widened
+   to fp32 unless the isa reads bf16 rows), and each output row is multiplied by its scale (see
+   rows_out): out [sum n_e, H] in bf16 where out_bf16, else fp32. Returns 0, or 1 where there is no
+   memory for the buffers. */
 int flowmoe_ffn_routed(int experts, const void *x, long ldx, const int64_t *rows_of_x, const int *ns, long H,
                        long I, const void *const *gate_ups, const void *const *downs, int bf16,
                        const float *const *gate_up_biases, const float *const *down_biases, int clamped,
                        float alpha, float limit, const void *scales, int scales_bf16, void *out, int out_bf16,
                        int isa, int threads) {
-    int n_experts = experts > 0 ? experts : 1, reorder = reorders(isa, bf16);
+    int n_experts = experts > 0 ? experts : 1, reorder = reorders(isa, bf16), widen = bf16 && !bf16_rows(isa, bf16);
+    int esize = bf16 ? 2 : 4, kept = widen ? 4 : esize; /* bytes per value of x and of the buffer */
     long first[n_experts], rows = 0;
     for (int e = 0; e < experts; e++) first[e] = rows, rows += ns[e];
-    float *gathered = malloc(sizeof(float) * (rows > 0 ? rows : 1) * H);
+    char *gathered = malloc((size_t)kept * (rows > 0 ? rows : 1) * H);
     if (!gathered) return 1;
-    const float *fx[n_experts];
+    const void *fx[n_experts];
     for (long i = 0; i < rows; i++) {
-        const char *row = (const char *)x + rows_of_x[i] * ldx * (bf16 ? 2 : 4);
-        if (bf16)
-            widen_rows((const uint16_t *)row, ldx, 1, H, reorder, gathered + i * H);
+        const char *row = (const char *)x + rows_of_x[i] * ldx * esize;
+        if (widen)
+            widen_rows((const uint16_t *)row, ldx, 1, H, reorder, (float *)gathered + i * H);
         else
-            memcpy(gathered + i * H, row, sizeof(float) * H);
+            memcpy(gathered + i * H * kept, row, (size_t)kept * H);
     }
-    for (int e = 0; e < experts; e++) fx[e] = gathered + first[e] * H;
+    for (int e = 0; e < experts; e++) fx[e] = gathered + first[e] * H * kept;
     rows_out to = {out, out_bf16, scales, scales_bf16};
     int status = ffn_rows(experts, fx, ns, first, rows, H, I, gate_ups, downs, bf16, gate_up_biases, down_biases,
                           clamped, alpha, limit, to, isa, threads);

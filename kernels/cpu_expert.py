@@ -9,17 +9,22 @@ it is in L1, and fuses the gate/up projections with the activation (no [n, 2I] i
 Its sums run in a fixed order per output element whatever the number of rows, so an expert gives
 its rows the same result however a schedule splits them. Numbers: bench/RESULTS.md (issue 15).
 
-Which block multiplies is chosen by the CPU's features at run time (`isa`): on a CPU with AVX2 and
-FMA, cpu_rows_avx2.c's intrinsics (the portable block's two-register vectors are compute-bound at a
-quarter to a half of the read roof there, see that file); elsewhere the portable block, compiled
-for the host. The AVX2 block is taken on AVX-512 CPUs too: on a 2-vCPU AMD EPYC Zen 4 (AVX-512 with
-BF16 and VNNI) a bf16 batch-1 decode step took 26.6 ms with it against 52.7 with the portable block
-compiled for AVX-512, fp32 44 against 66 (bench/RESULTS.md, issue 25).
-FLOWMOE_CPU_ISA=portable forces the portable block, =avx2 the AVX2 one where the CPU has AVX2 and
-FMA (for comparison, and to test both on one machine). bf16 weights from two rows on go to oneDNN
-where torch has native bf16 matmuls (AVX512-BF16 / AMX), to these kernels elsewhere (torch
-emulates bf16 there at a fraction of the read rate); with the AVX2 block, up to MAX_ROWS bf16 rows
-go to the kernels there too (a decode step's), more (a prefill's) to oneDNN.
+Which block multiplies is chosen by the CPU's features at run time (`isa`): on a CPU with AVX-512
+F / BW / VL and BF16 (Zen 4, Sapphire Rapids), cpu_rows_avx512.c's intrinsics (bf16 weights against
+bf16 rows with `vdpbf16ps`, no widening); else on one with AVX2 and FMA, cpu_rows_avx2.c's (the
+portable block's two-register vectors are compute-bound at a quarter to a half of the read roof
+there, see that file); elsewhere the portable block, compiled for the host. On a 2-vCPU AMD EPYC
+Zen 4, 1 thread, CPU time, issue 25's shapes (hidden 1024, intermediate 3584, vocab 32000): at one
+row both SIMD blocks read at the memory's rate (AVX-512 / AVX2 time: 16 experts' FFNs 0.98-1.02,
+LM head 0.97-1.00), from 2 to 16 rows the AVX-512 block takes 0.6-0.85 of the AVX2 block's time
+(bf16 FFN 8 rows 36.0 against 47.3 ms, LM head 5.8 against 8.0), at 64-128 fp32 rows 1.03-1.07
+(bench/RESULTS.md, issue 25); the portable block compiled for AVX-512 took twice the AVX2 block's
+time there. FLOWMOE_CPU_ISA=portable|avx2|avx512 forces a block where the CPU runs it (for
+comparison, and to test each on one machine). bf16 weights from two rows on go to oneDNN where
+torch has native bf16 matmuls (AVX512-BF16 / AMX), to these kernels elsewhere (torch emulates bf16
+there at a fraction of the read rate); with the AVX2 and AVX-512 blocks, up to MAX_ROWS and
+AVX512_BF16_ROWS bf16 rows go to the kernels there too (a decode step's), more (a prefill's) to
+oneDNN.
 
 The C source is built with the others of this folder by `native.library()`; without it (no
 compiler, a non-x86 host, FLOWMOE_CPU_KERNELS=0) every caller takes torch's path instead.
@@ -45,6 +50,11 @@ MAX_ROWS = 32  # beyond this many rows the GEMM is compute-bound and MKL's block
 # keep up with torch's (MKL fp32; bf16 widened to fp32 first) up to 128 rows and pass them in bf16
 # (bench/RESULTS.md, issue 25 prefill): a 128-token prefill's experts all go to the kernels
 AVX2_MAX_ROWS = 128
+# bf16 rows cpu_rows_avx512.c takes where torch's bf16 is native (oneDNN's AVX512-BF16 kernels): on
+# the Zen 4 of the module's notes (1 thread, CPU time, issue 25's shapes) its expert FFN against
+# oneDNN's is 1.05x at 8 rows, 0.97x at 16, 0.75x at 32; its projections 1.09-1.26x at 16, 0.91-0.99x
+# at 32 (bench/RESULTS.md, issue 25)
+AVX512_BF16_ROWS = 16
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _PP, _PI = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int)
 
@@ -66,25 +76,30 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-ISAS = {"portable": 0, "avx2": 1}  # the C kernels' `isa` argument
+ISAS = {"portable": 0, "avx2": 1, "avx512": 2}  # the C kernels' `isa` argument
+NEEDS = {  # the CPU flags (/proc/cpuinfo's names) each block runs on
+    "portable": frozenset(),
+    "avx2": frozenset({"avx2", "fma"}),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+}
+DEFAULT = ("avx512", "avx2", "portable")  # the first of these the CPU runs is the default
 
 
 @functools.cache
 def isa() -> str:
-    """The block the kernels multiply with here: "avx2" on a CPU with AVX2 and FMA (unless
-    FLOWMOE_CPU_ISA=portable), else "portable". Worked out at the
-    first call (it is asked at every kernel call): `isa.cache_clear()` after changing FLOWMOE_CPU_ISA."""
+    """The block the kernels multiply with here: the first of DEFAULT the CPU has the flags for
+    (NEEDS), or the one FLOWMOE_CPU_ISA names where the CPU runs it (else the default). Worked out at
+    the first call (it is asked at every kernel call): `isa.cache_clear()` after changing FLOWMOE_CPU_ISA."""
     return _isa(os.environ.get("FLOWMOE_CPU_ISA", ""), native.cpu_flags())
 
 
 def _isa(wanted: str, flags: frozenset[str]) -> str:
     """`isa` for the FLOWMOE_CPU_ISA value `wanted` ("" unset) and the CPU's flags."""
-    avx2 = {"avx2", "fma"} <= flags
     if wanted not in ("", *ISAS):
         raise ValueError(f"FLOWMOE_CPU_ISA={wanted!r}: expected one of {', '.join(ISAS)} (or unset)")
-    if wanted:
-        return "avx2" if wanted == "avx2" and avx2 else "portable"
-    return "avx2" if avx2 else "portable"
+    if wanted and NEEDS[wanted] <= flags:
+        return wanted
+    return next(name for name in DEFAULT if NEEDS[name] <= flags)
 
 
 @functools.cache
@@ -98,15 +113,18 @@ def emulated(dtype: torch.dtype) -> bool:
 
 
 def max_rows(dtype: torch.dtype) -> int:
-    """The most rows the kernels take in `dtype`: MAX_ROWS (AVX2_MAX_ROWS with the AVX2 block), but
-    where torch's bf16 matmuls are native (oneDNN's AMX / AVX512-BF16 kernels) one bf16 row with the
-    portable block and MAX_ROWS with the AVX2 one: on the Zen 4 above, batch-8 bf16 decode steps took
-    105 ms with the kernels against 232 through oneDNN, and a 128-token prefill 3.8 CPU s through
-    oneDNN against 6.2 with the kernels."""
+    """The most rows the kernels take in `dtype`: MAX_ROWS (AVX2_MAX_ROWS with the AVX2 and AVX-512
+    blocks), but where torch's bf16 matmuls are native (oneDNN's AMX / AVX512-BF16 kernels) one bf16
+    row with the portable block, MAX_ROWS with the AVX2 one and AVX512_BF16_ROWS with the AVX-512
+    one: on the Zen 4 above, batch-8 bf16 decode steps took 105 ms with the AVX2 block against 232
+    through oneDNN, and a 128-token prefill 3.8 CPU s through oneDNN against 6.2 with the kernels."""
     native = dtype != torch.float32 and not emulated(dtype)
-    if isa() == "avx2":
-        return MAX_ROWS if native else AVX2_MAX_ROWS
-    return 1 if native else MAX_ROWS
+    block = isa()
+    if block == "portable":
+        return 1 if native else MAX_ROWS
+    if native:
+        return AVX512_BF16_ROWS if block == "avx512" else MAX_ROWS
+    return AVX2_MAX_ROWS
 
 
 def _rows_fit(x: torch.Tensor, rows: int | None = None) -> bool:

@@ -14,9 +14,9 @@ Public entry points (stable; bench/cpu_kernels.py measures them):
 * `swiglu_ffn_torch(x, (gate_up, down, gate_up_bias, down_bias), moe)`: the same math composed of
   torch ops (the reference, and the path for what the CPU kernels do not take).
 
-fp32 or bf16 rows on the CPU, up to `cpu_expert.max_rows` (32; 128 with the AVX2 block, whose tiles
-from 16 rows on reuse each weight across rows), run cpu_expert.c: gate/up projections fused with the
-activation, each weight read once per call. Everything else (more rows, fp16, CUDA) is
+fp32 or bf16 rows on the CPU, up to `cpu_expert.max_rows` (32; 128 fp32 rows with the AVX2 or
+AVX-512 block, whose tiles reuse each weight across rows), run cpu_expert.c: gate/up projections
+fused with the activation, each weight read once per call. Everything else (more rows, fp16, CUDA) is
 `swiglu_ffn_torch`.
 """
 

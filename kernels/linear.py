@@ -2,8 +2,8 @@
 
 * A few rows (a decode step's tokens, the tokens one expert gets; in bf16 one row where torch has
   native bf16 matmuls, a few where it emulates them): cpu_expert.c, which reads the weight once at
-  memory speed (see kernels/cpu_expert.py); with its AVX2 block up to AVX2_MAX_ROWS (a prefill's
-  projections), where its wide register tiles keep up with torch's GEMM.
+  memory speed (see kernels/cpu_expert.py); with its AVX2 or AVX-512 block up to AVX2_MAX_ROWS in
+  fp32 (a prefill's projections), where its register tiles keep up with torch's GEMM (`max_rows`).
 * Up to a few hundred rows otherwise: (w @ x.T).T, which MKL (fp32) and oneDNN (bf16 on a CPU
   with AVX512-BF16 / AMX) run faster than x @ w.T. Measured in one run on the 2-vCPU Xeon with
   AMX of issue 15, one thread, a [14336, 2048] weight streamed from memory: fp32 at 32-64 rows

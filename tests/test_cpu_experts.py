@@ -148,19 +148,21 @@ def test_group_and_row_splits_give_identical_results(
 @compiled
 def test_which_shapes_take_the_kernels() -> None:
     w32, w16 = torch.zeros(8, 16), torch.zeros(8, 16, dtype=torch.bfloat16)
-    limit = cpu_expert.max_rows(torch.float32)  # MAX_ROWS, AVX2_MAX_ROWS with the AVX2 block
-    assert limit == (cpu_expert.AVX2_MAX_ROWS if cpu_expert.isa() == "avx2" else cpu_expert.MAX_ROWS)
+    limit = cpu_expert.max_rows(torch.float32)  # MAX_ROWS, AVX2_MAX_ROWS with the AVX2 / AVX-512 blocks
+    assert limit == (cpu_expert.MAX_ROWS if cpu_expert.isa() == "portable" else cpu_expert.AVX2_MAX_ROWS)
     assert cpu_expert.fits(torch.zeros(limit, 16), w32)
     assert not cpu_expert.fits(torch.zeros(limit + 1, 16), w32)  # compute-bound: MKL
     assert cpu_expert.fits(torch.zeros(1, 16, dtype=torch.bfloat16), w16)
     # bf16 rows: all `limit` where torch emulates bf16; where it has native bf16 (AMX, AVX512-BF16),
-    # MAX_ROWS with the AVX2 block (oneDNN's beyond) and one row with the portable one
+    # MAX_ROWS with the AVX2 block, AVX512_BF16_ROWS with the AVX-512 one (oneDNN's beyond) and one
+    # row with the portable one
     native_bf16 = not cpu_expert.emulated(torch.bfloat16)
     bf16_limit = cpu_expert.max_rows(torch.bfloat16)
     if not native_bf16:
         assert bf16_limit == limit
     else:
-        assert bf16_limit == (cpu_expert.MAX_ROWS if cpu_expert.isa() == "avx2" else 1)
+        kept = {"portable": 1, "avx2": cpu_expert.MAX_ROWS, "avx512": cpu_expert.AVX512_BF16_ROWS}
+        assert bf16_limit == kept[cpu_expert.isa()]
     assert cpu_expert.fits(torch.zeros(bf16_limit, 16, dtype=torch.bfloat16), w16)
     assert not cpu_expert.fits(torch.zeros(bf16_limit + 1, 16, dtype=torch.bfloat16), w16)
     assert not cpu_expert.fits(torch.zeros(2, 16, dtype=torch.float16), w16.half())
@@ -246,7 +248,7 @@ def test_build_is_cached_per_source_and_cpu(monkeypatch: pytest.MonkeyPatch, tmp
 # ---- the kernels' blocks by CPU feature: each available one against float64, thread counts, splits
 
 T = TypeVar("T")
-ISAS = ["portable", *(["avx2"] if {"avx2", "fma"} <= native.cpu_flags() else [])]
+ISAS = [name for name, needs in cpu_expert.NEEDS.items() if needs <= native.cpu_flags()]
 
 
 @pytest.fixture(params=ISAS)
@@ -345,29 +347,35 @@ def test_routed_group_is_gather_group_and_scale(
 
 
 def test_isa_follows_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """AVX2 + FMA, with or without AVX-512: the AVX2 block; no AVX2 or no FMA: the portable one
-    (compiled for the host); FLOWMOE_CPU_ISA forces either where the CPU can run it, and names bad values."""
+    """AVX-512 F / BW / VL / BF16: the AVX-512 block; else AVX2 + FMA: the AVX2 block; else the
+    portable one (compiled for the host); FLOWMOE_CPU_ISA forces any where the CPU can run it (else
+    the default), and names bad values."""
     monkeypatch.delenv("FLOWMOE_CPU_ISA", raising=False)
 
     def _chosen() -> str:
         cpu_expert.isa.cache_clear()  # worked out once per process
         return cpu_expert.isa()
 
+    avx2 = frozenset({"avx2", "fma"})
+    zen4 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
     cases = {
-        frozenset({"avx2", "fma"}): "avx2",
-        frozenset({"avx2", "fma", "avx512f"}): "avx2",
+        avx2: "avx2",
+        zen4: "avx512",
+        zen4 - {"avx512_bf16"}: "avx2",  # AVX-512 without BF16 (Skylake-X, Ice Lake)
         frozenset({"avx2"}): "portable",  # no FMA
         frozenset(): "portable",  # no /proc/cpuinfo
     }
     for flags, expected in cases.items():
         monkeypatch.setattr(native, "cpu_flags", lambda flags=flags: flags)
         assert _chosen() == expected
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
-    monkeypatch.setenv("FLOWMOE_CPU_ISA", "portable")
-    assert _chosen() == "portable"
+    monkeypatch.setattr(native, "cpu_flags", lambda: zen4)
+    for forced in ("portable", "avx2", "avx512"):
+        monkeypatch.setenv("FLOWMOE_CPU_ISA", forced)
+        assert _chosen() == forced
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"sse4_2"}))
     assert _chosen() == "portable"  # never an instruction the CPU lacks
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(native, "cpu_flags", lambda: avx2)
+    assert _chosen() == "avx2"  # FLOWMOE_CPU_ISA=avx512 on an AVX2 CPU: its default
     monkeypatch.setenv("FLOWMOE_CPU_ISA", "portable")
     assert _chosen() == "portable"
     monkeypatch.setenv("FLOWMOE_CPU_ISA", "avx9")
@@ -377,8 +385,8 @@ def test_isa_follows_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch
 
 @compiled
 def test_blocks_agree_within_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The portable block (the fallback where the CPU lacks AVX2 / FMA) and the AVX2 block compute
-    the same projection; only the order of the fp32 sums differs."""
+    """The portable block (the fallback where the CPU lacks AVX2 / FMA), the AVX2 and the AVX-512
+    blocks compute the same projection; only the order of the fp32 sums differs."""
     if len(ISAS) < 2:
         pytest.skip("this CPU runs only the portable block")
     generator = torch.Generator().manual_seed(11)
@@ -391,7 +399,7 @@ def test_blocks_agree_within_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.setenv("FLOWMOE_CPU_ISA", name)
             cpu_expert.isa.cache_clear()
             outs.append(cpu_expert.linear_rows(x.to(dtype), weight.to(dtype)))
-        assert rel_err(outs[0], outs[1]) <= TOLERANCE[dtype] / 3  # at most one rounding apart
+        assert all(rel_err(outs[0], out) <= TOLERANCE[dtype] / 3 for out in outs[1:])  # one rounding apart
 
 
 @pytest.mark.parametrize("rows", [experts.WIDEN_ROWS, cpu_expert.AVX2_MAX_ROWS + 3, FEW_ROWS, FEW_ROWS + 5])
