@@ -85,6 +85,7 @@ class Executor:
         self._on_span = on_span
         self._keep = keep_spans
         self._timed = keep_spans or on_span is not None  # spans are made
+        self._starts = {lane: w.start for lane, w in self._workers.items()}  # each lane's worker's `start`
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
@@ -128,11 +129,12 @@ class Executor:
                         dependents[dep] = [node_id]
                     else:
                         waiting.append(node_id)
-            self._unmet[node_id] = unmet
-            queue.append((node, action))
-            start = self._take(lane) if len(queue) == 1 else None  # behind a head, it cannot start yet
-        if start is not None:
-            self._start(start)
+            if unmet or queue or lane in self._busy:  # it waits: for its deps, or behind its lane's head
+                self._unmet[node_id] = unmet  # a queued node's count (`_finish` and `_check_stuck` read it)
+                queue.append((node, action))
+                return
+            self._busy.add(lane)
+        self._start(node, action)
 
     def submit_all(self, nodes: Iterable[TaskNode], actions: Mapping[int, Action] | None = None) -> None:
         for node in nodes:
@@ -213,28 +215,21 @@ class Executor:
 
     # ---- running (any thread)
 
-    def _take(self, lane: Lane) -> Start | None:
-        """Under the lock: the lane's head if it may start now (the lane is then busy)."""
-        if lane in self._busy or self._stopped:
-            return None
-        queue = self._queues[lane]
-        if not queue or self._unmet[queue[0][0].id]:
-            return None
-        self._busy.add(lane)
-        return queue.popleft()
-
-    def _start(self, start: Start) -> None:
-        node, action = start
+    def _start(self, node: TaskNode, action: Action) -> None:
+        """Hand a node whose lane it has claimed to the lane's worker."""
         try:
-            self._workers[node.lane].start(node, action, partial(self._finish, node))
+            self._starts[node.lane](node, action, partial(self._finish, node))
         except BaseException as exc:  # a worker that cannot take the node: the lane is not running it
-            self._crash(node, exc, "could not start", [start])
+            self._crash(node, exc, "could not start", [(node, action)])
 
     def _finish(self, node: TaskNode, start: float, end: float, error: BaseException | None) -> None:
         """Called once per started node, from any thread; never raises (a failure here fails the
-        run). The span callback runs first, so a node is done only once it is recorded."""
+        run). The span callback runs first, so a node is done only once it is recorded. Then, under
+        the lock, `node` is marked done, its dependents are released, and the lanes that may start
+        are claimed (their heads appended to `starts` as it goes, so a failure midway knows what it
+        claimed), its own lane's first, then those of the dependents it released, in their order."""
         span = None
-        if error is None and self._timed:
+        if self._timed and error is None:
             span = Span(node, start, end, self._queued.pop(node.id))  # only this node's thread pops it
             if self._on_span is not None:
                 try:
@@ -245,46 +240,44 @@ class Executor:
         starts: list[Start] = []
         try:
             with self._lock:
-                busy = self._busy
-                busy.discard(node.lane)
+                busy, lane = self._busy, node.lane
+                busy.discard(lane)
                 if error is not None:
                     self._fail(node, error)
                 else:
-                    self._complete(node, span, starts)
-                if not busy or self._error is not None:
-                    self._wake()
-                if self._futures or self._idle is not None:  # someone waits (`_check_stuck`'s own test)
+                    node_id = node.id
+                    self._done.add(node_id)
+                    if span is not None and self._keep:
+                        self.spans.append(span)
+                    if self._futures:
+                        future = self._futures.pop(node_id, None)
+                        if future is not None:
+                            self._resolve(future, None)
+                    queues, unmet, stopped = self._queues, self._unmet, self._stopped
+                    queue = queues[lane]
+                    if queue and not stopped and not unmet[queue[0][0].id]:  # its lane's next node
+                        busy.add(lane)
+                        starts.append(queue.popleft())
+                    dependents = self._dependents.pop(node_id, None)
+                    if dependents:
+                        nodes = self._nodes
+                        for dependent in dependents:
+                            left = unmet[dependent] = unmet[dependent] - 1
+                            if left or stopped:
+                                continue
+                            lane = nodes[dependent].lane  # queued (it waited), so its lane's queue has a head
+                            if lane not in busy and not unmet[(queue := queues[lane])[0][0].id]:
+                                busy.add(lane)
+                                starts.append(queue.popleft())
+                if self._idle is not None or self._futures:  # someone waits (`_check_stuck`'s own test)
+                    if self._idle is not None and (not busy or self._error is not None):
+                        self._wake()
                     self._check_stuck()
         except BaseException as exc:
             self._crash(node, exc, "failed in the executor's hand-off", starts)
             return
-        for start_next in starts:
-            self._start(start_next)
-
-    def _complete(self, node: TaskNode, span: Span | None, starts: list[Start]) -> None:
-        """Under the lock: mark `node` done, release its dependents, claim the lanes that may start
-        (appending to `starts` as it goes, so a failure midway knows what it claimed)."""
-        node_id = node.id
-        self._done.add(node_id)
-        if self._keep and span is not None:
-            self.spans.append(span)
-        if self._futures:
-            future = self._futures.pop(node_id, None)
-            if future is not None:
-                self._resolve(future, None)
-        take = self._take
-        first = take(node.lane)
-        if first is not None:
-            starts.append(first)
-        dependents = self._dependents.pop(node_id, None)
-        if dependents:
-            unmet, nodes = self._unmet, self._nodes
-            for dependent in dependents:
-                unmet[dependent] -= 1
-                if not unmet[dependent]:
-                    released = take(nodes[dependent].lane)
-                    if released is not None:
-                        starts.append(released)
+        for next_node, action in starts:
+            self._start(next_node, action)
 
     def _crash(self, node: TaskNode, error: BaseException, what: str, claimed: list[Start]) -> None:
         """The executor itself failed around `node`: release the lanes claimed for nodes that will

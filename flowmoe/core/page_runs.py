@@ -17,15 +17,20 @@ pointed at it) and the sum of the pages' bytes and flops, so the cost model pric
 
 from __future__ import annotations
 
+import sys
+
 from attrs import evolve
 
+from flowmoe.core.errors import PlanError
 from flowmoe.core.plan import ExpertCounts, Op, RoutingRequest, TaskNode
-from flowmoe.core.scheduling import PlanStream
+from flowmoe.core.scheduling import NodeBudget, PlanStream
 
 
-def page_runs(plan: PlanStream) -> PlanStream:
-    """`plan` with each run of consecutive pages of one expert merged into one PAGE_COPY node."""
+def page_runs(plan: PlanStream, budget: NodeBudget | None = None) -> PlanStream:
+    """`plan` with each run of consecutive pages of one expert merged into one PAGE_COPY node; refused
+    (PlanError) at its node past `budget`, before nodes pile up in memory (the plan's own nodes count)."""
     run = _Run()
+    left = sys.maxsize if budget is None else budget.limit  # nodes the plan may still emit
     merged: dict[int, int] = {}  # id of a page merged into a run -> the run's node id
     reply: ExpertCounts | None = None
     try:
@@ -39,6 +44,10 @@ def page_runs(plan: PlanStream) -> PlanStream:
                 yield from run.flushed(merged)
                 reply = yield evolve(item, after=merged[item.after]) if item.after in merged else item
                 continue
+            left -= 1
+            if left < 0:
+                assert budget is not None  # `left` starts at sys.maxsize without one
+                raise PlanError(f"{budget.refusal} (more than {budget.limit} nodes in one step)")
             node = _pointed(item, merged) if merged else item
             if run.pages and run.extended(node):
                 continue

@@ -31,6 +31,7 @@ R = TypeVar("R")
 # part of a plan, run with `yield from`, that returns an R (node ids, a layer's routing, ...)
 SubPlan = Generator[TaskNode | RoutingRequest, ExpertCounts | None, R]
 WEIGHT_OPS = frozenset({Op.PAGE_COPY, Op.W_STAGE, Op.EVICT, Op.DISK_LOAD})  # nodes priced by weights alone
+BY_LAYER = WEIGHT_OPS | {Op.SHARED_FFN}  # ops whose rate depends on their layer (NodeFactory._rate)
 
 
 class WrappedPlan(Generator[TaskNode | RoutingRequest, ExpertCounts | None, None]):
@@ -46,6 +47,14 @@ class WrappedPlan(Generator[TaskNode | RoutingRequest, ExpertCounts | None, None
 
     def close(self) -> None:
         self.plan.close()
+
+
+@frozen
+class NodeBudget:
+    """The most nodes one step's plan may emit, and what to say when a plan goes past it."""
+
+    limit: int
+    refusal: str
 
 
 @frozen
@@ -275,6 +284,12 @@ class NodeFactory:
     _rates: dict[tuple[Op, int, bool], Rate] = field(factory=dict, init=False, eq=False)
     # packed experts copied onto the GPU whose first use there, which dequantizes them, is still to come
     _arrived: set[tuple[int, int]] = field(factory=set, init=False, eq=False)
+    # `_price`'s answers for the micro-batch `_mb`, by (op, layer where its rate depends on it, expert's
+    # or dense, tokens): a step's layers share them
+    _mb: MicroBatchShape | None = field(default=None, init=False, eq=False)
+    _priced: dict[tuple[Op, int, bool, int | None], tuple[int, int, int]] = field(
+        factory=dict, init=False, eq=False
+    )
 
     def node(
         self,
@@ -306,21 +321,36 @@ class NodeFactory:
             clean: tuple[int, ...] = (only,)
         else:  # a list, not a generator: no frame resumed per dep
             clean = tuple(dict.fromkeys([d for d in deps if d is not None]))
-        n_bytes, flops = self._cost(op, layer, mb, expert, tokens)
+        if mb is not self._mb:  # what `_priced` worked out holds for one micro-batch's figures
+            self._mb, self._priced = mb, {}
+        key = (op, layer if op in BY_LAYER else -1, expert >= 0, tokens)
+        priced = self._priced.get(key)
+        if priced is None:
+            priced = self._priced[key] = self._price(op, layer, mb, expert, tokens)
+        n_bytes, flops, rows = priced
         if part >= 0:
             end = part + pages
             n_bytes = n_bytes * end // parts - n_bytes * part // parts
             flops = flops * end // parts - flops * part // parts
+            if not flops and op is not Op.COMBINE:  # a page's share of a copy's flops rounded to none
+                rows = 0
         if more:
             n_bytes, flops = n_bytes * (1 + len(more)), flops * (1 + len(more))
         if self.expert_format != "native" and expert >= 0 and lane.on_gpu:
             n_bytes, flops = self._dequantized_once(op, layer, (expert, *more), n_bytes, flops)
         index = mb.index if mb else -1
+        return TaskNode(next(self._ids), op, lane, layer, index, expert, clean, n_bytes, flops, part, parts,
+                        pages, rows, pageable, sync, tuple(more), tuple(serves))  # fmt: skip
+
+    def _price(
+        self, op: Op, layer: int, mb: MicroBatchShape | None, expert: int, tokens: int | None
+    ) -> tuple[int, int, int]:
+        """-> (bytes, flops, GEMM rows) of a node of `op` for `mb` given `tokens`, its part and more aside."""
+        n_bytes, flops = self._cost(op, layer, mb, expert, tokens)
         rowless = flops == 0 and op is not Op.COMBINE  # COMBINE: no GEMM, but its rows are all-reduced (TP)
         rows = 0 if rowless else (mb.sequences if op is Op.LM_HEAD and mb else tokens if tokens is not None
                                   else mb.tokens if mb else 0)  # fmt: skip
-        return TaskNode(next(self._ids), op, lane, layer, index, expert, clean, n_bytes, flops, part, parts,
-                        pages, rows, pageable, sync, tuple(more), tuple(serves))  # fmt: skip
+        return n_bytes, flops, rows
 
     def _dequantized_once(
         self, op: Op, layer: int, experts: tuple[int, ...], n_bytes: int, flops: int

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 from attrs import Factory, define, field
 
-from flowmoe.core.driver import NodeBudget, drive
+from flowmoe.core.driver import drive
 from flowmoe.core.executor import Action, Executor, Span, Worker
 from flowmoe.core.memory import MemoryNeed, check_batch_size, gpu_memory
 from flowmoe.core.plan import ExpertCounts, Lane, Op, RoutingRequest, TaskNode
@@ -27,6 +27,7 @@ from flowmoe.core.routing_trace import RoutingTrace
 from flowmoe.core.scheduling import (
     BatchShape,
     MicroBatchShape,
+    NodeBudget,
     NodeFactory,
     Scheduler,
     SchedulerContext,

@@ -9,11 +9,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from flowmoe.core.driver import NodeBudget, drive
+from flowmoe.core.driver import drive
 from flowmoe.core.errors import PlanError
 from flowmoe.core.executor import Executor
 from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.core.policy import Policy
+from flowmoe.core.scheduling import NodeBudget
 from flowmoe.devices.inline import InlineWorker
 from flowmoe.model.loading import load_model
 from flowmoe.runtime.runner import node_budget
