@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 from functools import cached_property
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
-from attrs import frozen
+from attrs import define
 
 from flowmoe.core.spec import MoESpec
 from flowmoe.kernels import cpu_router
 from flowmoe.kernels.family_routers import FAMILY_ROUTERS
 
 
-@frozen
+@define(eq=False)
 class Routing:
-    """The gate's decision for the T tokens of one micro-batch at one layer."""
+    """The gate's decision for the T tokens of one micro-batch at one layer (not to be changed once
+    made: a plain attrs class, whose __init__ is a third of a frozen one's operations at every
+    layer's gate)."""
 
     indices: torch.Tensor  # [T, k] int64 expert of each (token, slot)
     weights: torch.Tensor  # [T, k] combine weight of each (token, slot)
@@ -43,6 +46,8 @@ class Routing:
         """The token rows and combine weights of `experts` in that order, [sum n_e] each: where they
         follow one another in the sorted whole (a layer's routed experts ascending, or a run of them),
         a view of it, else one cat each."""
+        if len(experts) == len(self.experts) and tuple(experts) == self.experts:  # all, ascending
+            return self.rows, self.sorted_scales
         start = self.starts[experts[0]]
         end = start
         for expert in experts:
@@ -161,9 +166,6 @@ def split_by_expert(
 ) -> Routing:
     """The host half: the experts with tokens, where each one's rows begin and how many (no kernel:
     each expert's views of the sorted rows and scales are split when first read)."""
-    sizes, starts, start = {}, {}, 0  # an expert without tokens takes no rows
-    for expert, count in enumerate(counts):
-        if count:
-            sizes[expert], starts[expert] = count, start
-            start += count
+    sizes = {expert: count for expert, count in enumerate(counts) if count}  # none for no tokens
+    starts = dict(zip(sizes, accumulate(sizes.values(), initial=0), strict=False))  # the last sum left out
     return Routing(indices, weights, tuple(sizes), rows, scales, starts, sizes)

@@ -214,16 +214,21 @@ class MoEModel:
         packed = packed_routed(x, routing, ffns, self.spec.moe)  # int8 / int4 experts read packed on the CPU
         if packed is not None:
             return packed
-        ffns = dict(sorted(ffns.items(), key=lambda item: (item[1].gate_up.data_ptr(), item[0])))
-        counts = [routing.sizes[e] for e in ffns]
-        rows, scales = (on(t, x.device) for t in routing.rows_of(list(ffns)))  # [sum n_e] each
+        experts = sorted(ffns, key=lambda e: (ffns[e].gate_up.data_ptr(), e))
+        sizes = routing.sizes
+        counts = [sizes[e] for e in experts]
+        rows, scales = routing.rows_of(experts)  # [sum n_e] each
+        device = x.device
+        if rows.device != device:
+            rows, scales = rows.to(device), scales.to(device)
+        ordered = [ffns[e] for e in experts]
         if not self.spec.moe.scale_input:
-            weights = [(f.gate_up, f.down, f.gate_up_bias, f.down_bias) for f in ffns.values()]
+            weights = [(f.gate_up, f.down, f.gate_up_bias, f.down_bias) for f in ordered]
             fused = swiglu_ffn_routed(x, rows, scales, counts, weights, self.spec.moe)  # [sum n_e, hidden]
-            if fused is not None:
-                return dict(zip(ffns, fused.split_with_sizes(counts), strict=True))  # no Tensor.split wrapper
-        outs = self.scaled_experts(x[rows], scales[:, None], counts, list(ffns.values()))  # one gather
-        return dict(zip(ffns, outs, strict=True))
+            if fused is not None:  # split_with_sizes: no Tensor.split wrapper
+                return dict(zip(experts, fused.split_with_sizes(counts), strict=True))
+        outs = self.scaled_experts(x[rows], scales[:, None], counts, ordered)  # one gather
+        return dict(zip(experts, outs, strict=True))
 
     def scaled_experts(
         self, gathered: torch.Tensor, scales: torch.Tensor, counts: list[int], ffns: list[FFNWeights]
@@ -273,7 +278,7 @@ class MoEModel:
         if routing is None:
             moe = torch.zeros_like(hidden)
         else:
-            experts = [e for e in routing.experts if e not in deferred]
+            experts = [e for e in routing.experts if e not in deferred] if deferred else list(routing.experts)
             routed = [outputs[e] for e in experts]  # [n_e, hidden] each
             if carry is None and shared is None and self.spec.residual_multiplier == 1.0 and routed:
                 rows = on(routing.rows_of(experts)[0], hidden.device)  # [sum n_e]

@@ -63,28 +63,32 @@ def kernel_form(expert: QuantizedExpert) -> tuple[str, int, cpu_packed.PackedFFN
 @frozen
 class _Made:
     """What `prepared` made of an expert (None: the kernels do not read it), and what from: the
-    expert (weakly), its projections (the gate_up tuple and down, held as the expert holds them) and
-    each tensor they and the expert hold by owner (None: the expert itself, for its biases) and
-    attribute, weakly (None where the attribute was None): a tensor rebound in place is let go."""
+    expert (weakly), its projections (the gate_up tuple and down, held as the expert holds them), the
+    owner and attribute of each tensor the projections hold, and the id of every tensor read (the
+    projections', then the expert's biases; id(None) where an attribute is None). `tensors` holds a
+    weak reference to each of those tensors whose callback forgets the entry as the tensor dies, so
+    while the entry lives every id it holds is its tensor's (no other live object has that id): a
+    tensor rebound in place is let go and seen by its id."""
 
     expert: weakref.ref[QuantizedExpert]
     gate_up: tuple[PackedWeight, ...]
     down: PackedWeight
-    reads: tuple[tuple[PackedWeight | None, str, weakref.ref[torch.Tensor] | None], ...]
+    owners: tuple[PackedWeight, ...]  # each tensor's owner, in `names`' order
+    names: tuple[str, ...]
+    ids: tuple[int, ...]
+    tensors: tuple[weakref.ref[torch.Tensor], ...]
     made: cpu_packed.Prepared | None
 
     def current(self, expert: QuantizedExpert) -> bool:
-        """Whether `expert` is still what this was made of: the same object, projections and tensors."""
+        """Whether `expert` is still what this was made of: the same object, projections and tensors
+        (each attribute read once, in C: a map of getattr and id)."""
         if self.expert() is not expert or expert.gate_up is not self.gate_up or expert.down is not self.down:
             return False
-        for owner, name, ref in self.reads:
-            if getattr(expert if owner is None else owner, name) is not (None if ref is None else ref()):
-                return False
-        return True
+        biases = id(expert.gate_up_bias), id(expert.down_bias)
+        return self.ids == (*map(id, map(getattr, self.owners, self.names)), *biases)
 
 
-_BIASES = ("gate_up_bias", "down_bias")
-# id(expert) -> what `prepared` made of it; the entry goes when the expert is freed
+# id(expert) -> what `prepared` made of it; the entry goes when the expert or a tensor it read is freed
 _PREPARED: dict[int, _Made] = {}
 
 
@@ -99,16 +103,18 @@ def prepared(expert: QuantizedExpert) -> cpu_packed.Prepared | None:
         return held.made
     form = kernel_form(expert)
     made = None if form is None else cpu_packed.prepare(form[2], form[0], form[1], expert.down.shape[0])
-    owners = [(w, name) for w in expert.weights() for name in w.names()]
-    reads = tuple((owner, name, _weak(getattr(expert if owner is None else owner, name)))
-                  for owner, name in [*owners, *((None, b) for b in _BIASES)])  # fmt: skip
-    forget = weakref.ref(expert, lambda _, key=key: _PREPARED.pop(key, None))  # type: ignore[misc]
-    _PREPARED[key] = _Made(forget, expert.gate_up, expert.down, reads, made)
+    slots = [(w, name) for w in expert.weights() for name in w.names()]
+    owners, names = tuple(w for w, _ in slots), tuple(name for _, name in slots)
+    read = [*map(getattr, owners, names), expert.gate_up_bias, expert.down_bias]
+
+    def forget(_: object) -> None:
+        _PREPARED.pop(key, None)
+
+    tensors = tuple(weakref.ref(t, forget) for t in read if t is not None)
+    made_of = _Made(weakref.ref(expert, forget), expert.gate_up, expert.down, owners, names,
+                    tuple(map(id, read)), tensors, made)  # fmt: skip
+    _PREPARED[key] = made_of
     return made
-
-
-def _weak(t: torch.Tensor | None) -> weakref.ref[torch.Tensor] | None:
-    return None if t is None else weakref.ref(t)
 
 
 def _kernel_experts(ffns: list[FFNWeights]) -> list[cpu_packed.Prepared] | None:
