@@ -3,7 +3,8 @@ against the same kernels at a git revision (`--baseline`), alternated in one pro
 
 One expert FFN of issue 25's checkpoint (hidden 1024, intermediate 3584: gate, up, down; int4 at
 group 128, as flowmoe's quantizer packs it) per `flowmoe_packed_ffn_group` call, 1-8 rows of fp32 x,
-1 thread, the block this CPU runs (cpu_packed.isa()). "dram": 16 distinct experts' weights on huge
+1 thread, the block this CPU runs (cpu_packed.isa()), or each build its own (`--blocks OLD,NEW`:
+two blocks of one build, with `--baseline HEAD` and no change). "dram": 16 distinct experts' weights on huge
 pages (kernels/host_memory.py), each called once per pass in turn (int8: 176 MB, int4: 93 MB, beyond
 the LLC); "warm": one expert called 16 times (its weights in the LLC). Each round times one pass per
 library, the order flipped every round; the clock is the thread's CPU time (a shared machine's
@@ -12,6 +13,7 @@ pages (1 thread), sampled each round, the best kept. Every call's output of the 
 compared bit for bit (the change must keep the bits). Prints a table, writes bench/packed_rows.json.
 
     python bench/packed_rows.py [--baseline REV] [--rounds N] [--rows 1,2,8] [--formats int8,int4]
+                                [--blocks avx2,avx512]
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ from flowmoe.kernels import cpu_packed, native
 from flowmoe.kernels.host_memory import huge_copy
 
 HIDDEN, INTER, GROUP, EXPERTS = 1024, 3584, 128, 16
-FILES = ("cpu_packed.c", "cpu_packed_avx2.c", "bf16.h", "swiglu.h")  # what the packed kernels compile from
+FILES = (
+    "cpu_packed.c",
+    "cpu_packed_avx2.c",
+    "cpu_packed_avx512.c",
+    "cpu_packed_tiles.h",
+    "bf16.h",
+    "swiglu.h",
+)  # what the packed kernels compile from
 
 
 def kernel(lib: ctypes.CDLL) -> Any:
@@ -66,11 +75,13 @@ def experts(fmt: str, count: int) -> tuple[list[list[torch.Tensor | None]], int]
 class Calls:
     """One library's calls over the experts: x [rows, HIDDEN] fp32 -> out [rows, HIDDEN] per expert."""
 
-    def __init__(self, fn: Any, fmt: str, weights: list[list[torch.Tensor | None]], x: torch.Tensor) -> None:
+    def __init__(
+        self, fn: Any, fmt: str, weights: list[list[torch.Tensor | None]], x: torch.Tensor, block: str
+    ) -> None:
         self.fn, self.fmt, self.x = fn, cpu_packed.FORMATS[fmt], x
         self.pointers = [native.pointers([None if t is None else t.data_ptr() for t in w]) for w in weights]
         self.outs = [torch.empty_like(x) for _ in weights]
-        self.block = cpu_packed.BLOCKS[cpu_packed.isa()]
+        self.block = cpu_packed.BLOCKS[block]
 
     def run(self, e: int, into: int) -> None:
         none = native.pointers([None])
@@ -102,7 +113,11 @@ class Calls:
 def main() -> None:
     flags = parser(__doc__, "packed_rows.json")
     flags.add_argument("--formats", default="int8,int4")
+    flags.add_argument("--blocks", default=None, help="the old and the new build's blocks (default isa())")
     args = flags.parse_args()
+    blocks = dict(
+        zip(("old", "new"), (args.blocks or f"{cpu_packed.isa()},{cpu_packed.isa()}").split(","), strict=True)
+    )
     load, roof, results = [os.getloadavg()[0]], Roof(), []
     with builds(args.baseline, FILES) as built:
         libs = {name: kernel(lib) for name, lib in built.items()}
@@ -110,13 +125,15 @@ def main() -> None:
             weights, nbytes = experts(fmt, EXPERTS)
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
-                calls: dict[str, Any] = {name: Calls(fn, fmt, weights, x) for name, fn in libs.items()}
+                calls: dict[str, Any] = {
+                    name: Calls(fn, fmt, weights, x, blocks[name]) for name, fn in libs.items()
+                }
                 times = compared(calls, EXPERTS, args.rounds, roof)
                 keys = {"format": fmt, "rows": rows}
                 results += [summary(keys | {"mode": m}, *times[m], nbytes) for m in times]
                 load.append(os.getloadavg()[0])
     title = f"packed experts: {args.baseline} (old) vs working tree (new), 1 thread, {args.rounds} rounds"
-    record = {"baseline": args.baseline, "rounds": args.rounds, "block": cpu_packed.isa()}
+    record = {"baseline": args.baseline, "rounds": args.rounds, "blocks": blocks}
     report(title, ("format", "rows", "mode"), results, roof.best, load, record, args.out)
 
 

@@ -25,7 +25,7 @@
    tree (hsum8: i + i + 4, then + 2, + 1), then the columns past the last full block (int8) or
    superblock (int4) in order, each as fma(d x level, weight, sum) with the weight (q - zero) x scale;
    int8 times the row's scale last. Every float operation is in that one order, whatever the rows,
-   threads and block (the integer sums are exact), so the portable and AVX2 blocks give the same bits
+   threads and block (the integer sums are exact), so the portable, AVX2 and AVX-512 blocks give the same bits
    and a row the same bits alone as among others.
 
    Numerics: the levels' integer sums are exact, so the output is, up to fp32 rounding of a few
@@ -37,9 +37,10 @@
    64 columns as its 32 bytes' low nibbles meet them (the even columns), then the high nibbles'
    (the odd ones), the columns past the last full superblock in order.
 
-   Blocks: `isa` 1 takes cpu_packed_avx2.c's (AVX2 + FMA + F16C intrinsics, chosen by the CPU's
-   features in cpu_packed.py) and its activation quantization for whole blocks, 0 the portable ones
-   here (plain C, the same operations one output at a time). Threads: OpenMP over blocks of PB weight
+   Blocks: `isa` 1 takes cpu_packed_avx2.c's (AVX2 + FMA + F16C intrinsics), 2 cpu_packed_avx512.c's
+   (the same tiles, cpu_packed_tiles.h, with AVX512-VNNI's integer dot products), both chosen by the
+   CPU's features in cpu_packed.py, and cpu_packed_avx2.c's activation quantization for whole
+   blocks; 0 the portable ones here (plain C, the same operations one output at a time). Threads: OpenMP over blocks of PB weight
    rows of all experts, the count the caller passes.
 
    One-row blocks (an expert's one row, a decode step's): a gate / up block takes gate's PB rows and
@@ -65,10 +66,13 @@
 #define SB 64       /* int4 columns per superblock: 32 bytes of levels, two activation blocks */
 #define QMAX 127.0f /* the largest activation level: Q8_0's d = max |x| / ((1 << 7) - 1) */
 
-/* cpu_packed_avx2.c */
+/* cpu_packed_avx2.c, cpu_packed_avx512.c */
 void flowmoe_packed_block_avx2(int fmt, const int8_t *xq, long ldq, const float *xd, const float *xl,
                                const float *xs, long ldf, int n, long K, long group, int mats,
                                const void *const *p, long o0, int ob, float *res);
+void flowmoe_packed_block_avx512(int fmt, const int8_t *xq, long ldq, const float *xd, const float *xl,
+                                 const float *xs, long ldf, int n, long K, long group, int mats,
+                                 const void *const *p, long o0, int ob, float *res);
 void flowmoe_quantize_blocks_avx2(const float *x, long blocks, int fmt, long supers, long group, long groups,
                                   int8_t *xq, float *xd, float *lanes, float *sums);
 
@@ -128,7 +132,7 @@ static inline long row_floats(int fmt, long K, long group) {
 static void quantize_row(const float *x, long K, int fmt, long group, int isa, int8_t *xq, float *xf) {
     long supers = K / SB, groups = fmt == 1 ? (K + group - 1) / group : 0, done = 0; /* blocks the AVX2 code quantized */
     float *lanes = xf + (K + QB - 1) / QB, *sums = lanes + supers * 8;
-    if (isa == 1) {
+    if (isa >= 1) {
         done = fmt == 1 ? 2 * supers : K / QB;
         flowmoe_quantize_blocks_avx2(x, done, fmt, supers, group, groups, xq, xf, lanes, sums);
     }
@@ -144,7 +148,7 @@ static void quantize_row(const float *x, long K, int fmt, long group, int isa, i
             xq[fmt == 1 ? int4_position(k, K) : k] = level;
         }
     }
-    if (fmt == 0 || isa == 1) return;
+    if (fmt == 0 || isa >= 1) return;
     for (long s = 0; s < supers; s++)
         for (int l = 0; l < 8; l++) lanes[s * 8 + l] = xf[2 * s + l / 4];
     for (long g = 0; g < groups; g++) {
@@ -230,7 +234,9 @@ static inline void packed_block(int isa, int fmt, const int8_t *xq, const float 
                                 int mats, const void *const *p, long o0, int ob, float *res) {
     long ldf = row_floats(fmt, K, group), supers = fmt == 1 ? K / SB : 0;
     const float *xl = xf + (K + QB - 1) / QB, *xs = xl + supers * 8;
-    if (isa == 1)
+    if (isa == 2)
+        flowmoe_packed_block_avx512(fmt, xq, K, xf, xl, xs, ldf, n, K, group, mats, p, o0, ob, res);
+    else if (isa == 1)
         flowmoe_packed_block_avx2(fmt, xq, K, xf, xl, xs, ldf, n, K, group, mats, p, o0, ob, res);
     else
         for (int m = 0; m < mats; m++)

@@ -10,12 +10,16 @@ does, the kernel quantizes each row of x, and of the activation between the proj
 per block of 32 values (one scale max |x| / 127 each) and multiplies in exact integer sums, taken to
 fp32 once per block: the result is the dequantized weights times those quantized activations (each
 value off by at most its block's max |x| / 254), summed in one order whatever the rows, threads and
-block (cpu_packed.c's header: the portable and AVX2 blocks give the same bits).
+block (cpu_packed.c's header: the portable, AVX2 and AVX-512 blocks give the same bits).
 
-The block is chosen by the CPU's flags at run time (`isa`): the AVX2 + FMA + F16C intrinsics of
-cpu_packed_avx2.c on a CPU with them (AVX-512 ones too: on a Zen 4, a b1 decode step with int4
-experts, attention and LM head took 12.1 ms with them against 131 with the portable block compiled
-for AVX-512), else the portable C block; FLOWMOE_CPU_ISA names one where the CPU runs it.
+The block is chosen by the CPU's flags at run time (`isa`): cpu_packed_avx512.c's (the AVX2 block's
+tiles with AVX512-VNNI's integer dot products) on a CPU with AVX-512 F/BW/VL/DQ and VNNI, else the
+AVX2 + FMA + F16C intrinsics of cpu_packed_avx2.c on a CPU with them, else the portable C block;
+FLOWMOE_CPU_ISA names one where the CPU runs it. On a Zen 4 (1 thread, bench/packed_rows.py, one
+1024 x 3584 expert from DRAM, 9 alternated rounds, load 4) the AVX-512 block against the AVX2 one:
+int8 1 row 1.03x, 2 rows 1.06x, 8 rows 1.13x; int4 0.98x, 1.03x, 1.05x (warm, in the LLC: int8 1.03x,
+1.19x, 1.20x; int4 1.00x, 0.95x, 1.07x); the portable block compiled for AVX-512 was ~10x slower (a
+b1 decode step with int4 experts, attention and LM head 131 ms against 12.1 with the AVX2 block).
 Without the compiled library (no compiler, a non-x86 host, FLOWMOE_CPU_KERNELS=0) `fits` says no and
 the caller dequantizes in torch.
 """
@@ -35,9 +39,14 @@ from flowmoe.kernels import cpu_expert, native
 MAX_ROWS = 32  # as cpu_expert: beyond it the GEMM is compute-bound and a dequantized matmul wins
 GROUP_STEP = 64  # cpu_packed.c's SB: an int4 group is whole superblocks of 64 columns (32 bytes)
 FORMATS = {"int8": 0, "int4": 1}  # cpu_packed.c's `fmt`
-BLOCKS = {"portable": 0, "avx2": 1}  # cpu_packed.c's `isa`
-NEEDS = {"portable": frozenset(), "avx2": frozenset({"avx2", "fma", "f16c"})}  # the CPU flags of each
-DEFAULT = ("avx2", "portable")  # the first of these the CPU runs is the default
+BLOCKS = {"portable": 0, "avx2": 1, "avx512": 2}  # cpu_packed.c's `isa`
+_AVX2 = frozenset({"avx2", "fma", "f16c"})
+NEEDS = {  # the CPU flags (/proc/cpuinfo's names) each block runs on
+    "portable": frozenset(),
+    "avx2": _AVX2,
+    "avx512": _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"},
+}
+DEFAULT = ("avx512", "avx2", "portable")  # the first of these the CPU runs is the default
 
 # (q, scale, zero): int8 q [R, C] int8, scale [R] or [R, 1] float32, zero None;
 # int4 q [R, ceil(C / 2)] uint8, scale and zero [R, ceil(C / group)] float16

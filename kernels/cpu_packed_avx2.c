@@ -1,243 +1,30 @@
 /* cpu_packed.c's block with AVX2, FMA and F16C intrinsics (compiled with a target attribute, so it
-   is in every x86 build and runs only where cpu_packed.py finds the three): res[(m n + r) PB + j] =
-   levels row r . row o0 + j of weight matrix m (p + 3 m: q, scale, zero) for r < n, j < ob <= PB,
-   m < mats, in cpu_packed.c's order (its header). mats 2 (gate and up, or down's two halves) only at
-   one row (n 1): each tile then takes one row of each matrix.
-
-   Integer dot products as llama.cpp's AVX2 Q8_0 / Q4_0 ones do (ggml's mul_sum_i8_pairs_float): int8
-   weights times int8 levels by maddubs (unsigned x signed bytes -> pairs summed in int16) of |w| and
-   the levels with w's sign, int4 levels (unsigned 0..15) times levels directly; madd by ones sums
-   pairs of pairs into the 8 int32 lanes, converted and multiplied by the block's d into fp32 lanes.
-   A tile of RT rows of levels and JT weight rows keeps its lanes in registers and loads each weight
-   vector once per tile, reused across its rows (the weights are widened once per RT rows; a block's
-   PB weight rows, a few KB, stay in L1 between tiles). And quantize_row's activation levels for whole
-   blocks (flowmoe_quantize_blocks_avx2). */
+   is in every x86 build and runs only where cpu_packed.py finds the three): cpu_packed_tiles.h's,
+   its integer dot products by maddubs (unsigned x signed bytes -> pairs summed in int16) and madd by
+   ones (pairs of pairs into int32 lanes). And quantize_row's activation levels for whole blocks
+   (flowmoe_quantize_blocks_avx2). */
 
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-#define INLINE static inline AVX2 __attribute__((always_inline))
-#define PB 4  /* weight rows per block (cpu_packed.c) */
-#define QB 32 /* cpu_packed.c's */
-#define SB 64 /* cpu_packed.c's */
+#define BLOCK_TARGET __attribute__((target("avx2,fma,f16c")))
+#define INLINE static inline BLOCK_TARGET __attribute__((always_inline))
+#define BLOCK flowmoe_packed_block_avx2
 #define QMAX 127.0f /* cpu_packed.c's */
-#define RT 4  /* rows of levels per tile of several rows */
-#define JT 2  /* weight rows per tile */
-#define MB 8  /* a block's weight rows: PB of each of up to 2 matrices */
 
-/* cpu_packed.c */
-float flowmoe_packed_tail(int fmt, const int8_t *xq, const float *xd, long K, long group, const void *q,
-                          const void *scale, const void *zero, long o, long k0, float s);
-
-/* The 8 lanes' sum: lane i + lane i + 4, then + 2, + 1. */
-static inline AVX2 float hsum8(__m256 v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+/* cpu_packed_tiles.h's dot4: the int32 lane sums of u x s's 4 products. */
+INLINE __m256i dot4(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-/* The next block's copy of a tile's next 64 bytes (`ahead` bytes past p, PB rows on), one line
-   per step of the tile (JT rows x 32 bytes): a short row's streams end before the hardware
-   prefetchers pick them up, and the tile's JT rows are one contiguous span, prefetched in address
-   order as one stream rather than JT streams a row apart: a decode step's experts (16 experts'
-   1024 x 3584 gate / up / down, 1 row, 1 thread, AMD EPYC Zen 3 2 vCPU, two runs of 16 interleaved
-   rounds, medians [min, max]) int8 1.38x [1.28, 1.45] and 1.27x [1.17, 1.45], int4 1.10x
-   [0.94, 1.24] and 1.18x [1.04, 1.31] against a line per row, the same bits. */
-INLINE void prefetch_next(const void *p, long ahead) {
-    _mm_prefetch((const char *)p + ahead, _MM_HINT_T0);
+/* cpu_packed_tiles.h's dot4_twice: dot4(u, s) + dot4(v, t), the pairs summed in int16 first. */
+INLINE __m256i dot4_twice(__m256i u, __m256i s, __m256i v, __m256i t) {
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u, s), _mm256_maddubs_epi16(v, t)),
+                             _mm256_set1_epi16(1));
 }
 
-/* Prefetch step `step` of a tile's JT weight rows wr (`bytes` per row a step) `ahead` bytes on: entry
-   i is a row of matrix i % mats, each matrix's JT / mats rows one contiguous span, read in address
-   order (mats 1: the two rows' line a step, one stream; mats 2: each row's next bytes, two streams
-   through whole matrices): a decode step's experts (1 row, 1 thread, AMD EPYC Zen 3 2 vCPU, load 3,
-   11 interleaved rounds) int4 1.12x from DRAM against one line a step from alternate rows (1.04x),
-   int8 1.05x (1.03x). */
-INLINE void prefetch_step(const void *const *wr, int mats, long step, long bytes, long ahead) {
-    for (int m = 0; m < mats; m++) prefetch_next((const char *)wr[m] + step * bytes * (JT / mats), ahead);
-}
-
-/* fp32 lanes += the int32 lane sums of 16-bit pair sums p, times d. */
-INLINE __m256 add_pairs(__m256 acc, __m256i p, __m256 d) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1))), d, acc);
-}
-
-/* int8: rows [r0, r0 + rt) of levels against weight rows wr[0..jn), jn <= JT, into acc[r0..][j0..]. */
-INLINE void int8_tile(int rt, int jn, int mats, const int8_t *xq, long ldq, const float *xd, long ldf, int r0, long K,
-                      const int8_t *const *wr, __m256 (*acc)[MB], int j0) {
-    __m256 a[RT][JT];
-    for (int r = 0; r < rt; r++)
-        for (int j = 0; j < jn; j++) a[r][j] = _mm256_setzero_ps();
-    for (long b = 0; b < K / QB; b++) {
-        __m256i w[JT], magnitude[JT];
-        prefetch_step((const void *const *)wr, mats, b, QB, PB * K);
-        for (int j = 0; j < jn; j++) {
-            w[j] = _mm256_loadu_si256((const __m256i *)(wr[j] + b * QB));
-            magnitude[j] = _mm256_abs_epi8(w[j]);
-        }
-        for (int r = 0; r < rt; r++) {
-            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (r0 + r) * ldq + b * QB));
-            __m256 d = _mm256_broadcast_ss(xd + (r0 + r) * ldf + b);
-            for (int j = 0; j < jn; j++)
-                a[r][j] = add_pairs(a[r][j], _mm256_maddubs_epi16(magnitude[j], _mm256_sign_epi8(x, w[j])), d);
-        }
-    }
-    for (int r = 0; r < rt; r++)
-        for (int j = 0; j < jn; j++) acc[r0 + r][j0 + j] = a[r][j];
-}
-
-/* int4, superblock s: lanes[r][j] += row r's int sums with weight row wr[j], times the lanes' d. */
-INLINE void int4_step(int rt, int jn, int mats, const int8_t *xq, long ldq, const float *xl, long ldf, int r0,
-                      long bytes, const uint8_t *const *wr, long s, __m256 (*lanes)[JT]) {
-    const __m256i low = _mm256_set1_epi8(15);
-    __m256i lo[JT], hi[JT];
-    prefetch_step((const void *const *)wr, mats, s, SB / 2, PB * bytes);
-    for (int j = 0; j < jn; j++) {
-        __m256i w = _mm256_loadu_si256((const __m256i *)(wr[j] + s * SB / 2));
-        lo[j] = _mm256_and_si256(w, low);
-        hi[j] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-    }
-    for (int r = 0; r < rt; r++) {
-        const int8_t *x = xq + (r0 + r) * ldq + s * SB;
-        __m256i even = _mm256_loadu_si256((const __m256i *)x);
-        __m256i odd = _mm256_loadu_si256((const __m256i *)(x + SB / 2));
-        __m256 d = _mm256_loadu_ps(xl + (r0 + r) * ldf + s * 8);
-        for (int j = 0; j < jn; j++) {
-            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], even), _mm256_maddubs_epi16(hi[j], odd));
-            lanes[r][j] = add_pairs(lanes[r][j], p, d);
-        }
-    }
-}
-
-/* int4: as int8_tile, group by group: a group's lanes (its `per` superblocks, fewer in a last short
-   group), then lanes = fma(scale, group lanes, lanes), lanes = fma(-(scale x zero), the row's group
-   sums, lanes); sc and sz the weight rows' scales and scale x zero, a row's `groups` on
-   (flowmoe_packed_block_avx2 converts them). tile_columns passes `per` as a constant for the common
-   groups at one row: a group's steps unrolled, no loop bounds worked out per group. With
-   prefetch_step, 16 experts' 1024 x 3584 FFNs, 1 row, 1 thread, AMD EPYC Zen 3 2 vCPU, load 2.4-3.4,
-   9 interleaved rounds (bench/packed_rows.py's): int4 g128 1.15x from DRAM (0.94 -> 0.81 ms), 1.24x
-   warm; int8 1.07x / 1.17x; the same bits. */
-INLINE void int4_tile(int rt, int jn, int mats, const int8_t *xq, long ldq, const float *xl, const float *xs, long ldf,
-                      int r0, long K, long group, long per, const uint8_t *const *wr, const float *sc,
-                      const float *sz, __m256 (*acc)[MB], int j0) {
-    long supers = K / SB, groups = (K + group - 1) / group, bytes = (K + 1) / 2;
-    __m256 a[RT][JT];
-    for (int r = 0; r < rt; r++)
-        for (int j = 0; j < jn; j++) a[r][j] = _mm256_setzero_ps();
-    for (long g = 0, s0 = 0; s0 < supers; g++, s0 += per) {
-        __m256 lanes[RT][JT];
-        for (int r = 0; r < rt; r++)
-            for (int j = 0; j < jn; j++) lanes[r][j] = _mm256_setzero_ps();
-        if (s0 + per <= supers)
-            for (long i = 0; i < per; i++) int4_step(rt, jn, mats, xq, ldq, xl, ldf, r0, bytes, wr, s0 + i, lanes);
-        else
-            for (long s = s0; s < supers; s++) int4_step(rt, jn, mats, xq, ldq, xl, ldf, r0, bytes, wr, s, lanes);
-        for (int j = 0; j < jn; j++) {
-            __m256 s = _mm256_broadcast_ss(sc + j * groups + g), s_zero = _mm256_broadcast_ss(sz + j * groups + g);
-            for (int r = 0; r < rt; r++) {
-                __m256 sums = _mm256_loadu_ps(xs + (r0 + r) * ldf + g * 8);
-                a[r][j] = _mm256_fnmadd_ps(s_zero, sums, _mm256_fmadd_ps(s, lanes[r][j], a[r][j]));
-            }
-        }
-    }
-    for (int r = 0; r < rt; r++)
-        for (int j = 0; j < jn; j++) acc[r0 + r][j0 + j] = a[r][j];
-}
-
-/* Rows [r0, r0 + rt) of levels against the block's weight rows wr[j0..j0 + JT); at one row, int4's
-   common groups with their steps unrolled (int4_tile; unrolled for several rows too, the larger code
-   made int8's 2-row blocks 0.81-0.91x from DRAM, their loops unchanged). */
-INLINE void tile_columns(int rt, int fmt, int mats, const int8_t *xq, long ldq, const float *xd, const float *xl,
-                         const float *xs, long ldf, int r0, long K, long group, const void *const *wr,
-                         const float *sc, const float *sz, __m256 (*acc)[MB], int j0) {
-    long groups = fmt == 1 ? (K + group - 1) / group : 0;
-    const uint8_t *const *w4 = (const uint8_t *const *)wr + j0;
-    if (fmt == 0)
-        int8_tile(rt, JT, mats, xq, ldq, xd, ldf, r0, K, (const int8_t *const *)wr + j0, acc, j0);
-    else if (rt == 1 && group == 2 * SB) /* int4's group (128) */
-        int4_tile(rt, JT, mats, xq, ldq, xl, xs, ldf, r0, K, group, 2, w4, sc + j0 * groups, sz + j0 * groups, acc, j0);
-    else if (rt == 1 && group == SB) /* hqq4's (64) */
-        int4_tile(rt, JT, mats, xq, ldq, xl, xs, ldf, r0, K, group, 1, w4, sc + j0 * groups, sz + j0 * groups, acc, j0);
-    else
-        int4_tile(rt, JT, mats, xq, ldq, xl, xs, ldf, r0, K, group, group / SB, w4, sc + j0 * groups,
-                  sz + j0 * groups, acc, j0);
-}
-
-/* Rows [r0, r0 + rt) of levels against the block's PB weight rows, JT weight rows at a time: at one
-   row too, fewer streams at once for the prefetchers (as cpu_rows_avx2.c's bf16 row, two weight rows
-   at a time): a decode step's experts at bench/vs_llamacpp.py's shapes (8 layers x 2, 1 row each),
-   1 thread, AMD EPYC Zen 3 2 vCPU, medians of 5 interleaved rounds against all PB at once:
-   int8 29.7 -> 27.1 ms, int4 20.5 -> 17.8 ms, the same bits. */
-INLINE void tile_rows(int rt, int fmt, int mats, const int8_t *xq, long ldq, const float *xd, const float *xl,
-                      const float *xs, long ldf, int r0, long K, long group, const void *const *wr, const float *sc,
-                      const float *sz, __m256 (*acc)[MB]) {
-    for (int j0 = 0; j0 < mats * PB; j0 += JT)
-        tile_columns(rt, fmt, mats, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc, j0);
-}
-
-AVX2 void flowmoe_packed_block_avx2(int fmt, const int8_t *xq, long ldq, const float *xd, const float *xl,
-                                    const float *xs, long ldf, int n, long K, long group, int mats,
-                                    const void *const *p, long o0, int ob, float *res) {
-    __m256 acc[n][MB];
-    long tail_from = fmt == 0 ? K / QB * QB : K / SB * SB, row_bytes = fmt == 0 ? K : (K + 1) / 2;
-    long groups = fmt == 1 ? (K + group - 1) / group : 1;
-    const void *wr[MB]; /* entry i: row o0 + i / mats of matrix i % mats */
-    const uint16_t *scales[MB], *zeros[MB]; /* int4: its scales' and zeros' row */
-    for (int j = 0; j < PB; j++) {
-        long at = o0 + (j < ob ? j : ob - 1); /* a short block repeats its last row (its results not kept) */
-        for (int m = 0; m < mats; m++) {
-            wr[j * mats + m] = (const uint8_t *)p[3 * m] + at * row_bytes;
-            if (fmt == 1)
-                scales[j * mats + m] = (const uint16_t *)p[3 * m + 1] + at * groups,
-                zeros[j * mats + m] = (const uint16_t *)p[3 * m + 2] + at * groups;
-        }
-    }
-    float sc[MB * groups], sz[MB * groups]; /* int4: the entries' scales and scale x zero */
-    if (fmt == 1) /* the next block's scales and zeros too: a miss here would stall the block's start */
-        for (int m = 0; m < mats; m++)
-            for (long b = 0; b < PB * groups * 2; b += 64)
-                prefetch_next((const char *)p[3 * m + 1] + o0 * groups * 2 + b, PB * groups * 2),
-                    prefetch_next((const char *)p[3 * m + 2] + o0 * groups * 2 + b, PB * groups * 2);
-    if (fmt == 1)
-        for (int i = 0; i < mats * PB; i++) {
-            const uint16_t *s = scales[i], *z = zeros[i];
-            float *to = sc + i * groups, *to_zero = sz + i * groups;
-            long g = 0;
-            for (; g + 8 <= groups; g += 8) {
-                __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g)));
-                __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + g)));
-                _mm256_storeu_ps(to + g, sv), _mm256_storeu_ps(to_zero + g, _mm256_mul_ps(sv, zv));
-            }
-            for (; g < groups; g++) to[g] = _cvtsh_ss(s[g]), to_zero[g] = to[g] * _cvtsh_ss(z[g]);
-        }
-    _Static_assert(RT == 4, "the tiles below: 1, 2, 3 or RT rows");
-    if (mats == 2) /* one row (cpu_packed.c) */
-        tile_rows(1, fmt, 2, xq, ldq, xd, xl, xs, ldf, 0, K, group, wr, sc, sz, acc);
-    else
-        for (int r0 = 0; r0 < n; r0 += RT) {
-            int rt = n - r0 < RT ? n - r0 : RT;
-            if (rt == 1)
-                tile_rows(1, fmt, 1, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
-            else if (rt == 2)
-                tile_rows(2, fmt, 1, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
-            else if (rt == 3)
-                tile_rows(3, fmt, 1, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
-            else
-                tile_rows(RT, fmt, 1, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
-        }
-    for (int m = 0; m < mats; m++)
-        for (int r = 0; r < n; r++)
-            for (int j = 0; j < ob; j++) {
-                const void *const *w = p + 3 * m;
-                float v = hsum8(acc[r][j * mats + m]); /* then the tail's columns, where K leaves some */
-                if (tail_from < K)
-                    v = flowmoe_packed_tail(fmt, xq + r * ldq, xd + r * ldf, K, group, w[0], w[1], w[2], o0 + j,
-                                            tail_from, v);
-                res[(m * n + r) * PB + j] = fmt == 0 ? v * ((const float *)w[1])[o0 + j] : v;
-            }
-}
+#include "cpu_packed_tiles.h"
 
 /* The levels of a block of QB activations x in column order and its d (cpu_packed.c's quantize_row,
    the same bits: max |x| is exact in any order; d = max / QMAX and its inverse, each level
@@ -272,7 +59,7 @@ INLINE __m256i block_levels(const float *x, float *d) {
    superblocks, each laid out as its even columns' levels, then its odd ones'); int4 also the lanes'
    d and the `groups` group sums over the row's `supers` superblocks (cpu_packed.c's quantize_row, the
    same bits: the sums' fma in its order, lane by lane). */
-AVX2 void flowmoe_quantize_blocks_avx2(const float *x, long blocks, int fmt, long supers, long group, long groups,
+BLOCK_TARGET void flowmoe_quantize_blocks_avx2(const float *x, long blocks, int fmt, long supers, long group, long groups,
                                        int8_t *xq, float *xd, float *lanes, float *sums) {
     if (fmt == 0) {
         for (long b = 0; b < blocks; b++)
@@ -299,8 +86,7 @@ AVX2 void flowmoe_quantize_blocks_avx2(const float *x, long blocks, int fmt, lon
         for (long s = g * per; s < (g + 1) * per && s < supers; s++) {
             __m256i even = _mm256_loadu_si256((const __m256i *)(xq + s * SB));
             __m256i odd = _mm256_loadu_si256((const __m256i *)(xq + s * SB + QB));
-            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(ones, even), _mm256_maddubs_epi16(ones, odd));
-            acc = add_pairs(acc, p, _mm256_loadu_ps(lanes + s * 8));
+            acc = add_sums(acc, dot4_twice(ones, even, ones, odd), _mm256_loadu_ps(lanes + s * 8));
         }
         _mm256_storeu_ps(sums + g * 8, acc);
     }

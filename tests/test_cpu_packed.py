@@ -27,7 +27,7 @@ from tests.schedule_fixtures import run_scheduler
 from tests.test_cpu_experts import _moe, _reference, _threads
 
 pytestmark = pytest.mark.skipif(cpu_packed.kernel() is None, reason="no C compiler for the CPU kernels here")
-ISAS = ["portable", *(["avx2"] if {"avx2", "fma", "f16c"} <= native.cpu_flags() else [])]
+ISAS = [b for b in cpu_packed.BLOCKS if cpu_packed.NEEDS[b] <= native.cpu_flags()]  # the blocks this CPU runs
 FORMATS = ["int8", "int4", "hqq4"]  # hqq4: int4's layout at group 64
 # The kernels quantize the activations (x, and the activation between the projections) per block of
 # QB values to levels times a scale d = max |x| / QMAX (cpu_packed.c's header, llama.cpp's Q8_0), and
@@ -220,22 +220,32 @@ def test_bf16_rows_are_fp32_rows_rounded_once(form: str) -> None:
     assert torch.equal(out, cpu_packed.swiglu_group([x.float()], [ffn], fmt, group, moe)[0].bfloat16())
 
 
+def _same_in_every_block(
+    xs: list[torch.Tensor], ffns: list[cpu_packed.PackedFFN], fmt: str, group: int, moe: MoESpec
+) -> bool:
+    """Whether `swiglu_group` gives the portable block's bits in each block this CPU runs."""
+    portable = cpu_packed.swiglu_group(xs, ffns, fmt, group, moe, "portable")
+    return all(
+        torch.equal(a, b)
+        for block in ISAS[1:]
+        for a, b in zip(portable, cpu_packed.swiglu_group(xs, ffns, fmt, group, moe, block), strict=True)
+    )
+
+
 @pytest.mark.skipif(len(ISAS) < 2, reason="no AVX2 + FMA + F16C here")
 @pytest.mark.parametrize("form", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_portable_and_avx2_blocks_give_the_same_bits(form: str, dtype: torch.dtype) -> None:
-    """Every float operation in one order in both blocks (cpu_packed.c's header), over full blocks
-    and superblocks, ragged groups and tails."""
+def test_the_blocks_give_the_same_bits(form: str, dtype: torch.dtype) -> None:
+    """Every float operation in one order in every block (cpu_packed.c's header), over full blocks
+    and superblocks, ragged groups and tails, 1 to 32 rows (each tile height)."""
     moe = _moe("clamped_swiglu")
     for hidden, inter in ((136, 48), (320, 192)):
         expert = _expert(hidden, hidden, inter, form, True, dtype)
         fmt, group, ffn = _kernel(expert)
-        xs = [
-            torch.randn(n, hidden, generator=torch.Generator().manual_seed(n)).to(dtype) for n in (1, 7, 32)
-        ]
-        portable = cpu_packed.swiglu_group(xs, [ffn] * 3, fmt, group, moe, "portable")
-        avx2 = cpu_packed.swiglu_group(xs, [ffn] * 3, fmt, group, moe, "avx2")
-        assert all(torch.equal(a, b) for a, b in zip(portable, avx2, strict=True))
+        rows = (1, 2, 3, 7, 32)
+        xs = [torch.randn(n, hidden, generator=torch.Generator().manual_seed(n)).to(dtype) for n in rows]
+        ffns = [ffn] * len(rows)
+        assert _same_in_every_block(xs, ffns, fmt, group, moe)
 
 
 def _int4(rows: int, cols: int, group: int, generator: torch.Generator) -> Int4Weight:
@@ -250,7 +260,7 @@ def _int4(rows: int, cols: int, group: int, generator: torch.Generator) -> Int4W
 @pytest.mark.skipif(len(ISAS) < 2, reason="no AVX2 + FMA + F16C here")
 @pytest.mark.parametrize("group", [192, 256])
 def test_the_blocks_agree_at_groups_of_more_superblocks(group: int) -> None:
-    """int4 groups other than 64 and 128 (a converted GPTQ / AWQ checkpoint's) take the AVX2 block's
+    """int4 groups other than 64 and 128 (a converted GPTQ / AWQ checkpoint's) take the x86 blocks'
     general group loop: the portable block's bits, whole groups and a short last one."""
     generator = torch.Generator().manual_seed(group)
     hidden, inter = 3 * group + 72, 2 * group + 136  # a short last group, then a tail past 64
@@ -260,16 +270,15 @@ def test_the_blocks_agree_at_groups_of_more_superblocks(group: int) -> None:
     fmt, kernel_group, ffn = _kernel(expert)
     xs = [torch.randn(n, hidden, generator=generator) for n in (1, 5)]
     moe = _moe("silu")
-    portable = cpu_packed.swiglu_group(xs, [ffn] * 2, fmt, kernel_group, moe, "portable")
-    avx2 = cpu_packed.swiglu_group(xs, [ffn] * 2, fmt, kernel_group, moe, "avx2")
-    assert kernel_group == group and all(torch.equal(a, b) for a, b in zip(portable, avx2, strict=True))
+    assert kernel_group == group
+    assert _same_in_every_block(xs, [ffn] * 2, fmt, kernel_group, moe)
 
 
 @pytest.mark.skipif(len(ISAS) < 2, reason="no AVX2 + FMA + F16C here")
 @pytest.mark.parametrize("form", FORMATS)
 def test_the_blocks_quantize_ties_and_empty_blocks_alike(form: str) -> None:
-    """Both ISAs' activation quantization (cpu_packed.c's quantize_row; cpu_packed_avx2.c's for whole
-    blocks) rounds a tie half away from zero: blocks whose largest |x| is QMAX (d 1, each x its own
+    """Every block's activation quantization (cpu_packed.c's quantize_row; cpu_packed_avx2.c's for
+    whole blocks) rounds a tie half away from zero: blocks whose largest |x| is QMAX (d 1, each x its own
     level before rounding) of half-integers of both signs, a block of zeros and one of -0.0 (d 0)."""
     hidden = 320  # 5 superblocks: int4's groups of 128 with a short last one, hqq4's of 64
     fmt, group, ffn = _kernel(_expert(7, hidden, 48, form, False, torch.float32))
@@ -278,8 +287,7 @@ def test_the_blocks_quantize_ties_and_empty_blocks_alike(form: str) -> None:
     x[:, ::QB] = QMAX  # each block's largest |x|
     x[1, QB : 2 * QB], x[2, 2 * QB : 3 * QB] = 0.0, -0.0
     moe = _moe("silu")
-    portable = cpu_packed.swiglu_group([x], [ffn], fmt, group, moe, "portable")[0]
-    assert torch.equal(portable, cpu_packed.swiglu_group([x], [ffn], fmt, group, moe, "avx2")[0])
+    assert _same_in_every_block([x], [ffn], fmt, group, moe)
 
 
 @pytest.mark.parametrize("form", FORMATS)
