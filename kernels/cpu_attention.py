@@ -8,9 +8,13 @@ batch and with any thread count. Windows and chunked attention need no mask here
 sees one contiguous range of keys); sinks enter the softmax's denominator in the kernel.
 Numbers: bench/RESULTS.md (issue 15).
 
-The kernel is chosen by the CPU's features at run time (`isa`): cpu_attention_avx2.c's ("avx2") on a
-CPU with AVX2 and FMA, else cpu_attention.c's ("avx512", built for AVX-512 hosts only);
-FLOWMOE_CPU_ISA names one where the CPU runs it (=portable: no AVX2 intrinsics, the AVX-512 one).
+The kernel is chosen by the CPU's features at run time (`isa`): cpu_attention.c's ("avx512", built
+for AVX-512 hosts only) where the library has it, else cpu_attention_avx2.c's ("avx2") on a CPU with
+AVX2 and FMA; FLOWMOE_CPU_ISA names one where the CPU runs it (=portable: no AVX2 intrinsics, the
+AVX-512 one). On a Zen 4 (1 thread, a b1 decode call per layer over 8 layers' caches, 32 query
+heads on 8 KV heads, 15-25 alternated rounds, load 3.6-4) the AVX-512 kernel against the AVX2 one
+at 128 / 256 / 512 keys: bf16 head dim 32 1.14x / 1.23x / 1.20x, 128 1.17x / 1.27x / 1.52x; fp32
+head dim 32 0.99x / 0.97x / 0.96x, 128 1.03x / 1.38x / 1.44x.
 Without the library (no compiler, a non-x86 host, FLOWMOE_CPU_KERNELS=0), on a host with neither,
 or for other dtypes and head sizes, kernels/attention.py takes torch's path instead.
 """
@@ -32,7 +36,7 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
 KERNELS = {"avx2": "flowmoe_decode_attention_avx2", "avx512": "flowmoe_decode_attention"}  # by isa
 NEEDS = {"avx2": frozenset({"avx2", "fma"}), "avx512": frozenset()}  # avx512: where the library has it
-DEFAULT = ("avx2", "avx512")  # the first of these the CPU runs is the default
+DEFAULT = ("avx512", "avx2")  # the first of these the CPU runs is the default
 FORCED = {"portable": "avx512"}  # FLOWMOE_CPU_ISA's other names: the kernel each takes
 
 
@@ -62,14 +66,19 @@ def kernel() -> Callable[..., int] | None:
 def isa() -> str | None:
     """The kernel this CPU runs (a key of KERNELS): the one FLOWMOE_CPU_ISA names (or FORCED maps it
     to) where the CPU runs it, else the first of DEFAULT; None where it runs neither."""
-    return _isa(library(), os.environ.get("FLOWMOE_CPU_ISA", ""))
+    wanted, runs = os.environ.get("FLOWMOE_CPU_ISA", ""), kernels()
+    return next((n for n in (FORCED.get(wanted, wanted), *DEFAULT) if n in runs), None)
+
+
+def kernels() -> tuple[str, ...]:
+    """The kernels (keys of KERNELS) this host's library has and its CPU runs."""
+    return _kernels(library())
 
 
 @functools.cache
-def _isa(lib: ctypes.CDLL | None, wanted: str) -> str | None:
+def _kernels(lib: ctypes.CDLL | None) -> tuple[str, ...]:
     flags = native.cpu_flags()
-    runs = [n for n in KERNELS if lib is not None and hasattr(lib, KERNELS[n]) and NEEDS[n] <= flags]
-    return next((n for n in (FORCED.get(wanted, wanted), *DEFAULT) if n in runs), None)
+    return tuple(n for n in KERNELS if lib is not None and hasattr(lib, KERNELS[n]) and NEEDS[n] <= flags)
 
 
 def fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:

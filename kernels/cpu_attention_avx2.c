@@ -1,6 +1,7 @@
 /* Single-query decode attention with AVX2 + FMA intrinsics: cpu_attention.c's kernel for x86 CPUs
-   with AVX2 and FMA, AVX-512 ones included (chosen at run time by cpu_attention.py; compiled with a
-   target attribute, so it is in every x86 build and runs only where the CPU has AVX2 and FMA).
+   with AVX2 and FMA where the library has no AVX-512 one (chosen at run time by cpu_attention.py;
+   compiled with a target attribute, so it is in every x86 build and runs only where the CPU has
+   AVX2 and FMA).
 
    The same work and the same fixed order as cpu_attention.c (whose driver runs this file's parts): items of (sequence, KV head, chunk of
    `chunk` keys) shared among the threads, each giving its query heads' (acc, m, l) in base 2

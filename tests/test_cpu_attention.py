@@ -2,13 +2,15 @@
 not read, sinks through the logsumexp; decode in cpu_attention.c) against a plain per-query,
 per-head softmax in float64, for random shapes, slot orders, mixed prefill / decode steps, sliding
 windows, chunks and sinks, in fp32 and bf16, with and without the C kernel (the one this CPU's
-features choose: cpu_attention.c on AVX-512, cpu_attention_avx2.c on AVX2); the C kernel's
-split into chunks and its merge; a sequence's decode the same bits in any batch and with any
-thread count; and the matmul form other devices run against the CPU flash kernel."""
+features choose: cpu_attention.c on AVX-512, cpu_attention_avx2.c on AVX2); each C kernel this
+host runs: its split into chunks and its merge, a sequence's decode the same bits in any batch and
+with any thread count; and the matmul form other devices run against the CPU flash kernel."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+from collections.abc import Iterator
 from unittest import mock
 
 import pytest
@@ -21,6 +23,14 @@ from flowmoe.kernels.attention import _flash, _flash_math, attend
 from flowmoe.kernels.layout import TokenLayout
 
 needs_kernel = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no C decode attention on this host")
+
+
+def each_kernel() -> Iterator[str]:
+    """Each C kernel this host runs (cpu_attention.kernels), forced by FLOWMOE_CPU_ISA in turn."""
+    for name in cpu_attention.kernels():
+        with mock.patch.dict(os.environ, {"FLOWMOE_CPU_ISA": name}):
+            assert cpu_attention.isa() == name
+            yield name
 
 
 def reference(q, keys, values, layout, window, sinks, chunk) -> torch.Tensor:
@@ -176,11 +186,12 @@ def test_c_decode_chunks_merge_to_the_softmax(step, bf16) -> None:
     if bf16:
         q, keys, values = (t.to(torch.bfloat16) for t in (q, keys, values))
     assert cpu_attention.fits(q, keys, values)
-    out = torch.full((q.shape[0], q.shape[1] * q.shape[2]), float("nan"), dtype=q.dtype)
-    cpu_attention.decode(q, keys, values, sequences, out, sinks, q.shape[2] ** -0.5, chunk)
     expected = expected_decode(q, keys, values, sequences, sinks)
     atol, rtol = (2e-2, 2e-2) if bf16 else (2e-6, 1e-5)
-    assert torch.allclose(out.double(), expected, atol=atol, rtol=rtol)
+    for _ in each_kernel():
+        out = torch.full((q.shape[0], q.shape[1] * q.shape[2]), float("nan"), dtype=q.dtype)
+        cpu_attention.decode(q, keys, values, sequences, out, sinks, q.shape[2] ** -0.5, chunk)
+        assert torch.allclose(out.double(), expected, atol=atol, rtol=rtol)
 
 
 @needs_kernel
@@ -194,19 +205,31 @@ def test_c_decode_is_the_same_bits_in_any_batch_and_thread_count(step, bf16) -> 
     if bf16:
         q, keys, values = (t.to(torch.bfloat16) for t in (q, keys, values))
     width = q.shape[1] * q.shape[2]
-    together = torch.empty(q.shape[0], width, dtype=q.dtype)
-    cpu_attention.decode(q, keys, values, sequences, together, sinks, 0.3, chunk)
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1 if threads > 1 else 2)
-        for row, slot, lo, hi in sequences:
-            alone = torch.empty(1, width, dtype=q.dtype)
-            cpu_attention.decode(
-                q[row : row + 1], keys, values, [(0, slot, lo, hi)], alone, sinks, 0.3, chunk
-            )
-            assert torch.equal(alone[0], together[row])
-    finally:
-        torch.set_num_threads(threads)
+    for _ in each_kernel():
+        together = torch.empty(q.shape[0], width, dtype=q.dtype)
+        cpu_attention.decode(q, keys, values, sequences, together, sinks, 0.3, chunk)
+        try:
+            torch.set_num_threads(1 if threads > 1 else 2)
+            for row, slot, lo, hi in sequences:
+                alone = torch.empty(1, width, dtype=q.dtype)
+                cpu_attention.decode(
+                    q[row : row + 1], keys, values, [(0, slot, lo, hi)], alone, sinks, 0.3, chunk
+                )
+                assert torch.equal(alone[0], together[row])
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_the_default_kernel_is_the_avx512_one_where_the_library_has_it() -> None:
+    """cpu_attention.c's where the host built it (an AVX-512 CPU), else the AVX2 one; FLOWMOE_CPU_ISA
+    forces each this host runs, =portable the AVX-512 one."""
+    here = cpu_attention.kernels()
+    with mock.patch.dict(os.environ, {"FLOWMOE_CPU_ISA": ""}):
+        assert cpu_attention.isa() == next((n for n in ("avx512", "avx2") if n in here), None)
+    with mock.patch.dict(os.environ, {"FLOWMOE_CPU_ISA": "portable"}):
+        assert "avx512" not in here or cpu_attention.isa() == "avx512"
+    assert list(each_kernel()) == list(here)
 
 
 def test_c_decode_declines_what_it_does_not_compute() -> None:
