@@ -182,13 +182,13 @@ class CheckedPlan(WrappedPlan):
     """A plan stream that turns a plugin's faults into a PlanError naming it."""
 
     def __init__(self, name: str, step: StepShape, plan: PlanStream) -> None:
-        self.name, self.step, self.plan, self.nodes = name, step, plan, 0
+        self.name, self.step, self.plan, self.planned = name, step, plan, False
 
     def send(self, reply: ExpertCounts | None) -> TaskNode | RoutingRequest:
         try:
             item = self.plan.send(reply)
         except StopIteration:
-            if not self.nodes:
+            if not self.planned:
                 raise PlanError(
                     f"scheduler {self.name!r} planned no node for step {self.step.step}"
                 ) from None
@@ -200,7 +200,7 @@ class CheckedPlan(WrappedPlan):
                 f"scheduler {self.name!r} failed to plan step {self.step.step}: {_why(exc)}"
             ) from exc
         if isinstance(item, TaskNode):
-            self.nodes += 1
+            self.planned = True  # a node: the plan is not empty
         elif not isinstance(item, RoutingRequest):
             raise PlanError(
                 f"scheduler {self.name!r} yielded a {type(item).__name__}, "

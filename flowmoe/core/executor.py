@@ -276,8 +276,12 @@ class Executor:
         except BaseException as exc:
             self._crash(node, exc, "failed in the executor's hand-off", starts)
             return
-        for next_node, action in starts:
-            self._start(next_node, action)
+        finish, lane_starts = self._finish, self._starts
+        for next_node, action in starts:  # `_start`'s body: one call less a node
+            try:
+                lane_starts[next_node.lane](next_node, action, partial(finish, next_node))
+            except BaseException as exc:
+                self._crash(next_node, exc, "could not start", [(next_node, action)])
 
     def _crash(self, node: TaskNode, error: BaseException, what: str, claimed: list[Start]) -> None:
         """The executor itself failed around `node`: release the lanes claimed for nodes that will

@@ -21,16 +21,16 @@ import sys
 
 from attrs import evolve
 
-from flowmoe.core.errors import PlanError
 from flowmoe.core.plan import ExpertCounts, Op, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import NodeBudget, PlanStream
 
 
-def page_runs(plan: PlanStream, budget: NodeBudget | None = None) -> PlanStream:
+def page_runs(plan: PlanStream, budget: NodeBudget | None = None, emitted: int = 0) -> PlanStream:
     """`plan` with each run of consecutive pages of one expert merged into one PAGE_COPY node; refused
-    (PlanError) at its node past `budget`, before nodes pile up in memory (the plan's own nodes count)."""
+    (PlanError) at its node past `budget`, before nodes pile up in memory. The plan's own nodes count,
+    `emitted` of them before `plan`'s first item (the driver hands a plan over at its first page)."""
     run = _Run()
-    left = sys.maxsize if budget is None else budget.limit  # nodes the plan may still emit
+    limit = sys.maxsize if budget is None else budget.limit
     merged: dict[int, int] = {}  # id of a page merged into a run -> the run's node id
     reply: ExpertCounts | None = None
     try:
@@ -44,10 +44,10 @@ def page_runs(plan: PlanStream, budget: NodeBudget | None = None) -> PlanStream:
                 yield from run.flushed(merged)
                 reply = yield evolve(item, after=merged[item.after]) if item.after in merged else item
                 continue
-            left -= 1
-            if left < 0:
-                assert budget is not None  # `left` starts at sys.maxsize without one
-                raise PlanError(f"{budget.refusal} (more than {budget.limit} nodes in one step)")
+            emitted += 1
+            if emitted > limit:
+                assert budget is not None  # the limit is sys.maxsize without one
+                raise budget.refused()
             node = _pointed(item, merged) if merged else item
             if run.pages and run.extended(node):
                 continue

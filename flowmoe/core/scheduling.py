@@ -14,10 +14,11 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 from attrs import define, field, frozen
 
+from flowmoe.core.errors import PlanError
 from flowmoe.core.expert_formats import attention_projections, dense_layer_bytes, packed_expert_bytes
 from flowmoe.core.hardware import HardwareSpec
 from flowmoe.core.options import NoOptions
@@ -55,6 +56,10 @@ class NodeBudget:
 
     limit: int
     refusal: str
+
+    def refused(self) -> PlanError:
+        """The error of a plan that emitted a node past the limit."""
+        return PlanError(f"{self.refusal} (more than {self.limit} nodes in one step)")
 
 
 @frozen
@@ -319,8 +324,10 @@ class NodeFactory:
         only = deps[0] if len(deps) == 1 else None  # most nodes: one producer, nothing to drop or merge
         if only is not None:
             clean: tuple[int, ...] = (only,)
-        else:  # a list, not a generator: no frame resumed per dep
-            clean = tuple(dict.fromkeys([d for d in deps if d is not None]))
+        else:  # in order, once each, the None dropped: no frame run per dep
+            unique = dict.fromkeys(deps)
+            unique.pop(None, None)
+            clean = tuple(cast(dict[int, None], unique))
         if mb is not self._mb:  # what `_priced` worked out holds for one micro-batch's figures
             self._mb, self._priced = mb, {}
         key = (op, layer if op in BY_LAYER else -1, expert >= 0, tokens)

@@ -35,7 +35,7 @@ from flowmoe.runtime.routings import Routings
 Handler = Callable[["StepState", TaskNode], None]
 Binder = Callable[["StepState", TaskNode], Action]
 HANDLERS: dict[Op, Handler] = {**LAYER_OPS, **EXPERT_OPS}  # a node's work, run on its lane
-BINDERS: dict[Op, Binder] = {  # ops with work to do when they are bound, before they run
+BINDERS: dict[Op, Binder] = {  # ops with work to do when they are bound, before they run (no handler)
     Op.EXPERT_FFN: bind_expert,
     Op.PREGATE: bind_pregate,
 }
@@ -80,10 +80,10 @@ class StepState:
 
     def action(self, node: TaskNode) -> Action:
         """The node's work (lane threads run in inference mode: no autograd bookkeeping on any op)."""
-        binder = BINDERS.get(node.op)
-        if binder is not None:
-            return binder(self, node)
         handler = HANDLERS.get(node.op)
-        if handler is None:
+        if handler is not None:
+            return partial(handler, self, node)
+        binder = BINDERS.get(node.op)
+        if binder is None:
             raise FlowmoeError(f"no action for op {node.op}")
-        return partial(handler, self, node)
+        return binder(self, node)
