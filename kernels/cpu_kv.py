@@ -56,12 +56,14 @@ def write(
         and v.dtype is dtype
         and k.shape == v.shape == (layout.tokens, heads, dim)
         and k.stride(-1) == v.stride(-1) == 1
-        and layout.derived(("kv inside", slots, capacity), lambda: _inside(layout, slots, capacity))
         and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
     ):
         return False
+    # built by the step's first layer: None where some position lies outside the cache
+    where = layout.derived(("kv where", slots, capacity), lambda: _where(layout, slots, capacity))
+    if where is None:
+        return False
     size = k.element_size()
-    where = layout.derived("kv where", lambda: _where(layout))  # built by the step's first layer
     ks, vs = k.stride(), v.stride()
     run(
         len(layout.slots), where, heads, dim * size,
@@ -71,15 +73,14 @@ def write(
     return True
 
 
-def _inside(layout: TokenLayout, slots: int, capacity: int) -> bool:
-    """Whether every token's (slot, position) of the layout lies inside a [slots, ., capacity, .] cache."""
-    return all(0 <= s < slots for s in layout.slots) and all(
+def _where(layout: TokenLayout, slots: int, capacity: int) -> ctypes.Array[ctypes.c_long] | None:
+    """(first row, slot, past, count) of each sequence, as the kernel reads them (the same every layer),
+    or None where some token's (slot, position) lies outside a [slots, ., capacity, .] cache."""
+    inside = all(0 <= s < slots for s in layout.slots) and all(
         p >= 0 and p + c <= capacity for p, c in zip(layout.past, layout.counts, strict=True)
     )
-
-
-def _where(layout: TokenLayout) -> ctypes.Array[ctypes.c_long]:
-    """(first row, slot, past, count) of each sequence, as the kernel reads them (the same every layer)."""
+    if not inside:
+        return None
     where = [x for i, slot in enumerate(layout.slots)
              for x in (layout.starts[i], slot, layout.past[i], layout.counts[i])]  # fmt: skip
     return (ctypes.c_long * len(where))(*where)

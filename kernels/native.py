@@ -167,18 +167,27 @@ T = TypeVar("T")
 class Facts(Generic[T]):
     """What `work_out` finds about a tensor that stays as it is while it lives (a weight, a KV cache:
     shape, dtype, strides, device and address as made), worked out on a tensor's first call and
-    remembered while it lives: a kernel wrapper's checks of it then cost one lookup per call."""
+    remembered while it lives: a kernel wrapper's checks of it then cost one lookup per call. An
+    entry is keyed by the tensor's id and dropped by a weak reference's callback as the tensor dies,
+    so while it is there no other object has that id: the lookup needs no identity check."""
 
     def __init__(self, work_out: Callable[[torch.Tensor], T]) -> None:
         self._work_out = work_out
-        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], T]] = {}
+        self._seen: dict[int, T] = {}
+        self._watch: dict[int, weakref.ref[torch.Tensor]] = {}
 
     def __call__(self, tensor: torch.Tensor) -> T:
-        seen = self._seen.get(id(tensor))
-        if seen is not None and seen[0]() is tensor:
-            return seen[1]
-        facts, key, known = self._work_out(tensor), id(tensor), self._seen
-        known[key] = (weakref.ref(tensor, lambda _: known.pop(key, None)), facts)  # forgotten as it dies
+        key = id(tensor)
+        if key in self._seen:
+            return self._seen[key]
+        facts = self._seen[key] = self._work_out(tensor)
+        seen, watch = self._seen, self._watch
+
+        def forget(_: object) -> None:
+            seen.pop(key, None)
+            watch.pop(key, None)
+
+        watch[key] = weakref.ref(tensor, forget)
         return facts
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowmoe.kernels import cpu_norm
+from flowmoe.kernels import cpu_norm, native
 
 compiled = pytest.mark.skipif(cpu_norm.kernel() is None, reason="no C kernels on this host")
 
@@ -84,3 +84,21 @@ def test_few_rows_run_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(_normed(few, weight, 1e-6), _reference(few, weight, 1e-6))
     assert torch.equal(_normed(many, weight, 1e-6), _reference(many, weight, 1e-6))
     assert asked == [1, torch.get_num_threads()]
+
+
+def test_a_weights_facts_are_worked_out_once_while_it_lives() -> None:
+    """native.Facts: one check per tensor while it lives; a tensor made after one died is checked anew
+    (whatever id it is given)."""
+    checked: list[int] = []
+
+    def width(t: torch.Tensor) -> int:
+        checked.append(t.shape[0])
+        return t.shape[0]
+
+    facts = native.Facts(width)
+    weight = torch.randn(5)
+    assert facts(weight) == 5 and facts(weight) == 5 and checked == [5]
+    del weight
+    for n in range(6, 40):  # new tensors, some of which may take the freed one's id
+        assert facts(torch.randn(n)) == n
+    assert checked == list(range(5, 40))

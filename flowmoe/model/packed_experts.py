@@ -223,10 +223,10 @@ def packed_routed(
     """`MoEModel.routed_experts` by the packed kernels: x [T, hidden] -> expert -> its scaled outputs
     [n_e, hidden]; None where they do not take them all (checked before the rows are gathered). A
     single token's experts all read its row where it lies (no gather)."""
-    if not x.is_cpu or not all(isinstance(f, PackedFFN) for f in ffns.values()):  # experts kept unpacked
+    if not x.is_cpu:
         return None
     experts = sorted(ffns)  # ascending: a view of the routing's sorted rows
-    kernel_experts = _kernel_experts([ffns[e] for e in experts])
+    kernel_experts = _kernel_experts([ffns[e] for e in experts])  # None: some expert kept unpacked
     if kernel_experts is None or x.dtype != ffns[experts[0]].expert.dtype:  # type: ignore[attr-defined]
         return None
     hidden = kernel_experts[0].hidden
@@ -235,7 +235,9 @@ def packed_routed(
     counts = [routing.sizes[e] for e in experts]  # not routing.tokens: no split of its rows
     if 0 in counts:
         return None
-    rows, scales = (t if t.is_cpu else t.cpu() for t in routing.rows_of(experts))  # [sum n_e] each
+    rows, scales = routing.rows_of(experts)  # [sum n_e] each
+    if not rows.is_cpu:
+        rows, scales = rows.cpu(), scales.cpu()
     column = scales.unsqueeze(1)  # [sum n_e, 1]
     if x.shape[0] > 1 or moe.scale_input or x.stride(1) != 1:
         return dict(

@@ -172,13 +172,14 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     an `Int8Weight` or `Int4Weight` as it is packed (kernels/cpu_packed.py, `linear`: x quantized to
     int8 per block of 32, as the packed experts' is); None where the kernel does not take them."""
     projection: cpu_packed.Projection  # (q, scale, zero)
-    if isinstance(weight, Int8Weight):
+    # `type(...) is`, not isinstance: ABCMeta's __instancecheck__ runs in Python (no format has subclasses)
+    if type(weight) is Int8Weight:
         fmt, group, projection = "int8", 0, (weight.values, weight.scale, None)
-    elif isinstance(weight, Int4Weight):
+    elif type(weight) is Int4Weight:
         fmt, group, projection = "int4", weight.group, (weight.packed, weight.scale, weight.zero)
     else:
         return None
-    if not cpu_packed.linear_fits(x, projection, fmt, group, weight.shape[0]):
+    if not cpu_packed.linear_fits(x, projection, fmt, group, projection[0].shape[0]):  # the weight's rows
         return None
     return cpu_packed.linear(x, projection, fmt, group, bias)
 
