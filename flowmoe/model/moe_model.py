@@ -163,11 +163,13 @@ class MoEModel:
             kv_up = (lw or self.weights.layers[layer]).attn.kv_b
             assert kv_up is not None, "multi-head latent attention has a kv up-projection"
             return mla_attend(q, k, v, kv, layout, kv_up, self.spec.attention.mla)
+        a = self.spec.attention
         keys, values = kv
         write_kv(keys, values, layout, k, v)
         sinks = (lw or self.weights.layers[layer]).attn.sinks
-        a = self.spec.attention
-        q = scale_queries(on(q, keys.device), a, layer, layout.positions)
+        q = on(q, keys.device)
+        if a.temperature is not None or a.scale is not None:  # a family's own score scale
+            q = scale_queries(q, a, layer, layout.positions)
         return attend(q, keys, values, layout, a.window(layer), sinks, a.chunk(layer))
 
     def post_attention(
@@ -221,13 +223,13 @@ class MoEModel:
         device = x.device
         if rows.device != device:
             rows, scales = rows.to(device), scales.to(device)
-        ordered = [ffns[e] for e in experts]
+        take = ffns.__getitem__
         if not self.spec.moe.scale_input:
-            weights = [(f.gate_up, f.down, f.gate_up_bias, f.down_bias) for f in ordered]
+            weights = [(f.gate_up, f.down, f.gate_up_bias, f.down_bias) for f in map(take, experts)]
             fused = swiglu_ffn_routed(x, rows, scales, counts, weights, self.spec.moe)  # [sum n_e, hidden]
             if fused is not None:  # split_with_sizes: no Tensor.split wrapper
                 return dict(zip(experts, fused.split_with_sizes(counts), strict=True))
-        outs = self.scaled_experts(x[rows], scales[:, None], counts, ordered)  # one gather
+        outs = self.scaled_experts(x[rows], scales[:, None], counts, list(map(take, experts)))  # one gather
         return dict(zip(experts, outs, strict=True))
 
     def scaled_experts(
@@ -348,15 +350,15 @@ class MoEModel:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (hidden [T, hidden] after the layer, the sum of its deferred experts or None).
         `defer`: the layer's Expert Deferral K; `carry`: the previous layer's deferred sum."""
-        q, k, v = self.pre_attention(layer, hidden, rope)
-        attn_out = self.attention(layer, q, k, v, cache.layer(layer), layout)
-        hidden, x = self.post_attention(layer, hidden, attn_out)
-        if not self.spec.is_moe_layer(layer):
-            return self.combine(hidden, None, {}, self.shared(layer, x), carry=carry), None
-        routing = self.gate(layer, x)
         lw = self.weights.layers[layer]
+        q, k, v = self.pre_attention(layer, hidden, rope, lw)
+        attn_out = self.attention(layer, q, k, v, cache.layer(layer), layout, lw)
+        hidden, x = self.post_attention(layer, hidden, attn_out, lw)
+        if not self.spec.is_moe_layer(layer):
+            return self.combine(hidden, None, {}, self.shared(layer, x, lw), carry=carry), None
+        routing = self.gate(layer, x, lw)
         outputs = self.routed_experts(x, routing, {e: lw.expert(e) for e in routing.experts})
-        shared = self.shared(layer, x) if self.spec.moe.has_shared else None
+        shared = self.shared(layer, x, lw) if self.spec.moe.has_shared else None
         later = self.deferred_experts(routing, defer)
         out = self.combine(hidden, routing, outputs, shared, later, carry)
         return out, self.routed_sum(hidden, routing, outputs, sorted(later)) if later else None
