@@ -67,6 +67,9 @@ async def drive(
 
 
 def _resumed(first: TaskNode, plan: PlanStream) -> PlanStream:
-    """`plan` from `first` on, an item already taken from it."""
-    yield first
-    yield from plan
+    """`plan` from `first` on, an item already taken from it; closed with it."""
+    try:
+        yield first
+        yield from plan
+    finally:
+        plan.close()

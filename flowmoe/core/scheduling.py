@@ -292,7 +292,7 @@ class NodeFactory:
     # `_price`'s answers for the micro-batch `_mb`, by (op, layer where its rate depends on it, expert's
     # or dense, tokens): a step's layers share them
     _mb: MicroBatchShape | None = field(default=None, init=False, eq=False)
-    _priced: dict[tuple[Op, int, bool, int | None], tuple[int, int, int]] = field(
+    _priced: dict[tuple[Op, int, bool, int | None], tuple[int, int, int, int]] = field(
         factory=dict, init=False, eq=False
     )
 
@@ -334,7 +334,7 @@ class NodeFactory:
         priced = self._priced.get(key)
         if priced is None:
             priced = self._priced[key] = self._price(op, layer, mb, expert, tokens)
-        n_bytes, flops, rows = priced
+        n_bytes, flops, rows, index = priced
         if part >= 0:
             end = part + pages
             n_bytes = n_bytes * end // parts - n_bytes * part // parts
@@ -345,19 +345,19 @@ class NodeFactory:
             n_bytes, flops = n_bytes * (1 + len(more)), flops * (1 + len(more))
         if self.expert_format != "native" and expert >= 0 and lane.on_gpu:
             n_bytes, flops = self._dequantized_once(op, layer, (expert, *more), n_bytes, flops)
-        index = mb.index if mb else -1
         return TaskNode(next(self._ids), op, lane, layer, index, expert, clean, n_bytes, flops, part, parts,
                         pages, rows, pageable, sync, tuple(more), tuple(serves))  # fmt: skip
 
     def _price(
         self, op: Op, layer: int, mb: MicroBatchShape | None, expert: int, tokens: int | None
-    ) -> tuple[int, int, int]:
-        """-> (bytes, flops, GEMM rows) of a node of `op` for `mb` given `tokens`, its part and more aside."""
+    ) -> tuple[int, int, int, int]:
+        """-> (bytes, flops, GEMM rows, micro-batch index) of a node of `op` for `mb` given `tokens`, its part
+        and more aside."""
         n_bytes, flops = self._cost(op, layer, mb, expert, tokens)
         rowless = flops == 0 and op is not Op.COMBINE  # COMBINE: no GEMM, but its rows are all-reduced (TP)
         rows = 0 if rowless else (mb.sequences if op is Op.LM_HEAD and mb else tokens if tokens is not None
                                   else mb.tokens if mb else 0)  # fmt: skip
-        return n_bytes, flops, rows
+        return n_bytes, flops, rows, mb.index if mb else -1
 
     def _dequantized_once(
         self, op: Op, layer: int, experts: tuple[int, ...], n_bytes: int, flops: int

@@ -24,12 +24,16 @@ from tests.hf_models import hf_model, save_hf
 from tests.schedule_fixtures import run_eager, run_scheduler
 
 
-def test_an_endless_plan_is_refused_at_the_budget() -> None:
+@pytest.mark.parametrize("pages_from", [0, 500, None])
+def test_an_endless_plan_is_refused_at_the_budget(pages_from: int | None) -> None:
+    """Counted by the driver until the plan's first PAGE_COPY, by page_runs from there on (`pages_from`:
+    the first page's index; None: no page at all)."""
     started: list[int] = []
 
     def endless() -> Iterator[TaskNode]:
         for i in itertools.count():
-            yield TaskNode(i, Op.PAGE_COPY, Lane.GPU_H2D, deps=(i - 1,) if i else ())
+            op = Op.PAGE_COPY if pages_from is not None and i >= pages_from else Op.EMBED
+            yield TaskNode(i, op, Lane.GPU_H2D, deps=(i - 1,) if i else ())
 
     async def go() -> None:
         executor = Executor(dict.fromkeys(Lane, InlineWorker()))
