@@ -1,6 +1,7 @@
-"""The bf16 / fp32 expert FFN kernel (kernels/cpu_expert.c, cpu_rows_avx2.c) at a decode step's few
-rows, from DRAM and warm, against the same kernels at a git revision (`--baseline`), alternated in
-one process (bench/packed_rows.py's method, for the unquantized weights).
+"""The bf16 / fp32 expert FFN kernel (kernels/cpu_expert.c, cpu_rows_avx2.c, cpu_rows_avx512.c) at a
+decode step's few rows, from DRAM and warm, against the same kernels at a git revision
+(`--baseline`), alternated in one process (bench/packed_rows.py's method, for the unquantized
+weights).
 
 One expert FFN of issue 25's checkpoint (hidden 1024, intermediate 3584: gate_up [7168, 1024], down
 [1024, 3584]) per `flowmoe_ffn_group` call, 1-8 rows of x in the weights' dtype, 1 thread, the block
@@ -28,7 +29,8 @@ from flowmoe.kernels import cpu_expert, native
 from flowmoe.kernels.host_memory import huge_copy
 
 HIDDEN, INTER, EXPERTS, VOCAB, LM_HEADS = 1024, 3584, 16, 32000, 2
-FILES = ("cpu_expert.c", "cpu_rows_avx2.c", "bf16.h", "swiglu.h")  # what the expert kernel compiles from
+# what the expert kernel compiles from (cpu_rows_avx512.c: baselines from 759e9e1 on)
+FILES = ("cpu_expert.c", "cpu_rows_avx2.c", "cpu_rows_avx512.c", "bf16.h", "swiglu.h")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

@@ -27,7 +27,6 @@
 #define OB 8             /* weight rows per block, as cpu_rows_avx2.c's */
 #define RT 3             /* x rows per register tile: 3 x OB accumulators + 3 (6 split) x + 1 w <= 32 */
 #define CHUNK_BYTES 1024 /* of each weight row per chunk when several tiles share it (8 KiB in L1) */
-#define PAIR_AHEAD 4096  /* bytes ahead of a bf16 pair block's two streams that its prefetch reads */
 
 /* The 16 lanes' sum: lane i + lane i + 8, then + 4, + 2, + 1. */
 static inline AVX512 float hsum16(__m512 v) {
@@ -49,12 +48,10 @@ static inline AVX512 __attribute__((always_inline)) __m512bh as_bf16(__m512i v) 
 /* acc[r0 + r][j0 + j] += x[r0 + r, k0:k1] . wp[j0 + j][k0:k1] for r < rt, j < jn (compile-time
    constants in each caller, so that the accumulators live in registers). x: fp32 rows against an
    fp32 weight, bf16 rows against a bf16 one (split: each row's lo part `lo` elements after it).
-   next != 0: the step at column k also prefetches [next + k / step * per_step, + per_step) into L2.
-   pair_ahead > 0: each step also prefetches the line pair_ahead bytes past where each wp[j] reads
-   (a bf16 step reads one line of each). */
+   next != 0: the step at column k also prefetches [next + k / step * per_step, + per_step) into L2. */
 static inline AVX512 __attribute__((always_inline)) void tile(
     int rt, int jn, int bf16, int split, const void *x, long ldx, long lo, int r0, int j0, long k0, long k1,
-    const void *const *wp, __m512 (*acc)[OB], const char *next, long per_step, long pair_ahead) {
+    const void *const *wp, __m512 (*acc)[OB], const char *next, long per_step) {
     int step = bf16 ? 32 : 16, esize = bf16 ? 2 : 4;
     __m512 a[RT][OB];
     for (int r = 0; r < rt; r++)
@@ -63,7 +60,6 @@ static inline AVX512 __attribute__((always_inline)) void tile(
     for (int r = 0; r < rt; r++) xr[r] = (const char *)x + (long)(r0 + r) * ldx * esize;
     for (long k = k0; k < k1; k += step) {
         for (long b = 0; next && b < per_step; b += 64) _mm_prefetch(next + k / step * per_step + b, _MM_HINT_T1);
-        for (int j = 0; pair_ahead && j < jn; j++) _mm_prefetch((const char *)wp[j0 + j] + k * esize + pair_ahead, _MM_HINT_T0);
         __m512i xv[RT], xl[RT];
         for (int r = 0; r < rt; r++) {
             xv[r] = _mm512_loadu_si512(xr[r] + k * esize), in_register(&xv[r]);
@@ -86,20 +82,18 @@ static inline AVX512 __attribute__((always_inline)) void tile(
 }
 
 /* acc[j0 + j] += x[0:kv] . wp[j0 + j][0:kv] for j < 2 (one row of x against two weight rows, as
-   `tile` with jn 2, with pair_ahead's prefetch) in 256-bit halves: lanes 0-7 of acc in one
+   `tile` with jn 2) in 256-bit halves: lanes 0-7 of acc in one
    accumulator, 8-15 in another, the same sums in the same order as `tile`'s, with the loads of
    cpu_rows_avx2.c (32 bytes of each row a step: on the Zen 4 of cpu_expert.c's notes fp32 1.1-1.3x
    over 64, whose AVX-512 loads are two 256-bit ones). */
 static inline AVX512 __attribute__((always_inline)) void halves(int bf16, int split, const void *x, long lo, int j0,
-                                                                long kv, const void *const *wp, __m512 *acc,
-                                                                long pair_ahead) {
+                                                                long kv, const void *const *wp, __m512 *acc) {
     int step = bf16 ? 32 : 16, esize = bf16 ? 2 : 4;
     __m256 a[2][2];
     for (int j = 0; j < 2; j++)
         a[j][0] = _mm512_castps512_ps256(acc[j0 + j]), a[j][1] = _mm512_extractf32x8_ps(acc[j0 + j], 1);
     const char *xc = x;
     for (long k = 0; k < kv; k += step) {
-        for (int j = 0; pair_ahead && j < 2; j++) _mm_prefetch((const char *)wp[j0 + j] + k * esize + pair_ahead, _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
             long at = (k + step / 2 * h) * esize;
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xc + at)), xl = xv;
@@ -150,9 +144,9 @@ static inline AVX512 __attribute__((always_inline)) void tiles(
     for (int r0 = 0; r0 < n; r0 += RT) {
         const char *ahead = r0 == 0 ? pf : 0;
         switch (n - r0 < RT ? n - r0 : RT) {
-        case 1: tile(1, OB, bf16, split, x, ldx, lo, r0, 0, k0, k1, wp, acc, ahead, per_step, 0); break;
-        case 2: tile(2, OB, bf16, split, x, ldx, lo, r0, 0, k0, k1, wp, acc, ahead, per_step, 0); break;
-        default: tile(RT, OB, bf16, split, x, ldx, lo, r0, 0, k0, k1, wp, acc, ahead, per_step, 0); break;
+        case 1: tile(1, OB, bf16, split, x, ldx, lo, r0, 0, k0, k1, wp, acc, ahead, per_step); break;
+        case 2: tile(2, OB, bf16, split, x, ldx, lo, r0, 0, k0, k1, wp, acc, ahead, per_step); break;
+        default: tile(RT, OB, bf16, split, x, ldx, lo, r0, 0, k0, k1, wp, acc, ahead, per_step); break;
         }
     }
 }
@@ -182,9 +176,9 @@ AVX512 void flowmoe_block_avx512(const void *x, long ldx, long lo, int n, long K
             for (int j0 = 0; j0 < OB; j0 += 2) {
                 const char *pf = ahead ? ahead + j0 / 2 * share : 0;
                 if (split)
-                    tile(1, 2, 1, 1, x, ldx, lo, 0, j0, k0, k1, wp, acc, pf, pair_step, 0);
+                    tile(1, 2, 1, 1, x, ldx, lo, 0, j0, k0, k1, wp, acc, pf, pair_step);
                 else
-                    tile(1, 2, 1, 0, x, ldx, lo, 0, j0, k0, k1, wp, acc, pf, pair_step, 0);
+                    tile(1, 2, 1, 0, x, ldx, lo, 0, j0, k0, k1, wp, acc, pf, pair_step);
             }
         } else if (split) {
             tiles(1, 1, x, ldx, lo, n, k0, k1, wp, acc, ahead, per_step);
@@ -203,8 +197,9 @@ AVX512 void flowmoe_block_avx512(const void *x, long ldx, long lo, int n, long K
    rows `apart` on (gate's and up's, or a block of a matrix's first half and of its second):
    res[m * OB + j] = x . w[o0 + m apart + j], m < 2, each summed as flowmoe_block_avx512 sums it.
    Each tile takes one row of each: two streams in address order, which the hardware prefetchers
-   follow; bf16 adds a software prefetch of each stream's line PAIR_AHEAD bytes ahead (as
-   cpu_rows_avx2.c, whose 32-byte steps prefetch the two streams' lines in turn). */
+   follow, without software prefetches (cpu_rows_avx2.c's bf16 line 4 KiB ahead per stream: on the
+   Zen 4 of cpu_expert.py's notes, 1 thread, from DRAM, the expert FFN and the LM head read at
+   59-69% of the read roof with it, 84-90% without: bench/expert_rows.py, 1.24x / 1.27x). */
 AVX512 void flowmoe_pair_block_avx512(const void *x, long lo, long K, const void *w, int bf16, long o0, int ob,
                                       long apart, float *res) {
     int esize = bf16 ? 2 : 4, step = bf16 ? 32 : 16, split = bf16 && lo > 0;
@@ -218,11 +213,11 @@ AVX512 void flowmoe_pair_block_avx512(const void *x, long lo, long K, const void
     for (int h = 0; h < 2; h++)
         for (int j0 = 0; j0 < OB; j0 += 2)
             if (split)
-                halves(1, 1, x, lo, j0, kv, wp + h * OB, acc[h], PAIR_AHEAD);
+                halves(1, 1, x, lo, j0, kv, wp + h * OB, acc[h]);
             else if (bf16)
-                halves(1, 0, x, lo, j0, kv, wp + h * OB, acc[h], PAIR_AHEAD);
+                halves(1, 0, x, lo, j0, kv, wp + h * OB, acc[h]);
             else
-                halves(0, 0, x, lo, j0, kv, wp + h * OB, acc[h], 0);
+                halves(0, 0, x, lo, j0, kv, wp + h * OB, acc[h]);
     for (int i = 0; i < 2 * OB; i++)
         if (i / 2 < ob) res[i % 2 * OB + i / 2] = finished(acc[i / OB][i % OB], x, split ? lo : 0, wp[i], bf16, kv, K);
 }
