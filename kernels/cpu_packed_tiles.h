@@ -107,15 +107,15 @@ INLINE void int4_step(int rt, int jn, int mats, const int8_t *xq, long ldq, cons
 
 /* int4: as int8_tile, group by group: a group's lanes (its `per` superblocks, fewer in a last short
    group), then lanes = fma(scale, group lanes, lanes), lanes = fma(-(scale x zero), the row's group
-   sums, lanes); sc and sz the weight rows' scales and scale x zero, a row's `groups` on
+   sums, lanes); scz the weight rows' (scale, scale x zero) pairs, a row's `groups` on
    (flowmoe_packed_block_avx2 converts them). tile_columns passes `per` as a constant for the common
    groups at one row: a group's steps unrolled, no loop bounds worked out per group. With
    prefetch_step, 16 experts' 1024 x 3584 FFNs, 1 row, 1 thread, AMD EPYC Zen 3 2 vCPU, load 2.4-3.4,
    9 interleaved rounds (bench/packed_rows.py's): int4 g128 1.15x from DRAM (0.94 -> 0.81 ms), 1.24x
    warm; int8 1.07x / 1.17x; the same bits. */
 INLINE void int4_tile(int rt, int jn, int mats, const int8_t *xq, long ldq, const float *xl, const float *xs, long ldf,
-                      int r0, long K, long group, long per, const uint8_t *const *wr, const float *sc,
-                      const float *sz, __m256 (*acc)[MB], int j0) {
+                      int r0, long K, long group, long per, const uint8_t *const *wr, const float *scz,
+                      __m256 (*acc)[MB], int j0) {
     long supers = K / SB, groups = (K + group - 1) / group, bytes = (K + 1) / 2;
     __m256 a[RT][JT];
     for (int r = 0; r < rt; r++)
@@ -129,7 +129,8 @@ INLINE void int4_tile(int rt, int jn, int mats, const int8_t *xq, long ldq, cons
         else
             for (long s = s0; s < supers; s++) int4_step(rt, jn, mats, xq, ldq, xl, ldf, r0, bytes, wr, s, lanes);
         for (int j = 0; j < jn; j++) {
-            __m256 s = _mm256_broadcast_ss(sc + j * groups + g), s_zero = _mm256_broadcast_ss(sz + j * groups + g);
+            const float *pair = scz + (j * groups + g) * 2;
+            __m256 s = _mm256_broadcast_ss(pair), s_zero = _mm256_broadcast_ss(pair + 1);
             for (int r = 0; r < rt; r++) {
                 __m256 sums = _mm256_loadu_ps(xs + (r0 + r) * ldf + g * 8);
                 a[r][j] = _mm256_fnmadd_ps(s_zero, sums, _mm256_fmadd_ps(s, lanes[r][j], a[r][j]));
@@ -145,18 +146,18 @@ INLINE void int4_tile(int rt, int jn, int mats, const int8_t *xq, long ldq, cons
    made int8's 2-row blocks 0.81-0.91x from DRAM, their loops unchanged). */
 INLINE void tile_columns(int rt, int fmt, int mats, const int8_t *xq, long ldq, const float *xd, const float *xl,
                          const float *xs, long ldf, int r0, long K, long group, const void *const *wr,
-                         const float *sc, const float *sz, __m256 (*acc)[MB], int j0) {
+                         const float *scz, __m256 (*acc)[MB], int j0) {
     long groups = fmt == 1 ? (K + group - 1) / group : 0;
     const uint8_t *const *w4 = (const uint8_t *const *)wr + j0;
     if (fmt == 0)
         int8_tile(rt, JT, mats, xq, ldq, xd, ldf, r0, K, (const int8_t *const *)wr + j0, acc, j0);
     else if (rt == 1 && group == 2 * SB) /* int4's group (128) */
-        int4_tile(rt, JT, mats, xq, ldq, xl, xs, ldf, r0, K, group, 2, w4, sc + j0 * groups, sz + j0 * groups, acc, j0);
+        int4_tile(rt, JT, mats, xq, ldq, xl, xs, ldf, r0, K, group, 2, w4, scz + j0 * groups * 2, acc, j0);
     else if (rt == 1 && group == SB) /* hqq4's (64) */
-        int4_tile(rt, JT, mats, xq, ldq, xl, xs, ldf, r0, K, group, 1, w4, sc + j0 * groups, sz + j0 * groups, acc, j0);
+        int4_tile(rt, JT, mats, xq, ldq, xl, xs, ldf, r0, K, group, 1, w4, scz + j0 * groups * 2, acc, j0);
     else
-        int4_tile(rt, JT, mats, xq, ldq, xl, xs, ldf, r0, K, group, group / SB, w4, sc + j0 * groups,
-                  sz + j0 * groups, acc, j0);
+        int4_tile(rt, JT, mats, xq, ldq, xl, xs, ldf, r0, K, group, group / SB, w4, scz + j0 * groups * 2, acc,
+                  j0);
 }
 
 /* Rows [r0, r0 + rt) of levels against the block's PB weight rows, JT weight rows at a time: at one
@@ -165,10 +166,10 @@ INLINE void tile_columns(int rt, int fmt, int mats, const int8_t *xq, long ldq, 
    1 thread, AMD EPYC Zen 3 2 vCPU, medians of 5 interleaved rounds against all PB at once:
    int8 29.7 -> 27.1 ms, int4 20.5 -> 17.8 ms, the same bits. */
 INLINE void tile_rows(int rt, int fmt, int mats, const int8_t *xq, long ldq, const float *xd, const float *xl,
-                      const float *xs, long ldf, int r0, long K, long group, const void *const *wr, const float *sc,
-                      const float *sz, __m256 (*acc)[MB]) {
+                      const float *xs, long ldf, int r0, long K, long group, const void *const *wr, const float *scz,
+                      __m256 (*acc)[MB]) {
     for (int j0 = 0; j0 < mats * PB; j0 += JT)
-        tile_columns(rt, fmt, mats, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc, j0);
+        tile_columns(rt, fmt, mats, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, scz, acc, j0);
 }
 
 BLOCK_TARGET void BLOCK(int fmt, const int8_t *xq, long ldq, const float *xd, const float *xl,
@@ -188,7 +189,11 @@ BLOCK_TARGET void BLOCK(int fmt, const int8_t *xq, long ldq, const float *xd, co
                 zeros[j * mats + m] = (const uint16_t *)p[3 * m + 2] + at * groups;
         }
     }
-    float sc[MB * groups], sz[MB * groups]; /* int4: the entries' scales and scale x zero */
+    /* int4: entry i's (scale, scale x zero) of group g at 2 (i groups + g), a pair one address (two
+       arrays were 0.94-0.97x: 16 experts' 1024 x 3584 FFNs, 1 row, 1 thread, Zen 4 at load 6,
+       bench/packed_rows.py 9 rounds, from DRAM and warm; the compiler kept their pointers in vector
+       registers) */
+    float scz[MB * groups * 2];
     if (fmt == 1) /* the next block's scales and zeros too: a miss here would stall the block's start */
         for (int m = 0; m < mats; m++)
             for (long b = 0; b < PB * groups * 2; b += 64)
@@ -197,29 +202,31 @@ BLOCK_TARGET void BLOCK(int fmt, const int8_t *xq, long ldq, const float *xd, co
     if (fmt == 1)
         for (int i = 0; i < mats * PB; i++) {
             const uint16_t *s = scales[i], *z = zeros[i];
-            float *to = sc + i * groups, *to_zero = sz + i * groups;
+            float *to = scz + i * groups * 2;
             long g = 0;
-            for (; g + 8 <= groups; g += 8) {
+            for (; g + 8 <= groups; g += 8) { /* 8 groups' scales and products, interleaved in order */
                 __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g)));
-                __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + g)));
-                _mm256_storeu_ps(to + g, sv), _mm256_storeu_ps(to_zero + g, _mm256_mul_ps(sv, zv));
+                __m256 zv = _mm256_mul_ps(sv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + g))));
+                __m256 low = _mm256_unpacklo_ps(sv, zv), high = _mm256_unpackhi_ps(sv, zv);
+                _mm256_storeu_ps(to + 2 * g, _mm256_permute2f128_ps(low, high, 0x20));
+                _mm256_storeu_ps(to + 2 * g + 8, _mm256_permute2f128_ps(low, high, 0x31));
             }
-            for (; g < groups; g++) to[g] = _cvtsh_ss(s[g]), to_zero[g] = to[g] * _cvtsh_ss(z[g]);
+            for (; g < groups; g++) to[2 * g] = _cvtsh_ss(s[g]), to[2 * g + 1] = to[2 * g] * _cvtsh_ss(z[g]);
         }
     _Static_assert(RT == 4, "the tiles below: 1, 2, 3 or RT rows");
     if (mats == 2) /* one row (cpu_packed.c) */
-        tile_rows(1, fmt, 2, xq, ldq, xd, xl, xs, ldf, 0, K, group, wr, sc, sz, acc);
+        tile_rows(1, fmt, 2, xq, ldq, xd, xl, xs, ldf, 0, K, group, wr, scz, acc);
     else
         for (int r0 = 0; r0 < n; r0 += RT) {
             int rt = n - r0 < RT ? n - r0 : RT;
             if (rt == 1)
-                tile_rows(1, fmt, 1, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
+                tile_rows(1, fmt, 1, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, scz, acc);
             else if (rt == 2)
-                tile_rows(2, fmt, 1, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
+                tile_rows(2, fmt, 1, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, scz, acc);
             else if (rt == 3)
-                tile_rows(3, fmt, 1, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
+                tile_rows(3, fmt, 1, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, scz, acc);
             else
-                tile_rows(RT, fmt, 1, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, sc, sz, acc);
+                tile_rows(RT, fmt, 1, xq, ldq, xd, xl, xs, ldf, r0, K, group, wr, scz, acc);
         }
     for (int m = 0; m < mats; m++)
         for (int r = 0; r < n; r++)
