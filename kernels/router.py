@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import cached_property
-from itertools import accumulate
+from itertools import accumulate, compress
 
 import torch
 import torch.nn.functional as F
@@ -166,6 +166,6 @@ def split_by_expert(
 ) -> Routing:
     """The host half: the experts with tokens, where each one's rows begin and how many (no kernel:
     each expert's views of the sorted rows and scales are split when first read)."""
-    sizes = {expert: count for expert, count in enumerate(counts) if count}  # none for no tokens
+    sizes = dict(zip(compress(range(len(counts)), counts), compress(counts, counts), strict=True))  # no 0s
     starts = dict(zip(sizes, accumulate(sizes.values(), initial=0), strict=False))  # the last sum left out
     return Routing(indices, weights, tuple(sizes), rows, scales, starts, sizes)
