@@ -187,9 +187,10 @@ class MoEModel:
         the host layer's packed copy where it keeps one (`LayerWeights.attention_packed`: whichever
         copy `weight` is, every CPU lane computes the same bits), else `linear` of `weight` [out, in]."""
         host = self.weights.layers[layer]
-        packed = host.attention_packed[which] if host.attention_packed is not None else None
+        if host.attention_packed is None:
+            return linear(x, weight, bias)
         host_bias = host.attn.qkv_bias if which == 0 else host.attn.o_bias  # [out], on the host
-        return _packed_or_linear(x, packed, host_bias, weight, bias)
+        return _packed_or_linear(x, host.attention_packed[which], host_bias, weight, bias)
 
     def _residual(self, out: torch.Tensor) -> torch.Tensor:
         """A block's output as added to the residual stream (Granite scales it)."""

@@ -223,7 +223,7 @@ def packed_routed(
     """`MoEModel.routed_experts` by the packed kernels: x [T, hidden] -> expert -> its scaled outputs
     [n_e, hidden]; None where they do not take them all (checked before the rows are gathered). A
     single token's experts all read its row where it lies (no gather)."""
-    if not x.is_cpu:
+    if not x.is_cpu or not ffns or not isinstance(next(iter(ffns.values())), PackedFFN):  # kept unpacked
         return None
     experts = sorted(ffns)  # ascending: a view of the routing's sorted rows
     kernel_experts = _kernel_experts([ffns[e] for e in experts])  # None: some expert kept unpacked
