@@ -40,8 +40,8 @@ void flowmoe_pair_block_avx2(const float *x, long K, const void *w, int bf16, lo
 /* cpu_rows_avx512.c */
 void flowmoe_block_avx512(const void *x, long ldx, long lo, int n, long K, const void *w, int bf16, long o0,
                           int ob, const void *next, long next_rows, float *res);
-void flowmoe_pair_block_avx512(const void *x, long lo, long K, const void *w, int bf16, long o0, int ob,
-                               long apart, float *res);
+void flowmoe_pair_block_avx512(const void *x, long ldx, long lo, int n, long K, const void *w, int bf16,
+                               long o0, int ob, long apart, float *res);
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -243,19 +243,27 @@ static inline void block_of(int isa, rows_in x, int n, long K, const void *w, in
         block(x.p, x.ld, n, K, w, bf16, o0, ob, next, next_rows, res);
 }
 
+/* The most rows of x an isa's pair block takes: cpu_rows_avx512.c's 2 but for split rows (a batch-8
+   decode step's rows per expert; 1 thread, Zen 4, from DRAM, bench/expert_rows.py, against two
+   blocks: LM head at 2 rows 1.38-1.43x in bf16 and fp32, bf16 expert FFN 1.12x; with the FFN's
+   split activation rows too 0.96x), else 1. */
+static inline int pair_rows(int isa, rows_in x) {
+    return isa == 2 && !x.lo ? 2 : 1;
+}
+
 /* Two blocks: res + m n bs = the rows [o0 + m apart, + ob) of w [., K] against the n rows of x, m < 2
-   (bs: block_rows(isa)); the block read after them: `then_rows` rows from row `then`. At one row,
-   the pair blocks of cpu_rows_avx2.c (isa 1) and cpu_rows_avx512.c (isa 2) read the two blocks' rows
-   side by side: two streams in address order (else one block, then the other, each prefetching the
-   one read after it). */
+   (bs: block_rows(isa)); the block read after them: `then_rows` rows from row `then`. Up to
+   pair_rows rows, the pair blocks of cpu_rows_avx2.c (isa 1) and cpu_rows_avx512.c (isa 2)
+   read the two blocks' rows side by side: two streams in address order (else one block, then the
+   other, each prefetching the one read after it). */
 static inline void two_blocks(int isa, rows_in x, int n, long K, const void *w, int bf16, long o0, int ob,
                               long apart, long then, long then_rows, float *res) {
     int bs = block_rows(isa);
-    if (isa == 2 && n == 1) {
-        flowmoe_pair_block_avx512(x.p, x.lo, K, w, bf16, o0, ob, apart, res);
+    if (isa == 2 && n <= pair_rows(isa, x)) {
+        flowmoe_pair_block_avx512(x.p, x.ld, x.lo, n, K, w, bf16, o0, ob, apart, res);
         return;
     }
-    if (isa == 1 && n == 1) {
+    if (isa == 1 && n <= pair_rows(isa, x)) {
         flowmoe_pair_block_avx2(x.p, K, w, bf16, o0, ob, apart, res);
         return;
     }
@@ -263,9 +271,9 @@ static inline void two_blocks(int isa, rows_in x, int n, long K, const void *w, 
     block_of(isa, x, n, K, w, bf16, o0 + apart, ob, row_at(w, then, K, bf16), then_rows, res + n * bs);
 }
 
-/* A matrix of O rows in blocks: pairs of blocks (at one row block i of rows [0, half) beside block
-   i of [half, 2 half), so that the pair block reads two streams through the matrix's halves; at
-   more rows blocks 2 i and 2 i + 1), then the rest alone. */
+/* A matrix of O rows in blocks: pairs of blocks (up to pair_rows rows block i of rows [0, half)
+   beside block i of [half, 2 half), so that the pair block reads two streams through the matrix's
+   halves; at more rows blocks 2 i and 2 i + 1), then the rest alone. */
 static inline long half_of(long O, int bs) {
     return O / (2 * bs) * bs;
 }
@@ -287,7 +295,8 @@ static inline pair_at paired(int isa, rows_in x, int n, long K, const void *w, i
                              float *res) {
     int bs = block_rows(isa);
     long half = half_of(O, bs), pairs = half / bs;
-    pair_at p = {b < pairs ? b * (n == 1 ? bs : 2 * bs) : 2 * half + (b - pairs) * bs, n == 1 ? half : bs, 0,
+    int halves = n <= pair_rows(isa, x);
+    pair_at p = {b < pairs ? b * (halves ? bs : 2 * bs) : 2 * half + (b - pairs) * bs, halves ? half : bs, 0,
                  b < pairs ? 2 : 1};
     p.ob = (int)rows_at(O, p.o0, bs);
     long then = p.o0 + (p.both - 1) * p.apart + bs; /* the block after the last */

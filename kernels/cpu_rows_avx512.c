@@ -27,6 +27,7 @@
 #define OB 8             /* weight rows per block, as cpu_rows_avx2.c's */
 #define RT 3             /* x rows per register tile: 3 x OB accumulators + 3 (6 split) x + 1 w <= 32 */
 #define CHUNK_BYTES 1024 /* of each weight row per chunk when several tiles share it (8 KiB in L1) */
+#define PAIR_ROWS 2      /* the most rows of x a pair block takes */
 
 /* The 16 lanes' sum: lane i + lane i + 8, then + 4, + 2, + 1. */
 static inline AVX512 float hsum16(__m512 v) {
@@ -81,35 +82,42 @@ static inline AVX512 __attribute__((always_inline)) void tile(
         for (int j = 0; j < jn; j++) acc[r0 + r][j0 + j] = a[r][j];
 }
 
-/* acc[j0 + j] += x[0:kv] . wp[j0 + j][0:kv] for j < 2 (one row of x against two weight rows, as
-   `tile` with jn 2) in 256-bit halves: lanes 0-7 of acc in one
-   accumulator, 8-15 in another, the same sums in the same order as `tile`'s, with the loads of
-   cpu_rows_avx2.c (32 bytes of each row a step: on the Zen 4 of cpu_expert.c's notes fp32 1.1-1.3x
-   over 64, whose AVX-512 loads are two 256-bit ones). */
-static inline AVX512 __attribute__((always_inline)) void halves(int bf16, int split, const void *x, long lo, int j0,
-                                                                long kv, const void *const *wp, __m512 *acc) {
+/* acc[r][j0 + j] += x[r, 0:kv] . wp[j0 + j][0:kv] for r < rt <= PAIR_ROWS, j < 2 (as `tile` with
+   jn 2) in 256-bit halves: lanes 0-7 of acc in one accumulator, 8-15 in another, the same sums in
+   the same order as `tile`'s, with the loads of cpu_rows_avx2.c (32 bytes of each row a step: on
+   the Zen 4 of cpu_expert.py's notes fp32 1.1-1.3x over 64, whose AVX-512 loads are two 256-bit
+   ones). */
+static inline AVX512 __attribute__((always_inline)) void halves(int rt, int bf16, int split, const void *x, long ldx,
+                                                                long lo, int j0, long kv, const void *const *wp,
+                                                                __m512 (*acc)[2 * OB]) {
     int step = bf16 ? 32 : 16, esize = bf16 ? 2 : 4;
-    __m256 a[2][2];
-    for (int j = 0; j < 2; j++)
-        a[j][0] = _mm512_castps512_ps256(acc[j0 + j]), a[j][1] = _mm512_extractf32x8_ps(acc[j0 + j], 1);
-    const char *xc = x;
-    for (long k = 0; k < kv; k += step) {
+    __m256 a[PAIR_ROWS][2][2];
+    for (int r = 0; r < rt; r++)
+        for (int j = 0; j < 2; j++)
+            a[r][j][0] = _mm512_castps512_ps256(acc[r][j0 + j]), a[r][j][1] = _mm512_extractf32x8_ps(acc[r][j0 + j], 1);
+    for (long k = 0; k < kv; k += step)
         for (int h = 0; h < 2; h++) {
             long at = (k + step / 2 * h) * esize;
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xc + at)), xl = xv;
-            if (split) xl = _mm256_loadu_si256((const __m256i *)(xc + at + lo * esize));
+            __m256i xv[PAIR_ROWS], xl[PAIR_ROWS];
+            for (int r = 0; r < rt; r++) {
+                const char *xr = (const char *)x + r * ldx * esize + at;
+                xv[r] = _mm256_loadu_si256((const __m256i *)xr);
+                xl[r] = split ? _mm256_loadu_si256((const __m256i *)(xr + lo * esize)) : xv[r];
+            }
             for (int j = 0; j < 2; j++) {
                 __m256i wv = _mm256_loadu_si256((const __m256i *)((const char *)wp[j0 + j] + at));
-                if (!bf16) {
-                    a[j][h] = _mm256_fmadd_ps(_mm256_castsi256_ps(xv), _mm256_castsi256_ps(wv), a[j][h]);
-                } else {
-                    a[j][h] = _mm256_dpbf16_ps(a[j][h], (__m256bh)xv, (__m256bh)wv);
-                    if (split) a[j][h] = _mm256_dpbf16_ps(a[j][h], (__m256bh)xl, (__m256bh)wv);
-                }
+                for (int r = 0; r < rt; r++)
+                    if (!bf16) {
+                        a[r][j][h] = _mm256_fmadd_ps(_mm256_castsi256_ps(xv[r]), _mm256_castsi256_ps(wv), a[r][j][h]);
+                    } else {
+                        a[r][j][h] = _mm256_dpbf16_ps(a[r][j][h], (__m256bh)xv[r], (__m256bh)wv);
+                        if (split) a[r][j][h] = _mm256_dpbf16_ps(a[r][j][h], (__m256bh)xl[r], (__m256bh)wv);
+                    }
             }
         }
-    }
-    for (int j = 0; j < 2; j++) acc[j0 + j] = _mm512_insertf32x8(_mm512_castps256_ps512(a[j][0]), a[j][1], 1);
+    for (int r = 0; r < rt; r++)
+        for (int j = 0; j < 2; j++)
+            acc[r][j0 + j] = _mm512_insertf32x8(_mm512_castps256_ps512(a[r][j][0]), a[r][j][1], 1);
 }
 
 /* bf16 bits -> fp32. */
@@ -193,31 +201,38 @@ AVX512 void flowmoe_block_avx512(const void *x, long ldx, long lo, int n, long K
             res[r * OB + j] = finished(acc[r][j], (const char *)x + r * ldx * esize, split ? lo : 0, wp[j], bf16, kv, K);
 }
 
-/* One row x [K] (as for flowmoe_block_avx512) against rows [o0, o0 + ob) of w [O, K] and the same
-   rows `apart` on (gate's and up's, or a block of a matrix's first half and of its second):
-   res[m * OB + j] = x . w[o0 + m apart + j], m < 2, each summed as flowmoe_block_avx512 sums it.
-   Each tile takes one row of each: two streams in address order, which the hardware prefetchers
-   follow, without software prefetches (cpu_rows_avx2.c's bf16 line 4 KiB ahead per stream: on the
-   Zen 4 of cpu_expert.py's notes, 1 thread, from DRAM, the expert FFN and the LM head read at
-   59-69% of the read roof with it, 84-90% without: bench/expert_rows.py, 1.24x / 1.27x). */
-AVX512 void flowmoe_pair_block_avx512(const void *x, long lo, long K, const void *w, int bf16, long o0, int ob,
-                                      long apart, float *res) {
+/* n <= PAIR_ROWS rows of x (as for flowmoe_block_avx512; split rows: one) against rows [o0, o0 + ob) of w [O, K]
+   and the same rows `apart` on (gate's and up's, or a block of a matrix's first half and of its
+   second): res[(m n + r) OB + j] = x[r] . w[o0 + m apart + j], m < 2, each summed as
+   flowmoe_block_avx512 sums it. Each tile takes one row of each: two streams in address order,
+   which the hardware prefetchers follow, without software prefetches (cpu_rows_avx2.c's bf16 line
+   4 KiB ahead per stream: on the Zen 4 of cpu_expert.py's notes, 1 thread, from DRAM, the expert
+   FFN and the LM head read at 59-69% of the read roof with it, 84-90% without: bench/expert_rows.py,
+   1.24x / 1.27x). */
+AVX512 void flowmoe_pair_block_avx512(const void *x, long ldx, long lo, int n, long K, const void *w, int bf16,
+                                      long o0, int ob, long apart, float *res) {
     int esize = bf16 ? 2 : 4, step = bf16 ? 32 : 16, split = bf16 && lo > 0;
     long kv = K / step * step;
     const void *wp[2 * OB]; /* entry 2 j + m: row o0 + m apart + j (a short block repeats its last row) */
     for (int j = 0; j < OB; j++)
         for (int m = 0; m < 2; m++) wp[2 * j + m] = (const char *)w + (o0 + m * apart + (j < ob ? j : ob - 1)) * K * esize;
-    __m512 acc[2][OB]; /* entry i: acc[i / OB][i % OB] */
-    for (int h = 0; h < 2; h++)
-        for (int j = 0; j < OB; j++) acc[h][j] = _mm512_setzero_ps();
-    for (int h = 0; h < 2; h++)
-        for (int j0 = 0; j0 < OB; j0 += 2)
-            if (split)
-                halves(1, 1, x, lo, j0, kv, wp + h * OB, acc[h]);
-            else if (bf16)
-                halves(1, 0, x, lo, j0, kv, wp + h * OB, acc[h]);
-            else
-                halves(0, 0, x, lo, j0, kv, wp + h * OB, acc[h]);
-    for (int i = 0; i < 2 * OB; i++)
-        if (i / 2 < ob) res[i % 2 * OB + i / 2] = finished(acc[i / OB][i % OB], x, split ? lo : 0, wp[i], bf16, kv, K);
+    __m512 acc[PAIR_ROWS][2 * OB];
+    for (int r = 0; r < n; r++)
+        for (int i = 0; i < 2 * OB; i++) acc[r][i] = _mm512_setzero_ps();
+    for (int j0 = 0; j0 < 2 * OB; j0 += 2)
+        if (split)
+            halves(1, 1, 1, x, ldx, lo, j0, kv, wp, acc);
+        else if (n == 1 && bf16)
+            halves(1, 1, 0, x, ldx, lo, j0, kv, wp, acc);
+        else if (n == 1)
+            halves(1, 0, 0, x, ldx, lo, j0, kv, wp, acc);
+        else if (bf16)
+            halves(2, 1, 0, x, ldx, lo, j0, kv, wp, acc);
+        else
+            halves(2, 0, 0, x, ldx, lo, j0, kv, wp, acc);
+    for (int r = 0; r < n; r++)
+        for (int i = 0; i < 2 * OB; i++)
+            if (i / 2 < ob)
+                res[(i % 2 * n + r) * OB + i / 2] =
+                    finished(acc[r][i], (const char *)x + r * ldx * esize, split ? lo : 0, wp[i], bf16, kv, K);
 }
