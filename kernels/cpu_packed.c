@@ -40,8 +40,8 @@
    Blocks: `isa` 1 takes cpu_packed_avx2.c's (AVX2 + FMA + F16C intrinsics), 2 cpu_packed_avx512.c's
    (the same tiles, cpu_packed_tiles.h, with AVX512-VNNI's integer dot products), both chosen by the
    CPU's features in cpu_packed.py, and cpu_packed_avx2.c's activation quantization for whole
-   blocks; 0 the portable ones here (plain C, the same operations one output at a time). Threads: OpenMP over blocks of PB weight
-   rows of all experts, the count the caller passes.
+   blocks; 0 the portable ones here (plain C, the same operations one output at a time). Threads:
+   OpenMP over blocks of PB weight rows of all experts, the count the caller passes.
 
    One-row blocks (an expert's one row, a decode step's): a gate / up block takes gate's PB rows and
    up's together, and each of down's first blocks its PB rows of the matrix's first half beside the

@@ -11,6 +11,7 @@
 #define BLOCK_TARGET __attribute__((target("avx2,fma,f16c")))
 #define INLINE static inline BLOCK_TARGET __attribute__((always_inline))
 #define BLOCK flowmoe_packed_block_avx2
+#define INT8_ROW_PREFETCH 1 /* int8 one-row tiles prefetch too (cpu_packed_tiles.h, prefetch_next) */
 #define QMAX 127.0f /* cpu_packed.c's */
 
 /* cpu_packed_tiles.h's dot4: the int32 lane sums of u x s's 4 products. */
@@ -59,8 +60,8 @@ INLINE __m256i block_levels(const float *x, float *d) {
    superblocks, each laid out as its even columns' levels, then its odd ones'); int4 also the lanes'
    d and the `groups` group sums over the row's `supers` superblocks (cpu_packed.c's quantize_row, the
    same bits: the sums' fma in its order, lane by lane). */
-BLOCK_TARGET void flowmoe_quantize_blocks_avx2(const float *x, long blocks, int fmt, long supers, long group, long groups,
-                                       int8_t *xq, float *xd, float *lanes, float *sums) {
+BLOCK_TARGET void flowmoe_quantize_blocks_avx2(const float *x, long blocks, int fmt, long supers, long group,
+                                               long groups, int8_t *xq, float *xd, float *lanes, float *sums) {
     if (fmt == 0) {
         for (long b = 0; b < blocks; b++)
             _mm256_storeu_si256((__m256i *)(xq + b * QB), block_levels(x + b * QB, xd + b));

@@ -3,10 +3,11 @@
    levels row r . row o0 + j of weight matrix m (p + 3 m: q, scale, zero) for r < n, j < ob <= PB,
    m < mats, in cpu_packed.c's order (its header). mats 2 (gate and up, or down's two halves) only at
    one row (n 1): each tile then takes one row of each matrix. The includer defines BLOCK_TARGET (the
-   target attribute), BLOCK (the function's name) and INLINE, and the integer dot products: dot4(u,
-   s), int32 lane l the sum of the 4 products of unsigned bytes u and signed bytes s at 4l..4l + 3
-   (|products| < 2^14 x 2: no int16 pair sum saturates), and dot4_twice(u, s, v, t) = dot4(u, s) +
-   dot4(v, t) (u, v <= 15: int4 levels); both exact, so the two blocks give the same bits.
+   target attribute), BLOCK (the function's name), INLINE, INT8_ROW_PREFETCH (whether int8's one-row
+   tiles prefetch) and the integer dot products: dot4(u, s), int32 lane l the sum of the 4 products
+   of unsigned bytes u and signed bytes s at 4l..4l + 3 (u <= 128, |s| <= 127: a pair of products
+   fits int16), and dot4_twice(u, s, v, t) = dot4(u, s) + dot4(v, t) (u, v <= 15: int4 levels); both
+   exact, so the blocks give the same bits.
 
    Integer dot products as llama.cpp's AVX2 Q8_0 / Q4_0 ones do (ggml's mul_sum_i8_pairs_float): int8
    weights times int8 levels as |w| times the levels with w's sign, int4 levels (unsigned 0..15)
@@ -59,7 +60,8 @@ INLINE __m256 add_sums(__m256 acc, __m256i s, __m256 d) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc);
 }
 
-/* int8: rows [r0, r0 + rt) of levels against weight rows wr[0..jn), jn <= JT, into acc[r0..][j0..]. */
+/* int8: rows [r0, r0 + rt) of levels against weight rows wr[0..jn), jn <= JT, into acc[r0..][j0..];
+   one row's tiles prefetch where the includer's INT8_ROW_PREFETCH says (cpu_packed_avx512.c). */
 INLINE void int8_tile(int rt, int jn, int mats, const int8_t *xq, long ldq, const float *xd, long ldf, int r0, long K,
                       const int8_t *const *wr, __m256 (*acc)[MB], int j0) {
     __m256 a[RT][JT];
@@ -67,7 +69,8 @@ INLINE void int8_tile(int rt, int jn, int mats, const int8_t *xq, long ldq, cons
         for (int j = 0; j < jn; j++) a[r][j] = _mm256_setzero_ps();
     for (long b = 0; b < K / QB; b++) {
         __m256i w[JT], magnitude[JT];
-        prefetch_step((const void *const *)wr, mats, b, QB, PB * K);
+        if (rt > 1 || INT8_ROW_PREFETCH)
+            prefetch_step((const void *const *)wr, mats, b, QB, PB * K);
         for (int j = 0; j < jn; j++) {
             w[j] = _mm256_loadu_si256((const __m256i *)(wr[j] + b * QB));
             magnitude[j] = _mm256_abs_epi8(w[j]);
