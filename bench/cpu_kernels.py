@@ -20,13 +20,13 @@ weights by host_memory.huge_copy, as the model's host weights):
   intermediate 1024; allenai/OLMoE-1B-7B-0924 config.json) and, without --quick, Mixtral
   8x7B's (4096 x 14336); bytes = the expert's weights. Variants: `swiglu_ffn`,
   `swiglu_ffn_group` over 8 experts (bytes x 8) and `swiglu_ffn_torch` (torch ops), and where the
-  CPU kernels choose another block than the portable one (AVX2 without AVX-512: kernels/cpu_rows_avx2.c),
-  `swiglu_ffn portable block` (the block they used before, kernels/cpu_expert.c's);
+  CPU kernels choose another block than the portable one (kernels/cpu_rows_avx2.c with AVX2,
+  cpu_rows_avx512.c with AVX-512 + BF16), `swiglu_ffn portable block` (kernels/cpu_expert.c's);
 * expert FFN at prefill's rows, FLOP-bound (2 x rows x 3 x hidden x intermediate FLOPs, against the
   GEMM roof): issue 25's checkpoint's expert (hidden 1024, intermediate 3584), 16-128 rows (a
   128-token prefill gives its 8 experts 32 rows each on average), four experts' weights in turn
-  (beyond the LLC). Variants: `swiglu_ffn` (the AVX2 block's wide tiles from 16 rows on, up to
-  cpu_expert.max_rows), `swiglu_ffn_torch` (torch ops; bf16 widened to fp32 where torch emulates it)
+  (beyond the LLC). Variants: `swiglu_ffn` (the AVX2 block's wide tiles from 16 rows on, or the
+  AVX-512 block's, up to cpu_expert.max_rows), `swiglu_ffn_torch` (torch ops; bf16 widened to fp32 where torch emulates it)
   and the portable block where the CPU kernels choose another;
 * projection (a decode step's few-row linear, bytes = the weight) at issue 25's checkpoint's shapes
   (bench/vs_llamacpp.py: hidden 1024, intermediate 3584, vocab 32000): an expert's gate_up
