@@ -26,8 +26,8 @@ weights by host_memory.huge_copy, as the model's host weights):
   GEMM roof): issue 25's checkpoint's expert (hidden 1024, intermediate 3584), 16-128 rows (a
   128-token prefill gives its 8 experts 32 rows each on average), four experts' weights in turn
   (beyond the LLC). Variants: `swiglu_ffn` (the AVX2 block's wide tiles from 16 rows on, or the
-  AVX-512 block's, up to cpu_expert.max_rows), `swiglu_ffn_torch` (torch ops; bf16 widened to fp32 where torch emulates it)
-  and the portable block where the CPU kernels choose another;
+  AVX-512 block's, up to cpu_expert.max_rows), `swiglu_ffn_torch` (torch ops; bf16 widened to fp32
+  where torch emulates it) and the portable block where the CPU kernels choose another;
 * projection (a decode step's few-row linear, bytes = the weight) at issue 25's checkpoint's shapes
   (bench/vs_llamacpp.py: hidden 1024, intermediate 3584, vocab 32000): an expert's gate_up
   [7168, 1024], down [1024, 3584] and the LM head [32000, 1024], 1-8 rows. Variants: `linear_rows`
