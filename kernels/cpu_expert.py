@@ -14,12 +14,12 @@ F / BW / VL and BF16 (Zen 4, Sapphire Rapids), cpu_rows_avx512.c's intrinsics (b
 bf16 rows with `vdpbf16ps`, no widening); else on one with AVX2 and FMA, cpu_rows_avx2.c's (the
 portable block's two-register vectors are compute-bound at a quarter to a half of the read roof
 there, see that file); elsewhere the portable block, compiled for the host. On a 2-vCPU AMD EPYC
-Zen 4, 1 thread, CPU time, issue 25's shapes (hidden 1024, intermediate 3584, vocab 32000): at one
-row both SIMD blocks read at the memory's rate (AVX-512 / AVX2 time: 16 experts' FFNs 0.98-1.02,
-LM head 0.97-1.00), from 2 to 16 rows the AVX-512 block takes 0.6-0.85 of the AVX2 block's time
-(bf16 FFN 8 rows 36.0 against 47.3 ms, LM head 5.8 against 8.0), at 64-128 fp32 rows 1.03-1.07
-(bench/RESULTS.md, issue 25); the portable block compiled for AVX-512 took twice the AVX2 block's
-time there. FLOWMOE_CPU_ISA=portable|avx2|avx512 forces a block where the CPU runs it (for
+Zen 4, 1 thread, CPU time, issue 25's shapes (hidden 1024, intermediate 3584, vocab 32000): the
+AVX-512 block reads bf16 weights at one row at 79-90% of the read roof (the AVX2 block 59-69%),
+fp32 at the AVX2 block's rate; from 2 to 16 rows it takes 0.6-0.85 of the AVX2 block's time (bf16
+FFN 8 rows 36.0 against 47.3 ms, LM head 5.8 against 8.0), at 64-128 fp32 rows 1.03-1.07; a bf16
+batch-1 decode step 25.9-26.3 against 28.1-31.5 ms CPU (bench/RESULTS.md, issue 25). The portable
+block compiled for AVX-512 took twice the AVX2 block's time there. FLOWMOE_CPU_ISA=portable|avx2|avx512 forces a block where the CPU runs it (for
 comparison, and to test each on one machine). bf16 weights from two rows on go to oneDNN where
 torch has native bf16 matmuls (AVX512-BF16 / AMX), to these kernels elsewhere (torch emulates bf16
 there at a fraction of the read rate); with the AVX2 and AVX-512 blocks, up to MAX_ROWS and
