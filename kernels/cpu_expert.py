@@ -19,8 +19,9 @@ AVX-512 block reads bf16 weights at one row at 79-90% of the read roof (the AVX2
 fp32 at the AVX2 block's rate; from 2 to 16 rows it takes 0.6-0.85 of the AVX2 block's time (bf16
 FFN 8 rows 36.0 against 47.3 ms, LM head 5.8 against 8.0), at 64-128 fp32 rows 1.03-1.07; a bf16
 batch-1 decode step 25.9-26.3 against 28.1-31.5 ms CPU (bench/RESULTS.md, issue 25). The portable
-block compiled for AVX-512 took twice the AVX2 block's time there. FLOWMOE_CPU_ISA=portable|avx2|avx512 forces a block where the CPU runs it (for
-comparison, and to test each on one machine). bf16 weights from two rows on go to oneDNN where
+block compiled for AVX-512 took twice the AVX2 block's time there. FLOWMOE_CPU_ISA=portable|avx2|
+avx512 forces a block where the CPU runs it (for comparison, and to test each on one machine).
+bf16 weights from two rows on go to oneDNN where
 torch has native bf16 matmuls (AVX512-BF16 / AMX), to these kernels elsewhere (torch emulates bf16
 there at a fraction of the read rate); with the AVX2 and AVX-512 blocks, up to MAX_ROWS and
 AVX512_BF16_ROWS bf16 rows go to the kernels there too (a decode step's), more (a prefill's) to
