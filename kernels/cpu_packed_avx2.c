@@ -12,6 +12,10 @@
 #define INLINE static inline BLOCK_TARGET __attribute__((always_inline))
 #define BLOCK flowmoe_packed_block_avx2
 #define INT8_ROW_PREFETCH 1 /* int8 one-row tiles prefetch too (cpu_packed_tiles.h, prefetch_next) */
+/* int4 one-row tiles by int4_tile (cpu_packed_tiles.h): with int4_row_at out of line, the compiler's
+   registers in this block changed and its int8 one-row tiles were 0.92-0.95x (Zen 4, 1 thread,
+   bench/packed_rows.py --blocks avx2,avx2, 5-9 rounds) */
+#define INT4_ROW 0
 #define QMAX 127.0f /* cpu_packed.c's */
 
 /* cpu_packed_tiles.h's dot4: the int32 lane sums of u x s's 4 products. */

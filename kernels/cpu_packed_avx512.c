@@ -17,6 +17,7 @@
    roof), 1.18x warm; 2 and 8 rows (which keep it) 1.10x / 1.02x; without it int4's were 0.92x and
    the several-row tiles' 0.36-0.83x, so they keep it */
 #define INT8_ROW_PREFETCH 0
+#define INT4_ROW 1 /* int4 one-row tiles by int4_row_at (cpu_packed_tiles.h: 1.07x from DRAM, 1.11x warm) */
 
 /* cpu_packed_tiles.h's dot4. */
 INLINE __m256i dot4(__m256i u, __m256i s) {

@@ -4,10 +4,10 @@
    m < mats, in cpu_packed.c's order (its header). mats 2 (gate and up, or down's two halves) only at
    one row (n 1): each tile then takes one row of each matrix. The includer defines BLOCK_TARGET (the
    target attribute), BLOCK (the function's name), INLINE, INT8_ROW_PREFETCH (whether int8's one-row
-   tiles prefetch) and the integer dot products: dot4(u, s), int32 lane l the sum of the 4 products
-   of unsigned bytes u and signed bytes s at 4l..4l + 3 (u <= 128, |s| <= 127: a pair of products
-   fits int16), and dot4_twice(u, s, v, t) = dot4(u, s) + dot4(v, t) (u, v <= 15: int4 levels); both
-   exact, so the blocks give the same bits.
+   tiles prefetch), INT4_ROW (whether int4's one-row tiles are int4_row_at's) and the integer dot
+   products: dot4(u, s), int32 lane l the sum of the 4 products of unsigned bytes u and signed bytes s
+   at 4l..4l + 3 (u <= 128, |s| <= 127: a pair of products fits int16), and dot4_twice(u, s, v, t) =
+   dot4(u, s) + dot4(v, t) (u, v <= 15: int4 levels); both exact, so the blocks give the same bits.
 
    Integer dot products as llama.cpp's AVX2 Q8_0 / Q4_0 ones do (ggml's mul_sum_i8_pairs_float): int8
    weights times int8 levels as |w| times the levels with w's sign, int4 levels (unsigned 0..15)
@@ -144,6 +144,74 @@ INLINE void int4_tile(int rt, int jn, int mats, const int8_t *xq, long ldq, cons
         for (int j = 0; j < jn; j++) acc[r0 + r][j0 + j] = a[r][j];
 }
 
+/* A value the compiler keeps in a register: a vector loaded once and used by several instructions,
+   which it would otherwise load again into each as a memory operand. */
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+
+/* int4 at one row, superblock s of weight rows w0 and w1: lanes0 / lanes1 += their int sums with the
+   row's levels xq, times the lanes' d xl; the levels and weights loaded once into registers. */
+INLINE void int4_row_step(const int8_t *xq, const float *xl, const uint8_t *w0, const uint8_t *w1, long s,
+                          __m256 *lanes0, __m256 *lanes1) {
+    const __m256i low = _mm256_set1_epi8(15);
+    __m256i even = _mm256_loadu_si256((const __m256i *)(xq + s * SB));
+    __m256i odd = _mm256_loadu_si256((const __m256i *)(xq + s * SB + SB / 2));
+    __m256i v0 = _mm256_loadu_si256((const __m256i *)(w0 + s * SB / 2));
+    __m256i v1 = _mm256_loadu_si256((const __m256i *)(w1 + s * SB / 2));
+    IN_REGISTER(even);
+    IN_REGISTER(odd);
+    IN_REGISTER(v0);
+    IN_REGISTER(v1);
+    __m256 d = _mm256_loadu_ps(xl + s * 8);
+    __m256i sum0 = dot4_twice(_mm256_and_si256(v0, low), even, _mm256_and_si256(_mm256_srli_epi16(v0, 4), low), odd);
+    __m256i sum1 = dot4_twice(_mm256_and_si256(v1, low), even, _mm256_and_si256(_mm256_srli_epi16(v1, 4), low), odd);
+    *lanes0 = add_sums(*lanes0, sum0, d), *lanes1 = add_sums(*lanes1, sum1, d);
+}
+
+/* int4 at one row (the includer's INT4_ROW): int4_tile's sums at rt 1 and JT weight rows, in its order
+   (the same bits), by int4_row_step, the two weight rows and their (scale, scale x zero) pairs by their
+   own pointers, `per` a constant where int4_row_at passes one (a whole group's steps unrolled), no
+   software prefetch: 14 instructions per 64 weights where int4_tile's one-row tiles took 16 and
+   kept pointers and a weight vector on the stack. 16 experts' 1024 x 3584 FFNs, 1 thread, Zen 4,
+   bench/packed_rows.py 9 rounds at load 1.7: 1 row from DRAM 16.9 -> 18.1 GB/s (1.07x, 53% of the
+   read roof), warm 20.4 -> 22.7 GB/s (1.11x); 2 rows (int4_tile, the block's code around it
+   smaller) 1.06x / 1.04x; int8 0.98-1.00x. Not faster: prefetch_step's lines (1.01x from DRAM,
+   1.08x warm, 5 rounds), four weight rows a tile (two of each matrix: 0.56x from DRAM), the
+   scales and zeros converted per group here rather than the block's pairs (1.04x / 1.05x). */
+INLINE void int4_row(const int8_t *xq, const float *xl, const float *xs, long K, long group, long per,
+                     const uint8_t *const *wr, const float *scz, __m256 *acc) {
+    _Static_assert(JT == 2, "int4_row: two weight rows");
+    long supers = K / SB, groups = (K + group - 1) / group;
+    const uint8_t *w0 = wr[0], *w1 = wr[1];
+    const float *pair0 = scz, *pair1 = scz + groups * 2;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (long g = 0, s0 = 0; s0 < supers; g++, s0 += per) {
+        __m256 lanes0 = _mm256_setzero_ps(), lanes1 = _mm256_setzero_ps();
+        if (s0 + per <= supers)
+            for (long i = 0; i < per; i++) int4_row_step(xq, xl, w0, w1, s0 + i, &lanes0, &lanes1);
+        else
+            for (long s = s0; s < supers; s++) int4_row_step(xq, xl, w0, w1, s, &lanes0, &lanes1);
+        __m256 sums = _mm256_loadu_ps(xs + g * 8);
+        a0 = _mm256_fnmadd_ps(_mm256_broadcast_ss(pair0 + 2 * g + 1), sums,
+                              _mm256_fmadd_ps(_mm256_broadcast_ss(pair0 + 2 * g), lanes0, a0));
+        a1 = _mm256_fnmadd_ps(_mm256_broadcast_ss(pair1 + 2 * g + 1), sums,
+                              _mm256_fmadd_ps(_mm256_broadcast_ss(pair1 + 2 * g), lanes1, a1));
+    }
+    acc[0] = a0, acc[1] = a1;
+}
+
+/* int4_row, out of line (its own registers: inlined into the block, the compiler kept its pointers
+   in vector registers and on the stack), int4's and hqq4's `per` (group 128, 64) constants. */
+static BLOCK_TARGET __attribute__((noinline)) void int4_row_at(const int8_t *xq, const float *xl, const float *xs,
+                                                               long K, long group, const uint8_t *const *wr,
+                                                               const float *scz, __m256 *acc) {
+    if (group == 2 * SB)
+        int4_row(xq, xl, xs, K, group, 2, wr, scz, acc);
+    else if (group == SB)
+        int4_row(xq, xl, xs, K, group, 1, wr, scz, acc);
+    else
+        int4_row(xq, xl, xs, K, group, group / SB, wr, scz, acc);
+}
+
 /* Rows [r0, r0 + rt) of levels against the block's weight rows wr[j0..j0 + JT); at one row, int4's
    common groups with their steps unrolled (int4_tile; unrolled for several rows too, the larger code
    made int8's 2-row blocks 0.81-0.91x from DRAM, their loops unchanged). */
@@ -154,6 +222,9 @@ INLINE void tile_columns(int rt, int fmt, int mats, const int8_t *xq, long ldq, 
     const uint8_t *const *w4 = (const uint8_t *const *)wr + j0;
     if (fmt == 0)
         int8_tile(rt, JT, mats, xq, ldq, xd, ldf, r0, K, (const int8_t *const *)wr + j0, acc, j0);
+    else if (rt == 1 && INT4_ROW)
+        int4_row_at(xq + r0 * ldq, xl + r0 * ldf, xs + r0 * ldf, K, group, w4, scz + j0 * groups * 2,
+                    acc[r0] + j0);
     else if (rt == 1 && group == 2 * SB) /* int4's group (128) */
         int4_tile(rt, JT, mats, xq, ldq, xl, xs, ldf, r0, K, group, 2, w4, scz + j0 * groups * 2, acc, j0);
     else if (rt == 1 && group == SB) /* hqq4's (64) */
