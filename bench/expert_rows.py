@@ -30,7 +30,7 @@ from flowmoe.kernels.host_memory import huge_copy
 
 HIDDEN, INTER, EXPERTS, VOCAB, LM_HEADS = 1024, 3584, 16, 32000, 2
 # what the expert kernel compiles from (cpu_rows_avx512.c: baselines from 759e9e1 on)
-FILES = ("cpu_expert.c", "cpu_rows_avx2.c", "cpu_rows_avx512.c", "bf16.h", "swiglu.h")
+FILES = ("cpu_expert.c", "cpu_rows_avx2.c", "cpu_rows_avx512.c", "bf16.h", "swiglu.h", "rows_block.h")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "rows_block.h"
+
 #define AVX2 __attribute__((target("avx2,fma")))
 #define OB 8             /* weight rows per block: 8 accumulators for one row of x (FMA latency 4 x 2 pipes) */
 #define RT 2             /* x rows per register tile beyond one: 2 x OB / 2 accumulators, 2 RT x vectors */
@@ -182,8 +184,7 @@ AVX2 void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void
     int esize = bf16 ? 2 : 4, step = bf16 ? 16 : 8;
     long kv = K / step * step, chunk = n == 1 ? (kv > 0 ? kv : 1) : CHUNK_BYTES / esize;
     const void *wp[OB];
-    for (int j = 0; j < OB; j++) /* a short last block repeats its last row (results not kept) */
-        wp[j] = (const char *)w + (o0 + (j < ob ? j : ob - 1)) * K * esize;
+    block_rows(wp, OB, w, o0, ob, K, esize);
     __m256 acc[n][OB];
     for (int r = 0; r < n; r++)
         for (int j = 0; j < OB; j++) acc[r][j] = _mm256_setzero_ps();

@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "rows_block.h"
+
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define OB 8             /* weight rows per block, as cpu_rows_avx2.c's */
 #define RT 3             /* x rows per register tile: 3 x OB accumulators + 3 (6 split) x + 1 w <= 32 */
@@ -170,8 +172,7 @@ AVX512 void flowmoe_block_avx512(const void *x, long ldx, long lo, int n, long K
     int esize = bf16 ? 2 : 4, step = bf16 ? 32 : 16, split = bf16 && lo > 0;
     long kv = K / step * step, chunk = n == 1 ? (kv > 0 ? kv : 1) : CHUNK_BYTES / esize;
     const void *wp[OB];
-    for (int j = 0; j < OB; j++) /* a short last block repeats its last row (results not kept) */
-        wp[j] = (const char *)w + (o0 + (j < ob ? j : ob - 1)) * K * esize;
+    block_rows(wp, OB, w, o0, ob, K, esize);
     __m512 acc[n][OB];
     for (int r = 0; r < n; r++)
         for (int j = 0; j < OB; j++) acc[r][j] = _mm512_setzero_ps();
