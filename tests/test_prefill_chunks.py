@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flowmoe.core.policy import Policy
+from flowmoe.jobs import prefill_chunks
 from flowmoe.jobs.engine import Engine, StepInput, eager_step
 from flowmoe.jobs.prefill_chunks import CPU_PREFILL_CHUNK, Chunk, chunked, default_chunk, final_logits
 from flowmoe.kernels.kv_cache import SlotSplit
@@ -86,10 +87,14 @@ def test_every_scheduler_runs_eagers_chunks(mixtral, eager_chunks, name: str) ->
     assert_as_eager(ours, eager_chunks)
 
 
-def test_only_a_run_on_the_cpu_alone_is_chunked_by_default() -> None:
+def test_only_a_run_on_the_cpu_alone_is_chunked_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU run keeps its prefill in one call even where its cache is on the host (cgopipe's CPU
-    attention): an offloading scheduler would copy each expert in once per chunk."""
+    attention): an offloading scheduler would copy each expert in once per chunk; so does a CPU whose
+    torch multiplies bf16 natively (nothing widened)."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setattr(prefill_chunks, "emulated", lambda dtype: False)
+    assert default_chunk("cpu") is None  # AVX512-BF16 / AMX: oneDNN reads the bf16 weights
+    monkeypatch.setattr(prefill_chunks, "emulated", lambda dtype: True)
     assert default_chunk("cpu") == default_chunk([cpu, cpu]) == CPU_PREFILL_CHUNK
     assert default_chunk("cpu", gpu=True) is None
     assert default_chunk("cpu", dtype=torch.float32) is None  # widens no weight: one call
@@ -97,9 +102,10 @@ def test_only_a_run_on_the_cpu_alone_is_chunked_by_default() -> None:
         assert default_chunk(homes) is None
 
 
-def test_a_runtime_with_gpu_copies_runs_its_prefill_in_one_call() -> None:
+def test_a_runtime_with_gpu_copies_runs_its_prefill_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's default asks the runner whether its GPU holds copies (a CUDA runtime), and a later
     chunk of a prompt is a prefill step to the schedulers."""
+    monkeypatch.setattr(prefill_chunks, "emulated", lambda dtype: True)  # where bf16 is chunked
 
     class Runner:
         def __init__(self, copies: bool) -> None:

@@ -84,8 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--prefill-chunk", type=POSITIVE_INT,
         help="a micro-batch's tokens per forward pass, at most: a longer prefill runs in chunks, which "
-        "bounds its working memory (%(type)s; default: 128 where the KV cache lives on the CPU alone, "
-        "else no limit; llama.cpp's n_ubatch is 512)",
+        "bounds its working memory (%(type)s; default: 128 for bf16 / fp16 weights where the KV cache "
+        "lives on the CPU alone and torch emulates that dtype, else no limit; llama.cpp's n_ubatch is 512)",
     )  # fmt: skip
     run.add_argument(
         "-s", "--scheduler", default="eager", help="scheduler plugin (see `flowmoe schedulers`), or auto"

@@ -7,11 +7,14 @@ consecutive runner calls of at most `limit` tokens each, splitting a prompt wher
 happens before the runner, so eager and every scheduler run the same chunks.
 
 By default only a run on the CPU alone (no GPU; its KV cache on the CPU) in a dtype narrower than
-float32 is chunked (`default_chunk`): there each chunk's projections fit the CPU kernels' row block
-and read their weights in place, where a whole prefill's widen every weight to fp32
-(kernels/linear.py) beside products of every token. A float32 prefill widens nothing; a GPU's is
-fast because it reads each weight once for all the step's tokens, and an offloading scheduler
-copies each expert in once per call.
+float32 that torch multiplies by emulation (no AVX512-BF16 / AMX for bf16) is chunked
+(`default_chunk`): there each chunk's projections fit the CPU kernels' row block and read their
+weights in place, where a whole prefill's widen every weight to fp32 (kernels/linear.py) beside
+products of every token. A float32 prefill widens nothing, nor does one where torch's bf16 is
+native (oneDNN reads the bf16 weights: on a Zen 4 with AVX512-BF16, the bench's bf16 8 x 128-token
+prefill took 2.4-2.6 CPU s in one call and peaked at 1.81 GiB, against 3.4-3.6 s and 1.84 GiB in
+chunks of 128; bench/RESULTS.md, issue 25); a GPU's is fast because it reads each weight once for all
+the step's tokens, and an offloading scheduler copies each expert in once per call.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import Sequence
 import torch
 from attrs import frozen
 
-from flowmoe.kernels.cpu_expert import AVX2_MAX_ROWS
+from flowmoe.kernels.cpu_expert import AVX2_MAX_ROWS, emulated
 from flowmoe.kernels.kv_cache import Homes, SlotSplit
 from flowmoe.kernels.layout import TokenLayout
 
@@ -37,10 +40,11 @@ CPU_PREFILL_CHUNK = AVX2_MAX_ROWS
 def default_chunk(homes: Homes, gpu: bool = False, dtype: torch.dtype = torch.bfloat16) -> int | None:
     """The engine's tokens per runner call where the job sets none: CPU_PREFILL_CHUNK where the run
     has no GPU (`gpu`: a runtime whose GPU holds copies of weights), its weights are narrower than
-    float32 (`dtype`: the model's; a float32 prefill widens no weight, and in chunks it ran 11-17%
-    slower, issue 25) and every layer's KV cache lives on the CPU (`homes`, as KVCache.allocate
-    takes it), else None (a step in one call)."""
-    if gpu or dtype == torch.float32 or isinstance(homes, SlotSplit):
+    float32 and torch multiplies them by emulation (`dtype`: the model's; a float32 prefill widens no
+    weight, and in chunks it ran 11-17% slower, issue 25; nor does a native bf16 one, 1.4x slower
+    in chunks) and every layer's KV cache lives on the CPU (`homes`, as KVCache.allocate takes it),
+    else None (a step in one call)."""
+    if gpu or dtype == torch.float32 or not emulated(dtype) or isinstance(homes, SlotSplit):
         return None
     devices = [homes] if isinstance(homes, torch.device | str) else list(homes)
     return CPU_PREFILL_CHUNK if all(torch.device(d).type == "cpu" for d in devices) else None
