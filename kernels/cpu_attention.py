@@ -66,19 +66,20 @@ def kernel() -> Callable[..., int] | None:
 def isa() -> str | None:
     """The kernel this CPU runs (a key of KERNELS): the one FLOWMOE_CPU_ISA names (or FORCED maps it
     to) where the CPU runs it, else the first of DEFAULT; None where it runs neither."""
-    wanted, runs = os.environ.get("FLOWMOE_CPU_ISA", ""), kernels()
-    return next((n for n in (FORCED.get(wanted, wanted), *DEFAULT) if n in runs), None)
+    wanted = os.environ.get("FLOWMOE_CPU_ISA", "")
+    return native.chosen_block(FORCED.get(wanted, wanted), _built(library()), DEFAULT)
 
 
 def kernels() -> tuple[str, ...]:
     """The kernels (keys of KERNELS) this host's library has and its CPU runs."""
-    return _kernels(library())
+    flags = native.cpu_flags()
+    return tuple(n for n, needs in _built(library()).items() if needs <= flags)
 
 
 @functools.cache
-def _kernels(lib: ctypes.CDLL | None) -> tuple[str, ...]:
-    flags = native.cpu_flags()
-    return tuple(n for n in KERNELS if lib is not None and hasattr(lib, KERNELS[n]) and NEEDS[n] <= flags)
+def _built(lib: ctypes.CDLL | None) -> dict[str, frozenset[str]]:
+    """NEEDS of the kernels `lib` has."""
+    return {n: NEEDS[n] for n in KERNELS if lib is not None and hasattr(lib, KERNELS[n])}
 
 
 def fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:

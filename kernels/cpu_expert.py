@@ -91,16 +91,12 @@ def isa() -> str:
     """The block the kernels multiply with here: the first of DEFAULT the CPU has the flags for
     (NEEDS), or the one FLOWMOE_CPU_ISA names where the CPU runs it (else the default). Worked out at
     the first call (it is asked at every kernel call): `isa.cache_clear()` after changing FLOWMOE_CPU_ISA."""
-    return _isa(os.environ.get("FLOWMOE_CPU_ISA", ""), native.cpu_flags())
-
-
-def _isa(wanted: str, flags: frozenset[str]) -> str:
-    """`isa` for the FLOWMOE_CPU_ISA value `wanted` ("" unset) and the CPU's flags."""
+    wanted = os.environ.get("FLOWMOE_CPU_ISA", "")
     if wanted not in ("", *ISAS):
         raise ValueError(f"FLOWMOE_CPU_ISA={wanted!r}: expected one of {', '.join(ISAS)} (or unset)")
-    if wanted and NEEDS[wanted] <= flags:
-        return wanted
-    return next(name for name in DEFAULT if NEEDS[name] <= flags)
+    block = native.chosen_block(wanted, NEEDS, DEFAULT)
+    assert block is not None, "the portable block needs no flag"
+    return block
 
 
 @functools.cache

@@ -70,8 +70,9 @@ def kernel() -> Callable[..., int] | None:
 def isa() -> str:
     """The block this CPU runs (a key of BLOCKS): the one FLOWMOE_CPU_ISA names where the CPU has its
     flags (NEEDS; F16C for the groups' float16 scales and zeros), else the first of DEFAULT it has."""
-    wanted, flags = os.environ.get("FLOWMOE_CPU_ISA", ""), native.cpu_flags()
-    return next(b for b in (wanted, *DEFAULT) if b in NEEDS and NEEDS[b] <= flags)
+    block = native.chosen_block(os.environ.get("FLOWMOE_CPU_ISA", ""), NEEDS, DEFAULT)
+    assert block is not None, "the portable block needs no flag"
+    return block
 
 
 def _projection_fits(p: Projection, fmt: str, rows: int, cols: int, group: int) -> bool:

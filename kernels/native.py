@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -50,6 +50,14 @@ def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo names them ("avx2", "fma", "avx512f", ...); empty
     where the system does not say."""
     return frozenset(cpuinfo_field("flags").split())
+
+
+def chosen_block(wanted: str, needs: Mapping[str, frozenset[str]], default: Sequence[str]) -> str | None:
+    """A kernel family's block (a key of `needs`, each block's CPU flags): the one `wanted` names
+    (FLOWMOE_CPU_ISA's value) where the CPU has its flags, else the first of `default` it has; None
+    where it has none of them."""
+    flags = cpu_flags()
+    return next((name for name in (wanted, *default) if name in needs and needs[name] <= flags), None)
 
 
 def _cpu_id() -> str:
