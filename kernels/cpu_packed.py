@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Callable
 
 import torch
 from attrs import frozen
@@ -58,13 +57,11 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _PP, _PI = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int)
 
 
-def kernel() -> Callable[..., int] | None:
-    """flowmoe_packed_ffn_group, or None (see native.function)."""
-    return native.function(
-        "flowmoe_packed_ffn_group",
-        (_I, _PP, _PI, _L, _L, _I, _L, _PP, _PP, _PP, _I, _F, _F, _I, _P, _I, _I),  # ..., isa, threads
-        _I,
-    )
+kernel = native.Kernel(  # flowmoe_packed_ffn_group, or None
+    "flowmoe_packed_ffn_group",
+    (_I, _PP, _PI, _L, _L, _I, _L, _PP, _PP, _PP, _I, _F, _F, _I, _P, _I, _I),  # ..., isa, threads
+    _I,
+)
 
 
 def isa() -> str:
@@ -222,9 +219,9 @@ def swiglu_prepared(
     return out
 
 
-def linear_kernel() -> Callable[..., int] | None:
-    """flowmoe_packed_linear, or None (see native.function)."""
-    return native.function("flowmoe_packed_linear", (_P, _L, _L, _L, _I, _L, _PP, _P, _I, _P, _I, _I), _I)
+linear_kernel = native.Kernel(  # flowmoe_packed_linear, or None
+    "flowmoe_packed_linear", (_P, _L, _L, _L, _I, _L, _PP, _P, _I, _P, _I, _I), _I
+)
 
 
 def linear_fits(x: torch.Tensor, weight: Projection, fmt: str, group: int, rows: int) -> bool:

@@ -140,20 +140,12 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
-def function(name: str, argtypes: tuple[Any, ...], restype: Any = None) -> Callable[..., Any] | None:
-    """The library's function `name` with its argument and result types declared, or None where
-    there is no library. The library is looked up at each call (it is cached), so that turning the
-    kernels off and forgetting that lookup (tests) turns the function off too."""
-    lib = library()
-    return None if lib is None else _declared(lib, name, argtypes, restype)
-
-
 @define
 class Kernel:
     """The library's function `name` with its argument and result types declared: called, it gives
-    that function, or None where there is no library (as `function`), for the price of one lookup of
-    the cached library and one comparison: the function is looked up again only when the library
-    is another (forgotten and looked up anew: tests that turn the kernels off)."""
+    that function, or None where there is no library, for the price of one lookup of the cached
+    library and one comparison: the function is looked up again only when the library is another
+    (forgotten and looked up anew: tests that turn the kernels off, which turns the function off too)."""
 
     name: str
     argtypes: tuple[Any, ...]
