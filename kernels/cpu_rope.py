@@ -48,16 +48,7 @@ def rotated(x: torch.Tensor, rotary: Tables) -> torch.Tensor | None:
     None where the kernel does not take x with the tables `rotary`: a host tensor of their dtype and
     rows, every dim rotated, a unit last stride, no autograd."""
     run = kernel()
-    if (
-        run is None
-        or x.dtype is not rotary[0]
-        or not x.is_cpu  # `is_cpu`: no device object made (asked at every layer, with the caches cold)
-        or x.dim() != 3
-        or x.shape[0] != rotary[1]
-        or x.shape[2] != rotary[2]
-        or x.stride(2) != 1
-        or (torch.is_grad_enabled() and x.requires_grad)
-    ):
+    if run is None or not _takes(x, rotary) or x.shape[2] != rotary[2]:
         return None
     tokens, heads, dim = x.shape
     out = torch.empty(tokens, heads, dim, dtype=x.dtype)
@@ -72,18 +63,22 @@ def rotate_(x: torch.Tensor, heads: int, rotary: Tables) -> bool:
     place with the tables `rotary` [T, 1, R], R <= D, the floats of `rotated`, in one C call where the
     kernel takes x (-> True; else False, x as it was): as `rotated`, a partial rotary (R < D) included."""
     run = inplace_kernel()
-    if (
-        run is None
-        or x.dtype is not rotary[0]
-        or not x.is_cpu
-        or x.dim() != 3
-        or x.shape[0] != rotary[1]
-        or x.shape[2] < rotary[2]
-        or x.stride(2) != 1
-        or (torch.is_grad_enabled() and x.requires_grad)
-    ):
+    if run is None or not _takes(x, rotary) or x.shape[2] < rotary[2]:
         return False
     assert 0 <= heads <= x.shape[1]
     bf16 = int(rotary[0] is torch.bfloat16)
     run(x.data_ptr(), rotary[1], heads, rotary[2], x.stride(0), x.stride(1), rotary[3], rotary[4], bf16)
     return True
+
+
+def _takes(x: torch.Tensor, rotary: Tables) -> bool:
+    """Whether x [T, heads, D] is a host tensor of the tables' dtype and rows, a unit last stride, no
+    autograd (the kernels' own check of D against R apart)."""
+    return (
+        x.dtype is rotary[0]
+        and x.is_cpu  # `is_cpu`: no device object made (asked at every layer, with the caches cold)
+        and x.dim() == 3
+        and x.shape[0] == rotary[1]
+        and x.stride(2) == 1
+        and not (torch.is_grad_enabled() and x.requires_grad)
+    )

@@ -1,7 +1,8 @@
 """Linear projections in the fastest form the CPU has for their shape.
 
-* A few rows (a decode step's tokens, the tokens one expert gets; in bf16 one row where torch has
-  native bf16 matmuls, a few where it emulates them): cpu_expert.c, which reads the weight once at
+* A few rows (a decode step's tokens, the tokens one expert gets; in bf16 where torch has native
+  bf16 matmuls, up to cpu_expert.max_rows: one row with the portable block, more with the AVX2 and
+  AVX-512 ones): cpu_expert.c, which reads the weight once at
   memory speed (see kernels/cpu_expert.py); with its AVX2 or AVX-512 block up to AVX2_MAX_ROWS in
   fp32 (a prefill's projections), where its register tiles keep up with torch's GEMM (`max_rows`).
 * Up to a few hundred rows otherwise: (w @ x.T).T, which MKL (fp32) and oneDNN (bf16 on a CPU

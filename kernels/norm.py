@@ -26,8 +26,7 @@ def norm_of_kind(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str = 
     """RMSNorm (weight [dim]) or LayerNorm (kind "layer": weight and bias stacked as [2, dim])."""
     if kind == "layer":
         return F.layer_norm(x, x.shape[-1:], weight[0], weight[1], eps)
-    out = cpu_norm.normed(x, None, weight, eps)  # `rms_norm`, inline: asked twice a layer
-    return weight * _normed(x, eps) if out is None else out
+    return rms_norm(x, weight, eps)
 
 
 def add_then_norm(

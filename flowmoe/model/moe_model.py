@@ -221,9 +221,7 @@ class MoEModel:
         sizes = routing.sizes
         counts = [sizes[e] for e in experts]
         rows, scales = routing.rows_of(experts)  # [sum n_e] each
-        device = x.device
-        if rows.device != device:
-            rows, scales = rows.to(device), scales.to(device)
+        rows, scales = on(rows, x.device), on(scales, x.device)
         take = ffns.__getitem__
         if not self.spec.moe.scale_input:
             weights = [(f.gate_up, f.down, f.gate_up_bias, f.down_bias) for f in map(take, experts)]
