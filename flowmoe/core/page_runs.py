@@ -25,11 +25,10 @@ from flowmoe.core.plan import ExpertCounts, Op, RoutingRequest, TaskNode
 from flowmoe.core.scheduling import NodeBudget, PlanStream
 
 
-def page_runs(plan: PlanStream, budget: NodeBudget | None = None, emitted: int = 0) -> PlanStream:
+def page_runs(plan: PlanStream, budget: NodeBudget | None = None) -> PlanStream:
     """`plan` with each run of consecutive pages of one expert merged into one PAGE_COPY node; refused
-    (PlanError) at its node past `budget`, before nodes pile up in memory. The plan's own nodes count,
-    `emitted` of them before `plan`'s first item (the driver hands a plan over at its first page)."""
-    run = _Run()
+    (PlanError) at its node past `budget` (the plan's own nodes count), before nodes pile up in memory."""
+    run, emitted = _Run(), 0
     limit = sys.maxsize if budget is None else budget.limit
     merged: dict[int, int] = {}  # id of a page merged into a run -> the run's node id
     reply: ExpertCounts | None = None

@@ -26,8 +26,8 @@ from tests.schedule_fixtures import run_eager, run_scheduler
 
 @pytest.mark.parametrize("pages_from", [0, 500, None])
 def test_an_endless_plan_is_refused_at_the_budget(pages_from: int | None) -> None:
-    """Counted by the driver until the plan's first PAGE_COPY, by page_runs from there on (`pages_from`:
-    the first page's index; None: no page at all)."""
+    """Refused wherever the plan's pages begin (`pages_from`: the first page's index; None: no page at
+    all): page_runs counts the plan's own nodes, merged pages or not."""
     started: list[int] = []
 
     def endless() -> Iterator[TaskNode]:
