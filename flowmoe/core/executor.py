@@ -253,22 +253,15 @@ class Executor:
                         future = self._futures.pop(node_id, None)
                         if future is not None:
                             self._resolve(future, None)
-                    queues, unmet, stopped = self._queues, self._unmet, self._stopped
-                    queue = queues[lane]
-                    if queue and not stopped and not unmet[queue[0][0].id]:  # its lane's next node
-                        busy.add(lane)
-                        starts.append(queue.popleft())
+                    take = self._take
+                    take(lane, starts)  # its lane's next node
                     dependents = self._dependents.pop(node_id, None)
                     if dependents:
-                        nodes = self._nodes
+                        unmet, nodes = self._unmet, self._nodes
                         for dependent in dependents:
                             left = unmet[dependent] = unmet[dependent] - 1
-                            if left or stopped:
-                                continue
-                            lane = nodes[dependent].lane  # queued (it waited), so its lane's queue has a head
-                            if lane not in busy and not unmet[(queue := queues[lane])[0][0].id]:
-                                busy.add(lane)
-                                starts.append(queue.popleft())
+                            if not left:
+                                take(nodes[dependent].lane, starts)
                 if self._idle is not None or self._futures:  # someone waits (`_check_stuck`'s own test)
                     if self._idle is not None and (not busy or self._error is not None):
                         self._wake()
@@ -276,12 +269,16 @@ class Executor:
         except BaseException as exc:
             self._crash(node, exc, "failed in the executor's hand-off", starts)
             return
-        finish, lane_starts = self._finish, self._starts
-        for next_node, action in starts:  # `_start`'s body: one call less a node
-            try:
-                lane_starts[next_node.lane](next_node, action, partial(finish, next_node))
-            except BaseException as exc:
-                self._crash(next_node, exc, "could not start", [(next_node, action)])
+        for next_node, action in starts:
+            self._start(next_node, action)
+
+    def _take(self, lane: Lane, starts: list[Start]) -> None:
+        """Under the lock: the lane's head claimed (the lane then busy) and appended to `starts`, where
+        it may start now."""
+        queue = self._queues[lane]
+        if queue and lane not in self._busy and not self._stopped and not self._unmet[queue[0][0].id]:
+            self._busy.add(lane)
+            starts.append(queue.popleft())
 
     def _crash(self, node: TaskNode, error: BaseException, what: str, claimed: list[Start]) -> None:
         """The executor itself failed around `node`: release the lanes claimed for nodes that will
