@@ -34,8 +34,8 @@ The forms per device:
   bit; the SwiGLU, one call over every expert's rows, may differ by an ulp in a few elements
   (torch's vectorized silu computes a tensor's last elements with its scalar code, so which
   elements those are depends on the tensor's length): equal within 1e-5 relative, not bit for
-  bit. Taken where linear.py would take that form for each expert: fp32 or bf16, at most FEW_ROWS
-  rows an expert, no emulated half precision from WIDEN_ROWS rows on.
+  bit. Taken where linear.py would take that form for each expert: fp32 or bf16, each expert's
+  rows in its `rows_as_columns`, no emulated half precision from WIDEN_ROWS rows on.
 * CUDA: x @ W.T for the group, bf16 on sm90 / sm100 only, where torch runs it as one CUTLASS
   kernel; elsewhere torch's CUDA grouped GEMM loops over the groups after reading `offs` back to
   the host (a sync per call), so other cards and dtypes keep the per-expert path.
@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from flowmoe.core.spec import MoESpec
 from flowmoe.kernels.cpu_expert import FFN
-from flowmoe.kernels.linear import FEW_ROWS, WIDEN_ROWS, _emulated
+from flowmoe.kernels.linear import WIDEN_ROWS, _emulated, rows_as_columns
 
 ALIGN = 16  # bytes: the grouped GEMM's stride and address alignment
 MAX_SLOTS = 1024  # a view of more slots than this is not taken (a layer's buffer holds fewer)
@@ -156,7 +156,9 @@ def _takes(x: torch.Tensor, counts: list[int], ffns: list[FFN], moe: MoESpec) ->
         return False
     if x.is_cuda:
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
-    if not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16) or max(counts) > FEW_ROWS:
+    if not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if not all(map(rows_as_columns, counts)):
         return False
     return not (_emulated(x.dtype) and max(counts) >= WIDEN_ROWS)
 

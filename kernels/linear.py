@@ -11,6 +11,13 @@
   5.8 vs 4.3 GB/s; bf16 at 2-16 rows 13.6-14.2 vs 10.7-10.8 GB/s (F.linear). On a 2-core AVX2
   EPYC, fp32 at 4 rows: 1.3 ms vs 3.4 ms as x @ w.T. The fast kernel wants x row-major
   (x.t() a transposed view), so an x that is itself a transposed view is copied first.
+  Past TILE_ROWS rows only a multiple of TILE_ROWS (`rows_as_columns`): there x's rows are the
+  GEMM's columns, and a count of columns short of the libraries' 16-wide tiles runs their tail
+  code. An expert's FFN (gate/up [7168, 1024], down [1024, 3584]) on the 2-vCPU AMD EPYC Zen 4,
+  1 thread, 7 alternated rounds, GFLOPS as (w @ x.T).T against x @ w.T: bf16 17 rows 54 vs 99, 24
+  76 vs 116, 31 96 vs 128, 33 123 vs 135, 72 150 vs 174, 88 143 vs 180; at multiples of 16: 32 169
+  vs 131, 48 178 vs 155, 64 173 vs 154, 96 196 vs 185, 128 199 vs 192; fp32 229 61 vs 84, 136 73
+  vs 77, 192 87 vs 84 (a prefill's experts get any count of rows).
 * bf16 / fp16 with many rows (prefill) on a CPU without native half-precision matmul
   (no AVX512-BF16 / AMX): the half-precision GEMM is emulated and compute-bound,
   about 4x slower than widening the operands to fp32, multiplying there, and rounding
@@ -27,10 +34,17 @@ import torch.nn.functional as F
 from flowmoe.kernels import cpu_expert
 
 FEW_ROWS = 256  # up to this many rows the transposed form is the faster one on the CPU (fp32, bf16)
+TILE_ROWS = 16  # the GEMM libraries' tile across W @ x.T's columns (x's rows)
 WIDEN_ROWS = 32  # from this many rows an emulated half-precision GEMM is slower than widening
 
 
 _emulated = cpu_expert.emulated  # whether torch's matmuls in a dtype are emulated here
+
+
+def rows_as_columns(rows: int) -> bool:
+    """Whether `rows` rows take the transposed form (W @ x.T).T on the CPU (the module's notes): up to
+    TILE_ROWS, or up to FEW_ROWS in whole tiles."""
+    return rows <= TILE_ROWS or (rows <= FEW_ROWS and rows % TILE_ROWS == 0)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,7 +57,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows >= WIDEN_ROWS and _emulated(x.dtype):
         wide_bias = bias.float() if bias is not None else None
         return linear(x.float(), weight.float(), wide_bias).to(x.dtype)
-    if rows > FEW_ROWS or x.dtype not in (torch.float32, torch.bfloat16) or _emulated(x.dtype):
+    if not rows_as_columns(rows) or x.dtype not in (torch.float32, torch.bfloat16) or _emulated(x.dtype):
         return F.linear(x, weight, bias)
     out = torch.matmul(weight, x.contiguous().t()).t()  # [n, out]
     return out if bias is None else out + bias

@@ -133,6 +133,7 @@ def _fallback_cases() -> Iterator[Case]:
     yield "separate buffers", separate, MOE, counts, torch.float32
     yield "fp16", _arena(torch.float16), MOE, counts, torch.float16
     yield "too many rows", ffns[:2], MOE, [300, 1], torch.float32
+    yield "rows past a tile, not whole tiles", ffns[:2], MOE, [17, 1], torch.float32  # linear's x @ W.T
 
 
 @pytest.mark.parametrize("case", list(_fallback_cases()), ids=lambda case: case[0])

@@ -11,7 +11,7 @@ from flowmoe.kernels import linear as kernel
 from tests.helpers import rel_err
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 256, 300])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 48, 250, 256, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp32_matches_f_linear(rows: int, bias: bool) -> None:
     generator = torch.Generator().manual_seed(rows)
@@ -88,3 +88,16 @@ def test_few_bf16_rows_take_the_cpu_kernels_or_onednn(
     out = kernel.linear(x, weight)
     assert taken == ([8] if emulated or cpu_expert.isa() != "portable" else [])
     assert rel_err(out, F.linear(x.double(), weight.double())) <= 3 * 2**-8
+
+
+def test_past_a_tile_the_transposed_form_in_whole_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past TILE_ROWS rows (W @ x.T).T only in whole tiles of the GEMM's columns, else x @ W.T (a
+    row-major output); the CPU kernels kept out, so the choice is torch's forms alone."""
+    monkeypatch.setattr(cpu_expert, "fits", lambda *_, **__: False)
+    assert [kernel.rows_as_columns(n) for n in (1, 16, 17, 31, 32, 48, 250, 256, 272)] == [
+        True, True, False, False, True, True, False, True, False
+    ]  # fmt: skip
+    weight = torch.randn(40, 24)
+    for rows in (17, 32, 48, 250, 256):
+        out = kernel.linear(torch.randn(rows, 24), weight)
+        assert out.is_contiguous() != kernel.rows_as_columns(rows)  # the transposed form: a transposed view
