@@ -73,6 +73,8 @@ void flowmoe_packed_block_avx2(int fmt, const int8_t *xq, long ldq, const float 
 void flowmoe_packed_block_avx512(int fmt, const int8_t *xq, long ldq, const float *xd, const float *xl,
                                  const float *xs, long ldf, int n, long K, long group, int mats,
                                  const void *const *p, long o0, int ob, float *res);
+void flowmoe_packed_row_block_avx512(const int8_t *xq, const float *xl, const float *xs, long K, long group,
+                                     const void *const *p, long o0, float *res);
 void flowmoe_quantize_blocks_avx2(const float *x, long blocks, int fmt, long supers, long group, long groups,
                                   int8_t *xq, float *xd, float *lanes, float *sums);
 
@@ -229,12 +231,15 @@ static void block_portable(int fmt, const int8_t *xq, long ldq, const float *xd,
 
 /* res + m n PB = the block of weight rows o0.. of matrix m < mats (p + 3 m: q, scale, zero) against n
    rows of levels (quantize_row's xq [n, K] and xf [n, row_floats]): the AVX2 block takes the mats
-   matrices' rows together (cpu_packed_avx2.c). */
+   matrices' rows together (cpu_packed_avx2.c); the AVX-512 one-row int4 blocks of whole superblocks by
+   flowmoe_packed_row_block_avx512 (cpu_packed_tiles.h's ROW_BLOCK), the same bits. */
 static inline void packed_block(int isa, int fmt, const int8_t *xq, const float *xf, int n, long K, long group,
                                 int mats, const void *const *p, long o0, int ob, float *res) {
     long ldf = row_floats(fmt, K, group), supers = fmt == 1 ? K / SB : 0;
     const float *xl = xf + (K + QB - 1) / QB, *xs = xl + supers * 8;
-    if (isa == 2)
+    if (isa == 2 && fmt == 1 && mats == 2 && ob == PB && K % SB == 0) /* one row, a whole block */
+        flowmoe_packed_row_block_avx512(xq, xl, xs, K, group, p, o0, res);
+    else if (isa == 2)
         flowmoe_packed_block_avx512(fmt, xq, K, xf, xl, xs, ldf, n, K, group, mats, p, o0, ob, res);
     else if (isa == 1)
         flowmoe_packed_block_avx2(fmt, xq, K, xf, xl, xs, ldf, n, K, group, mats, p, o0, ob, res);

@@ -12,6 +12,7 @@
 #define BLOCK_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 #define INLINE static inline BLOCK_TARGET __attribute__((always_inline))
 #define BLOCK flowmoe_packed_block_avx512
+#define ROW_BLOCK flowmoe_packed_row_block_avx512 /* cpu_packed_tiles.h's int4 one-row block */
 /* no software prefetch in int8's one-row tiles: 16 experts' 1024 x 3584 FFNs, 1 thread, Zen 4,
    bench/packed_rows.py 9 rounds at load 5: 1 row 1.25x from DRAM (21.4 -> 27.7 GB/s, 84% of the read
    roof), 1.18x warm; 2 and 8 rows (which keep it) 1.10x / 1.02x; without it int4's were 0.92x and

@@ -34,6 +34,21 @@ INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
 
+/* hsum8 of each of v[0..8) (its order, the same bits), the 8 at once: lane i of the result v[2 i]'s for
+   i < 4, else v[2 (i - 4) + 1]'s. */
+INLINE __m256 hsum8_of_8(const __m256 *v) {
+    __m256 a[4], b[2];
+    for (int i = 0; i < 4; i++) /* [lane l + lane l + 4 of v[2 i] | the same of v[2 i + 1]] */
+        a[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) { /* then each's lane 0 + 2, 1 + 3 */
+        __m256d x = _mm256_castps_pd(a[2 * i]), y = _mm256_castps_pd(a[2 * i + 1]);
+        b[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+    }
+    return _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)), /* then 0 + 1 */
+                         _mm256_shuffle_ps(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 /* The next block's copy of a tile's next 64 bytes (`ahead` bytes past p, PB rows on), one line
    per step of the tile (JT rows x 32 bytes): a short row's streams end before the hardware
    prefetchers pick them up, and the tile's JT rows are one contiguous span, prefetched in address
@@ -111,7 +126,7 @@ INLINE void int4_step(int rt, int jn, int mats, const int8_t *xq, long ldq, cons
 /* int4: as int8_tile, group by group: a group's lanes (its `per` superblocks, fewer in a last short
    group), then lanes = fma(scale, group lanes, lanes), lanes = fma(-(scale x zero), the row's group
    sums, lanes); scz the weight rows' (scale, scale x zero) pairs, a row's `groups` on
-   (flowmoe_packed_block_avx2 converts them). tile_columns passes `per` as a constant for the common
+   (flowmoe_packed_block_avx2 converts them, scale_pairs). tile_columns passes `per` as a constant for the common
    groups at one row: a group's steps unrolled, no loop bounds worked out per group. With
    prefetch_step, 16 experts' 1024 x 3584 FFNs, 1 row, 1 thread, AMD EPYC Zen 3 2 vCPU, load 2.4-3.4,
    9 interleaved rounds (bench/packed_rows.py's): int4 g128 1.15x from DRAM (0.94 -> 0.81 ms), 1.24x
@@ -212,6 +227,61 @@ static BLOCK_TARGET __attribute__((noinline)) void int4_row_at(const int8_t *xq,
         int4_row(xq, xl, xs, K, group, group / SB, wr, scz, acc);
 }
 
+/* A weight row's `groups` (scale, scale x zero) pairs, `to`, from its float16 scales s and zeros z. */
+INLINE void scale_pairs(const uint16_t *s, const uint16_t *z, long groups, float *to) {
+    long g = 0;
+    for (; g + 8 <= groups; g += 8) { /* 8 groups' scales and products, interleaved in order */
+        __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g)));
+        __m256 zv = _mm256_mul_ps(sv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + g))));
+        __m256 low = _mm256_unpacklo_ps(sv, zv), high = _mm256_unpackhi_ps(sv, zv);
+        _mm256_storeu_ps(to + 2 * g, _mm256_permute2f128_ps(low, high, 0x20));
+        _mm256_storeu_ps(to + 2 * g + 8, _mm256_permute2f128_ps(low, high, 0x31));
+    }
+    for (; g < groups; g++) to[2 * g] = _cvtsh_ss(s[g]), to[2 * g + 1] = to[2 * g] * _cvtsh_ss(z[g]);
+}
+
+/* The next block's scales and zeros (PB rows of `groups` from row o0 + PB of matrix scale, zero): a
+   miss there would stall the block's start. */
+INLINE void prefetch_scales(const void *scale, const void *zero, long o0, long groups) {
+    for (long b = 0; b < PB * groups * 2; b += 64)
+        prefetch_next((const char *)scale + o0 * groups * 2 + b, PB * groups * 2),
+            prefetch_next((const char *)zero + o0 * groups * 2 + b, PB * groups * 2);
+}
+
+#ifdef ROW_BLOCK
+/* BLOCK's common one-row block, int4 (the includer's ROW_BLOCK, cpu_packed.c's packed_block takes it):
+   res[m PB + j] = the row of levels . row o0 + j of matrix m < 2 (p + 3 m: q, scale, zero), for K whole
+   superblocks and a whole block (ob PB), in BLOCK's order and bits: the block's (scale, scale x zero)
+   pairs, its tiles (one row of each matrix) by int4_row, its 8 outputs' hsum8s at once (hsum8_of_8),
+   none of BLOCK's pointer arrays, tile calls or hsum8 loop, and BLOCK's code as it was (a block with
+   this path inside it made its int8 tiles 0.68-0.89x warm). 16 experts' 1024 x 3584 FFNs, 1 row, 1
+   thread, Zen 4, 31 rounds alternated against BLOCK's tiles at load 1.1-1.6: 1.13x from DRAM, 1.10-1.13x
+   warm. */
+BLOCK_TARGET void ROW_BLOCK(const int8_t *xq, const float *xl, const float *xs, long K, long group,
+                            const void *const *p, long o0, float *res) {
+    long bytes = K / 2, groups = (K + group - 1) / group;
+    const uint8_t *q0 = (const uint8_t *)p[0] + o0 * bytes, *q1 = (const uint8_t *)p[3] + o0 * bytes;
+    const uint16_t *s0 = (const uint16_t *)p[1] + o0 * groups, *z0 = (const uint16_t *)p[2] + o0 * groups;
+    const uint16_t *s1 = (const uint16_t *)p[4] + o0 * groups, *z1 = (const uint16_t *)p[5] + o0 * groups;
+    prefetch_scales(p[1], p[2], o0, groups), prefetch_scales(p[4], p[5], o0, groups);
+    float scz[MB * groups * 2]; /* entry 2 j + m: matrix m's row o0 + j (BLOCK's order) */
+    for (int j = 0; j < PB; j++)
+        scale_pairs(s0 + j * groups, z0 + j * groups, groups, scz + 2 * j * groups * 2),
+            scale_pairs(s1 + j * groups, z1 + j * groups, groups, scz + (2 * j + 1) * groups * 2);
+    __m256 acc[MB];
+    for (int j = 0; j < PB; j++) {
+        const uint8_t *wr[JT] = {q0 + j * bytes, q1 + j * bytes};
+        if (group == 2 * SB)
+            int4_row(xq, xl, xs, K, group, 2, wr, scz + 2 * j * groups * 2, acc + 2 * j);
+        else if (group == SB)
+            int4_row(xq, xl, xs, K, group, 1, wr, scz + 2 * j * groups * 2, acc + 2 * j);
+        else
+            int4_row(xq, xl, xs, K, group, group / SB, wr, scz + 2 * j * groups * 2, acc + 2 * j);
+    }
+    _mm256_storeu_ps(res, hsum8_of_8(acc)); /* res[m PB + j]: lane 4 m + j, acc[2 j + m]'s */
+}
+#endif
+
 /* Rows [r0, r0 + rt) of levels against the block's weight rows wr[j0..j0 + JT); at one row, int4's
    common groups with their steps unrolled (int4_tile; unrolled for several rows too, the larger code
    made int8's 2-row blocks 0.81-0.91x from DRAM, their loops unchanged). */
@@ -268,25 +338,10 @@ BLOCK_TARGET void BLOCK(int fmt, const int8_t *xq, long ldq, const float *xd, co
        bench/packed_rows.py 9 rounds, from DRAM and warm; the compiler kept their pointers in vector
        registers) */
     float scz[MB * groups * 2];
-    if (fmt == 1) /* the next block's scales and zeros too: a miss here would stall the block's start */
-        for (int m = 0; m < mats; m++)
-            for (long b = 0; b < PB * groups * 2; b += 64)
-                prefetch_next((const char *)p[3 * m + 1] + o0 * groups * 2 + b, PB * groups * 2),
-                    prefetch_next((const char *)p[3 * m + 2] + o0 * groups * 2 + b, PB * groups * 2);
-    if (fmt == 1)
-        for (int i = 0; i < mats * PB; i++) {
-            const uint16_t *s = scales[i], *z = zeros[i];
-            float *to = scz + i * groups * 2;
-            long g = 0;
-            for (; g + 8 <= groups; g += 8) { /* 8 groups' scales and products, interleaved in order */
-                __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g)));
-                __m256 zv = _mm256_mul_ps(sv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + g))));
-                __m256 low = _mm256_unpacklo_ps(sv, zv), high = _mm256_unpackhi_ps(sv, zv);
-                _mm256_storeu_ps(to + 2 * g, _mm256_permute2f128_ps(low, high, 0x20));
-                _mm256_storeu_ps(to + 2 * g + 8, _mm256_permute2f128_ps(low, high, 0x31));
-            }
-            for (; g < groups; g++) to[2 * g] = _cvtsh_ss(s[g]), to[2 * g + 1] = to[2 * g] * _cvtsh_ss(z[g]);
-        }
+    if (fmt == 1) {
+        for (int m = 0; m < mats; m++) prefetch_scales(p[3 * m + 1], p[3 * m + 2], o0, groups);
+        for (int i = 0; i < mats * PB; i++) scale_pairs(scales[i], zeros[i], groups, scz + i * groups * 2);
+    }
     _Static_assert(RT == 4, "the tiles below: 1, 2, 3 or RT rows");
     if (mats == 2) /* one row (cpu_packed.c) */
         tile_rows(1, fmt, 2, xq, ldq, xd, xl, xs, ldf, 0, K, group, wr, scz, acc);
