@@ -41,8 +41,7 @@
    (the same tiles, cpu_packed_tiles.h, with AVX512-VNNI's integer dot products), both chosen by the
    CPU's features in cpu_packed.py, and cpu_packed_avx2.c's activation quantization for whole
    blocks; 0 the portable ones here (plain C, the same operations one output at a time). Threads:
-   OpenMP over blocks of PB weight rows of all experts (gate / up's UB blocks a task), the count the
-   caller passes.
+   OpenMP over blocks of PB weight rows of all experts, the count the caller passes.
 
    One-row blocks (an expert's one row, a decode step's): a gate / up block takes gate's PB rows and
    up's together, and each of down's first blocks its PB rows of the matrix's first half beside the
@@ -66,8 +65,6 @@
 #define QB 32       /* activations per quantization block: llama.cpp's Q8_0 block (QK8_0, ggml-common.h) */
 #define SB 64       /* int4 columns per superblock: 32 bytes of levels, two activation blocks */
 #define QMAX 127.0f /* the largest activation level: Q8_0's d = max |x| / ((1 << 7) - 1) */
-#define UB 4        /* gate / up blocks an OpenMP task takes (flowmoe_packed_ffn_group): a one-row task's int4 ones
-                       in one call (cpu_packed_tiles.h's ROW_BLOCK) */
 
 /* cpu_packed_avx2.c, cpu_packed_avx512.c */
 void flowmoe_packed_block_avx2(int fmt, const int8_t *xq, long ldq, const float *xd, const float *xl,
@@ -77,7 +74,7 @@ void flowmoe_packed_block_avx512(int fmt, const int8_t *xq, long ldq, const floa
                                  const float *xs, long ldf, int n, long K, long group, int mats,
                                  const void *const *p, long o0, int ob, float *res);
 void flowmoe_packed_row_block_avx512(const int8_t *xq, const float *xl, const float *xs, long K, long group,
-                                     const void *const *p, long o0, int blocks, float *res);
+                                     const void *const *p, long o0, float *res);
 void flowmoe_quantize_blocks_avx2(const float *x, long blocks, int fmt, long supers, long group, long groups,
                                   int8_t *xq, float *xd, float *lanes, float *sums);
 
@@ -232,28 +229,24 @@ static void block_portable(int fmt, const int8_t *xq, long ldq, const float *xd,
         }
 }
 
-/* res + i mats n PB + m n PB = block i < blocks (ob weight rows from o0 + i PB; several only where
-   ob is PB) of matrix m < mats (p + 3 m: q, scale, zero) against n rows of levels (quantize_row's
-   xq [n, K] and xf [n, row_floats]): the AVX2 block takes the mats matrices' rows together
-   (cpu_packed_avx2.c); the AVX-512 one-row int4 blocks of whole superblocks, all `blocks` in one call,
-   by flowmoe_packed_row_block_avx512 (cpu_packed_tiles.h's ROW_BLOCK), the same bits. */
+/* res + m n PB = the block of weight rows o0.. of matrix m < mats (p + 3 m: q, scale, zero) against n
+   rows of levels (quantize_row's xq [n, K] and xf [n, row_floats]): the AVX2 block takes the mats
+   matrices' rows together (cpu_packed_avx2.c); the AVX-512 one-row int4 blocks of whole superblocks by
+   flowmoe_packed_row_block_avx512 (cpu_packed_tiles.h's ROW_BLOCK), the same bits. */
 static inline void packed_block(int isa, int fmt, const int8_t *xq, const float *xf, int n, long K, long group,
-                                int mats, const void *const *p, long o0, int ob, int blocks, float *res) {
+                                int mats, const void *const *p, long o0, int ob, float *res) {
     long ldf = row_floats(fmt, K, group), supers = fmt == 1 ? K / SB : 0;
     const float *xl = xf + (K + QB - 1) / QB, *xs = xl + supers * 8;
-    if (isa == 2 && fmt == 1 && mats == 2 && ob == PB && K % SB == 0) { /* one row, whole blocks */
-        flowmoe_packed_row_block_avx512(xq, xl, xs, K, group, p, o0, blocks, res);
-        return;
-    }
-    for (int i = 0; i < blocks; i++, o0 += PB, res += mats * n * PB)
-        if (isa == 2)
-            flowmoe_packed_block_avx512(fmt, xq, K, xf, xl, xs, ldf, n, K, group, mats, p, o0, ob, res);
-        else if (isa == 1)
-            flowmoe_packed_block_avx2(fmt, xq, K, xf, xl, xs, ldf, n, K, group, mats, p, o0, ob, res);
-        else
-            for (int m = 0; m < mats; m++)
-                block_portable(fmt, xq, K, xf, xl, xs, ldf, n, K, group, p[3 * m], p[3 * m + 1], p[3 * m + 2], o0,
-                               ob, res + m * n * PB);
+    if (isa == 2 && fmt == 1 && mats == 2 && ob == PB && K % SB == 0) /* one row, a whole block */
+        flowmoe_packed_row_block_avx512(xq, xl, xs, K, group, p, o0, res);
+    else if (isa == 2)
+        flowmoe_packed_block_avx512(fmt, xq, K, xf, xl, xs, ldf, n, K, group, mats, p, o0, ob, res);
+    else if (isa == 1)
+        flowmoe_packed_block_avx2(fmt, xq, K, xf, xl, xs, ldf, n, K, group, mats, p, o0, ob, res);
+    else
+        for (int m = 0; m < mats; m++)
+            block_portable(fmt, xq, K, xf, xl, xs, ldf, n, K, group, p[3 * m], p[3 * m + 1], p[3 * m + 2], o0, ob,
+                           res + m * n * PB);
 }
 
 /* The address `rows` rows of `row_bytes` past base (null stays null). */
@@ -279,7 +272,7 @@ int flowmoe_packed_ffn_group(int experts, const void *const *xs, const int *ns, 
     /* down's blocks: pairs (at one row, rows [0, half) beside [half, 2 half), a block of each, as gate's
        beside up's; else two blocks in turn), then the rest alone */
     long half = H / (2 * PB) * PB, pairs = half / PB, rest = (H - 2 * half + PB - 1) / PB;
-    long up_tasks = (I + UB * PB - 1) / (UB * PB), down_blocks = pairs + rest, rows = 0;
+    long up_blocks = (I + PB - 1) / PB, down_blocks = pairs + rest, rows = 0;
     long first[experts > 0 ? experts : 1];
     for (int e = 0; e < experts; e++) first[e] = rows, rows += ns[e];
     long at_least = rows > 0 ? rows : 1, xfl = row_floats(fmt, H, group), afl = row_floats(fmt, I, group);
@@ -296,28 +289,22 @@ int flowmoe_packed_ffn_group(int experts, const void *const *xs, const int *ns, 
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; r++) quantize_row(xw + r * H, H, fmt, group, isa, xq + r * H, xf + r * xfl);
 #pragma omp for schedule(static)
-        for (long t = 0; t < experts * up_tasks; t++) { /* UB blocks a task (fewer in a last one) */
-            int e = (int)(t / up_tasks), n = ns[e];
-            long o0 = t % up_tasks * UB * PB, end = o0 + UB * PB < I ? o0 + UB * PB : I;
+        for (long t = 0; t < experts * up_blocks; t++) {
+            int e = (int)(t / up_blocks), n = ns[e];
+            long o0 = t % up_blocks * PB;
+            int ob = (int)(I - o0 < PB ? I - o0 : PB);
             const void *const *w = weights + 9L * e;
             const float *bias = gate_up_biases[e];
-            float gu[UB * 2 * n * PB], *act = acts + first[e] * I; /* block i's gate's n PB, then up's */
-            for (long o = o0; o < end;) {
-                int ob = (int)(end - o < PB ? end - o : PB), blocks = n == 1 && ob == PB ? (int)((end - o) / PB) : 1;
-                for (int m = 0, mats = n == 1 ? 2 : 1; m < 2; m += mats) /* the header's one-row blocks */
-                    packed_block(isa, fmt, xq + first[e] * H, xf + first[e] * xfl, n, H, group, mats, w + 3 * m, o,
-                                 ob, blocks, gu + (o - o0) / PB * 2 * n * PB + m * n * PB);
-                o += blocks * PB;
-            }
-            for (long o = o0; o < end; o += PB) {
-                const float *g = gu + (o - o0) / PB * 2 * n * PB, *u = g + n * PB; /* the block's gate's, up's */
-                for (int r = 0; r < n; r++)
-                    for (int j = 0; j < PB && o + j < end; j++) {
-                        float gv = g[r * PB + j] + (bias ? bias[o + j] : 0.0f);
-                        float uv = u[r * PB + j] + (bias ? bias[I + o + j] : 0.0f);
-                        act[r * I + o + j] = swiglu(gv, uv, clamped, alpha, limit);
-                    }
-            }
+            float gu[2 * n * PB], *g = gu, *u = gu + n * PB, *act = acts + first[e] * I; /* gate's, up's */
+            for (int m = 0, mats = n == 1 ? 2 : 1; m < 2; m += mats) /* the header's one-row blocks */
+                packed_block(isa, fmt, xq + first[e] * H, xf + first[e] * xfl, n, H, group, mats, w + 3 * m, o0, ob,
+                             gu + m * n * PB);
+            for (int r = 0; r < n; r++)
+                for (int j = 0; j < ob; j++) {
+                    float gv = g[r * PB + j] + (bias ? bias[o0 + j] : 0.0f);
+                    float uv = u[r * PB + j] + (bias ? bias[I + o0 + j] : 0.0f);
+                    act[r * I + o0 + j] = swiglu(gv, uv, clamped, alpha, limit);
+                }
         }
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; r++) quantize_row(acts + r * I, I, fmt, group, isa, aq + r * I, af + r * afl);
@@ -335,7 +322,7 @@ int flowmoe_packed_ffn_group(int experts, const void *const *xs, const int *ns, 
             float res[2 * n * PB];
             for (int m = 0; m < both; m += mats)
                 packed_block(isa, fmt, aq + first[e] * I, af + first[e] * afl, n, I, group, mats, p + 3 * m, o0, ob,
-                             1, res + m * n * PB);
+                             res + m * n * PB);
             for (int m = 0; m < both; m++)
                 for (int r = 0; r < n; r++)
                     for (int j = 0; j < ob; j++) {
@@ -384,7 +371,7 @@ int flowmoe_packed_linear(const void *x, long n, long K, long R, int fmt, long g
             int rows = (int)(n - r0 < CR ? n - r0 : CR), ob = (int)(R - o0 < PB ? R - o0 : PB);
             int mats = b < pairs ? 2 : 1;
             float res[2 * rows * PB];
-            packed_block(isa, fmt, xq + r0 * K, xf + r0 * xfl, rows, K, group, mats, p, o0, ob, 1, res);
+            packed_block(isa, fmt, xq + r0 * K, xf + r0 * xfl, rows, K, group, mats, p, o0, ob, res);
             for (int m = 0; m < mats; m++)
                 for (int r = 0; r < rows; r++)
                     for (int j = 0; j < ob; j++) {

@@ -249,42 +249,38 @@ INLINE void prefetch_scales(const void *scale, const void *zero, long o0, long g
 }
 
 #ifdef ROW_BLOCK
-/* BLOCK's common one-row blocks, int4 (the includer's ROW_BLOCK, cpu_packed.c's packed_block takes it):
-   res[2 PB i + m PB + j] = the row of levels . row o0 + PB i + j of matrix m < 2 (p + 3 m: q, scale,
-   zero), for `blocks` whole blocks (ob PB) of K whole superblocks, each in BLOCK's order and bits: a
-   block's (scale, scale x zero) pairs, its tiles (one row of each matrix) by int4_row, its 8 outputs'
-   hsum8s at once (hsum8_of_8), none of BLOCK's pointer arrays, tile calls or hsum8 loop, and BLOCK's
-   code as it was (a block with this path inside it made its int8 tiles 0.68-0.89x warm). 16 experts'
-   1024 x 3584 FFNs, 1 row, 1 thread, Zen 4, 31 rounds alternated at load 1.1-1.6: against BLOCK's
-   tiles 1.13x from DRAM, 1.10-1.13x warm; UB (4) gate / up blocks a call against one, 1.03-1.05x from
-   DRAM, 1.07-1.14x warm (8 and 16 no better). */
+/* BLOCK's common one-row block, int4 (the includer's ROW_BLOCK, cpu_packed.c's packed_block takes it):
+   res[m PB + j] = the row of levels . row o0 + j of matrix m < 2 (p + 3 m: q, scale, zero), for K whole
+   superblocks and a whole block (ob PB), in BLOCK's order and bits: the block's (scale, scale x zero)
+   pairs, its tiles (one row of each matrix) by int4_row, its 8 outputs' hsum8s at once (hsum8_of_8),
+   none of BLOCK's pointer arrays, tile calls or hsum8 loop, and BLOCK's code as it was (a block with
+   this path inside it made its int8 tiles 0.68-0.89x warm). 16 experts' 1024 x 3584 FFNs, 1 row, 1
+   thread, Zen 4, 31 rounds alternated against BLOCK's tiles at load 1.1-1.6: 1.13x from DRAM, 1.10-1.13x
+   warm. Not kept: 4 blocks a call (gate / up OpenMP tasks of 4 blocks, 45e6a0d): 1.00-1.05x from DRAM,
+   1.03-1.05x warm, 2 rows 0.97-0.99x; the scales and products as two arrays (no interleaving) 1.00x;
+   GFNI's gf2p8affineqb for the high nibbles (one instruction for two) 1.00x. */
 BLOCK_TARGET void ROW_BLOCK(const int8_t *xq, const float *xl, const float *xs, long K, long group,
-                            const void *const *p, long o0, int blocks, float *res) {
+                            const void *const *p, long o0, float *res) {
     long bytes = K / 2, groups = (K + group - 1) / group;
-    for (int i = 0; i < blocks; i++) { /* block i, rows o of each matrix */
-        long o = o0 + i * PB;
-        const uint8_t *q0 = (const uint8_t *)p[0] + o * bytes, *q1 = (const uint8_t *)p[3] + o * bytes;
-        const uint16_t *s0 = (const uint16_t *)p[1] + o * groups, *z0 = (const uint16_t *)p[2] + o * groups;
-        const uint16_t *s1 = (const uint16_t *)p[4] + o * groups, *z1 = (const uint16_t *)p[5] + o * groups;
-        prefetch_scales(p[1], p[2], o, groups), prefetch_scales(p[4], p[5], o, groups);
-        float scz[MB * groups * 2]; /* entry 2 j + m: matrix m's row o + j (BLOCK's order; declared here,
-                                       the compiler's registers in int4_row were 0.97x / 0.97x with it a
-                                       block further out) */
-        for (int j = 0; j < PB; j++)
-            scale_pairs(s0 + j * groups, z0 + j * groups, groups, scz + 2 * j * groups * 2),
-                scale_pairs(s1 + j * groups, z1 + j * groups, groups, scz + (2 * j + 1) * groups * 2);
-        __m256 acc[MB];
-        for (int j = 0; j < PB; j++) {
-            const uint8_t *wr[JT] = {q0 + j * bytes, q1 + j * bytes};
-            if (group == 2 * SB)
-                int4_row(xq, xl, xs, K, group, 2, wr, scz + 2 * j * groups * 2, acc + 2 * j);
-            else if (group == SB)
-                int4_row(xq, xl, xs, K, group, 1, wr, scz + 2 * j * groups * 2, acc + 2 * j);
-            else
-                int4_row(xq, xl, xs, K, group, group / SB, wr, scz + 2 * j * groups * 2, acc + 2 * j);
-        }
-        _mm256_storeu_ps(res + i * 2 * PB, hsum8_of_8(acc)); /* res[m PB + j]: lane 4 m + j, acc[2 j + m]'s */
+    const uint8_t *q0 = (const uint8_t *)p[0] + o0 * bytes, *q1 = (const uint8_t *)p[3] + o0 * bytes;
+    const uint16_t *s0 = (const uint16_t *)p[1] + o0 * groups, *z0 = (const uint16_t *)p[2] + o0 * groups;
+    const uint16_t *s1 = (const uint16_t *)p[4] + o0 * groups, *z1 = (const uint16_t *)p[5] + o0 * groups;
+    prefetch_scales(p[1], p[2], o0, groups), prefetch_scales(p[4], p[5], o0, groups);
+    float scz[MB * groups * 2]; /* entry 2 j + m: matrix m's row o0 + j (BLOCK's order) */
+    for (int j = 0; j < PB; j++)
+        scale_pairs(s0 + j * groups, z0 + j * groups, groups, scz + 2 * j * groups * 2),
+            scale_pairs(s1 + j * groups, z1 + j * groups, groups, scz + (2 * j + 1) * groups * 2);
+    __m256 acc[MB];
+    for (int j = 0; j < PB; j++) {
+        const uint8_t *wr[JT] = {q0 + j * bytes, q1 + j * bytes};
+        if (group == 2 * SB)
+            int4_row(xq, xl, xs, K, group, 2, wr, scz + 2 * j * groups * 2, acc + 2 * j);
+        else if (group == SB)
+            int4_row(xq, xl, xs, K, group, 1, wr, scz + 2 * j * groups * 2, acc + 2 * j);
+        else
+            int4_row(xq, xl, xs, K, group, group / SB, wr, scz + 2 * j * groups * 2, acc + 2 * j);
     }
+    _mm256_storeu_ps(res, hsum8_of_8(acc)); /* res[m PB + j]: lane 4 m + j, acc[2 j + m]'s */
 }
 #endif
 
