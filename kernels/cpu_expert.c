@@ -25,11 +25,13 @@
    LM head [32000, 1024]: bf16 1.22x, fp32 1.11x; the same bits. Several rows keep their blocks. */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "shares.h"
 #include "swiglu.h"
 
 /* cpu_rows_avx2.c */
@@ -407,8 +409,9 @@ static inline void store_act(void *acts, int isa, int bf16, long r, long I, long
    [H, I]. fx[e]: expert e's rows of x (row stride H), in fp32 (in bf16 column order where the isa
    reads x so) or in bf16 where the isa reads bf16 rows; first[e]: its first row in the group; the
    acts in fp32 in a buffer of the kernel's own (in bf16 column order likewise; split into bf16 hi
-   and lo rows where the isa reads bf16). Threads share the blocks of all experts; the biases may be
-   null. Returns 0, or 1 where there is no memory for the buffer. */
+   and lo rows where the isa reads bf16). Threads share the blocks of all experts in spans of about
+   equal cost (shares.h); the biases may be null. Returns 0, or 1 where there is no memory for the
+   buffer. */
 static int ffn_rows(int experts, const void *const *fx, const int *ns, const long *first, long rows, long H,
                     long I, const void *const *gate_ups, const void *const *downs, int bf16,
                     const float *const *gate_up_biases, const float *const *down_biases, int clamped, float alpha,
@@ -419,8 +422,9 @@ static int ffn_rows(int experts, const void *const *fx, const int *ns, const lon
     if (!acts) return 1;
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (long t = 0; t < experts * up_blocks; t++) {
+        int id = omp_get_thread_num(), team = omp_get_num_threads();
+        span ups = share_of(experts, ns, up_blocks, id, team), downs_of = share_of(experts, ns, down_blocks, id, team);
+        for (long t = ups.from; t < ups.to; t++) {
             int e = (int)(t / up_blocks), n = ns[e];
             long o0 = t % up_blocks * bs;
             int ob = (int)rows_at(I, o0, bs);
@@ -436,8 +440,8 @@ static int ffn_rows(int experts, const void *const *fx, const int *ns, const lon
                     store_act(acts, isa, bf16, first[e] + r, I, o0 + j, swiglu(gv, uv, clamped, alpha, limit));
                 }
         }
-#pragma omp for schedule(static)
-        for (long t = 0; t < experts * down_blocks; t++) {
+#pragma omp barrier
+        for (long t = downs_of.from; t < downs_of.to; t++) {
             int e = (int)(t / down_blocks), n = ns[e];
             const float *bias = down_biases[e];
             float res[2 * n * OB_MAX];

@@ -297,9 +297,10 @@ def test_linear_rows_every_row_count(isa: str, dtype: torch.dtype, n_in: int) ->
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("hidden", "inter"), [(40, 24), (64, 600), (1100, 37)])
 def test_ffn_group_every_isa(isa: str, dtype: torch.dtype, hidden: int, inter: int) -> None:
-    """A group of experts of 1..MAX_ROWS rows: each within tolerance of float64, the same bits at 1
-    and 2 threads and alone as in the group (bf16: the activation stays fp32 between the two
-    projections, in the AVX2 block's column order)."""
+    """A group of experts of 1..MAX_ROWS rows: each within tolerance of float64, the same bits at 1,
+    2 and 3 threads (whose spans of the experts' blocks, shares.h, split them otherwise) and alone as
+    in the group (bf16: the activation stays fp32 between the two projections, in the AVX2 block's
+    column order)."""
     generator = torch.Generator().manual_seed(hidden + inter)
     moe = _moe("silu")
     counts = [1, 2, 3, 9, cpu_expert.MAX_ROWS]
@@ -307,8 +308,9 @@ def test_ffn_group_every_isa(isa: str, dtype: torch.dtype, hidden: int, inter: i
     xs = [_tensor(generator, n, hidden).to(dtype) for n in counts]
     assert all(cpu_expert.fits_ffn(x, ffn) for x, ffn in zip(xs, ffns, strict=True))
     grouped = _threads(1, lambda: cpu_expert.swiglu_group(xs, ffns, moe))
-    two_threads = _threads(2, lambda: cpu_expert.swiglu_group(xs, ffns, moe))
-    assert all(torch.equal(a, b) for a, b in zip(grouped, two_threads, strict=True))
+    for threads in (2, 3):
+        wider = _threads(threads, lambda: cpu_expert.swiglu_group(xs, ffns, moe))
+        assert all(torch.equal(a, b) for a, b in zip(grouped, wider, strict=True))
     for x, ffn, out in zip(xs, ffns, grouped, strict=True):
         assert torch.equal(out, cpu_expert.swiglu_group([x], [ffn], moe)[0])
         assert torch.equal(out[-1:], cpu_expert.swiglu_group([x[-1:]], [ffn], moe)[0])
