@@ -163,11 +163,21 @@ INLINE void int4_tile(int rt, int jn, int mats, const int8_t *xq, long ldq, cons
    which it would otherwise load again into each as a memory operand. */
 #define IN_REGISTER(v) __asm__("" : "+x"(v))
 
+#define ROW_AHEAD 4096 /* int4_row_step's prefetch distance, bytes */
+
 /* int4 at one row, superblock s of weight rows w0 and w1: lanes0 / lanes1 += their int sums with the
-   row's levels xq, times the lanes' d xl; the levels and weights loaded once into registers. */
+   row's levels xq, times the lanes' d xl; the levels and weights loaded once into registers. Every
+   other step, each row's line ROW_AHEAD bytes on (rows further in its matrix) into L2 (prefetcht1):
+   16 experts' 1024 x 3584 FFNs, 1 row, 1 thread, Zen 4, 31 rounds alternated at load 1.2-1.6: int4
+   1.07-1.18x from DRAM, 1.01-1.03x warm (1.31-1.35x from DRAM while other work loaded the memory);
+   hqq4 (group 64) 1.17x / 1.03x; group 256 1.00x / 0.98x; 8 KB and 16 KB on 1.09-1.15x, 2 KB 0.95x;
+   into L1 (prefetcht0) 0.98x at 2 KB, 0.91x at 4 KB, 0.85x at 8 KB; NTA 0.94x. */
 INLINE void int4_row_step(const int8_t *xq, const float *xl, const uint8_t *w0, const uint8_t *w1, long s,
                           __m256 *lanes0, __m256 *lanes1) {
     const __m256i low = _mm256_set1_epi8(15);
+    if (s % 2 == 0)
+        _mm_prefetch((const char *)w0 + s * SB / 2 + ROW_AHEAD, _MM_HINT_T1),
+            _mm_prefetch((const char *)w1 + s * SB / 2 + ROW_AHEAD, _MM_HINT_T1);
     __m256i even = _mm256_loadu_si256((const __m256i *)(xq + s * SB));
     __m256i odd = _mm256_loadu_si256((const __m256i *)(xq + s * SB + SB / 2));
     __m256i v0 = _mm256_loadu_si256((const __m256i *)(w0 + s * SB / 2));
@@ -184,14 +194,15 @@ INLINE void int4_row_step(const int8_t *xq, const float *xl, const uint8_t *w0, 
 
 /* int4 at one row (the includer's INT4_ROW): int4_tile's sums at rt 1 and JT weight rows, in its order
    (the same bits), by int4_row_step, the two weight rows and their (scale, scale x zero) pairs by their
-   own pointers, `per` a constant where int4_row_at passes one (a whole group's steps unrolled), no
-   software prefetch: 14 instructions per 64 weights where int4_tile's one-row tiles took 16 and
-   kept pointers and a weight vector on the stack. 16 experts' 1024 x 3584 FFNs, 1 thread, Zen 4,
-   bench/packed_rows.py 9 rounds at load 1.7: 1 row from DRAM 16.9 -> 18.1 GB/s (1.07x, 53% of the
-   read roof), warm 20.4 -> 22.7 GB/s (1.11x); 2 rows (int4_tile, the block's code around it
-   smaller) 1.06x / 1.04x; int8 0.98-1.00x. Not faster: prefetch_step's lines (1.01x from DRAM,
-   1.08x warm, 5 rounds), four weight rows a tile (two of each matrix: 0.56x from DRAM), the
-   scales and zeros converted per group here rather than the block's pairs (1.04x / 1.05x). */
+   own pointers, `per` a constant where int4_row_at passes one (a whole group's steps unrolled), a
+   prefetch every other step (int4_row_step's): 14 instructions per 64 weights (the prefetch aside)
+   where int4_tile's one-row tiles took 16 and kept pointers and a weight vector on the stack. 16
+   experts' 1024 x 3584 FFNs, 1 thread, Zen 4, bench/packed_rows.py 9 rounds at load 1.7: 1 row from
+   DRAM 16.9 -> 18.1 GB/s (1.07x, 53% of the read roof), warm 20.4 -> 22.7 GB/s (1.11x); 2 rows
+   (int4_tile, the block's code around it smaller) 1.06x / 1.04x; int8 0.98-1.00x. Not faster:
+   prefetch_step's lines into L1 (the next block's: 1.01x from DRAM, 1.08x warm, 5 rounds), four
+   weight rows a tile (two of each matrix: 0.56x from DRAM), the scales and zeros converted per group
+   here rather than the block's pairs (1.04x / 1.05x). */
 INLINE void int4_row(const int8_t *xq, const float *xl, const float *xs, long K, long group, long per,
                      const uint8_t *const *wr, const float *scz, __m256 *acc) {
     _Static_assert(JT == 2, "int4_row: two weight rows");
