@@ -41,7 +41,8 @@
    (the same tiles, cpu_packed_tiles.h, with AVX512-VNNI's integer dot products), both chosen by the
    CPU's features in cpu_packed.py, and cpu_packed_avx2.c's activation quantization for whole
    blocks; 0 the portable ones here (plain C, the same operations one output at a time). Threads:
-   OpenMP over blocks of PB weight rows of all experts, the count the caller passes.
+   OpenMP over blocks of PB weight rows of all experts, the count the caller passes, each thread a
+   span of them of about equal cost (shares.h).
 
    One-row blocks (an expert's one row, a decode step's): a gate / up block takes gate's PB rows and
    up's together, and each of down's first blocks its PB rows of the matrix's first half beside the
@@ -54,11 +55,13 @@
    [1.01, 1.40]; int4 0.92 -> 0.76 ms, 1.13x [0.96, 1.47]; the same bits. */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "shares.h"
 #include "swiglu.h"
 
 #define PB 4        /* weight rows per block */
@@ -288,8 +291,9 @@ int flowmoe_packed_ffn_group(int experts, const void *const *xs, const int *ns, 
     {
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; r++) quantize_row(xw + r * H, H, fmt, group, isa, xq + r * H, xf + r * xfl);
-#pragma omp for schedule(static)
-        for (long t = 0; t < experts * up_blocks; t++) {
+        int id = omp_get_thread_num(), team = omp_get_num_threads();
+        span ups = share_of(experts, ns, up_blocks, id, team), downs = share_of(experts, ns, down_blocks, id, team);
+        for (long t = ups.from; t < ups.to; t++) {
             int e = (int)(t / up_blocks), n = ns[e];
             long o0 = t % up_blocks * PB;
             int ob = (int)(I - o0 < PB ? I - o0 : PB);
@@ -306,10 +310,10 @@ int flowmoe_packed_ffn_group(int experts, const void *const *xs, const int *ns, 
                     act[r * I + o0 + j] = swiglu(gv, uv, clamped, alpha, limit);
                 }
         }
+#pragma omp barrier
 #pragma omp for schedule(static)
         for (long r = 0; r < rows; r++) quantize_row(acts + r * I, I, fmt, group, isa, aq + r * I, af + r * afl);
-#pragma omp for schedule(static)
-        for (long t = 0; t < experts * down_blocks; t++) {
+        for (long t = downs.from; t < downs.to; t++) {
             int e = (int)(t / down_blocks), n = ns[e], both = t % down_blocks < pairs ? 2 : 1, mats = n == 1 ? both : 1;
             long b = t % down_blocks, apart = n == 1 ? half : PB; /* rows between a pair's blocks */
             long o0 = b < pairs ? b * PB * (n == 1 ? 1 : 2) : 2 * half + (b - pairs) * PB;
