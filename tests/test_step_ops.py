@@ -23,6 +23,7 @@ from flowmoe.core.policy import Policy
 from flowmoe.core.spec import ModelSpec
 from flowmoe.jobs.engine import Engine, StepInput
 from flowmoe.kernels import cpu_attention, cpu_expert, native
+from flowmoe.kernels.grouped_experts import swiglu_grouped
 from flowmoe.kernels.norm import rms_norm
 from flowmoe.kernels.rope import Rotary
 from flowmoe.model.arena import layer_arena
@@ -65,12 +66,18 @@ class _Counter(TorchDispatchMode):
 @pytest.fixture
 def model() -> MoEModel:
     """Built for each test: the grouped experts' views of a layer's buffer are made at their first
-    use (kernels/grouped_experts.py), so a test that ran before would change the counts."""
+    use (kernels/grouped_experts.py), so a test that ran before would change the counts. They are
+    made here, as a prefill's first grouped call makes them where its routing takes the grouped path
+    (every expert's rows in linear's transposed form), so that decode steps count their own
+    operations whatever the prefill took."""
     spec = ModelSpec.from_hf({**TINY_CONFIG, "num_hidden_layers": 3})
     tensors, source = TensorMap.for_spec(spec), RandomSource(spec, seed=7, std=0.2)
     layers = [tensors.load_layer(layer, source) for layer in range(spec.layers)]
     for weights in layers:  # one host buffer per layer, as the loaders pack it
         layer_arena(weights)
+        ffns = [(f.gate_up, f.down, None, None) for f in weights.experts]
+        rows = torch.zeros(len(ffns), spec.hidden, dtype=ffns[0][0].dtype)  # a row an expert
+        assert swiglu_grouped(rows, [1] * len(ffns), ffns, spec.moe) is not None
     return MoEModel.build(spec, tensors.load_top(source, layers))
 
 
