@@ -63,9 +63,12 @@ def kernel() -> Callable[..., int] | None:
     return None if name is None else getattr(library(), KERNELS[name])
 
 
+@functools.cache
 def isa() -> str | None:
     """The kernel this CPU runs (a key of KERNELS): the one FLOWMOE_CPU_ISA names (or FORCED maps it
-    to) where the CPU runs it, else the first of DEFAULT; None where it runs neither."""
+    to) where the CPU runs it, else the first of DEFAULT; None where it runs neither. Worked out at the
+    first call (it is asked twice a layer, and an unset variable costs a KeyError raised and caught in
+    os.environ.get: ~75 us a decode step, issue 25): `isa.cache_clear()` after changing FLOWMOE_CPU_ISA."""
     wanted = os.environ.get("FLOWMOE_CPU_ISA", "")
     return native.chosen_block(FORCED.get(wanted, wanted), _built(library()), DEFAULT)
 

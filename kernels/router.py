@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from attrs import define
 
 from flowmoe.core.spec import MoESpec
-from flowmoe.kernels import cpu_router
+from flowmoe.kernels import cpu_expert, cpu_router
 from flowmoe.kernels.family_routers import FAMILY_ROUTERS
 
 
@@ -107,7 +107,10 @@ def _softmax_top(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax_topk's choice before renormalising: -> the top-k probabilities [T, k] float32 and
     their experts [T, k]."""
-    logits = F.linear(x, weight, bias)  # [T, E]
+    if x.is_cpu and cpu_expert.fits(x, weight, bias):  # a decode step's few rows: oneDNN's bf16 call
+        logits = cpu_expert.linear_rows(x, weight, bias)  # costs ~130 us cold there for [8, 1024] (issue 25)
+    else:
+        logits = F.linear(x, weight, bias)  # [T, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]: the same as of logits.float()
     return torch.topk(probs, moe.top_k, dim=-1)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flowmoe.kernels import cpu_expert
+from flowmoe.kernels import cpu_attention, cpu_expert
 from tests.hf_models import hf_model, save_hf
 
 # The tests send Ctrl-C as a user at a terminal would. A non-interactive shell starts a background job
@@ -38,9 +38,11 @@ def _flowmoe_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
 
 @pytest.fixture(autouse=True)
 def _cpu_isa() -> None:
-    """The kernels' block (`cpu_expert.isa`, worked out once) read afresh in each test, from its own
-    FLOWMOE_CPU_ISA; a test that changes FLOWMOE_CPU_ISA midway clears it itself."""
+    """The kernels' blocks (`cpu_expert.isa`, `cpu_attention.isa`: each worked out once) read afresh in
+    each test, from its own FLOWMOE_CPU_ISA; a test that changes FLOWMOE_CPU_ISA midway clears them
+    itself."""
     cpu_expert.isa.cache_clear()
+    cpu_attention.isa.cache_clear()
 
 
 @pytest.fixture(autouse=True)

@@ -25,10 +25,22 @@ from flowmoe.kernels.layout import TokenLayout
 needs_kernel = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no C decode attention on this host")
 
 
+@contextlib.contextmanager
+def forced(name: str) -> Iterator[None]:
+    """FLOWMOE_CPU_ISA=name for the block (cpu_attention.isa, worked out once, read afresh in it and
+    after it)."""
+    with mock.patch.dict(os.environ, {"FLOWMOE_CPU_ISA": name}):
+        cpu_attention.isa.cache_clear()
+        try:
+            yield
+        finally:
+            cpu_attention.isa.cache_clear()
+
+
 def each_kernel() -> Iterator[str]:
     """Each C kernel this host runs (cpu_attention.kernels), forced by FLOWMOE_CPU_ISA in turn."""
     for name in cpu_attention.kernels():
-        with mock.patch.dict(os.environ, {"FLOWMOE_CPU_ISA": name}):
+        with forced(name):
             assert cpu_attention.isa() == name
             yield name
 
@@ -225,9 +237,9 @@ def test_the_default_kernel_is_the_avx512_one_where_the_library_has_it() -> None
     """cpu_attention.c's where the host built it (an AVX-512 CPU), else the AVX2 one; FLOWMOE_CPU_ISA
     forces each this host runs, =portable the AVX-512 one."""
     here = cpu_attention.kernels()
-    with mock.patch.dict(os.environ, {"FLOWMOE_CPU_ISA": ""}):
+    with forced(""):
         assert cpu_attention.isa() == next((n for n in ("avx512", "avx2") if n in here), None)
-    with mock.patch.dict(os.environ, {"FLOWMOE_CPU_ISA": "portable"}):
+    with forced("portable"):
         assert "avx512" not in here or cpu_attention.isa() == "avx512"
     assert list(each_kernel()) == list(here)
 
