@@ -23,6 +23,15 @@ prompt, n_seq_max = batch). Per step: wall time and the process's CPU time (user
 threads): on a machine shared with other work, CPU time per step is the figure that compares;
 the load average is noted for each cell. Medians over the repeats, spread = max / min - 1.
 
+Placement: on the 2-vCPU AMD EPYC VMs of issue 25 the memory a buffer is given decides its read
+rate at 2 threads: flowmoe's GEMV kernel over 220 MB of bf16 weights read 27-33 GB/s from most
+allocations and 43-50 GB/s from some, within one process (4 buffers x 5 processes, 2026-11-28), and
+a bf16 b1 decode step took 13.1-18.3 ms from process to process at the same commit. flowmoe copies
+its weights into anonymous memory, placed afresh in every process; llama.cpp maps its GGUF, whose
+page-cache pages stay where they are from one run to the next, so its repeats would all read one
+placement. Each llama.cpp worker therefore first drops the GGUF's cached pages
+(posix_fadvise DONTNEED; no root needed): both tools' repeats then sample placement alike.
+
     python bench/vs_llamacpp.py                 # fp32 and bf16, batch 1 and 8, 1 and all threads
     python bench/vs_llamacpp.py --quick         # a small model, printed only: checks the script
     python bench/vs_llamacpp.py --from-json     # the table of the last run
@@ -167,6 +176,7 @@ def llamacpp_worker(job: dict) -> dict:
     quiet = L.llama_log_callback(lambda *_: None)  # kept alive while llama.cpp may call it
     L.llama_log_set(quiet, None)
     L.llama_backend_init()
+    drop_cached(job["model"])
     model = L.llama_model_load_from_file(job["model"].encode(), L.llama_model_default_params())
     vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     cells = []
@@ -187,6 +197,14 @@ def llamacpp_worker(job: dict) -> dict:
         llama.close()
     L.llama_model_free(model)
     return {"cells": cells, "peak_rss": peak_rss(), "system": L.llama_print_system_info().decode()}
+
+
+def drop_cached(path: str) -> None:
+    """Let go of the page cache's copy of `path` (clean pages no process maps), so that llama.cpp's
+    mmap of it is given fresh pages, as flowmoe's copy of its weights is in every process (see the
+    module's notes on placement)."""
+    with open(path, "rb") as file:
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 class Llama:
