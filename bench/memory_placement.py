@@ -1,6 +1,7 @@
 """The read rate a decode step gets from the memory it is given (issue 25). On a VM the host decides
-where each guest page lies, so two buffers of one process, or two processes of one build, can be read
-at rates far apart; a memory-bound 2-thread decode step follows them.
+where each guest page lies and what else reads its memory, so the same build's buffers can be read at
+rates far apart from one process or minute to the next; a memory-bound 2-thread decode step follows
+them.
 
 Each of --processes fresh processes allocates --buffers buffers of --mb MB of bf16 weights on huge
 pages (kernels/host_memory.py, as the loader's arena holds a layer), made of [7168, 1024] matrices (an

@@ -23,17 +23,15 @@ prompt, n_seq_max = batch). Per step: wall time and the process's CPU time (user
 threads): on a machine shared with other work, CPU time per step is the figure that compares;
 the load average is noted for each cell. Medians over the repeats, spread = max / min - 1.
 
-Placement: on the 2-vCPU AMD EPYC VMs of issue 25 the memory a buffer is given decides its read
-rate at 2 threads: flowmoe's GEMV kernel over 220 MB of bf16 weights read 27-33 GB/s from most
-allocations and 43-50 GB/s from some, within one process (4 buffers x 5 processes, 2026-11-28), and
-a bf16 b1 decode step took 13.1-18.3 ms from process to process at the same commit. flowmoe copies
-its weights into anonymous memory, placed afresh in every process; llama.cpp maps its GGUF, whose
-page-cache pages stay where they are from one run to the next, so its repeats would all read one
-placement. Each llama.cpp worker therefore first drops the GGUF's cached pages
-(posix_fadvise DONTNEED; no root needed): both tools' repeats then sample placement alike. The
-rate also moves over time (bench/memory_placement.py: 29-36 GB/s for every buffer of a process over
-seconds, 56-60 in another), so beside the medians each tool's fastest repeat is shown ("best"), the
-figure that compares the tools where both met the machine at its fastest.
+Placement and episodes: on the 2-vCPU AMD EPYC VMs of issue 25 the memory speed a 2-thread step
+meets moves with the host: flowmoe's GEMV kernel read 220 MB buffers of bf16 weights at 30-36 GB/s
+most of the time and at 56-60 GB/s in episodes, every buffer of a process at once
+(bench/memory_placement.py; 1 thread: 28-30), and a bf16 b1 decode step of one build took
+13.1-21.0 ms from process to process. flowmoe copies its weights into memory it allocates in every
+process; llama.cpp maps its GGUF, whose page-cache pages stayed the same from one repeat to the next
+(those the converter wrote), so each llama.cpp worker first drops them (posix_fadvise DONTNEED; no
+root needed) and maps pages read afresh, as flowmoe's are. Beside the medians each tool's fastest
+repeat is shown ("best"): where both met the machine at its fastest, the figure that compares them.
 
     python bench/vs_llamacpp.py                 # fp32 and bf16, batch 1 and 8, 1 and all threads
     python bench/vs_llamacpp.py --quick         # a small model, printed only: checks the script
