@@ -77,7 +77,6 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    sys.path.insert(0, str(HERE.parent))
     from flowmoe.kernels.native import cpuinfo_field
 
     command = [sys.executable, __file__, "--worker", *(f"--{k}={getattr(args, k)}" for k in

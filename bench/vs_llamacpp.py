@@ -26,12 +26,13 @@ the load average is noted for each cell. Medians over the repeats, spread = max 
 Placement and episodes: on the 2-vCPU AMD EPYC VMs of issue 25 the memory speed a 2-thread step
 meets moves with the host: flowmoe's GEMV kernel read 220 MB buffers of bf16 weights at 30-36 GB/s
 most of the time and at 56-60 GB/s in episodes, every buffer of a process at once
-(bench/memory_placement.py; 1 thread: 28-30), and a bf16 b1 decode step of one build took
-13.1-21.0 ms from process to process. flowmoe copies its weights into memory it allocates in every
-process; llama.cpp maps its GGUF, whose page-cache pages stayed the same from one repeat to the next
-(those the converter wrote), so each llama.cpp worker first drops them (posix_fadvise DONTNEED; no
-root needed) and maps pages read afresh, as flowmoe's are. Beside the medians each tool's fastest
-repeat is shown ("best"): where both met the machine at its fastest, the figure that compares them.
+(bench/memory_placement.py; 1 thread: 28-30), and flowmoe's 2-thread bf16 b1 decode step took
+14.0-22.5 ms across one grid's 7 repeats (bench/vs_llamacpp_zen4_b1_best.json). flowmoe copies
+its weights into memory it allocates in every process; llama.cpp maps its GGUF, whose page-cache
+pages stayed the same from one repeat to the next (those the converter wrote), so each llama.cpp
+worker first drops them (posix_fadvise DONTNEED; no root needed) and maps pages read afresh, as
+flowmoe's are. Beside the medians each tool's fastest repeat is shown ("best"): where both met the
+machine at its fastest, the figure that compares them.
 
     python bench/vs_llamacpp.py                 # fp32 and bf16, batch 1 and 8, 1 and all threads
     python bench/vs_llamacpp.py --quick         # a small model, printed only: checks the script
