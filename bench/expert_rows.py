@@ -30,7 +30,7 @@ from flowmoe.kernels.host_memory import huge_copy
 
 HIDDEN, INTER, EXPERTS, VOCAB, LM_HEADS = 1024, 3584, 16, 32000, 2
 # what the expert kernel compiles from (cpu_rows_avx512.c: baselines from 759e9e1 on)
-FILES = ("cpu_expert.c", "cpu_rows_avx2.c", "cpu_rows_avx512.c", "bf16.h", "swiglu.h", "rows_block.h")
+SOURCES = ("cpu_expert.c", "cpu_rows_avx2.c", "cpu_rows_avx512.c")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -128,7 +128,7 @@ def main() -> None:
     flags.add_argument("--kernels", default="ffn,lm_head")
     args = flags.parse_args()
     load, roof, results = [os.getloadavg()[0]], Roof(), []
-    with builds(args.baseline, FILES) as libs:
+    with builds(args.baseline, SOURCES) as libs:
         for kind in args.kernels.split(","):
             for dtype_name in args.dtypes.split(","):
                 dtype = DTYPES[dtype_name]
@@ -150,9 +150,9 @@ def main() -> None:
                         name: Calls(fn, weights, x) if kind == "ffn" else LinearCalls(fn, heads, x)
                         for name, fn in fns.items()
                     }
-                    times = compared(calls, count, args.rounds, roof)
+                    times, moved = compared(calls, count, args.rounds, roof, args.moved_bits)
                     keys = {"kernel": kind, "dtype": dtype_name, "rows": rows}
-                    results += [summary(keys | {"mode": m}, *times[m], nbytes) for m in times]
+                    results += [summary(keys | {"mode": m}, *times[m], nbytes, moved) for m in times]
                     load.append(os.getloadavg()[0])
     title = f"{args.baseline} (old) vs working tree (new), 1 thread, {args.rounds} rounds"
     record = {"baseline": args.baseline, "rounds": args.rounds, "block": cpu_expert.isa()}

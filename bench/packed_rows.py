@@ -29,14 +29,7 @@ from flowmoe.kernels import cpu_packed, native
 from flowmoe.kernels.host_memory import huge_copy
 
 HIDDEN, INTER, GROUP, EXPERTS = 1024, 3584, 128, 16
-FILES = (
-    "cpu_packed.c",
-    "cpu_packed_avx2.c",
-    "cpu_packed_avx512.c",
-    "cpu_packed_tiles.h",
-    "bf16.h",
-    "swiglu.h",
-)  # what the packed kernels compile from
+SOURCES = ("cpu_packed.c", "cpu_packed_avx2.c", "cpu_packed_avx512.c")  # and the headers they include
 
 
 def kernel(lib: ctypes.CDLL) -> Any:
@@ -119,7 +112,7 @@ def main() -> None:
         zip(("old", "new"), (args.blocks or f"{cpu_packed.isa()},{cpu_packed.isa()}").split(","), strict=True)
     )
     load, roof, results = [os.getloadavg()[0]], Roof(), []
-    with builds(args.baseline, FILES) as built:
+    with builds(args.baseline, SOURCES) as built:
         libs = {name: kernel(lib) for name, lib in built.items()}
         for fmt in args.formats.split(","):
             weights, nbytes = experts(fmt, EXPERTS)
@@ -128,9 +121,9 @@ def main() -> None:
                 calls: dict[str, Any] = {
                     name: Calls(fn, fmt, weights, x, blocks[name]) for name, fn in libs.items()
                 }
-                times = compared(calls, EXPERTS, args.rounds, roof)
+                times, moved = compared(calls, EXPERTS, args.rounds, roof, args.moved_bits)
                 keys = {"format": fmt, "rows": rows}
-                results += [summary(keys | {"mode": m}, *times[m], nbytes) for m in times]
+                results += [summary(keys | {"mode": m}, *times[m], nbytes, moved) for m in times]
                 load.append(os.getloadavg()[0])
     title = f"packed experts: {args.baseline} (old) vs working tree (new), 1 thread, {args.rounds} rounds"
     record = {"baseline": args.baseline, "rounds": args.rounds, "blocks": blocks}

@@ -10,8 +10,8 @@
    Written with GCC vector extensions: one AVX-512 register per vector with -march=native on an
    AVX-512 CPU, two AVX2 registers elsewhere. `isa` = 1 takes cpu_rows_avx2.c's block instead (AVX2
    + FMA intrinsics; x in bf16 column order for a bf16 weight), `isa` = 2 cpu_rows_avx512.c's
-   (AVX-512 + BF16; x in bf16 for a bf16 weight, the FFN's fp32 activation split into bf16 hi and
-   lo rows), which the entry points here arrange; the caller's choice by the CPU's features
+   (AVX-512 + BF16; x in bf16 for a bf16 weight, the FFN's activation rounded to bf16 as
+   transformers' bf16 forward rounds it), which the entry points here arrange; the caller's choice by the CPU's features
    (cpu_expert.py). Threads: OpenMP over blocks of weight
    rows, with the thread count the caller passes (torch's, so that both share one pool of workers).
 
@@ -40,10 +40,10 @@ void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void *w, 
 void flowmoe_pair_block_avx2(const float *x, long K, const void *w, int bf16, long o0, int ob, long apart,
                              float *res);
 /* cpu_rows_avx512.c */
-void flowmoe_block_avx512(const void *x, long ldx, long lo, int n, long K, const void *w, int bf16, long o0,
-                          int ob, const void *next, long next_rows, float *res);
-void flowmoe_pair_block_avx512(const void *x, long ldx, long lo, int n, long K, const void *w, int bf16,
-                               long o0, int ob, long apart, float *res);
+void flowmoe_block_avx512(const void *x, long ldx, int n, long K, const void *w, int bf16, long o0, int ob,
+                          const void *next, long next_rows, float *res);
+void flowmoe_pair_block_avx512(const void *x, long ldx, int n, long K, const void *w, int bf16, long o0, int ob,
+                               long apart, float *res);
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -227,30 +227,28 @@ static inline int block_rows(int isa) {
 }
 
 /* The rows of x a block reads: fp32 (in bf16 column order for isa 1 against a bf16 weight), or for
-   isa 2 against a bf16 weight bf16, split where lo > 0 (each row's low part lo elements after it,
-   see cpu_rows_avx512.c); row stride ld elements. */
+   isa 2 against a bf16 weight bf16; row stride ld elements. */
 typedef struct {
     const void *p;
-    long ld, lo;
+    long ld;
 } rows_in;
 
 /* `block` (isa 0), cpu_rows_avx2.c's (isa 1) or cpu_rows_avx512.c's (isa 2). */
 static inline void block_of(int isa, rows_in x, int n, long K, const void *w, int bf16, long o0, int ob,
                             const void *next, long next_rows, float *res) {
     if (isa == 2)
-        flowmoe_block_avx512(x.p, x.ld, x.lo, n, K, w, bf16, o0, ob, next, next_rows, res);
+        flowmoe_block_avx512(x.p, x.ld, n, K, w, bf16, o0, ob, next, next_rows, res);
     else if (isa == 1)
         flowmoe_block_avx2(x.p, x.ld, n, K, w, bf16, o0, ob, next, next_rows, res);
     else
         block(x.p, x.ld, n, K, w, bf16, o0, ob, next, next_rows, res);
 }
 
-/* The most rows of x an isa's pair block takes: cpu_rows_avx512.c's 2 but for split rows (a batch-8
-   decode step's rows per expert; 1 thread, Zen 4, from DRAM, bench/expert_rows.py, against two
-   blocks: LM head at 2 rows 1.38-1.43x in bf16 and fp32, bf16 expert FFN 1.12x; with the FFN's
-   split activation rows too 0.96x), else 1. */
-static inline int pair_rows(int isa, rows_in x) {
-    return isa == 2 && !x.lo ? 2 : 1;
+/* The most rows of x an isa's pair block takes: cpu_rows_avx512.c's 2 (a batch-8 decode step's rows
+   per expert; 1 thread, Zen 4, from DRAM, bench/expert_rows.py, against two blocks: LM head at 2
+   rows 1.38-1.43x in bf16 and fp32, bf16 expert FFN 1.12x), else 1. */
+static inline int pair_rows(int isa) {
+    return isa == 2 ? 2 : 1;
 }
 
 /* Two blocks: res + m n bs = the rows [o0 + m apart, + ob) of w [., K] against the n rows of x, m < 2
@@ -261,11 +259,11 @@ static inline int pair_rows(int isa, rows_in x) {
 static inline void two_blocks(int isa, rows_in x, int n, long K, const void *w, int bf16, long o0, int ob,
                               long apart, long then, long then_rows, float *res) {
     int bs = block_rows(isa);
-    if (isa == 2 && n <= pair_rows(isa, x)) {
-        flowmoe_pair_block_avx512(x.p, x.ld, x.lo, n, K, w, bf16, o0, ob, apart, res);
+    if (isa == 2 && n <= pair_rows(isa)) {
+        flowmoe_pair_block_avx512(x.p, x.ld, n, K, w, bf16, o0, ob, apart, res);
         return;
     }
-    if (isa == 1 && n <= pair_rows(isa, x)) {
+    if (isa == 1 && n <= pair_rows(isa)) {
         flowmoe_pair_block_avx2(x.p, K, w, bf16, o0, ob, apart, res);
         return;
     }
@@ -297,7 +295,7 @@ static inline pair_at paired(int isa, rows_in x, int n, long K, const void *w, i
                              float *res) {
     int bs = block_rows(isa);
     long half = half_of(O, bs), pairs = half / bs;
-    int halves = n <= pair_rows(isa, x);
+    int halves = n <= pair_rows(isa);
     pair_at p = {b < pairs ? b * (halves ? bs : 2 * bs) : 2 * half + (b - pairs) * bs, halves ? half : bs, 0,
                  b < pairs ? 2 : 1};
     p.ob = (int)rows_at(O, p.o0, bs);
@@ -351,7 +349,7 @@ int flowmoe_linear(const void *x, long ldx, int n, long K, const void *w, int bf
     int bs = block_rows(isa);
     long blocks = paired_blocks(O, bs);
     float *wide = 0;
-    rows_in xs = {x, ldx, 0};
+    rows_in xs = {x, ldx};
     if (bf16 && !bf16_rows(isa, bf16)) {
         wide = malloc(sizeof(float) * n * K);
         if (!wide) return 1;
@@ -394,10 +392,8 @@ static inline void store_row(rows_out to, long i, long at, float v, int weights_
 
 /* An activation v into row r of the acts buffer (I columns; see ffn_rows) at column o. */
 static inline void store_act(void *acts, int isa, int bf16, long r, long I, long o, float v) {
-    if (bf16_rows(isa, bf16)) { /* hi, then lo I columns on (cpu_rows_avx512.c's split rows) */
-        uint16_t *row = (uint16_t *)acts + r * 2 * I, hi = float_to_bf16(v);
-        row[o] = hi;
-        row[I + o] = float_to_bf16(v - bf16_to_float(hi));
+    if (bf16_rows(isa, bf16)) {
+        ((uint16_t *)acts)[r * I + o] = float_to_bf16(v);
     } else {
         ((float *)acts)[r * I + (reorders(isa, bf16) ? bf16_position(o, I) : o)] = v;
     }
@@ -408,17 +404,19 @@ static inline void store_act(void *acts, int isa, int bf16, long r, long I, long
    [2I, H] (gate rows, then up rows), then out_e [n_e, H] = act_e @ down_e^T + bd with down_e
    [H, I]. fx[e]: expert e's rows of x (row stride H), in fp32 (in bf16 column order where the isa
    reads x so) or in bf16 where the isa reads bf16 rows; first[e]: its first row in the group; the
-   acts in fp32 in a buffer of the kernel's own (in bf16 column order likewise; split into bf16 hi
-   and lo rows where the isa reads bf16). Threads share the blocks of all experts in spans of about
+   acts in fp32 in a buffer of the kernel's own (in bf16 column order likewise), or rounded to bf16
+   where the isa reads bf16 rows: as transformers' bf16 forward rounds them, and llama.cpp's BF16
+   path; against keeping them to 2^-17 in two bf16 rows, 1.12x from DRAM at 1 row, 1.03-1.06x at
+   2-8 (bench/expert_rows.py, Zen 4, 1 thread, 9 rounds), for 2.5-3.0e-3 relative difference. Threads share the blocks of all experts in spans of about
    equal cost (shares.h); the biases may be null. Returns 0, or 1 where there is no memory for the
    buffer. */
 static int ffn_rows(int experts, const void *const *fx, const int *ns, const long *first, long rows, long H,
                     long I, const void *const *gate_ups, const void *const *downs, int bf16,
                     const float *const *gate_up_biases, const float *const *down_biases, int clamped, float alpha,
                     float limit, rows_out to, int isa, int threads) {
-    int bs = block_rows(isa), split = bf16_rows(isa, bf16);
+    int bs = block_rows(isa), bf16_acts = bf16_rows(isa, bf16);
     long up_blocks = (I + bs - 1) / bs, down_blocks = paired_blocks(H, bs); /* down's: as gate's beside up's */
-    float *acts = malloc(sizeof(float) * (rows > 0 ? rows : 1) * I); /* as many bytes as split bf16 rows */
+    float *acts = malloc(sizeof(float) * (rows > 0 ? rows : 1) * I); /* bf16 acts: its first half */
     if (!acts) return 1;
 #pragma omp parallel num_threads(threads)
     {
@@ -431,7 +429,7 @@ static int ffn_rows(int experts, const void *const *fx, const int *ns, const lon
             const float *bias = gate_up_biases[e];
             const void *gu = gate_ups[e];
             float gu_res[2 * n * OB_MAX], *g = gu_res, *u = gu_res + n * bs;
-            rows_in x = {fx[e], H, 0};
+            rows_in x = {fx[e], H};
             two_blocks(isa, x, n, H, gu, bf16, o0, ob, I, o0 + bs, rows_at(I, o0 + bs, bs), gu_res); /* gate, up */
             for (int r = 0; r < n; r++)
                 for (int j = 0; j < ob; j++) {
@@ -445,8 +443,7 @@ static int ffn_rows(int experts, const void *const *fx, const int *ns, const lon
             int e = (int)(t / down_blocks), n = ns[e];
             const float *bias = down_biases[e];
             float res[2 * n * OB_MAX];
-            rows_in act = {acts + first[e] * I, I, 0};
-            if (split) act.ld = 2 * I, act.lo = I;
+            rows_in act = {bf16_acts ? (const void *)((uint16_t *)acts + first[e] * I) : acts + first[e] * I, I};
             pair_at p = paired(isa, act, n, I, downs[e], bf16, H, t % down_blocks, res);
             for (int m = 0; m < p.both; m++)
                 for (int r = 0; r < n; r++)
