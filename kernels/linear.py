@@ -17,7 +17,13 @@
   1 thread, 7 alternated rounds, GFLOPS as (w @ x.T).T against x @ w.T: bf16 17 rows 54 vs 99, 24
   76 vs 116, 31 96 vs 128, 33 123 vs 135, 72 150 vs 174, 88 143 vs 180; at multiples of 16: 32 169
   vs 131, 48 178 vs 155, 64 173 vs 154, 96 196 vs 185, 128 199 vs 192; fp32 229 61 vs 84, 136 73
-  vs 77, 192 87 vs 84 (a prefill's experts get any count of rows).
+  vs 77, 192 87 vs 84 (a prefill's experts get any count of rows). bf16 rows past TILE_ROWS
+  that are not whole tiles are padded with zero rows to the next whole tile (their products
+  dropped): oneDNN makes and keeps a primitive (JIT code and buffers, ~1-2 MB) for every shape it
+  meets, and an expert's rows take any count, so a batch job's resident memory grew with every
+  prompt (issue 25's bf16 checkpoint, random prompts of 40-300 tokens, 1 thread: 1.88 -> 2.33 GiB
+  over 200 prompts, still growing; padded, 1.72 -> 1.78 over 60, levelling off), for a 128-token
+  prefill 2-8% more CPU time (b8 / b1).
 * bf16 / fp16 with many rows (prefill) on a CPU without native half-precision matmul
   (no AVX512-BF16 / AMX): the half-precision GEMM is emulated and compute-bound,
   about 4x slower than widening the operands to fp32, multiplying there, and rounding
@@ -57,7 +63,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows >= WIDEN_ROWS and _emulated(x.dtype):
         wide_bias = bias.float() if bias is not None else None
         return linear(x.float(), weight.float(), wide_bias).to(x.dtype)
-    if not rows_as_columns(rows) or x.dtype not in (torch.float32, torch.bfloat16) or _emulated(x.dtype):
+    if x.dtype not in (torch.float32, torch.bfloat16) or _emulated(x.dtype):
         return F.linear(x, weight, bias)
+    if not rows_as_columns(rows):
+        if x.dtype != torch.bfloat16 or rows > FEW_ROWS:
+            return F.linear(x, weight, bias)
+        padded = x.new_zeros(-(-rows // TILE_ROWS) * TILE_ROWS, x.shape[1])  # [whole tiles, in]
+        padded[:rows] = x
+        return linear(padded, weight, bias)[:rows]  # [n, out]
     out = torch.matmul(weight, x.contiguous().t()).t()  # [n, out]
     return out if bias is None else out + bias

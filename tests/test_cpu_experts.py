@@ -104,8 +104,10 @@ def test_linear_matches_float64(
 def test_swiglu_ffn_matches_float64(
     rows: int, hidden: int, inter: int, dtype: torch.dtype, bias: bool, activation: str, seed: int
 ) -> None:
-    """fp32 at any row count; bf16 at the rows the kernels take (`max_rows`), whose only rounding is
-    the output's (torch's bf16 composition rounds the projections and each activation op too)."""
+    """fp32 at any row count; bf16 at the rows the kernels take (`max_rows`), whose roundings are the
+    output's and, with the AVX-512 BF16 block, the activation's (torch's bf16 composition rounds the
+    projections and each activation op too): each within a first-order bound (`_error`), which a
+    cancelling sum keeps apart from a wrong weight."""
     rows = min(rows, cpu_expert.max_rows(dtype))
     generator = torch.Generator().manual_seed(seed)
     moe = _moe(activation)
@@ -113,10 +115,8 @@ def test_swiglu_ffn_matches_float64(
     x = (_tensor(generator, rows, hidden) * 3).to(dtype)  # large enough for GPT-OSS's clamps to bite
     out = swiglu_ffn(x, *ffn[:2], moe, *ffn[2:])
     assert out.shape == (rows, hidden) and out.dtype == dtype
-    if dtype == torch.bfloat16:
-        assert rel_err(out, _reference(x, ffn, moe)) <= TOLERANCE[dtype]
-    else:
-        assert _error(out, x, ffn, moe) <= TOLERANCE[dtype]
+    assert _error(out, x, ffn, moe) <= TOLERANCE[dtype]
+    if dtype == torch.float32:
         assert _error(swiglu_ffn_torch(x, ffn, moe), x, ffn, moe) <= TOLERANCE[dtype]
 
 
