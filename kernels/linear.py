@@ -22,8 +22,10 @@
   dropped): oneDNN makes and keeps a primitive (JIT code and buffers, ~1-2 MB) for every shape it
   meets, and an expert's rows take any count, so a batch job's resident memory grew with every
   prompt (issue 25's bf16 checkpoint, random prompts of 40-300 tokens, 1 thread: 1.88 -> 2.33 GiB
-  over 200 prompts, still growing; padded, 1.72 -> 1.78 over 60, levelling off), for a 128-token
-  prefill 2-8% more CPU time (b8 / b1).
+  over 200 prompts, still growing; padded, 1.72 -> 1.78 over 60), for a 128-token prefill 2-8%
+  more CPU time (b8 / b1). torch's ideep layer keeps a cache of its own over those primitives
+  (LRU_CACHE_CAPACITY entries, 1024 by default, read when first used): capped at IDEEP_CACHE
+  unless the user set it, the same run levels off (1.71 -> 1.75 over 60) at the same CPU time.
 * bf16 / fp16 with many rows (prefill) on a CPU without native half-precision matmul
   (no AVX512-BF16 / AMX): the half-precision GEMM is emulated and compute-bound,
   about 4x slower than widening the operands to fp32, multiplying there, and rounding
@@ -34,6 +36,8 @@ Elsewhere (CUDA, fp16, emulated half precision with few rows, many rows) it is F
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -42,6 +46,9 @@ from flowmoe.kernels import cpu_expert
 FEW_ROWS = 256  # up to this many rows the transposed form is the faster one on the CPU (fp32, bf16)
 TILE_ROWS = 16  # the GEMM libraries' tile across W @ x.T's columns (x's rows)
 WIDEN_ROWS = 32  # from this many rows an emulated half-precision GEMM is slower than widening
+IDEEP_CACHE = 16  # entries of ideep's cache of oneDNN computations (the module's notes)
+
+os.environ.setdefault("LRU_CACHE_CAPACITY", str(IDEEP_CACHE))  # before the first bf16 GEMM reads it
 
 
 _emulated = cpu_expert.emulated  # whether torch's matmuls in a dtype are emulated here

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -128,3 +132,15 @@ def test_bf16_rows_padded_to_whole_tiles(monkeypatch: pytest.MonkeyPatch) -> Non
         assert rel_err(out, F.linear(x.double(), weight.double())) <= 3 * 2**-8
     wide = kernel.linear(torch.randn(300, 96).bfloat16(), weight)  # past FEW_ROWS: F.linear, unpadded
     assert wide.shape == (300, 40) and len(seen) == 5
+
+
+@pytest.mark.parametrize("given", [None, "5"])
+def test_ideep_cache_capped_unless_the_user_chose(given: str | None) -> None:
+    """LRU_CACHE_CAPACITY (ideep's cache of oneDNN computations, read at its first use) is IDEEP_CACHE
+    once the module is imported, or what the user set."""
+    env = {k: v for k, v in os.environ.items() if k != "LRU_CACHE_CAPACITY"}
+    if given is not None:
+        env["LRU_CACHE_CAPACITY"] = given
+    code = "import os, flowmoe.kernels.linear; print(os.environ['LRU_CACHE_CAPACITY'])"
+    shown = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert shown.stdout.strip() == (given or str(kernel.IDEEP_CACHE))
