@@ -18,14 +18,18 @@
   76 vs 116, 31 96 vs 128, 33 123 vs 135, 72 150 vs 174, 88 143 vs 180; at multiples of 16: 32 169
   vs 131, 48 178 vs 155, 64 173 vs 154, 96 196 vs 185, 128 199 vs 192; fp32 229 61 vs 84, 136 73
   vs 77, 192 87 vs 84 (a prefill's experts get any count of rows). bf16 rows past TILE_ROWS
-  that are not whole tiles are padded with zero rows to the next whole tile (their products
-  dropped): oneDNN makes and keeps a primitive (JIT code and buffers, ~1-2 MB) for every shape it
-  meets, and an expert's rows take any count, so a batch job's resident memory grew with every
-  prompt (issue 25's bf16 checkpoint, random prompts of 40-300 tokens, 1 thread: 1.88 -> 2.33 GiB
-  over 200 prompts, still growing; padded, 1.72 -> 1.78 over 60), for a 128-token prefill 2-8%
-  more CPU time (b8 / b1). torch's ideep layer keeps a cache of its own over those primitives
-  (LRU_CACHE_CAPACITY entries, 1024 by default, read when first used): capped at IDEEP_CACHE
-  unless the user set it, the same run levels off (1.71 -> 1.75 over 60) at the same CPU time.
+  that are not whole tiles are padded with zero rows to a multiple of PAD_ROWS (their products
+  dropped), taken as (W @ x.T).T where that is whole tiles and as x @ W.T otherwise: oneDNN makes
+  and keeps a primitive (JIT code and buffers, ~1-2 MB) for every shape it meets, and an expert's
+  rows take any count, so a batch job's resident memory grew with every prompt (issue 25's bf16
+  checkpoint, random prompts of 40-300 tokens, 1 thread: 1.88 -> 2.33 GiB over 200 prompts, still
+  growing). Padded to whole tiles of 16 the time for a 128-token prefill grew 7% (b1); in eighths,
+  on an expert's shapes (1 thread, gate_up and down, 14 counts of 17-120 rows): 88.1 ms in all,
+  unpadded 88.2, in sixteenths 89.1 (x @ W.T past 16 rows at an odd multiple of 8, the transposed
+  form at whole tiles: the faster of the two at each); end to end 4-6% (b1, 5 alternated runs).
+  torch's ideep layer keeps a cache of its own over those primitives (LRU_CACHE_CAPACITY entries,
+  1024 by default, read when first used): capped at IDEEP_CACHE unless the user set it. Both:
+  1.71 -> 1.77 GiB over 100 prompts at the same CPU time (bench/rss_growth.py).
 * bf16 / fp16 with many rows (prefill) on a CPU without native half-precision matmul
   (no AVX512-BF16 / AMX): the half-precision GEMM is emulated and compute-bound,
   about 4x slower than widening the operands to fp32, multiplying there, and rounding
@@ -46,6 +50,7 @@ from flowmoe.kernels import cpu_expert
 FEW_ROWS = 256  # up to this many rows the transposed form is the faster one on the CPU (fp32, bf16)
 TILE_ROWS = 16  # the GEMM libraries' tile across W @ x.T's columns (x's rows)
 WIDEN_ROWS = 32  # from this many rows an emulated half-precision GEMM is slower than widening
+PAD_ROWS = 8  # bf16 rows past a tile go to oneDNN in multiples of this (the module's notes)
 IDEEP_CACHE = 16  # entries of ideep's cache of oneDNN computations (the module's notes)
 
 os.environ.setdefault("LRU_CACHE_CAPACITY", str(IDEEP_CACHE))  # before the first bf16 GEMM reads it
@@ -75,8 +80,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not rows_as_columns(rows):
         if x.dtype != torch.bfloat16 or rows > FEW_ROWS:
             return F.linear(x, weight, bias)
-        padded = x.new_zeros(-(-rows // TILE_ROWS) * TILE_ROWS, x.shape[1])  # [whole tiles, in]
+        padded = x.new_zeros(-(-rows // PAD_ROWS) * PAD_ROWS, x.shape[1])  # [whole, in]
         padded[:rows] = x
-        return linear(padded, weight, bias)[:rows]  # [n, out]
+        whole = linear if rows_as_columns(padded.shape[0]) else F.linear  # whole tiles: the transposed form
+        return whole(padded, weight, bias)[:rows]  # [n, out]
     out = torch.matmul(weight, x.contiguous().t()).t()  # [n, out]
     return out if bias is None else out + bias

@@ -108,30 +108,37 @@ def test_past_a_tile_the_transposed_form_in_whole_tiles(monkeypatch: pytest.Monk
 
 
 def test_bf16_rows_padded_to_whole_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 with native matmuls, past TILE_ROWS rows: oneDNN sees only whole tiles of rows (zero rows
-    added, their products dropped), so that the primitives it makes and keeps per shape stay a few
-    per weight (a prefill's experts get any count of rows: a process grew by ~2 MB a prompt
-    without it); the rows' products F.linear's within a rounding."""
+    """bf16 with native matmuls, past TILE_ROWS rows: oneDNN sees only multiples of PAD_ROWS rows
+    (zero rows added, their products dropped), so that the primitives it makes and keeps per shape
+    stay a few per weight (a prefill's experts get any count of rows: a process grew by ~2 MB a
+    prompt without it), in the transposed form where they are whole tiles; the rows' products
+    F.linear's within a rounding."""
     if kernel._emulated(torch.bfloat16):
         pytest.skip("torch emulates bf16 matmuls here: they are widened to fp32")
     monkeypatch.setattr(cpu_expert, "fits", lambda *_, **__: False)
-    seen: list[int] = []
-    real = torch.matmul
+    seen: list[tuple[str, int]] = []
+    real_matmul, real_linear = torch.matmul, F.linear
 
-    def spy(weight: torch.Tensor, x_t: torch.Tensor) -> torch.Tensor:
-        seen.append(x_t.shape[1])
-        return real(weight, x_t)
+    def spy_matmul(weight: torch.Tensor, x_t: torch.Tensor) -> torch.Tensor:
+        seen.append(("transposed", x_t.shape[1]))
+        return real_matmul(weight, x_t)
 
-    monkeypatch.setattr(kernel.torch, "matmul", spy)
+    def spy_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        seen.append(("rows", x.shape[0]))
+        return real_linear(x, weight, bias)
+
+    monkeypatch.setattr(kernel.torch, "matmul", spy_matmul)
+    monkeypatch.setattr(kernel.F, "linear", spy_linear)
     generator = torch.Generator().manual_seed(3)
     weight = (torch.randn(40, 96, generator=generator) * 0.1).bfloat16()
-    for rows in (17, 31, 33, 100, 250):
+    for rows, form, taken in ((17, "rows", 24), (31, "transposed", 32), (33, "rows", 40), (100, "rows", 104),
+                              (250, "transposed", 256)):  # fmt: skip
         x = torch.randn(rows, 96, generator=generator).bfloat16()
         out = kernel.linear(x, weight)
-        assert out.shape == (rows, 40) and seen[-1] == -(-rows // kernel.TILE_ROWS) * kernel.TILE_ROWS
+        assert out.shape == (rows, 40) and seen[-1] == (form, taken)
         assert rel_err(out, F.linear(x.double(), weight.double())) <= 3 * 2**-8
-    wide = kernel.linear(torch.randn(300, 96).bfloat16(), weight)  # past FEW_ROWS: F.linear, unpadded
-    assert wide.shape == (300, 40) and len(seen) == 5
+    kernel.linear(torch.randn(300, 96).bfloat16(), weight)  # past FEW_ROWS: F.linear, unpadded
+    assert seen[-1] == ("rows", 300)
 
 
 @pytest.mark.parametrize("given", [None, "5"])
