@@ -11,9 +11,9 @@
    AVX-512 CPU, two AVX2 registers elsewhere. `isa` = 1 takes cpu_rows_avx2.c's block instead (AVX2
    + FMA intrinsics; x in bf16 column order for a bf16 weight), `isa` = 2 cpu_rows_avx512.c's
    (AVX-512 + BF16; x in bf16 for a bf16 weight, the FFN's activation rounded to bf16 as
-   transformers' bf16 forward rounds it), which the entry points here arrange; the caller's choice by the CPU's features
-   (cpu_expert.py). Threads: OpenMP over blocks of weight
-   rows, with the thread count the caller passes (torch's, so that both share one pool of workers).
+   transformers' bf16 forward rounds it), which the entry points here arrange; the caller's choice
+   by the CPU's features (cpu_expert.py). Threads: OpenMP over blocks of weight rows, with the
+   thread count the caller passes (torch's, so that both share one pool of workers).
 
    One row (a decode step's): a gate / up block takes gate's rows and up's together, and down's and a
    linear's blocks pair a block of the matrix's first half with the same block of its second half
@@ -406,10 +406,10 @@ static inline void store_act(void *acts, int isa, int bf16, long r, long I, long
    reads x so) or in bf16 where the isa reads bf16 rows; first[e]: its first row in the group; the
    acts in fp32 in a buffer of the kernel's own (in bf16 column order likewise), or rounded to bf16
    where the isa reads bf16 rows: as transformers' bf16 forward rounds them, and llama.cpp's BF16
-   path; against keeping them to 2^-17 in two bf16 rows, 1.12x from DRAM at 1 row, 1.03-1.06x at
-   2-8 (bench/expert_rows.py, Zen 4, 1 thread, 9 rounds), for 2.5-3.0e-3 relative difference. Threads share the blocks of all experts in spans of about
-   equal cost (shares.h); the biases may be null. Returns 0, or 1 where there is no memory for the
-   buffer. */
+   path; against keeping them to 2^-17 in two bf16 rows, from DRAM 1.10x at 1 row, 1.02x at 2,
+   1.11x at 8 (bench/expert_rows.py, Zen 4, 1 thread, 9 rounds), for 2.5-3.0e-3 relative
+   difference. Threads share the blocks of all experts in spans of about equal cost (shares.h);
+   the biases may be null. Returns 0, or 1 where there is no memory for the buffer. */
 static int ffn_rows(int experts, const void *const *fx, const int *ns, const long *first, long rows, long H,
                     long I, const void *const *gate_ups, const void *const *downs, int bf16,
                     const float *const *gate_up_biases, const float *const *down_biases, int clamped, float alpha,

@@ -13,7 +13,8 @@
    vdpbf16ps treats bf16 subnormal inputs as zero and flushes subnormal results.
 
    Each output is summed in an order that depends on neither n nor the thread count: lane i of one
-   accumulator takes k = i mod 16 (fp32) or the pair 2i, 2i + 1 of each 32 columns (bf16) in k order, then the 16 lanes in a fixed tree, then the last K % 16 (K % 32) columns in
+   accumulator takes k = i mod 16 (fp32) or the pair 2i, 2i + 1 of each 32 columns (bf16) in k
+   order, then the 16 lanes in a fixed tree, then the last K % 16 (K % 32) columns in
    order. */
 
 #include <immintrin.h>
@@ -90,12 +91,14 @@ static inline AVX512 __attribute__((always_inline)) void halves(int rt, int bf16
         for (int h = 0; h < 2; h++) {
             long at = (k + step / 2 * h) * esize;
             __m256i xv[PAIR_ROWS];
-            for (int r = 0; r < rt; r++) xv[r] = _mm256_loadu_si256((const __m256i *)((const char *)x + r * ldx * esize + at));
+            for (int r = 0; r < rt; r++)
+                xv[r] = _mm256_loadu_si256((const __m256i *)((const char *)x + r * ldx * esize + at));
             for (int j = 0; j < 2; j++) {
                 __m256i wv = _mm256_loadu_si256((const __m256i *)((const char *)wp[j0 + j] + at));
                 for (int r = 0; r < rt; r++)
                     a[r][j][h] = bf16 ? _mm256_dpbf16_ps(a[r][j][h], (__m256bh)xv[r], (__m256bh)wv)
-                                      : _mm256_fmadd_ps(_mm256_castsi256_ps(xv[r]), _mm256_castsi256_ps(wv), a[r][j][h]);
+                                      : _mm256_fmadd_ps(_mm256_castsi256_ps(xv[r]), _mm256_castsi256_ps(wv),
+                                                        a[r][j][h]);
             }
         }
     for (int r = 0; r < rt; r++)
@@ -199,5 +202,6 @@ AVX512 void flowmoe_pair_block_avx512(const void *x, long ldx, int n, long K, co
     for (int r = 0; r < n; r++)
         for (int i = 0; i < 2 * OB; i++)
             if (i / 2 < ob)
-                res[(i % 2 * n + r) * OB + i / 2] = finished(acc[r][i], (const char *)x + r * ldx * esize, wp[i], bf16, kv, K);
+                res[(i % 2 * n + r) * OB + i / 2] =
+                    finished(acc[r][i], (const char *)x + r * ldx * esize, wp[i], bf16, kv, K);
 }
