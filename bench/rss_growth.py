@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-from vs_llamacpp import CACHE, machine
+from vs_llamacpp import CACHE, machine, peak_rss
 from vs_transformers import flowmoe_generate
 
 from flowmoe.core.policy import Policy
@@ -33,13 +33,10 @@ MODEL = CACHE / "mixtral-h1024-i3584-l8-e8-v32000"  # vs_llamacpp.py's checkpoin
 
 
 def memory() -> dict[str, float]:
-    """This process's resident set and its peak, GiB."""
+    """This process's resident set and its peak (vs_llamacpp's `peak_rss`), GiB."""
     with open("/proc/self/status") as status:
-        fields = dict(line.split(":", 1) for line in status if line.startswith(("VmRSS", "VmHWM")))
-    return {
-        "rss_gib": int(fields["VmRSS"].split()[0]) / 2**20,
-        "peak_gib": int(fields["VmHWM"].split()[0]) / 2**20,
-    }
+        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))  # kB
+    return {"rss_gib": rss / 2**20, "peak_gib": peak_rss() / 2**30}
 
 
 def main() -> None:

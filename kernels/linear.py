@@ -20,7 +20,8 @@
   vs 77, 192 87 vs 84 (a prefill's experts get any count of rows). bf16 rows past TILE_ROWS
   that are not whole tiles are padded with zero rows to a multiple of PAD_ROWS (their products
   dropped), taken as (W @ x.T).T where that is whole tiles and as x @ W.T otherwise: oneDNN makes
-  and keeps a primitive (JIT code and buffers, ~1-2 MB) for every shape it meets, and an expert's
+  and keeps a primitive (JIT code and buffers: 74 new mappings of ~350 KB after one prompt) for
+  every shape it meets, and an expert's
   rows take any count, so a batch job's resident memory grew with every prompt (issue 25's bf16
   checkpoint, random prompts of 40-300 tokens, 1 thread: 1.88 -> 2.33 GiB over 200 prompts, still
   growing). Padded to whole tiles of 16 the time for a 128-token prefill grew 7% (b1); in eighths,
@@ -29,7 +30,7 @@
   form at whole tiles: the faster of the two at each); end to end 4-6% (b1, 5 alternated runs).
   torch's ideep layer keeps a cache of its own over those primitives (LRU_CACHE_CAPACITY entries,
   1024 by default, read when first used): capped at IDEEP_CACHE unless the user set it. Both:
-  1.71 -> 1.77 GiB over 100 prompts at the same CPU time (bench/rss_growth.py).
+  1.72 -> 1.79 GiB over 100 prompts at the same CPU time (bench/rss_growth.py).
 * bf16 / fp16 with many rows (prefill) on a CPU without native half-precision matmul
   (no AVX512-BF16 / AMX): the half-precision GEMM is emulated and compute-bound,
   about 4x slower than widening the operands to fp32, multiplying there, and rounding
