@@ -34,7 +34,7 @@
 #define WIDE_RT 3        /* x rows per tile against fp32 weights: 3 x OB / 2 accumulators + 3 x + 1 w = 16 */
 #define WIDE_ROWS 16     /* from this many rows of x on, tiles of WIDE_RT rows against a widened chunk */
 #define WIDE_CHUNK 512   /* columns per chunk there: a 16 KiB buffer (FFN at 16-128 rows: 1.01-1.17x over 256) */
-#define PAIR_AHEAD 4096 /* bytes ahead of a bf16 pair block's two streams that its prefetch reads */
+#define NTA_AHEAD 256    /* bytes ahead of a pair block's two streams that it prefetches (cpu_rows_avx512.c) */
 
 /* The 8 lanes' sum: lane i + lane i + 4, then + 2, + 1. */
 static inline AVX2 float hsum8(__m256 v) {
@@ -53,8 +53,8 @@ static inline AVX2 __attribute__((always_inline)) void in_register(__m256 *v) {
    (compile-time constants in each caller, so that the accumulators live in registers; wk0: the
    column wp[j] starts at, 0 but for a widened chunk). next != 0: the step at column k also
    prefetches [next + k / step * per_step, + per_step) into L2. pair_ahead > 0 (jn 2, one row: two
-   streams): step s prefetches one line pair_ahead bytes past where wp[j0 + s % 2] reads, the two
-   streams' lines in turn (each row's 32 bytes a step: a line every other step). */
+   streams read once): every other step (each row's 32 bytes a step) prefetches the line pair_ahead
+   bytes past where each stream reads, with the non-temporal hint. */
 static inline AVX2 __attribute__((always_inline)) void tile(
     int rt, int jn, int bf16, const float *x, long ldx, int r0, int j0, long k0, long k1, const void *const *wp,
     long wk0, __m256 (*acc)[OB], const char *next, long per_step, long pair_ahead) {
@@ -67,9 +67,8 @@ static inline AVX2 __attribute__((always_inline)) void tile(
         const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32((int)0xFFFF0000u));
         for (long k = k0; k < k1; k += 16) {
             for (long b = 0; next && b < per_step; b += 64) _mm_prefetch(next + k / 16 * per_step + b, _MM_HINT_T1);
-            if (pair_ahead)
-                _mm_prefetch((const char *)((const uint16_t *)wp[j0 + (k / 16 & 1)] + (k & ~31L)) + pair_ahead,
-                             _MM_HINT_T0);
+            if (pair_ahead && !(k & 31))
+                for (int j = 0; j < 2; j++) _mm_prefetch((const char *)((const uint16_t *)wp[j0 + j] + k) + pair_ahead, _MM_HINT_NTA);
             __m256 xe[RT], xo[RT]; /* bf16 tiles have at most RT rows */
             for (int r = 0; r < rt; r++) {
                 xe[r] = _mm256_loadu_ps(xr[r] + k);
@@ -87,8 +86,8 @@ static inline AVX2 __attribute__((always_inline)) void tile(
     } else {
         for (long k = k0; k < k1; k += 8) {
             for (long b = 0; next && b < per_step; b += 64) _mm_prefetch(next + k / 8 * per_step + b, _MM_HINT_T1);
-            if (pair_ahead)
-                _mm_prefetch((const char *)((const float *)wp[j0 + (k / 8 & 1)] + (k & ~15L)) + pair_ahead, _MM_HINT_T0);
+            if (pair_ahead && !(k & 15))
+                for (int j = 0; j < 2; j++) _mm_prefetch((const char *)((const float *)wp[j0 + j] + k) + pair_ahead, _MM_HINT_NTA);
             __m256 xv[WIDE_RT];
             for (int r = 0; r < rt; r++) xv[r] = _mm256_loadu_ps(xr[r] + k), in_register(&xv[r]);
             for (int j = 0; j < jn; j++) {
@@ -229,8 +228,11 @@ AVX2 void flowmoe_block_avx2(const float *x, long ldx, int n, long K, const void
    second): res[m * OB + j] = x . w[o0 + m apart + j], m < 2, each summed as flowmoe_block_avx2 sums
    it. Each tile takes one row of each: two streams in address order through the two spans, which the
    hardware prefetchers follow (a one-matrix block's rows are short streams that end every OB rows).
-   bf16 adds one software prefetch line a step, the two streams' in turn, PAIR_AHEAD bytes ahead (2 /
-   8 KiB measured no better); fp32 none (4 or 8 KiB ahead: 0.91x), as in flowmoe_block_avx2. */
+   Both prefetch each stream's lines NTA_AHEAD bytes ahead non-temporally (cpu_rows_avx512.c's
+   notes): with the AVX2 kernels forced on the 2-vCPU Zen 4 there, issue 25's checkpoint, batch 1,
+   1 thread, eager, the step took 0.92x (bf16; against a temporal line 4 KiB ahead, the two streams'
+   in turn) and 0.87x (fp32; against no software prefetch: 4 or 8 KiB ahead temporally measured
+   0.91x, as in flowmoe_block_avx2), 512 bytes ahead 0.91x / 0.92x. */
 AVX2 void flowmoe_pair_block_avx2(const float *x, long K, const void *w, int bf16, long o0, int ob, long apart,
                                   float *res) {
     int esize = bf16 ? 2 : 4, step = bf16 ? 16 : 8;
@@ -244,9 +246,9 @@ AVX2 void flowmoe_pair_block_avx2(const float *x, long K, const void *w, int bf1
     for (int h = 0; h < 2; h++)
         for (int j0 = 0; j0 < OB; j0 += 2)
             if (bf16)
-                tile(1, 2, 1, x, 0, 0, j0, 0, kv, wp + h * OB, 0, acc + h, 0, 0, PAIR_AHEAD);
+                tile(1, 2, 1, x, 0, 0, j0, 0, kv, wp + h * OB, 0, acc + h, 0, 0, NTA_AHEAD);
             else
-                tile(1, 2, 0, x, 0, 0, j0, 0, kv, wp + h * OB, 0, acc + h, 0, 0, 0);
+                tile(1, 2, 0, x, 0, 0, j0, 0, kv, wp + h * OB, 0, acc + h, 0, 0, NTA_AHEAD);
     for (int i = 0; i < 2 * OB; i++)
         if (i / 2 < ob) res[i % 2 * OB + i / 2] = finished(acc[i / OB][i % OB], x, wp[i], bf16, kv, K);
 }

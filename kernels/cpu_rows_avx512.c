@@ -15,7 +15,17 @@
    Each output is summed in an order that depends on neither n nor the thread count: lane i of one
    accumulator takes k = i mod 16 (fp32) or the pair 2i, 2i + 1 of each 32 columns (bf16) in k
    order, then the 16 lanes in a fixed tree, then the last K % 16 (K % 32) columns in
-   order. */
+   order.
+
+   Weights read once (the pair blocks; tiles of at most RT rows) are prefetched NTA_AHEAD bytes
+   ahead of each stream with the non-temporal hint, a line every 64 bytes: lines so fetched do not
+   displace the caches' other lines, where a decode step's weights (~460 MB at bf16 for issue 25's
+   checkpoint) streamed through the caches otherwise evict everything between two kernels: the
+   interpreter's, the runtime's and the KV cache's lines, so that the Python between the kernels ran
+   at ~3x its warm cost. 2-vCPU Zen 4, that checkpoint, bf16 batch 1, 1 thread, eager, alternated:
+   step 0.86-0.89x with 128-384 bytes ahead, 0.96x at 512; the gate node's own time 0.55 -> 0.28 ms
+   a step, outside the nodes 1.6-2.0 -> 1.0-1.2 (bench/decode_profile.py). The several-row tiles
+   read each chunk again from L1 and keep their temporal prefetch. */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -28,6 +38,7 @@
 #define RT 3             /* x rows per register tile: 3 x OB accumulators + 3 x + 1 w <= 32 */
 #define CHUNK_BYTES 1024 /* of each weight row per chunk when several tiles share it (8 KiB in L1) */
 #define PAIR_ROWS 2      /* the most rows of x a pair block takes */
+#define NTA_AHEAD 256    /* bytes ahead of each weight stream read once that a block prefetches (below) */
 
 /* The 16 lanes' sum: lane i + lane i + 8, then + 4, + 2, + 1. */
 static inline AVX512 float hsum16(__m512 v) {
@@ -48,10 +59,11 @@ static inline AVX512 __attribute__((always_inline)) __m512bh as_bf16(__m512i v) 
 
 /* acc[r0 + r][j0 + j] += x[r0 + r, k0:k1] . wp[j0 + j][k0:k1] for r < rt, j < jn (compile-time
    constants in each caller, so that the accumulators live in registers). x: fp32 rows against an
-   fp32 weight, bf16 rows against a bf16 one.
-   next != 0: the step at column k also prefetches [next + k / step * per_step, + per_step) into L2. */
+   fp32 weight, bf16 rows against a bf16 one. once: the block reads the weight's lines only here
+   (prefetched non-temporally, NTA_AHEAD bytes ahead). next != 0: the step at column k also
+   prefetches [next + k / step * per_step, + per_step) into L2. */
 static inline AVX512 __attribute__((always_inline)) void tile(
-    int rt, int jn, int bf16, const void *x, long ldx, int r0, int j0, long k0, long k1,
+    int rt, int jn, int bf16, int once, const void *x, long ldx, int r0, int j0, long k0, long k1,
     const void *const *wp, __m512 (*acc)[OB], const char *next, long per_step) {
     int step = bf16 ? 32 : 16, esize = bf16 ? 2 : 4;
     __m512 a[RT][OB];
@@ -64,6 +76,7 @@ static inline AVX512 __attribute__((always_inline)) void tile(
         __m512i xv[RT];
         for (int r = 0; r < rt; r++) xv[r] = _mm512_loadu_si512(xr[r] + k * esize), in_register(&xv[r]);
         for (int j = 0; j < jn; j++) {
+            if (once) _mm_prefetch((const char *)wp[j0 + j] + k * esize + NTA_AHEAD, _MM_HINT_NTA);
             __m512i wv = _mm512_loadu_si512((const char *)wp[j0 + j] + k * esize);
             in_register(&wv);
             for (int r = 0; r < rt; r++)
@@ -90,6 +103,8 @@ static inline AVX512 __attribute__((always_inline)) void halves(int rt, int bf16
     for (long k = 0; k < kv; k += step)
         for (int h = 0; h < 2; h++) {
             long at = (k + step / 2 * h) * esize;
+            if (h == 0)
+                for (int j = 0; j < 2; j++) _mm_prefetch((const char *)wp[j0 + j] + at + NTA_AHEAD, _MM_HINT_NTA);
             __m256i xv[PAIR_ROWS];
             for (int r = 0; r < rt; r++)
                 xv[r] = _mm256_loadu_si256((const __m256i *)((const char *)x + r * ldx * esize + at));
@@ -128,12 +143,13 @@ static inline AVX512 float finished(__m512 acc, const void *x, const void *row, 
 static inline AVX512 __attribute__((always_inline)) void tiles(
     int bf16, const void *x, long ldx, int n, long k0, long k1, const void *const *wp, __m512 (*acc)[OB],
     const char *pf, long per_step) {
+    int once = n <= RT;
     for (int r0 = 0; r0 < n; r0 += RT) {
         const char *ahead = r0 == 0 ? pf : 0;
         switch (n - r0 < RT ? n - r0 : RT) {
-        case 1: tile(1, OB, bf16, x, ldx, r0, 0, k0, k1, wp, acc, ahead, per_step); break;
-        case 2: tile(2, OB, bf16, x, ldx, r0, 0, k0, k1, wp, acc, ahead, per_step); break;
-        default: tile(RT, OB, bf16, x, ldx, r0, 0, k0, k1, wp, acc, ahead, per_step); break;
+        case 1: tile(1, OB, bf16, once, x, ldx, r0, 0, k0, k1, wp, acc, ahead, per_step); break;
+        case 2: tile(2, OB, bf16, once, x, ldx, r0, 0, k0, k1, wp, acc, ahead, per_step); break;
+        default: tile(RT, OB, bf16, once, x, ldx, r0, 0, k0, k1, wp, acc, ahead, per_step); break;
         }
     }
 }
@@ -160,7 +176,7 @@ AVX512 void flowmoe_block_avx512(const void *x, long ldx, int n, long K, const v
         if (n == 1 && bf16) {
             long share = (per_step * steps / (OB / 2) + 63) / 64 * 64, pair_step = (share / steps + 63) / 64 * 64;
             for (int j0 = 0; j0 < OB; j0 += 2)
-                tile(1, 2, 1, x, ldx, 0, j0, k0, k1, wp, acc, ahead ? ahead + j0 / 2 * share : 0, pair_step);
+                tile(1, 2, 1, 1, x, ldx, 0, j0, k0, k1, wp, acc, ahead ? ahead + j0 / 2 * share : 0, pair_step);
         } else if (bf16) {
             tiles(1, x, ldx, n, k0, k1, wp, acc, ahead, per_step);
         } else {
@@ -176,10 +192,10 @@ AVX512 void flowmoe_block_avx512(const void *x, long ldx, int n, long K, const v
    and the same rows `apart` on (gate's and up's, or a block of a matrix's first half and of its
    second): res[(m n + r) OB + j] = x[r] . w[o0 + m apart + j], m < 2, each summed as
    flowmoe_block_avx512 sums it. Each tile takes one row of each: two streams in address order,
-   which the hardware prefetchers follow, without software prefetches (cpu_rows_avx2.c's bf16 line
-   4 KiB ahead per stream: on the Zen 4 of cpu_expert.py's notes, 1 thread, from DRAM, the expert
-   FFN and the LM head read at 59-69% of the read roof with it, 84-90% without: bench/expert_rows.py,
-   1.24x / 1.27x). */
+   which the hardware prefetchers follow, with no prefetch into the caches (cpu_rows_avx2.c's bf16
+   line 4 KiB ahead per stream: on the Zen 4 of cpu_expert.py's notes, 1 thread, from DRAM, the
+   expert FFN and the LM head read at 59-69% of the read roof with it, 84-90% without:
+   bench/expert_rows.py, 1.24x / 1.27x), only the non-temporal one NTA_AHEAD bytes ahead. */
 AVX512 void flowmoe_pair_block_avx512(const void *x, long ldx, int n, long K, const void *w, int bf16, long o0,
                                       int ob, long apart, float *res) {
     int esize = bf16 ? 2 : 4, step = bf16 ? 32 : 16;

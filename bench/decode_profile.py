@@ -1,0 +1,266 @@
+"""Where a CPU decode step's time goes (issue 25): each node's time, the C kernels' time inside it
+and the weight bytes they read (so their GB/s against the machine's read roof), the node's own
+Python and torch calls, and what runs outside the nodes (the engine, the plan, the executor).
+
+One process per dtype, the runtime `flowmoe run` builds (the eager scheduler, no trace); a batch of
+`--batch` prompts of `--prompt` tokens, greedy. Each round: the read roof at the run's thread count
+(torch.sum over 1 GiB on huge pages, wall clock, the best sample kept); a plain run (no
+instrumentation, vs_llamacpp's clock: the median decode step, wall and CPU); then a profiled run,
+every node's action and every C kernel wrapper timed (the wrappers add a few us a call: the
+profiled step is printed beside the plain one). The first two steps (prefill, first decode) are
+left out. A kernel's weight bytes are those its call reads once (a projection's weight, a layer's
+routed experts' gate_up and down); the norms', rope's, router tail's and KV write's are counted as
+none (their weights are ~0.1% of a step's).
+
+Medians over rounds, per step. Prints a table per (dtype, threads), writes bench/decode_profile.json
+with the CPU named. The checkpoint is vs_llamacpp's (run that bench once, or pass --model).
+
+    python bench/decode_profile.py [--model DIR] [--dtypes bfloat16,float32] [--threads 1,2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from vs_llamacpp import CACHE, Clock, machine
+from vs_transformers import flowmoe_generate
+
+from flowmoe.core.plan import TaskNode
+from flowmoe.core.policy import Policy
+from flowmoe.kernels import cpu_attention, cpu_combine, cpu_expert, cpu_kv, cpu_norm, cpu_rope, cpu_router
+from flowmoe.kernels.host_memory import huge_empty
+from flowmoe.model.loading import load_model
+from flowmoe.runtime.actions import StepState
+from flowmoe.runtime.runner import Runtime
+
+HERE = Path(__file__).resolve().parent
+MODEL = CACHE / "mixtral-h1024-i3584-l8-e8-v32000"  # vs_llamacpp.py's checkpoint, issue 25's shape
+ROOF_BYTES = 1 << 30
+OUTSIDE = "outside nodes"
+SKIPPED = 2  # steps left out: the prefill and the first decode step
+
+
+def _projection_bytes(args: tuple) -> int:
+    return int(args[1].nbytes)  # linear_rows(x, weight, ...)
+
+
+def _experts_bytes(args: tuple) -> int:
+    ffns = args[4]  # swiglu_routed(x, rows, scales, counts, ffns, ...)
+    return sum(int(f[0].nbytes + f[1].nbytes) for f in ffns)
+
+
+# (module, function, the weight bytes a call reads from its arguments, or None)
+KERNELS: tuple[tuple[Any, str, Callable[[tuple], int] | None], ...] = (
+    (cpu_expert, "linear_rows", _projection_bytes),
+    (cpu_expert, "swiglu_routed", _experts_bytes),
+    (cpu_attention, "decode", None),
+    (cpu_norm, "normed", None),
+    (cpu_combine, "combine", None),
+    (cpu_kv, "write", None),
+    (cpu_rope, "rotate_", None),
+    (cpu_router, "tail", None),
+)
+
+
+class Profile:
+    """Seconds per node op, seconds and weight bytes of the C kernels per op they ran in, while `on`."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.op = OUTSIDE
+        self.nodes: Counter[str] = Counter()
+        self.kernels: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+        self._undo: list[Callable[[], None]] = []
+
+    def install(self) -> None:
+        for module, name, weight_bytes in KERNELS:
+            self._wrap_kernel(module, name, weight_bytes)
+        bind = StepState.action
+
+        def action(state: StepState, node: TaskNode) -> Any:
+            run = bind(state, node)
+            op = node.op.name
+
+            def timed() -> None:
+                self.op, started = op, time.perf_counter()
+                try:
+                    run()
+                finally:
+                    if self.on:
+                        self.nodes[op] += time.perf_counter() - started
+                    self.op = OUTSIDE
+
+            return timed
+
+        StepState.action = action  # type: ignore[method-assign]
+        self._undo.append(lambda: setattr(StepState, "action", bind))
+
+    def _wrap_kernel(self, module: Any, name: str, weight_bytes: Callable[[tuple], int] | None) -> None:
+        kernel = getattr(module, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            out = kernel(*args, **kwargs)
+            if self.on:
+                self.kernels[self.op] += time.perf_counter() - started
+                if weight_bytes is not None:
+                    self.bytes[self.op] += weight_bytes(args)
+            return out
+
+        setattr(module, name, timed)
+        self._undo.append(lambda: setattr(module, name, kernel))
+
+    def uninstall(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+class ProfiledClock(Clock):
+    """Turns the profile on at the step after the SKIPPED ones."""
+
+    def __init__(self, profile: Profile) -> None:
+        super().__init__()
+        self.profile = profile
+
+    def tick(self) -> None:
+        super().tick()
+        if len(self.marks) == SKIPPED + 2:  # construction, then one tick per step
+            self.profile.on = True
+
+
+def read_roof(buffer: torch.Tensor) -> float:
+    """GB/s of one torch.sum over `buffer` at the current intra-op thread count (wall clock)."""
+    started = time.perf_counter()
+    buffer.sum()
+    return buffer.nbytes / (time.perf_counter() - started) / 1e9
+
+
+def profile_cell(model: Any, threads: int, prompts: list[list[int]], steps: int, rounds: int) -> dict:
+    runtime = Runtime.create(model, "eager", Policy(cpu_threads=threads), record=False)
+    buffer = huge_empty(ROOF_BYTES).view(torch.float32).fill_(1.0)
+    torch.set_num_threads(threads)  # the roof's (the runtime sets its own thread's team)
+    flowmoe_generate(model, runtime, prompts, 4)
+    roof, plain, profiled, cpu = [], [], [], []
+    shares: dict[str, list[tuple[float, float, float]]] = {}
+    try:
+        for _ in range(rounds):
+            roof.append(max(read_roof(buffer) for _ in range(3)))
+            clock = Clock()
+            flowmoe_generate(model, runtime, prompts, steps + SKIPPED, clock)
+            kept = clock.steps()[SKIPPED:]
+            plain.append(statistics.median(w for w, _ in kept))
+            cpu.append(statistics.median(c for _, c in kept))
+            profile = Profile()
+            profile.install()
+            try:
+                profiled_clock = ProfiledClock(profile)
+                flowmoe_generate(model, runtime, prompts, steps + SKIPPED, profiled_clock)
+                ended = time.perf_counter()
+            finally:
+                profile.uninstall()
+            counted = steps  # from the SKIPPED steps' end to the run's
+            step = (ended - profiled_clock.marks[SKIPPED + 1][0]) / counted
+            profiled.append(step)
+            profile.nodes[OUTSIDE] = step * counted - sum(profile.nodes.values())
+            for op, seconds in profile.nodes.items():
+                shares.setdefault(op, []).append(
+                    (seconds / counted, profile.kernels[op] / counted, profile.bytes[op] / counted)
+                )
+    finally:
+        runtime.close()
+    best_roof = max(roof)
+    ops = []
+    for op, samples in shares.items():
+        node = statistics.median(s[0] for s in samples)
+        kernels = statistics.median(s[1] for s in samples)
+        weights = statistics.median(s[2] for s in samples)
+        rate = weights / kernels / 1e9 if kernels > 0 and weights > 0 else None
+        ops.append({
+            "op": op, "ms": node * 1e3, "kernel_ms": kernels * 1e3, "python_ms": (node - kernels) * 1e3,
+            "weight_mb": weights / 1e6, "kernel_gbs": rate, "roof_share": rate / best_roof if rate else None,
+        })  # fmt: skip
+    kernel_ms = sum(o["kernel_ms"] for o in ops)
+    weight_mb = sum(o["weight_mb"] for o in ops)
+    return {
+        "threads": threads, "roof_gbs": best_roof, "roof_samples": roof,
+        "step_ms": statistics.median(plain) * 1e3, "step_cpu_ms": statistics.median(cpu) * 1e3,
+        "profiled_step_ms": statistics.median(profiled) * 1e3, "kernel_ms": kernel_ms, "weight_mb": weight_mb,
+        "at_roof_ms": weight_mb / best_roof, "host_ms": statistics.median(plain) * 1e3 - kernel_ms,
+        "ops": ops,
+    }  # fmt: skip
+
+
+def show(console: Console, dtype: str, cell: dict) -> None:
+    title = (
+        f"{dtype}, {cell['threads']} thread(s): step {cell['step_ms']:.2f} ms plain "
+        f"({cell['profiled_step_ms']:.2f} profiled); kernels {cell['kernel_ms']:.2f} ms for "
+        f"{cell['weight_mb']:.0f} MB ({cell['at_roof_ms']:.2f} ms at the {cell['roof_gbs']:.1f} GB/s roof); "
+        f"the rest {cell['host_ms']:.2f} ms"
+    )
+    table = Table(title=title)
+    for column in ("op", "ms/step", "C kernels ms", "Python ms", "weights MB", "kernels GB/s", "% roof"):
+        table.add_column(column, justify="left" if column == "op" else "right")
+    for o in sorted(cell["ops"], key=lambda o: -o["ms"]):
+        rate = f"{o['kernel_gbs']:.1f}" if o["kernel_gbs"] else ""
+        share = f"{100 * o['roof_share']:.0f}" if o["roof_share"] else ""
+        table.add_row(
+            o["op"], f"{o['ms']:.3f}", f"{o['kernel_ms']:.3f}", f"{o['python_ms']:.3f}",
+            f"{o['weight_mb']:.1f}", rate, share,
+        )  # fmt: skip
+    console.print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path, default=MODEL)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--steps", type=int, default=40, help="decode steps measured per run")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=HERE / "decode_profile.json")
+    args = parser.parse_args()
+    if not (args.model / "config.json").is_file():
+        raise SystemExit(f"{args.model}: no checkpoint (run bench/vs_llamacpp.py once, or pass --model)")
+    if args.steps < 2:
+        raise SystemExit("--steps: at least 2")
+    console, cells = Console(), []
+    load = [os.getloadavg()[0]]
+    for dtype in args.dtypes.split(","):
+        model = load_model(args.model, dtype)
+        rng = random.Random(1)
+        vocab = model.spec.vocab
+        prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt)] for _ in range(args.batch)]
+        for threads in (int(t) for t in args.threads.split(",")):
+            measured = profile_cell(model, threads, prompts, args.steps, args.rounds)
+            cell = {"dtype": dtype, "batch": args.batch, **measured}
+            load.append(os.getloadavg()[0])
+            show(console, dtype, cell)
+            cells.append(cell)
+        del model
+    meta = {**machine(), "model": str(args.model), "steps": args.steps, "rounds": args.rounds,
+            "prompt": args.prompt, "load": [min(load), max(load)], "torch": torch.__version__}  # fmt: skip
+    args.out.write_text(json.dumps({"meta": meta, "cells": cells}, indent=1) + "\n")
+    where = f"{meta['cpu']} ({', '.join(meta['simd'])}), load {min(load):.1f}-{max(load):.1f}"
+    console.print(f"{where}; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
