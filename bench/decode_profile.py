@@ -4,13 +4,13 @@ Python and torch calls, and what runs outside the nodes (the engine, the plan, t
 
 One process per dtype, the runtime `flowmoe run` builds (the eager scheduler, no trace); a batch of
 `--batch` prompts of `--prompt` tokens, greedy. Each round: the read roof at the run's thread count
-(torch.sum over 1 GiB on huge pages, wall clock, the best sample kept); a plain run (no
-instrumentation, vs_llamacpp's clock: the median decode step, wall and CPU); then a profiled run,
-every node's action and every C kernel wrapper timed (the wrappers add a few us a call: the
-profiled step is printed beside the plain one). The first two steps (prefill, first decode) are
-left out. A kernel's weight bytes are those its call reads once (a projection's weight, a layer's
-routed experts' gate_up and down); the norms', rope's, router tail's and KV write's are counted as
-none (their weights are ~0.1% of a step's).
+(torch.sum over `--roof-mib` MiB on huge pages, 1 GiB by default, wall clock, the best sample
+kept); a plain run (no instrumentation, vs_llamacpp's clock: the median decode step, wall and
+CPU); then a profiled run, every node's action and every C kernel wrapper timed (the wrappers add
+a few us a call: the profiled step is printed beside the plain one). The first two steps (prefill,
+first decode) are left out. A kernel's weight bytes are those its call reads once (a projection's
+weight, a layer's routed experts' gate_up and down); the norms', rope's, router tail's and KV
+write's are counted as none (their weights are ~0.1% of a step's).
 
 Medians over rounds, per step. Prints a table per (dtype, threads), writes bench/decode_profile.json
 with the CPU named. The checkpoint is vs_llamacpp's (run that bench once, or pass --model).
@@ -47,7 +47,6 @@ from flowmoe.runtime.runner import Runtime
 
 HERE = Path(__file__).resolve().parent
 MODEL = CACHE / "mixtral-h1024-i3584-l8-e8-v32000"  # vs_llamacpp.py's checkpoint, issue 25's shape
-ROOF_BYTES = 1 << 30
 OUTSIDE = "outside nodes"
 SKIPPED = 2  # steps left out: the prefill and the first decode step
 
@@ -149,9 +148,11 @@ def read_roof(buffer: torch.Tensor) -> float:
     return buffer.nbytes / (time.perf_counter() - started) / 1e9
 
 
-def profile_cell(model: Any, threads: int, prompts: list[list[int]], steps: int, rounds: int) -> dict:
+def profile_cell(
+    model: Any, threads: int, prompts: list[list[int]], steps: int, rounds: int, roof_bytes: int
+) -> dict:
     runtime = Runtime.create(model, "eager", Policy(cpu_threads=threads), record=False)
-    buffer = huge_empty(ROOF_BYTES).view(torch.float32).fill_(1.0)
+    buffer = huge_empty(roof_bytes).view(torch.float32).fill_(1.0)
     torch.set_num_threads(threads)  # the roof's (the runtime sets its own thread's team)
     flowmoe_generate(model, runtime, prompts, 4)
     roof, plain, profiled, cpu = [], [], [], []
@@ -235,6 +236,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     parser.add_argument("--steps", type=int, default=40, help="decode steps measured per run")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--roof-mib", type=int, default=1024, help="MiB summed for the read roof")
     parser.add_argument("--out", type=Path, default=HERE / "decode_profile.json")
     args = parser.parse_args()
     if not (args.model / "config.json").is_file():
@@ -249,7 +251,7 @@ def main() -> None:
         vocab = model.spec.vocab
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt)] for _ in range(args.batch)]
         for threads in (int(t) for t in args.threads.split(",")):
-            measured = profile_cell(model, threads, prompts, args.steps, args.rounds)
+            measured = profile_cell(model, threads, prompts, args.steps, args.rounds, args.roof_mib << 20)
             cell = {"dtype": dtype, "batch": args.batch, **measured}
             load.append(os.getloadavg()[0])
             show(console, dtype, cell)
