@@ -13,10 +13,15 @@
 #define INLINE static inline BLOCK_TARGET __attribute__((always_inline))
 #define BLOCK flowmoe_packed_block_avx512
 #define ROW_BLOCK flowmoe_packed_row_block_avx512 /* cpu_packed_tiles.h's int4 one-row block */
-/* no software prefetch in int8's one-row tiles: 16 experts' 1024 x 3584 FFNs, 1 thread, Zen 4,
-   bench/packed_rows.py 9 rounds at load 5: 1 row 1.25x from DRAM (21.4 -> 27.7 GB/s, 84% of the read
-   roof), 1.18x warm; 2 and 8 rows (which keep it) 1.10x / 1.02x; without it int4's were 0.92x and
-   the several-row tiles' 0.36-0.83x, so they keep it */
+/* no prefetch of the next block in int8's one-row tiles: 16 experts' 1024 x 3584 FFNs, 1 thread,
+   Zen 4, bench/packed_rows.py 9 rounds at load 5: 1 row 1.25x from DRAM (21.4 -> 27.7 GB/s, 84% of
+   the read roof), 1.18x warm; 2 and 8 rows (which keep it) 1.10x / 1.02x; without it int4's were
+   0.92x and the several-row tiles' 0.36-0.83x, so they keep it. Their own rows' lines NTA_AHEAD bytes
+   ahead non-temporally instead (cpu_rows_avx512.c's notes: the weights' stream then leaves the
+   caches' other lines alone): int8 experts, issue 25's checkpoint, b1, 1 thread, eager, step 0.935x
+   (256 bytes ahead; 512: 0.961x; 6 alternated rounds), though the kernel alone (bench/packed_rows.py,
+   7 rounds) reads 0.96x from DRAM and 0.79x with the experts in the L3. int4's row step the same
+   way: 0.981x, kept as it is. */
 #define INT8_ROW_PREFETCH 0
 #define INT4_ROW 1 /* int4 one-row tiles by int4_row_at (cpu_packed_tiles.h: 1.07x from DRAM, 1.11x warm) */
 

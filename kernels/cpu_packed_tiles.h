@@ -17,6 +17,7 @@
    block's PB weight rows, a few KB, stay in L1 between tiles). */
 
 #define PB 4  /* weight rows per block (cpu_packed.c) */
+#define NTA_AHEAD 256 /* bytes ahead of an int8 one-row tile's rows that it prefetches non-temporally */
 #define QB 32 /* cpu_packed.c's */
 #define SB 64 /* cpu_packed.c's */
 #define RT 4  /* rows of levels per tile of several rows */
@@ -76,7 +77,8 @@ INLINE __m256 add_sums(__m256 acc, __m256i s, __m256 d) {
 }
 
 /* int8: rows [r0, r0 + rt) of levels against weight rows wr[0..jn), jn <= JT, into acc[r0..][j0..];
-   one row's tiles prefetch where the includer's INT8_ROW_PREFETCH says (cpu_packed_avx512.c). */
+   one row's tiles prefetch the next block where the includer's INT8_ROW_PREFETCH says, else their
+   own rows NTA_AHEAD bytes ahead non-temporally (cpu_packed_avx512.c). */
 INLINE void int8_tile(int rt, int jn, int mats, const int8_t *xq, long ldq, const float *xd, long ldf, int r0, long K,
                       const int8_t *const *wr, __m256 (*acc)[MB], int j0) {
     __m256 a[RT][JT];
@@ -86,6 +88,8 @@ INLINE void int8_tile(int rt, int jn, int mats, const int8_t *xq, long ldq, cons
         __m256i w[JT], magnitude[JT];
         if (rt > 1 || INT8_ROW_PREFETCH)
             prefetch_step((const void *const *)wr, mats, b, QB, PB * K);
+        else if (!(b & 1)) /* a line of each row every 64 bytes, non-temporally (INT8_ROW_PREFETCH's notes) */
+            for (int j = 0; j < jn; j++) _mm_prefetch((const char *)(wr[j] + b * QB) + NTA_AHEAD, _MM_HINT_NTA);
         for (int j = 0; j < jn; j++) {
             w[j] = _mm256_loadu_si256((const __m256i *)(wr[j] + b * QB));
             magnitude[j] = _mm256_abs_epi8(w[j]);
