@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "rows_block.h"
 
 #define AVX2 __attribute__((target("avx2,fma")))
@@ -68,7 +69,8 @@ static inline AVX2 __attribute__((always_inline)) void tile(
         for (long k = k0; k < k1; k += 16) {
             for (long b = 0; next && b < per_step; b += 64) _mm_prefetch(next + k / 16 * per_step + b, _MM_HINT_T1);
             if (pair_ahead && !(k & 31))
-                for (int j = 0; j < 2; j++) _mm_prefetch((const char *)((const uint16_t *)wp[j0 + j] + k) + pair_ahead, _MM_HINT_NTA);
+                for (int j = 0; j < 2; j++)
+                    _mm_prefetch((const char *)((const uint16_t *)wp[j0 + j] + k) + pair_ahead, _MM_HINT_NTA);
             __m256 xe[RT], xo[RT]; /* bf16 tiles have at most RT rows */
             for (int r = 0; r < rt; r++) {
                 xe[r] = _mm256_loadu_ps(xr[r] + k);
@@ -87,7 +89,8 @@ static inline AVX2 __attribute__((always_inline)) void tile(
         for (long k = k0; k < k1; k += 8) {
             for (long b = 0; next && b < per_step; b += 64) _mm_prefetch(next + k / 8 * per_step + b, _MM_HINT_T1);
             if (pair_ahead && !(k & 15))
-                for (int j = 0; j < 2; j++) _mm_prefetch((const char *)((const float *)wp[j0 + j] + k) + pair_ahead, _MM_HINT_NTA);
+                for (int j = 0; j < 2; j++)
+                    _mm_prefetch((const char *)((const float *)wp[j0 + j] + k) + pair_ahead, _MM_HINT_NTA);
             __m256 xv[WIDE_RT];
             for (int r = 0; r < rt; r++) xv[r] = _mm256_loadu_ps(xr[r] + k), in_register(&xv[r]);
             for (int j = 0; j < jn; j++) {
@@ -159,16 +162,7 @@ static AVX2 void wide_rows(const float *x, long ldx, int n, long kv, const void 
 /* x . row: acc's 8 lanes' sum, then the row's last columns [kv, K) in order. */
 static inline AVX2 float finished(__m256 acc, const float *x, const void *row, int bf16, long kv, long K) {
     float s = hsum8(acc);
-    for (long k = kv; k < K; k++) {
-        float wk;
-        if (bf16) {
-            uint32_t u = (uint32_t)((const uint16_t *)row)[k] << 16;
-            memcpy(&wk, &u, sizeof wk);
-        } else {
-            wk = ((const float *)row)[k];
-        }
-        s += x[k] * wk;
-    }
+    for (long k = kv; k < K; k++) s += x[k] * bf16_or_float(row, k, bf16);
     return s;
 }
 

@@ -29,8 +29,8 @@
 
 #include <immintrin.h>
 #include <stdint.h>
-#include <string.h>
 
+#include "bf16.h"
 #include "rows_block.h"
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -121,20 +121,11 @@ static inline AVX512 __attribute__((always_inline)) void halves(int rt, int bf16
             acc[r][j0 + j] = _mm512_insertf32x8(_mm512_castps256_ps512(a[r][j][0]), a[r][j][1], 1);
 }
 
-/* bf16 bits -> fp32. */
-static inline float widened(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* x . row: acc's 16 lanes' sum, then the row's last columns [kv, K) in order. */
 static inline AVX512 float finished(__m512 acc, const void *x, const void *row, int bf16, long kv, long K) {
     float s = hsum16(acc);
     for (long k = kv; k < K; k++)
-        s += bf16 ? widened(((const uint16_t *)x)[k]) * widened(((const uint16_t *)row)[k])
-                  : ((const float *)x)[k] * ((const float *)row)[k];
+        s += bf16_or_float(x, k, bf16) * bf16_or_float(row, k, bf16);
     return s;
 }
 
