@@ -21,7 +21,9 @@ graph); the first pass's prefill is kept beside it ("first prefill"). flowmoe ru
 Engine); llama.cpp runs llama_decode through llama-cpp-python's low-level API (one sequence per
 prompt, n_seq_max = batch). Per step: wall time and the process's CPU time (user + system, all its
 threads): on a machine shared with other work, CPU time per step is the figure that compares;
-the load average is noted for each cell. Medians over the repeats, spread = max / min - 1.
+the load average is noted for each cell. Medians over the repeats, spread = max / min - 1; beside
+them the paired ratio: each repeat's flowmoe step against the other tool's run of the same repeat
+(the two ran one after the other), the median of those ratios.
 
 Placement and episodes: on the 2-vCPU AMD EPYC VMs of issue 25 the memory speed a 2-thread step
 meets moves with the host: flowmoe's GEMV kernel read 220 MB buffers of bf16 weights at 30-36 GB/s
@@ -501,6 +503,9 @@ def rows_from(runs: dict[tuple[str, str], list[dict]], prompt: int) -> list[dict
                 "decode_cpu_ms_step": statistics.median(1e3 * c / decode_steps for c in decode_cpu),
                 "decode_wall_ms_step": statistics.median(1e3 * w / decode_steps for w in decode_wall),
                 "decode_best_ms_step": 1e3 * min(decode_wall) / decode_steps,
+                # each repeat's ms/step (CPU, wall), in the order the repeats ran: the paired ratios
+                "decode_cpu_ms_repeats": [1e3 * c / decode_steps for c in decode_cpu],
+                "decode_wall_ms_repeats": [1e3 * w / decode_steps for w in decode_wall],
                 "decode_spread": spread(decode_wall),
                 "peak_rss_gib": statistics.median(r["peak_rss"] for r in repeats) / 2**30,
                 "load": [round(c["load_before"], 1) for c in cells] + [round(cells[-1]["load_after"], 1)],
@@ -521,6 +526,12 @@ def rows_from(runs: dict[tuple[str, str], list[dict]], prompt: int) -> list[dict
         row["decode_wall_ratio"] = row["decode_wall_ms_step"] / ours["decode_wall_ms_step"]
         # each tool's fastest repeat: the machine's memory speed moves between repeats (see Placement)
         row["decode_best_ratio"] = row["decode_best_ms_step"] / ours["decode_best_ms_step"]
+        # repeat by repeat, each against the run of `against` beside it in time (the tools alternate
+        # within a repeat): the median of those ratios, which a slow episode lasting a repeat moves
+        # in one pair only, where it moves one tool's median and not the other's
+        for kind in ("cpu", "wall"):
+            pairs = zip(row[f"decode_{kind}_ms_repeats"], ours[f"decode_{kind}_ms_repeats"], strict=True)
+            row[f"decode_paired_{kind}_ratio"] = statistics.median(theirs / mine for theirs, mine in pairs)
         row["prefill_cpu_ratio"] = row["prefill_cpu_s"] / ours["prefill_cpu_s"]
         row["agreement"] = agreement(ours["tokens"], row["tokens"])
     return sorted(rows, key=lambda r: (r["dtype"], r["batch"], r["threads"], r["tool"]))
@@ -543,6 +554,8 @@ COLUMNS = (
     ("decode: flowmoe ÷ this, by wall/step", "{decode_wall_ratio:.2f}"),
     ("decode best ms/step", "{decode_best_ms_step:.0f}"),
     ("decode: flowmoe ÷ this, best wall/step", "{decode_best_ratio:.2f}"),
+    ("decode: flowmoe ÷ this, paired repeats CPU / wall",
+     "{decode_paired_cpu_ratio:.2f} / {decode_paired_wall_ratio:.2f}"),
     ("prefill: flowmoe ÷ this, by CPU", "{prefill_cpu_ratio:.2f}"),
     ("spread (prefill / decode)", "{prefill_spread:.0%} / {decode_spread:.0%}"),
     ("peak RSS GiB", "{peak_rss_gib:.2f}"), ("tokens = flowmoe's", "{agreement:.0%}"), ("load avg", "{load}"),
@@ -560,6 +573,7 @@ def cells(row: dict, shown: tuple[tuple[str, str], ...]) -> list[str]:
     # older files: nan, flowmoe, the threads asked for, no first pass
     defaults = {"decode_wall_ratio": math.nan, "against": "flowmoe", "threads_ran": row["threads"]}
     defaults |= {"decode_best_ms_step": math.nan, "decode_best_ratio": math.nan}
+    defaults |= {"decode_paired_cpu_ratio": math.nan, "decode_paired_wall_ratio": math.nan}
     known = defaults | {"first_prefill_tok_s": math.nan} | row
     return [form.format(**known) for _, form in shown]
 
