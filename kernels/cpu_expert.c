@@ -322,6 +322,30 @@ static void widen_rows(const uint16_t *x, long ldx, int n, long K, int ordered, 
         for (long k = 0; k < K; k++) dst[r * K + (ordered ? bf16_position(k, K) : k)] = bf16_to_float(x[r * ldx + k]);
 }
 
+/* Where a kernel's own copy of rows of x starts, so that x and the weight they meet keep out of each
+   other's L1 sets. The L1 (32 KiB, 8 ways) maps addresses 4 KiB apart to one set. Rows 4 KiB apart
+   (or 2 KiB) lie in one (two) 1 KiB windows of sets: a block's OB weight rows fill every way of
+   theirs, and a chunk of several rows of x in the same window (a prefill's rows, read by several
+   tiles per chunk: from REREAD_ROWS rows) evicts the weight's chunk between the tiles that reuse it, so
+   every tile fetches both again from the L2. Rows of x 2 KiB (1 KiB) past the weight's offset in 4
+   KiB (2 KiB) never meet it. cpu_rows_avx512.c's block, 1 thread, Zen 4, x and the weight at the same
+   offset against 2 KiB apart (issue 25's shapes, fp32 weights from DRAM, GFLOP/s, FMA peak 117):
+   32 rows x [7168, 1024] 66 -> 79, 17 rows 60 -> 72; 128 rows x [1536, 1024] 71 -> 86, x [1024,
+   4096] 71 -> 87; bf16 4-16 rows x [7168, 1024] 1.05-1.08x (1 KiB apart); rows 14 KiB apart (the
+   down projection's) gain nothing. The same arithmetic: the same bits. `buf` has PLACE_SLACK
+   bytes more than the rows take; rows `row_bytes` apart against weight rows as far apart (x and
+   the weight in one dtype). */
+#define PLACE_SLACK (4096 + 64)
+#define REREAD_ROWS 4 /* rows of x from which a block's tiles read each chunk of the weight several times */
+
+static inline void *placed(void *buf, const void *w, long row_bytes) {
+    uintptr_t at = ((uintptr_t)buf + 63) & ~(uintptr_t)63;
+    uintptr_t gap = row_bytes % 4096 == 0 ? 2048 : row_bytes % 2048 == 0 ? 1024 : 0;
+    if (!gap) return (void *)at;
+    uintptr_t want = ((uintptr_t)w + gap) & 4095 & ~(uintptr_t)63; /* the offset in 4 KiB to start at */
+    return (void *)(at + ((want - (at & 4095)) & 4095));
+}
+
 /* y[i] = v in y's dtype (bf16 where `bf16`, else fp32). */
 static inline void store(void *y, long i, float v, int bf16) {
     if (bf16)
@@ -342,19 +366,27 @@ static inline int bf16_rows(int isa, int bf16) {
 
 /* y [n, O] (row stride ldy) = x [n, K] (row stride ldx) @ w [O, K]^T (+ bias [O], fp32); x and y
    in the weight's dtype (bf16 where `bf16`, else fp32), accumulated in fp32 (a bf16 x is widened
-   into a buffer first, in bf16 column order where the isa reads it so, unless the isa reads bf16).
+   into a buffer first, in bf16 column order where the isa reads it so, unless the isa reads bf16;
+   several rows 2 KiB multiples apart are copied where they keep out of w's sets: `placed`).
    Returns 0, or 1 where there is no memory for that buffer. */
 int flowmoe_linear(const void *x, long ldx, int n, long K, const void *w, int bf16, long O,
                    const float *bias, void *y, long ldy, int isa, int threads) {
-    int bs = block_rows(isa);
+    int bs = block_rows(isa), esize = bf16 ? 2 : 4, widen = bf16 && !bf16_rows(isa, bf16);
     long blocks = paired_blocks(O, bs);
-    float *wide = 0;
+    void *wide = 0; /* x widened to fp32, or several rows copied where they keep out of w's sets (placed) */
     rows_in xs = {x, ldx};
-    if (bf16 && !bf16_rows(isa, bf16)) {
+    if (widen) {
         wide = malloc(sizeof(float) * n * K);
         if (!wide) return 1;
         widen_rows(x, ldx, n, K, reorders(isa, bf16), wide);
         xs.p = wide, xs.ld = K;
+    } else if (n >= REREAD_ROWS && K * esize % 2048 == 0) {
+        wide = malloc((size_t)esize * n * K + PLACE_SLACK);
+        if (!wide) return 1;
+        void *rows = placed(wide, w, K * esize);
+        for (int r = 0; r < n; r++)
+            memcpy((char *)rows + r * K * esize, (const char *)x + r * ldx * esize, (size_t)K * esize);
+        xs.p = rows, xs.ld = K;
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long b = 0; b < blocks; b++) {
@@ -459,7 +491,8 @@ static int ffn_rows(int experts, const void *const *fx, const int *ns, const lon
 
 /* The group's FFNs for xs[e] [n_e, H] (contiguous rows, in the weights' dtype) -> out [sum n_e, H]
    (every expert's rows in turn) in the weights' dtype; a bf16 x_e is widened into a buffer first
-   unless the isa reads bf16 rows. Returns 0, or 1 where there is no memory for the buffers. */
+   unless the isa reads bf16 rows, several rows copied where they keep out of the weight's sets
+   (`placed`). Returns 0, or 1 where there is no memory for the buffers. */
 int flowmoe_ffn_group(int experts, const void *const *xs, const int *ns, long H, long I,
                       const void *const *gate_ups, const void *const *downs, int bf16,
                       const float *const *gate_up_biases, const float *const *down_biases, int clamped,
@@ -467,14 +500,24 @@ int flowmoe_ffn_group(int experts, const void *const *xs, const int *ns, long H,
     int n_experts = experts > 0 ? experts : 1, widen = bf16 && !bf16_rows(isa, bf16);
     long first[n_experts], rows = 0; /* expert e's first row in out and the buffers */
     for (int e = 0; e < experts; e++) first[e] = rows, rows += ns[e];
-    float *wide = 0;
+    int esize = bf16 ? 2 : 4, most = 0;
+    for (int e = 0; e < experts; e++) most = ns[e] > most ? ns[e] : most;
+    int moved = !widen && most >= REREAD_ROWS && H * esize % 2048 == 0; /* rows copied where `placed` says */
+    char *wide = 0;
     const void *fx[n_experts];
     if (widen && !(wide = malloc(sizeof(float) * (rows > 0 ? rows : 1) * H))) return 1;
+    if (moved && !(wide = malloc((size_t)esize * rows * H + (size_t)experts * PLACE_SLACK))) return 1;
+    char *at = wide;
     for (int e = 0; e < experts; e++) {
         fx[e] = xs[e];
         if (widen) {
-            widen_rows(xs[e], H, ns[e], H, reorders(isa, bf16), wide + first[e] * H);
-            fx[e] = wide + first[e] * H;
+            widen_rows(xs[e], H, ns[e], H, reorders(isa, bf16), (float *)wide + first[e] * H);
+            fx[e] = (float *)wide + first[e] * H;
+        } else if (moved) {
+            void *to = placed(at, gate_ups[e], H * esize);
+            memcpy(to, xs[e], (size_t)esize * ns[e] * H);
+            fx[e] = to;
+            at = (char *)to + (size_t)esize * ns[e] * H;
         }
     }
     rows_out to = {out, bf16, 0, 0};
@@ -486,7 +529,7 @@ int flowmoe_ffn_group(int experts, const void *const *xs, const int *ns, long H,
 
 /* A layer's routed experts from the rows of x they take: expert e's n_e rows are x's rows
    rows[first[e]...] (x [T, H] in the weights' dtype, row stride ldx; gathered into a buffer, widened
-   to fp32 unless the isa reads bf16 rows), and each output row is multiplied by its scale (see
+   to fp32 unless the isa reads bf16 rows, else each expert's rows placed against its weight: `placed`), and each output row is multiplied by its scale (see
    rows_out): out [sum n_e, H] in bf16 where out_bf16, else fp32. Returns 0, or 1 where there is no
    memory for the buffers. */
 int flowmoe_ffn_routed(int experts, const void *x, long ldx, const int64_t *rows_of_x, const int *ns, long H,
@@ -498,17 +541,23 @@ int flowmoe_ffn_routed(int experts, const void *x, long ldx, const int64_t *rows
     int esize = bf16 ? 2 : 4, kept = widen ? 4 : esize; /* bytes per value of x and of the buffer */
     long first[n_experts], rows = 0;
     for (int e = 0; e < experts; e++) first[e] = rows, rows += ns[e];
-    char *gathered = malloc((size_t)kept * (rows > 0 ? rows : 1) * H);
+    /* each expert's rows where they keep out of its gate / up weight's sets (placed), unless widened */
+    char *gathered = malloc((size_t)kept * (rows > 0 ? rows : 1) * H + (widen ? 0 : (size_t)experts * PLACE_SLACK));
     if (!gathered) return 1;
     const void *fx[n_experts];
-    for (long i = 0; i < rows; i++) {
-        const char *row = (const char *)x + rows_of_x[i] * ldx * esize;
-        if (widen)
-            widen_rows((const uint16_t *)row, ldx, 1, H, reorder, (float *)gathered + i * H);
-        else
-            memcpy(gathered + i * H * kept, row, (size_t)kept * H);
+    char *at = gathered;
+    for (int e = 0; e < experts; e++) {
+        fx[e] = widen ? at : placed(at, gate_ups[e], H * kept);
+        at = (char *)fx[e] + (size_t)ns[e] * H * kept;
+        for (long i = first[e]; i < first[e] + ns[e]; i++) {
+            const char *row = (const char *)x + rows_of_x[i] * ldx * esize;
+            char *to = (char *)fx[e] + (i - first[e]) * H * kept;
+            if (widen)
+                widen_rows((const uint16_t *)row, ldx, 1, H, reorder, (float *)to);
+            else
+                memcpy(to, row, (size_t)kept * H);
+        }
     }
-    for (int e = 0; e < experts; e++) fx[e] = gathered + first[e] * H * kept;
     rows_out to = {out, out_bf16, scales, scales_bf16};
     int status = ffn_rows(experts, fx, ns, first, rows, H, I, gate_ups, downs, bf16, gate_up_biases, down_biases,
                           clamped, alpha, limit, to, isa, threads);

@@ -273,8 +273,9 @@ def _threads(threads: int, fn: Callable[[], T]) -> T:
 
 @compiled
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# k: below one vector, whole vectors, a tail, past the AVX2 block's 1 KiB chunks (256 fp32 / 512 bf16)
-@pytest.mark.parametrize("n_in", [5, 48, 67, 1100])
+# k: below one vector, whole vectors, a tail, past the AVX2 block's 1 KiB chunks (256 fp32 / 512 bf16),
+# rows 2 / 4 KiB long (copied where they keep out of the weight's L1 sets: cpu_expert.c's `placed`)
+@pytest.mark.parametrize("n_in", [5, 48, 67, 1100, 1024])
 def test_linear_rows_every_row_count(isa: str, dtype: torch.dtype, n_in: int) -> None:
     """Rows 1..MAX_ROWS against float64; 1 and 2 threads give the same bits; a row gets the same
     bits alone as among others (the sums' order depends on neither)."""
@@ -295,7 +296,7 @@ def test_linear_rows_every_row_count(isa: str, dtype: torch.dtype, n_in: int) ->
 
 @compiled
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("hidden", "inter"), [(40, 24), (64, 600), (1100, 37)])
+@pytest.mark.parametrize(("hidden", "inter"), [(40, 24), (64, 600), (1100, 37), (1024, 24)])
 def test_ffn_group_every_isa(isa: str, dtype: torch.dtype, hidden: int, inter: int) -> None:
     """A group of experts of 1..MAX_ROWS rows: each within tolerance of float64, the same bits at 1,
     2 and 3 threads (whose spans of the experts' blocks, shares.h, split them otherwise) and alone as
@@ -323,7 +324,7 @@ def test_ffn_group_every_isa(isa: str, dtype: torch.dtype, hidden: int, inter: i
 @compiled
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("hidden", "inter"), [(40, 24), (1100, 37)])
+@pytest.mark.parametrize(("hidden", "inter"), [(40, 24), (1100, 37), (1024, 24)])
 def test_routed_group_is_gather_group_and_scale(
     isa: str, dtype: torch.dtype, scale_dtype: torch.dtype, hidden: int, inter: int
 ) -> None:
