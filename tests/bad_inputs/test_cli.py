@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from importlib.metadata import EntryPoint
 from pathlib import Path
@@ -402,6 +403,23 @@ def test_a_second_signal_waits_for_the_cleanup_of_the_first() -> None:
             os.kill(os.getpid(), signal.SIGINT)  # during the cleanup: only noted
             time.sleep(0.01)
     assert caught.value.exit_code == 143 and gate.noted == signal.SIGINT
+
+
+def test_an_interrupt_python_drops_is_raised_again() -> None:
+    """A signal whose exception is raised inside a weakref callback (or a __del__), where Python only
+    prints "Exception ignored", still ends the command: it is raised again outside that callback."""
+
+    class Dying:
+        pass
+
+    gate = SignalGate()
+    with gate.installed(), pytest.raises(Interrupted) as caught, gate.armed():
+        dying = Dying()
+        alive = weakref.ref(dying, lambda _: gate.handle(signal.SIGTERM, None))  # raises in the callback
+        del dying  # the callback runs here; its exception is dropped
+        assert alive() is None
+        time.sleep(5)  # raised again in here
+    assert caught.value.exit_code == 143
 
 
 def test_sigterm_during_a_job_keeps_a_valid_trace(tmp_path: Path) -> None:
