@@ -529,9 +529,9 @@ int flowmoe_ffn_group(int experts, const void *const *xs, const int *ns, long H,
 
 /* A layer's routed experts from the rows of x they take: expert e's n_e rows are x's rows
    rows[first[e]...] (x [T, H] in the weights' dtype, row stride ldx; gathered into a buffer, widened
-   to fp32 unless the isa reads bf16 rows, else each expert's rows placed against its weight: `placed`), and each output row is multiplied by its scale (see
-   rows_out): out [sum n_e, H] in bf16 where out_bf16, else fp32. Returns 0, or 1 where there is no
-   memory for the buffers. */
+   to fp32 unless the isa reads bf16 rows, else each expert's rows placed against its weight:
+   `placed`), and each output row is multiplied by its scale (see rows_out): out [sum n_e, H] in
+   bf16 where out_bf16, else fp32. Returns 0, or 1 where there is no memory for the buffers. */
 int flowmoe_ffn_routed(int experts, const void *x, long ldx, const int64_t *rows_of_x, const int *ns, long H,
                        long I, const void *const *gate_ups, const void *const *downs, int bf16,
                        const float *const *gate_up_biases, const float *const *down_biases, int clamped,
@@ -542,7 +542,8 @@ int flowmoe_ffn_routed(int experts, const void *x, long ldx, const int64_t *rows
     long first[n_experts], rows = 0;
     for (int e = 0; e < experts; e++) first[e] = rows, rows += ns[e];
     /* each expert's rows where they keep out of its gate / up weight's sets (placed), unless widened */
-    char *gathered = malloc((size_t)kept * (rows > 0 ? rows : 1) * H + (widen ? 0 : (size_t)experts * PLACE_SLACK));
+    size_t slack = widen ? 0 : (size_t)experts * PLACE_SLACK;
+    char *gathered = malloc((size_t)kept * (rows > 0 ? rows : 1) * H + slack);
     if (!gathered) return 1;
     const void *fx[n_experts];
     char *at = gathered;
