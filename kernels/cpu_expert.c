@@ -422,7 +422,7 @@ static inline void store_row(rows_out to, long i, long at, float v, int weights_
     store(to.out, at, v, to.bf16);
 }
 
-/* An activation v into row r of the acts buffer (I columns; see ffn_rows) at column o. */
+/* An activation v into row r of an expert's acts (I columns; see ffn_rows) at column o. */
 static inline void store_act(void *acts, int isa, int bf16, long r, long I, long o, float v) {
     if (bf16_rows(isa, bf16)) {
         ((uint16_t *)acts)[r * I + o] = float_to_bf16(v);
@@ -440,16 +440,24 @@ static inline void store_act(void *acts, int isa, int bf16, long r, long I, long
    where the isa reads bf16 rows: as transformers' bf16 forward rounds them, and llama.cpp's BF16
    path; against keeping them to 2^-17 in two bf16 rows, from DRAM 1.10x at 1 row, 1.02x at 2,
    1.11x at 8 (bench/expert_rows.py, Zen 4, 1 thread, 9 rounds), for 2.5-3.0e-3 relative
-   difference. Threads share the blocks of all experts in spans of about equal cost (shares.h);
-   the biases may be null. Returns 0, or 1 where there is no memory for the buffer. */
+   difference. Each expert's acts are placed against its down weight (`placed`) where they are in
+   the weight's dtype. Threads share the blocks of all experts in spans of about equal cost
+   (shares.h); the biases may be null. Returns 0, or 1 where there is no memory for the buffer. */
 static int ffn_rows(int experts, const void *const *fx, const int *ns, const long *first, long rows, long H,
                     long I, const void *const *gate_ups, const void *const *downs, int bf16,
                     const float *const *gate_up_biases, const float *const *down_biases, int clamped, float alpha,
                     float limit, rows_out to, int isa, int threads) {
     int bs = block_rows(isa), bf16_acts = bf16_rows(isa, bf16);
     long up_blocks = (I + bs - 1) / bs, down_blocks = paired_blocks(H, bs); /* down's: as gate's beside up's */
-    float *acts = malloc(sizeof(float) * (rows > 0 ? rows : 1) * I); /* bf16 acts: its first half */
+    int asize = bf16_acts ? 2 : 4, place = asize == (bf16 ? 2 : 4); /* acts in the down weight's dtype */
+    char *acts = malloc((size_t)asize * (rows > 0 ? rows : 1) * I + (size_t)experts * PLACE_SLACK);
     if (!acts) return 1;
+    void *act_of[experts > 0 ? experts : 1]; /* each expert's acts [n_e, I] */
+    char *at = acts;
+    for (int e = 0; e < experts; e++) {
+        act_of[e] = place ? placed(at, downs[e], I * asize) : at;
+        at = (char *)act_of[e] + (size_t)asize * ns[e] * I;
+    }
 #pragma omp parallel num_threads(threads)
     {
         int id = omp_get_thread_num(), team = omp_get_num_threads();
@@ -467,7 +475,7 @@ static int ffn_rows(int experts, const void *const *fx, const int *ns, const lon
                 for (int j = 0; j < ob; j++) {
                     float gv = g[r * bs + j] + (bias ? bias[o0 + j] : 0.0f);
                     float uv = u[r * bs + j] + (bias ? bias[I + o0 + j] : 0.0f);
-                    store_act(acts, isa, bf16, first[e] + r, I, o0 + j, swiglu(gv, uv, clamped, alpha, limit));
+                    store_act(act_of[e], isa, bf16, r, I, o0 + j, swiglu(gv, uv, clamped, alpha, limit));
                 }
         }
 #pragma omp barrier
@@ -475,7 +483,7 @@ static int ffn_rows(int experts, const void *const *fx, const int *ns, const lon
             int e = (int)(t / down_blocks), n = ns[e];
             const float *bias = down_biases[e];
             float res[2 * n * OB_MAX];
-            rows_in act = {bf16_acts ? (const void *)((uint16_t *)acts + first[e] * I) : acts + first[e] * I, I};
+            rows_in act = {act_of[e], I};
             pair_at p = paired(isa, act, n, I, downs[e], bf16, H, t % down_blocks, res);
             for (int m = 0; m < p.both; m++)
                 for (int r = 0; r < n; r++)

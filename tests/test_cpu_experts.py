@@ -296,7 +296,7 @@ def test_linear_rows_every_row_count(isa: str, dtype: torch.dtype, n_in: int) ->
 
 @compiled
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("hidden", "inter"), [(40, 24), (64, 600), (1100, 37), (1024, 24)])
+@pytest.mark.parametrize(("hidden", "inter"), [(40, 24), (64, 600), (1100, 37), (1024, 24), (64, 1024)])
 def test_ffn_group_every_isa(isa: str, dtype: torch.dtype, hidden: int, inter: int) -> None:
     """A group of experts of 1..MAX_ROWS rows: each within tolerance of float64, the same bits at 1,
     2 and 3 threads (whose spans of the experts' blocks, shares.h, split them otherwise) and alone as
@@ -324,7 +324,7 @@ def test_ffn_group_every_isa(isa: str, dtype: torch.dtype, hidden: int, inter: i
 @compiled
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("hidden", "inter"), [(40, 24), (1100, 37), (1024, 24)])
+@pytest.mark.parametrize(("hidden", "inter"), [(40, 24), (1100, 37), (1024, 24), (64, 1024)])
 def test_routed_group_is_gather_group_and_scale(
     isa: str, dtype: torch.dtype, scale_dtype: torch.dtype, hidden: int, inter: int
 ) -> None:
