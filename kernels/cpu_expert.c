@@ -338,9 +338,13 @@ static void widen_rows(const uint16_t *x, long ldx, int n, long K, int ordered, 
 #define PLACE_SLACK (4096 + 64)
 #define REREAD_ROWS 4 /* rows of x from which a block's tiles read each chunk of the weight several times */
 
+/* How far past the weight's offset in 4 KiB rows `row_bytes` apart start (0: they meet it nowhere). */
+static inline uintptr_t placement_gap(long row_bytes) {
+    return row_bytes % 4096 == 0 ? 2048 : row_bytes % 2048 == 0 ? 1024 : 0;
+}
+
 static inline void *placed(void *buf, const void *w, long row_bytes) {
-    uintptr_t at = ((uintptr_t)buf + 63) & ~(uintptr_t)63;
-    uintptr_t gap = row_bytes % 4096 == 0 ? 2048 : row_bytes % 2048 == 0 ? 1024 : 0;
+    uintptr_t at = ((uintptr_t)buf + 63) & ~(uintptr_t)63, gap = placement_gap(row_bytes);
     if (!gap) return (void *)at;
     uintptr_t want = ((uintptr_t)w + gap) & 4095 & ~(uintptr_t)63; /* the offset in 4 KiB to start at */
     return (void *)(at + ((want - (at & 4095)) & 4095));
@@ -380,7 +384,7 @@ int flowmoe_linear(const void *x, long ldx, int n, long K, const void *w, int bf
         if (!wide) return 1;
         widen_rows(x, ldx, n, K, reorders(isa, bf16), wide);
         xs.p = wide, xs.ld = K;
-    } else if (n >= REREAD_ROWS && K * esize % 2048 == 0) {
+    } else if (n >= REREAD_ROWS && placement_gap(K * esize)) {
         wide = malloc((size_t)esize * n * K + PLACE_SLACK);
         if (!wide) return 1;
         void *rows = placed(wide, w, K * esize);
@@ -510,7 +514,7 @@ int flowmoe_ffn_group(int experts, const void *const *xs, const int *ns, long H,
     for (int e = 0; e < experts; e++) first[e] = rows, rows += ns[e];
     int esize = bf16 ? 2 : 4, most = 0;
     for (int e = 0; e < experts; e++) most = ns[e] > most ? ns[e] : most;
-    int moved = !widen && most >= REREAD_ROWS && H * esize % 2048 == 0; /* rows copied where `placed` says */
+    int moved = !widen && most >= REREAD_ROWS && placement_gap(H * esize); /* rows copied where `placed` says */
     char *wide = 0;
     const void *fx[n_experts];
     if (widen && !(wide = malloc(sizeof(float) * (rows > 0 ? rows : 1) * H))) return 1;
