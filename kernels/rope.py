@@ -102,6 +102,11 @@ class Rotary:
         half = sin.shape[-1] // 2
         return cls(cos[:, None], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None])
 
+    def rows(self, positions: torch.Tensor) -> Rotary:
+        """The rotary embedding of `positions` [T] (int64, on this one's device), where this one is a
+        table's (row p: position p)."""
+        return Rotary(self.cos[positions], self.signed_sin[positions])  # [T, 1, R] each, contiguous
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D] -> [T, heads, D], its first R dimensions rotated (rotate-half convention)."""
         rotary = self.cos.shape[-1]

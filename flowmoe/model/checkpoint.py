@@ -42,6 +42,7 @@ from flowmoe.core.os_errors import os_reason
 from flowmoe.core.spec import ModelSpec
 from flowmoe.kernels.host_memory import huge_empty
 from flowmoe.model.arena import copy_in
+from flowmoe.model.file_rows import FileRows
 from flowmoe.model.fp8 import (
     FP8_DTYPE,
     SCALE_DTYPES,
@@ -221,6 +222,11 @@ class Checkpoint:
         # what has been copied out can leave the process's resident set now (model/arena.py copies a
         # large tensor so, a chunk at a time): its bytes [begin, end)
         tensor.release = functools.partial(_drop_pages, region, info.offset - start)  # type: ignore[attr-defined]
+        if (
+            len(info.shape) == 2
+        ):  # a table a step reads rows of (the embedding left here), without the mapping
+            rows, cols = info.shape
+            tensor.rows = FileRows(self._where[name], info.offset, (rows, cols), dtype)  # type: ignore[attr-defined]
         return tensor
 
     def fp8_weight(self, name: str) -> FP8Weight | None:

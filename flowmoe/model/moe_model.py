@@ -13,7 +13,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from attrs import define, frozen
+from attrs import define, field, frozen
 
 from flowmoe.core.plan import deferred_by_rank
 from flowmoe.core.spec import ModelSpec
@@ -33,7 +33,7 @@ from flowmoe.model.packed_experts import packed_routed, packed_scaled
 from flowmoe.model.quantized import PackedWeight, packed_linear
 from flowmoe.model.weights import FFNWeights, LayerWeights, ModelWeights
 
-EMBED_ROWS = 64  # rows of a mapped embedding read at once (`MoEModel.embed`): 4 MiB of pages mapped
+ROPE_TABLE = 256  # positions in the smallest rotary table a model keeps (`MoEModel.rope`)
 
 
 @frozen
@@ -55,6 +55,8 @@ class MoEModel:
     weights: ModelWeights
     inv_freq: torch.Tensor  # [head_dim / 2]
     rope_scaling: float
+    # the rotary embedding of positions 0, 1, ... on each device (`rope`), grown as steps reach further
+    _rope_tables: dict[tuple[torch.device, torch.dtype], Rotary] = field(factory=dict, init=False)
 
     @classmethod
     def build(cls, spec: ModelSpec, weights: ModelWeights) -> MoEModel:
@@ -82,28 +84,32 @@ class MoEModel:
     def embed(self, ids: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """ids: [T] int64 -> hidden [T, hidden] (`weight`: the embedding where it is resident)."""
         table = self.weights.embed if weight is None else weight  # [vocab, hidden], maybe still as stored
-        release = getattr(table, "release", None)  # a table still in its mapped checkpoint (Checkpoint.read)
-        if release is None:
-            hidden = F.embedding(ids, table)  # [T, hidden]
-            hidden = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)  # no op where equal
-        else:  # read EMBED_ROWS rows at a time, letting go after each read of the pages it mapped (the
-            # kernel maps 16 around each row it faults in: ~60 MiB of the bench's fp32 32000 x 1024
-            # table for a 1024-token prefill read at once)
-            hidden = torch.empty(ids.shape[0], table.shape[1], dtype=self.dtype)  # [T, hidden]
-            for rows, out in zip(ids.split(EMBED_ROWS), hidden.split(EMBED_ROWS), strict=True):
-                out.copy_(F.embedding(rows, table))
-                release(0, table.nbytes)
+        # a table still in its checkpoint shard (Checkpoint.read): its tokens' rows read from the file
+        # (model/file_rows.py), as stored, so that the table never maps in
+        rows = getattr(table, "rows", None)
+        hidden = F.embedding(ids, table) if rows is None else rows(ids)  # [T, hidden]
+        hidden = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)  # no op where equal
         multiplier = self.spec.embedding_multiplier
         return hidden * multiplier if multiplier != 1.0 else hidden
 
     def rope(self, layout: TokenLayout, device: torch.device | str = "cpu") -> Rotary:
-        """The rotary embedding of this step's token positions (shared by all layers)."""
+        """The rotary embedding of this step's token positions (shared by all layers): the rows of a
+        table of positions 0, 1, ... that the model keeps on each device, the same floats as computed
+        for the step's positions alone (cos and sin work element by element); longrope's scale
+        depends on the sequences' lengths, so it is computed for each step."""
         positions = layout.positions.to(device)
-        scaling: float | torch.Tensor = self.rope_scaling
         if self.spec.rope.kind == "longrope":
             lengths = torch.tensor(layout.advanced()).repeat_interleave(torch.tensor(layout.counts))  # [T]
             scaling = longrope_scaling(self.spec.rope, lengths.to(device))  # [T, 1]
-        return Rotary.at(self.inv_freq, scaling, positions, self.dtype)
+            return Rotary.at(self.inv_freq, scaling, positions, self.dtype)
+        reach = max(layout.advanced(), default=0)  # the positions read: [0, reach)
+        key = (positions.device, self.dtype)
+        table = self._rope_tables.get(key)
+        if table is None or table.cos.shape[0] < reach:  # the next power of two, from ROPE_TABLE
+            size = max(ROPE_TABLE, 1 << max(reach - 1, 0).bit_length())
+            where = torch.arange(size, device=positions.device)  # [size]
+            table = self._rope_tables[key] = Rotary.at(self.inv_freq, self.rope_scaling, where, self.dtype)
+        return table.rows(positions)
 
     def pre_attention(
         self, layer: int, hidden: torch.Tensor, rope: Rotary, lw: LayerWeights | None = None
