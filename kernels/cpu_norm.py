@@ -47,6 +47,41 @@ def _weight_facts(weight: torch.Tensor) -> tuple[torch.dtype, int, int] | None:
 _weight = native.Facts(_weight_facts)  # a layer's norm weights are checked on their first call
 
 
+def takes(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
+) -> tuple[torch.dtype, int, int] | None:
+    """The weight's facts (dtype, dim, address) where `normed` takes x, `residual` and weight (see
+    there), else None."""
+    facts = _weight(weight)
+    if (
+        facts is None
+        or kernel() is None
+        or x.dtype is not facts[0]
+        or not x.is_cpu  # `is_cpu`: no device object made (asked twice a layer, with the caches cold)
+        or x.dim() == 0
+        or x.shape[-1] != facts[1]
+        or not x.is_contiguous()
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        return None
+    if residual is not None and not (
+        residual.is_cpu
+        and residual.dtype is facts[0]
+        and residual.shape == x.shape
+        and residual.is_contiguous()
+        and not (torch.is_grad_enabled() and residual.requires_grad)
+    ):
+        return None
+    return facts
+
+
+def threads_for(rows: int, dim: int) -> int:
+    """The norm's threads: one below torch's grain (a decode step's few rows), where waking the team
+    for ~1 us of work per row costs more than the row (the threads share out whole rows, so the floats
+    are the same)."""
+    return torch.get_num_threads() if rows * dim >= GRAIN else 1
+
+
 def normed(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor | None:
@@ -56,35 +91,17 @@ def normed(
     `x + residual`. None where the kernel does not take them (torch's path then): host tensors of
     one dtype, fp32 or bf16, contiguous, dim < GRAIN (torch's order for one row then depends on its
     threads), no autograd; the weight's part is checked once per weight."""
-    facts, run = _weight(weight), kernel()
-    if (
-        facts is None
-        or run is None
-        or x.dtype is not facts[0]
-        or not x.is_cpu  # `is_cpu`: no device object made (asked twice a layer, with the caches cold)
-        or x.dim() == 0
-        or x.shape[-1] != facts[1]
-        or not x.is_contiguous()
-        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-    ):
+    facts = takes(x, residual, weight)
+    if facts is None:
         return None
-    added = None
-    if residual is not None:
-        if not (
-            residual.is_cpu
-            and residual.dtype is facts[0]
-            and residual.shape == x.shape
-            and residual.is_contiguous()
-            and not (torch.is_grad_enabled() and residual.requires_grad)
-        ):
-            return None
-        added = residual.data_ptr()
+    run = kernel()
+    assert run is not None  # `takes` asked
     dim = facts[1]
     rows = x.numel() // dim if dim else 0
     out = torch.empty_like(x)
     bf16 = int(facts[0] is torch.bfloat16)
-    # one thread below torch's grain (a decode step's few rows): waking the team for ~1 us of work per
-    # row costs more than the row (the threads share out whole rows, so the floats are the same)
-    threads = torch.get_num_threads() if rows * dim >= GRAIN else 1
-    run(x.data_ptr(), added, rows, dim, facts[2], bf16, eps, SUM_WIDTH, out.data_ptr(), threads)
+    added = None if residual is None else residual.data_ptr()
+    run(
+        x.data_ptr(), added, rows, dim, facts[2], bf16, eps, SUM_WIDTH, out.data_ptr(), threads_for(rows, dim)
+    )
     return out

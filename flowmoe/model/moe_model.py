@@ -17,6 +17,7 @@ from attrs import define, field, frozen
 
 from flowmoe.core.plan import deferred_by_rank
 from flowmoe.core.spec import ModelSpec
+from flowmoe.kernels import cpu_attention_ends as attention_ends
 from flowmoe.kernels import cpu_combine
 from flowmoe.kernels.attention import attend
 from flowmoe.kernels.experts import swiglu_ffn, swiglu_ffn_gathered, swiglu_ffn_group, swiglu_ffn_routed
@@ -118,6 +119,15 @@ class MoEModel:
 
         `lw`: the layer's weights where they are resident (default: the model's own)."""
         a, w = self.spec.attention, (lw or self.weights.layers[layer]).attn
+        if self._plain_attention(layer) and a.qk_norm == "none" and a.clip_qkv is None and a.uses_rope(layer):
+            rotated = a.heads + a.kv_heads  # q's and k's heads, in one call with the norm and projection
+            qkv = attention_ends.pre_attention(
+                hidden, w.input_norm, self.spec.norm_eps, w.qkv, w.qkv_bias, rope, rotated, a.head_dim
+            )  # [T, (H + 2 KVH) * D], or None
+            if qkv is not None:
+                heads = qkv.view(hidden.shape[0], rotated + a.kv_heads, a.head_dim)  # [T, H + 2 KVH, D]
+                q, k, v = heads.split_with_sizes([a.heads, a.kv_heads, a.kv_heads], dim=1)
+                return q, k, v
         x = norm_of_kind(hidden, w.input_norm, self.spec.norm_eps, self.spec.norm)
         if a.mla is not None:  # -> q [T, H, qk_head_dim], latent [T, 1, r], RoPE key [T, 1, R]
             eps = self.spec.norm_eps
@@ -183,8 +193,23 @@ class MoEModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden + O(attn_out) [T, hidden], its post-attention norm [T, hidden])."""
         w = (lw or self.weights.layers[layer]).attn
+        if self._plain_attention(layer) and self.spec.residual_multiplier == 1.0:
+            both = attention_ends.post_attention(
+                attn_out, w.o, w.o_bias, hidden, w.post_norm, self.spec.norm_eps
+            )
+            if both is not None:  # in one call with the projection
+                return both
         out = self._residual(self._projection(layer, 1, attn_out, w.o, w.o_bias))  # [T, hidden], fresh
         return add_then_norm(out, hidden, w.post_norm, self.spec.norm_eps, self.spec.norm)
+
+    def _plain_attention(self, layer: int) -> bool:
+        """RMSNorms around an attention without latent heads whose projections the host layer keeps
+        in no packed copy: where kernels/cpu_attention_ends.py may take a side's chain in one call."""
+        return (
+            self.spec.norm == "rms"
+            and self.spec.attention.mla is None
+            and self.weights.layers[layer].attention_packed is None
+        )
 
     def _projection(
         self, layer: int, which: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
