@@ -9,8 +9,9 @@ kept); a plain run (no instrumentation, vs_llamacpp's clock: the median decode s
 CPU); then a profiled run, every node's action and every C kernel wrapper timed (the wrappers add
 a few us a call: the profiled step is printed beside the plain one). The first two steps (prefill,
 first decode) are left out. A kernel's weight bytes are those its call reads once (a projection's
-weight, a layer's routed experts' gate_up and down); the norms', rope's, router tail's and KV
-write's are counted as none (their weights are ~0.1% of a step's).
+weight, a layer's routed experts' gate_up and down, the projection inside an attention side's one
+call); the norms', rope's, router tail's and KV write's are counted as none (their weights are ~0.1%
+of a step's).
 
 Medians over rounds, per step. Prints a table per (dtype, threads), writes bench/decode_profile.json
 with the CPU named. The checkpoint is vs_llamacpp's (run that bench once, or pass --model).
@@ -39,7 +40,16 @@ from vs_transformers import flowmoe_generate
 
 from flowmoe.core.plan import TaskNode
 from flowmoe.core.policy import Policy
-from flowmoe.kernels import cpu_attention, cpu_combine, cpu_expert, cpu_kv, cpu_norm, cpu_rope, cpu_router
+from flowmoe.kernels import (
+    cpu_attention,
+    cpu_attention_ends,
+    cpu_combine,
+    cpu_expert,
+    cpu_kv,
+    cpu_norm,
+    cpu_rope,
+    cpu_router,
+)
 from flowmoe.kernels.host_memory import huge_empty
 from flowmoe.model.loading import load_model
 from flowmoe.runtime.actions import StepState
@@ -55,6 +65,14 @@ def _projection_bytes(args: tuple) -> int:
     return int(args[1].nbytes)  # linear_rows(x, weight, ...)
 
 
+def _pre_bytes(args: tuple) -> int:
+    return int(args[3].nbytes)  # pre_attention(hidden, norm, eps, weight, ...)
+
+
+def _post_bytes(args: tuple) -> int:
+    return int(args[1].nbytes)  # post_attention(attn, weight, ...)
+
+
 def _experts_bytes(args: tuple) -> int:
     ffns = args[4]  # swiglu_routed(x, rows, scales, counts, ffns, ...)
     return sum(int(f[0].nbytes + f[1].nbytes) for f in ffns)
@@ -63,6 +81,8 @@ def _experts_bytes(args: tuple) -> int:
 # (module, function, the weight bytes a call reads from its arguments, or None)
 KERNELS: tuple[tuple[Any, str, Callable[[tuple], int] | None], ...] = (
     (cpu_expert, "linear_rows", _projection_bytes),
+    (cpu_attention_ends, "pre_attention", _pre_bytes),  # norm, q/k/v projection and rope in one call
+    (cpu_attention_ends, "post_attention", _post_bytes),  # o projection, residual add and norm
     (cpu_expert, "swiglu_routed", _experts_bytes),
     (cpu_attention, "decode", None),
     (cpu_norm, "normed", None),
@@ -115,7 +135,7 @@ class Profile:
             out = kernel(*args, **kwargs)
             if self.on:
                 self.kernels[self.op] += time.perf_counter() - started
-                if weight_bytes is not None:
+                if weight_bytes is not None and out is not None:  # None: the call's chain not taken
                     self.bytes[self.op] += weight_bytes(args)
             return out
 
