@@ -3,6 +3,8 @@ of range refused as F.embedding refuses it, a file cut short after loading named
 
 from __future__ import annotations
 
+import gc
+import os
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,14 @@ def test_a_file_gone_before_the_first_read_is_named(tmp_path: Path) -> None:
     path.unlink()
     with pytest.raises(CheckpointError, match=r"shard\.bin: reopening for the embedding's rows"):
         rows(torch.tensor([0]))
+
+
+def test_the_file_is_closed_with_the_reader(tmp_path: Path) -> None:
+    path, _, offset = _table(tmp_path, torch.float32)
+    rows = FileRows(path, offset, (40, 24), torch.float32)
+    rows(torch.tensor([0]))
+    fd = rows._fd
+    assert fd is not None and os.readlink(f"/proc/self/fd/{fd}") == str(path)
+    del rows
+    gc.collect()
+    assert not os.path.exists(f"/proc/self/fd/{fd}") or os.readlink(f"/proc/self/fd/{fd}") != str(path)

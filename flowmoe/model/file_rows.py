@@ -9,6 +9,7 @@ never enters the resident set."""
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -49,12 +50,10 @@ class FileRows:
     def _open(self) -> int:
         if self._fd is None:
             try:
-                self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as exc:
                 reason = os_reason(exc)
                 raise CheckpointError(f"{self.path}: reopening for the embedding's rows: {reason}") from exc
+            self._fd = fd
+            weakref.finalize(self, os.close, fd)  # closed with this object, or at exit
         return self._fd
-
-    def __del__(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
