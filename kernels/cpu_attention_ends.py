@@ -61,15 +61,14 @@ def pre_attention(
     rows, width = hidden.shape
     outs = weight.shape[0]
     qkv = torch.empty(rows, outs, dtype=hidden.dtype)  # [T, O]: the kernel writes it
-    wide_bias = bias.float().contiguous() if bias is not None else None
+    wide = cpu_expert.wide_bias(bias)
     status = run(
         hidden.data_ptr(), rows, width, facts[2], eps, cpu_norm.SUM_WIDTH, cpu_norm.threads_for(rows, width),
-        weight.data_ptr(), int(weight.dtype == torch.bfloat16), outs, _ptr(wide_bias), qkv.data_ptr(),
-        heads, tables[2], head_dim, tables[3], tables[4], cpu_expert.ISAS[cpu_expert.isa()],
+        weight.data_ptr(), int(weight.dtype == torch.bfloat16), outs, cpu_expert.address(wide),
+        qkv.data_ptr(), heads, tables[2], head_dim, tables[3], tables[4], cpu_expert.ISAS[cpu_expert.isa()],
         torch.get_num_threads(),
     )  # fmt: skip
-    if status:
-        raise MemoryError("pre_attention: no memory for the kernel's buffers")
+    cpu_expert.check(status, "pre_attention")
     return qkv
 
 
@@ -92,18 +91,12 @@ def post_attention(
     if facts is None:
         return None
     normed = torch.empty_like(total)  # [T, H]
-    rows_of_attn = attn if attn.stride(1) == 1 else attn.contiguous()
-    wide_bias = bias.float().contiguous() if bias is not None else None
+    rows_of_attn, wide = cpu_expert.unit_rows(attn), cpu_expert.wide_bias(bias)
     status = run(
         rows_of_attn.data_ptr(), rows_of_attn.stride(0), rows, attn.shape[1], weight.data_ptr(),
-        int(weight.dtype == torch.bfloat16), outs, _ptr(wide_bias), residual.data_ptr(), facts[2], eps,
-        cpu_norm.SUM_WIDTH, cpu_norm.threads_for(rows, outs), total.data_ptr(), normed.data_ptr(),
+        int(weight.dtype == torch.bfloat16), outs, cpu_expert.address(wide), residual.data_ptr(), facts[2],
+        eps, cpu_norm.SUM_WIDTH, cpu_norm.threads_for(rows, outs), total.data_ptr(), normed.data_ptr(),
         cpu_expert.ISAS[cpu_expert.isa()], torch.get_num_threads(),
     )  # fmt: skip
-    if status:
-        raise MemoryError("post_attention: no memory for the kernel's buffers")
+    cpu_expert.check(status, "post_attention")
     return total, normed
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()

@@ -181,11 +181,12 @@ def fits_ffn(x: torch.Tensor, ffn: FFN, rows: int | None = None) -> bool:
     return _rows_fit(x, rows) and _ffn_fits(ffn, x.dtype, x.shape[1])
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def address(t: torch.Tensor | None) -> int | None:
+    """A tensor's address as the kernels take it (None: NULL)."""
     return None if t is None else t.data_ptr()
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def unit_rows(x: torch.Tensor) -> torch.Tensor:
     """x with unit column stride (the kernels read rows, in x's own dtype)."""
     return x if x.stride(1) == 1 else x.contiguous()
 
@@ -197,23 +198,24 @@ def linear_rows(
     one of ISAS the CPU runs (default `isa()`)."""
     lib = library()
     assert lib is not None
-    rows = _rows(x)
+    rows = unit_rows(x)
     n, k = rows.shape
     o = weight.shape[0]
     out = torch.empty(n, o, dtype=x.dtype)  # [n, out]: the kernel writes x's dtype
-    b = bias.float().contiguous() if bias is not None else None
+    b = wide_bias(bias)
     bf16 = int(weight.dtype == torch.bfloat16)
     w, code, threads = weight.data_ptr(), ISAS[block or isa()], torch.get_num_threads()
     status = lib.flowmoe_linear(
-        rows.data_ptr(), rows.stride(0), n, k, w, bf16, o, _ptr(b), out.data_ptr(), o, code, threads
+        rows.data_ptr(), rows.stride(0), n, k, w, bf16, o, address(b), out.data_ptr(), o, code, threads
     )
-    _check(status, "linear_rows")
+    check(status, "linear_rows")
     return out
 
 
-def _check(status: int, name: str) -> None:
+def check(status: int, name: str) -> None:
+    """A kernel's status: 1 where it found no memory for its buffers."""
     if status != 0:
-        raise MemoryError(f"{name}: no memory for the kernel's fp32 buffers")
+        raise MemoryError(f"{name}: no memory for the kernel's buffers")
 
 
 def swiglu_group(
@@ -234,7 +236,7 @@ def swiglu_group(
         ISAS[block or isa()], torch.get_num_threads(),
     )  # fmt: skip
     del biases  # alive through the call
-    _check(status, "swiglu_group")
+    check(status, "swiglu_group")
     return list(outs.split(counts))
 
 
@@ -274,7 +276,7 @@ def swiglu_routed(
         ISAS[block or isa()], torch.get_num_threads(),
     )  # fmt: skip
     del biases  # alive through the call
-    _check(status, "swiglu_routed")
+    check(status, "swiglu_routed")
     return out
 
 
@@ -283,7 +285,7 @@ def _biases(ffns: list[FFN]) -> tuple[list[torch.Tensor | None], list[torch.Tens
     caller through the kernel's call; None where none has any."""
     if all(f[2] is None and f[3] is None for f in ffns):
         return None
-    return [_float(f[2]) for f in ffns], [_float(f[3]) for f in ffns]
+    return [wide_bias(f[2]) for f in ffns], [wide_bias(f[3]) for f in ffns]
 
 
 def _weights(
@@ -295,7 +297,7 @@ def _weights(
     bf16 = int(ffns[0][0].dtype == torch.bfloat16)
     if biases is None:
         return gate_ups, downs, bf16, nulls(len(ffns)), nulls(len(ffns))
-    gate_up_biases, down_biases = (native.pointers([_ptr(b) for b in side]) for side in biases)
+    gate_up_biases, down_biases = (native.pointers([address(b) for b in side]) for side in biases)
     return gate_ups, downs, bf16, gate_up_biases, down_biases
 
 
@@ -311,6 +313,6 @@ def _activation(moe: MoESpec) -> tuple[int, float, float]:
     return int(moe.activation == "clamped_swiglu"), moe.swiglu_alpha, moe.swiglu_limit
 
 
-def _float(bias: torch.Tensor | None) -> torch.Tensor | None:
+def wide_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
     """A bias as the kernels read it: contiguous fp32."""
     return None if bias is None else bias.float().contiguous()

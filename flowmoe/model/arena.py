@@ -159,10 +159,9 @@ def layer_arena(lw: LayerWeights, plan: ArenaPlan | None = None) -> torch.Tensor
 def top_arena(weights: ModelWeights, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The embedding, final norm and LM head in one host buffer, converted to `dtype` if given (a
     tied LM head stays the embedding). An untied embedding that views a mapped file (it has
-    `release`, model/checkpoint.py) stays there, as stored: a step reads only its tokens' rows, and
-    MoEModel.embed converts those and lets go of the pages each read mapped (the kernel maps ~16
-    around each row it faults in), so the table is never resident (the issue's 32000 x 1024: 62.5 MiB
-    in bf16, 125 MiB in fp32)."""
+    `release`, model/checkpoint.py) stays there, as stored: a step reads only its tokens' rows, from
+    the file (model/file_rows.py), and MoEModel.embed converts those, so the table is never resident
+    (the issue's 32000 x 1024: 62.5 MiB in bf16, 125 MiB in fp32)."""
     tied = weights.lm_head is weights.embed
     mapped = not tied and hasattr(weights.embed, "release")
     packed = (("embed", not mapped), ("final_norm", True), ("lm_head", not tied))

@@ -222,9 +222,8 @@ class Checkpoint:
         # what has been copied out can leave the process's resident set now (model/arena.py copies a
         # large tensor so, a chunk at a time): its bytes [begin, end)
         tensor.release = functools.partial(_drop_pages, region, info.offset - start)  # type: ignore[attr-defined]
-        if (
-            len(info.shape) == 2
-        ):  # a table a step reads rows of (the embedding left here), without the mapping
+        # a table whose rows a step reads (the embedding left here), from the file, not the mapping
+        if len(info.shape) == 2:
             rows, cols = info.shape
             tensor.rows = FileRows(self._where[name], info.offset, (rows, cols), dtype)  # type: ignore[attr-defined]
         return tensor
