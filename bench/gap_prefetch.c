@@ -1,9 +1,10 @@
-/* A decode step's shape in C, for bench/gap_prefetch.py (issue 25): `layers` layers, each a host gap
-   of `gap_us` on thread 0 (the Python between two kernels), then a kernel that reads the layer's
-   `seg_mib` MiB of weights once at `threads` threads, each thread its static share in address order
-   (as flowmoe's GEMV kernels split a weight). During the gap the other threads either wait (spin, as
-   OpenMP's idle workers do) or read ahead: thread 1 reads the first `ahead_kib` KiB of the layer's
-   weights (`mode` 0: loads; 1: prefetcht1 only), so that the kernel finds them in the caches.
+/* A decode step's shape in C, for bench/gap_prefetch.py (issue 25): `layers` layers of `seg_mib` MiB
+   of weights, each read as `pieces` kernels (equal parts of it, in order), each kernel after a host
+   gap of `gap_us` / `pieces` on thread 0 (the Python between two kernels) and read once at `threads`
+   threads, each thread its static share in address order (as flowmoe's GEMV kernels split a weight).
+   During a gap the other threads either wait (spin, as OpenMP's idle workers do) or read ahead:
+   thread 1 reads the first `ahead_kib` / `pieces` KiB of the kernel's weights (`mode` 0: loads; 1:
+   prefetcht1 only), so that the kernel finds them in the caches.
    Prints one JSON line: each step's milliseconds. */
 #include <immintrin.h>
 #include <omp.h>
@@ -32,13 +33,15 @@ static __m512 read_range(const char *p, long n) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 8) {
-        fprintf(stderr, "usage: gap_prefetch LAYERS SEG_MIB GAP_US AHEAD_KIB MODE STEPS THREADS\n");
+    if (argc != 9) {
+        fprintf(stderr, "usage: gap_prefetch LAYERS SEG_MIB GAP_US AHEAD_KIB MODE STEPS THREADS PIECES\n");
         return 2;
     }
     int layers = atoi(argv[1]), mode = atoi(argv[5]), steps = atoi(argv[6]), threads = atoi(argv[7]);
-    long seg = atol(argv[2]) << 20, ahead = atol(argv[4]) << 10;
-    double gap = atof(argv[3]) * 1e-6;
+    int pieces = atoi(argv[8]);
+    long seg = (atol(argv[2]) << 20) / pieces / 4096 * 4096, ahead = (atol(argv[4]) << 10) / pieces / 256 * 256;
+    double gap = atof(argv[3]) * 1e-6 / pieces;
+    layers *= pieces; /* each piece a kernel of its own */
     long total = seg * layers;
     char *w = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (w == MAP_FAILED) return 1;
