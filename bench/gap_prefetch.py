@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from flowmoe.kernels.native import c_compiler
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 SKIPPED = 3  # first steps of a process left out (page faults, the team's start)
@@ -46,8 +47,8 @@ Config = tuple[int, int, float, str]  # gap us a layer, kernels a layer, MiB rea
 
 
 def build(folder: Path) -> Path:
-    """bench/gap_prefetch.c compiled for this CPU (the kernels' flags: -O3 -march=native -fopenmp)."""
-    compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    """bench/gap_prefetch.c compiled for this CPU by the kernels' compiler (-O3 -march=native -fopenmp)."""
+    compiler = c_compiler()  # the kernels' own choice: $CC, else cc, else gcc
     if compiler is None:
         raise SystemExit("gap_prefetch: no C compiler (cc, gcc or $CC)")
     binary = folder / "gap_prefetch"
@@ -106,10 +107,10 @@ def main() -> None:
                 paired[c].append(ms / this[(c[0], c[1], 0.0, chosen[0])])
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     rows = []
+    bytes_read = args.layers * args.segment * 2**20  # a step's
     for c in configs:
         g, p, a, m = c
         step = statistics.median(steps[c])
-        bytes_read = args.layers * args.segment * 2**20
         rows.append({
             "gap_us": g, "pieces": p, "ahead_mib": a, "mode": m, "step_ms": step, "steps_ms": steps[c],
             "paired": statistics.median(paired[c]),

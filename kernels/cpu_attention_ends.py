@@ -45,7 +45,7 @@ def pre_attention(
     first `heads` heads of `head_dim` rotated by `rope` (its first R dims), in one call; None where a
     kernel of the chain would not take its part."""
     run, facts = pre_kernel(), cpu_norm.takes(hidden, None, norm)
-    tables = rope._tables
+    tables = rope.tables
     if (
         run is None
         or facts is None

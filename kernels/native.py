@@ -102,7 +102,7 @@ def cache_folder() -> Path:
 FALLBACK = "the CPU kernels are off and torch's slower path computes CPU experts and attention"
 
 
-def _compiler() -> str | None:
+def c_compiler() -> str | None:
     """`$CC` (a name on PATH or a path), else `cc`, else `gcc`."""
     return shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
 
@@ -112,7 +112,7 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot be built here (logged once)."""
     if os.environ.get("FLOWMOE_CPU_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    compiler = _compiler()
+    compiler = c_compiler()
     if compiler is None:
         wanted = f"CC={os.environ['CC']!r}" if os.environ.get("CC") else "cc"
         log.warning(

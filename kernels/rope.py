@@ -80,7 +80,7 @@ class Rotary:
     cos: torch.Tensor  # [T, 1, R]
     signed_sin: torch.Tensor  # [T, 1, R]
     # the two as the C kernels take them (None: they do not), checked once for the step's layers
-    _tables: cpu_rope.Tables | None = field(
+    tables: cpu_rope.Tables | None = field(
         init=False, default=Factory(lambda self: cpu_rope.tables(self.cos, self.signed_sin), takes_self=True)
     )
 
@@ -112,7 +112,7 @@ class Rotary:
         rotary = self.cos.shape[-1]
         if rotary < x.shape[-1]:
             return torch.cat((self(x[..., :rotary]), x[..., rotary:]), dim=-1)
-        tables = self._tables
+        tables = self.tables
         out = None if tables is None else cpu_rope.rotated(x, tables)  # one C call, the same floats
         if out is not None:
             return out
@@ -123,5 +123,5 @@ class Rotary:
         C call on the host takes x (-> True, else False: see cpu_rope.rotate_): the floats of
         `self(x[:, :heads])`, no new tensor. For a tensor of the caller's own (a projection's fresh
         output)."""
-        tables = self._tables
+        tables = self.tables
         return tables is not None and cpu_rope.rotate_(x, heads, tables)
