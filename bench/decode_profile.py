@@ -54,6 +54,7 @@ from flowmoe.kernels.host_memory import huge_empty
 from flowmoe.model.loading import load_model
 from flowmoe.runtime.actions import StepState
 from flowmoe.runtime.runner import Runtime
+from flowmoe.schedulers.registry import default_name
 
 HERE = Path(__file__).resolve().parent
 MODEL = CACHE / "mixtral-h1024-i3584-l8-e8-v32000"  # vs_llamacpp.py's checkpoint, issue 25's shape
@@ -169,9 +170,15 @@ def read_roof(buffer: torch.Tensor) -> float:
 
 
 def profile_cell(
-    model: Any, threads: int, prompts: list[list[int]], steps: int, rounds: int, roof_bytes: int
+    model: Any,
+    threads: int,
+    prompts: list[list[int]],
+    steps: int,
+    rounds: int,
+    roof_bytes: int,
+    scheduler: str,
 ) -> dict:
-    runtime = Runtime.create(model, "eager", Policy(cpu_threads=threads), record=False)
+    runtime = Runtime.create(model, scheduler, Policy(cpu_threads=threads), "cpu", record=False)
     buffer = huge_empty(roof_bytes).view(torch.float32).fill_(1.0)
     torch.set_num_threads(threads)  # the roof's (the runtime sets its own thread's team)
     flowmoe_generate(model, runtime, prompts, 4)
@@ -257,6 +264,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="decode steps measured per run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--roof-mib", type=int, default=1024, help="MiB summed for the read roof")
+    parser.add_argument(
+        "--scheduler", default=default_name(cuda=False),
+        help="what runs the step (default: `flowmoe run`'s on a CPU, a node per layer; eager: a node per op, "
+        "so the table splits the layer by op)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=HERE / "decode_profile.json")
     args = parser.parse_args()
     if not (args.model / "config.json").is_file():
@@ -271,7 +283,8 @@ def main() -> None:
         vocab = model.spec.vocab
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt)] for _ in range(args.batch)]
         for threads in (int(t) for t in args.threads.split(",")):
-            measured = profile_cell(model, threads, prompts, args.steps, args.rounds, args.roof_mib << 20)
+            steps, roof_bytes = args.steps, args.roof_mib << 20
+            measured = profile_cell(model, threads, prompts, steps, args.rounds, roof_bytes, args.scheduler)
             cell = {"dtype": dtype, "batch": args.batch, **measured}
             load.append(os.getloadavg()[0])
             show(console, dtype, cell)

@@ -27,6 +27,7 @@ from vs_transformers import flowmoe_generate
 from flowmoe.core.policy import Policy
 from flowmoe.model.loading import load_model
 from flowmoe.runtime.runner import Runtime
+from flowmoe.schedulers.registry import default_name
 
 HERE = Path(__file__).resolve().parent
 MODEL = CACHE / "mixtral-h1024-i3584-l8-e8-v32000"  # vs_llamacpp.py's checkpoint, issue 25's shape
@@ -56,7 +57,8 @@ def main() -> None:
     shortest, longest = (int(n) for n in args.lengths.split(","))
     model = load_model(args.model, args.dtype)
     loaded = memory()
-    runtime = Runtime.create(model, "eager", Policy(cpu_threads=args.threads), record=False)
+    policy = Policy(cpu_threads=args.threads)
+    runtime = Runtime.create(model, default_name(cuda=False), policy, "cpu", record=False)  # as `flowmoe run`
     vocab, rng, rows, started = model.spec.vocab, random.Random(0), [], time.process_time()
     for done in range(1, args.prompts + 1):
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(shortest, longest))]

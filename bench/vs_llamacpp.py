@@ -268,6 +268,7 @@ def flowmoe_worker(job: dict) -> dict:
     from flowmoe.core.policy import Policy
     from flowmoe.model.loading import Packing, load_model
     from flowmoe.runtime.runner import Runtime
+    from flowmoe.schedulers.registry import default_name
 
     form, dense = job.get("expert_format", "native"), job.get("dense_format", "native")
     # as `flowmoe run --expert-format [--attention-format --lm-head-format]` loads: quantized as read
@@ -280,7 +281,8 @@ def flowmoe_worker(job: dict) -> dict:
     cells = []
     for batch, threads in job["cells"]:
         policy = evolve(Policy(), cpu_threads=threads, expert_format=form)
-        runtime = Runtime.create(model, "eager", policy, record=False)
+        # what `flowmoe run` runs on a host without a GPU
+        runtime = Runtime.create(model, default_name(cuda=False), policy, "cpu", record=False)
         try:
             # a run's ticks: each step's first call of the step runner; the first mark is before setup
             first = Clock()

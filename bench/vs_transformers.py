@@ -55,6 +55,7 @@ from flowmoe.kernels.native import cpuinfo_field
 from flowmoe.model.loading import load_model
 from flowmoe.model.moe_model import MoEModel
 from flowmoe.runtime.runner import Runtime
+from flowmoe.schedulers.registry import default_name
 
 HERE = Path(__file__).parent
 SECTION = "## vs transformers (CPU)"
@@ -245,7 +246,7 @@ def bench_dtype(args: argparse.Namespace, folder: Path, dtype: str, threads: int
     hf = MixtralForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     hf.generation_config.eos_token_id = None  # every run generates exactly --new-tokens tokens
     ours = load_model(folder, dtype)
-    runtime = Runtime.create(ours, "eager", record=False)  # `flowmoe run`'s defaults
+    runtime = Runtime.create(ours, default_name(cuda=False), device="cpu", record=False)  # as `flowmoe run`
     new = args.new_tokens
     runs: dict[str, Callable[[Clock], Tokens]] = {
         RUNNERS[0]: lambda clock: hf_generate(hf, batch, new, Streamer(clock)),

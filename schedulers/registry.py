@@ -64,6 +64,13 @@ def names() -> list[str]:
     return [*builtin(), *plugins()]
 
 
+def default_name(cuda: bool) -> str:
+    """The scheduler a run takes without --scheduler: eager where it computes on a GPU, cpu (the whole
+    model on the host's CPU, a node per decoder layer) where it uses none: on one device with one lane
+    nothing overlaps, and eager's finer nodes cost the host ~1 ms a decode step more (schedulers/cpu.py)."""
+    return "eager" if cuda else "cpu"
+
+
 def load(name: str) -> type[Scheduler]:
     """The scheduler class of `name`; ConfigError naming the plugin if it cannot be used."""
     if name in builtin():

@@ -19,7 +19,7 @@ from flowmoe.runtime.device_weights import Devices, DeviceWeights
 from flowmoe.runtime.runner import Runtime
 from flowmoe.schedulers.hybrimoe import HybriMoEOptions
 from flowmoe.schedulers.lru_cache import LRUCacheOptions
-from flowmoe.schedulers.registry import create
+from flowmoe.schedulers.registry import available, create
 from flowmoe.schedulers.shared_options import ExpertCacheOptions, PagedOptions
 from flowmoe.traces.trace import Trace
 from tests.helpers import rel_err
@@ -75,6 +75,14 @@ def golden_listing(name: str, policy: Policy | None = None) -> str:
         nodes = list(replay(scheduler.plan(step), lambda r, s=step.step: trace.answer(s, r)))
         out.append(f"# step {step.step} ({'prefill' if step.prefill else 'decode'})\n{lane_listing(nodes)}")
     return "\n".join(out)
+
+
+def gpu_schedulers() -> list[str]:
+    """The registered schedulers that compute on a GPU (`Scheduler.uses_gpu`): all but a CPU-only one,
+    which never touches the CUDA paths (streams, events, the device's copies) GPU tests check."""
+    spec = ModelSpec.from_hf(TINY_CONFIG)
+    made = {name: create(name, SchedulerContext(spec, Policy(), NodeFactory(spec))) for name in available()}
+    return sorted(name for name, scheduler in made.items() if scheduler.uses_gpu())
 
 
 REQUESTS = [Request(str(i), tuple(range(3 + i, 3 + i + 4 + 2 * i)), i) for i in range(5)]

@@ -38,7 +38,8 @@ def test_every_flag_with_a_default_shows_it() -> None:
 def test_run_help_names_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # lines joined: argparse wraps at COLUMNS
-    for shown in ("(default: eager)", "(default: 32)", "(default: 16)", "(default: 1)"):
+    shown_scheduler = "(default: eager where the run uses a GPU, cpu where it does not"
+    for shown in (shown_scheduler, "(default: 32)", "(default: 16)", "(default: 1)"):
         assert shown in text
 
 

@@ -23,7 +23,7 @@ def test_decode_profile_accounts_for_the_step(mixtral_folder: Path, tmp_path: Pa
     out = tmp_path / "profile.json"
     command = [sys.executable, "bench/decode_profile.py", "--model", str(mixtral_folder),
                "--dtypes", "float32", "--threads", "1", "--rounds", "1", "--steps", "3", "--prompt", "6",
-               "--roof-mib", "8", "--out", str(out)]  # fmt: skip
+               "--roof-mib", "8", "--scheduler", "eager", "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     (cell,) = json.loads(out.read_text())["cells"]

@@ -25,9 +25,8 @@ from flowmoe.model.moe_model import MoEModel
 from flowmoe.model.quantized import QuantizedExpert
 from flowmoe.runtime.device_weights import Devices, DeviceWeights
 from flowmoe.runtime.pinned import pin_layers
-from flowmoe.schedulers.registry import available
 from tests.hf_models import hf_model, save_hf
-from tests.schedule_fixtures import run_eager, run_through
+from tests.schedule_fixtures import gpu_schedulers, run_eager, run_through
 from tests.test_fake_cuda import FakeCuda
 from tests.test_grouped_experts import torch_ops_only  # noqa: F401  # a fixture, used by name
 
@@ -153,7 +152,7 @@ def _dequantized_after_their_copies(fake: FakeCuda, h2d: object, compute: object
 
 
 @pytest.mark.usefixtures("torch_ops_only")  # eager's packed experts through torch, as the GPU's
-@pytest.mark.parametrize("name", sorted(available()))
+@pytest.mark.parametrize("name", gpu_schedulers())
 def test_every_scheduler_gives_eagers_tokens_dequantizing_at_first_use_on_the_compute_stream(
     model: MoEModel, name: str, fake: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -27,10 +27,10 @@ from flowmoe.runtime.expert_slots import ExpertSlots
 from flowmoe.runtime.lane_weights import LaneWeights
 from flowmoe.runtime.pinned import pin_layers
 from flowmoe.runtime.runner import Runtime
-from flowmoe.schedulers.registry import available, create
+from flowmoe.schedulers.registry import create
 from flowmoe.traces.trace import Trace
 from tests.hf_models import hf_model, save_hf
-from tests.schedule_fixtures import generate, run_eager
+from tests.schedule_fixtures import generate, gpu_schedulers, run_eager
 from tests.test_fake_cuda import FakeCuda
 from tests.test_grouped_experts import torch_ops_only  # noqa: F401  # a fixture, used by name
 
@@ -129,7 +129,7 @@ def test_a_reused_slot_waits_for_its_eviction_on_the_device(monkeypatch: pytest.
 
 
 @pytest.mark.usefixtures("torch_ops_only")  # else the C kernels take a few fp32 rows first
-@pytest.mark.parametrize("name", sorted(available()))
+@pytest.mark.parametrize("name", gpu_schedulers())
 def test_every_scheduler_gives_eager_tokens_with_the_pool(model: MoEModel, name: str) -> None:
     (reference, _) = run_eager(model)
     workers, events = make_workers(COPYING.gpu)

@@ -36,10 +36,10 @@ from flowmoe.runtime.device_weights import Devices, DeviceWeights
 from flowmoe.runtime.pinned import pin_layers
 from flowmoe.runtime.routings import Routings
 from flowmoe.runtime.runner import Runtime, cap_allocator
-from flowmoe.schedulers.registry import available, create
+from flowmoe.schedulers.registry import create
 from flowmoe.traces.trace import Trace
 from tests.hf_models import hf_model, save_hf
-from tests.schedule_fixtures import generate, run_eager
+from tests.schedule_fixtures import generate, gpu_schedulers, run_eager
 from tests.test_executor import check_order, dags
 
 
@@ -224,7 +224,7 @@ def _tensors(lw) -> list[torch.Tensor]:
     ]
 
 
-@pytest.mark.parametrize("name", sorted(available()))
+@pytest.mark.parametrize("name", gpu_schedulers())
 def test_the_cuda_host_path_gives_eager_tokens(model, name: str) -> None:
     """Every scheduler through the CUDA stream worker, its events and the asynchronous routing
     hand-off (on the fake CUDA; tensors stay on the CPU) gives eager's tokens."""

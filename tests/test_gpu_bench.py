@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flowmoe.schedulers.registry import builtin
+from tests.schedule_fixtures import gpu_schedulers
 
 ROOT = Path(__file__).resolve().parent.parent
 FAILING = "klotski"
@@ -43,7 +43,7 @@ def test_dry_run_isolates_a_failure_and_writes_rows_as_they_finish(tmp_path: Pat
     assert process.returncode == 0, output
     rows = [r for r in read(out) if r["kind"] == "row"]
     # the twelve and accelerate: eager cannot run under the budgets, zero-inference's run is accelerate's
-    schedulers = sorted(name for name in builtin() if name not in ("eager", "zero-inference"))
+    schedulers = sorted(name for name in gpu_schedulers() if name not in ("eager", "zero-inference"))
     assert len(schedulers) == 13
     assert sorted(r["scheduler"] for r in rows if r["scheduler"] != "accelerate-offload") == schedulers
     assert any(0 < n < len(rows) for n in seen), f"rows appeared only at the end: {sorted(seen)}"
@@ -81,7 +81,8 @@ def test_rows_from_a_gpu_run_become_the_results_section(tmp_path: Path) -> None:
     assert "NVIDIA H200" in section
     measured = {line.split(" | ")[1] for line in section.splitlines() if line.startswith("| t4 |")}
     # the run predates the accelerate and zero-inference schedulers; Accelerate itself ran as the baseline row
-    assert measured == set(builtin()) - {"eager", "accelerate", "zero-inference"} | {"accelerate-offload"}
+    others = {"eager", "accelerate", "zero-inference"}
+    assert measured == set(gpu_schedulers()) - others | {"accelerate-offload"}
 
 
 def test_dry_run_with_int4_experts_runs_them_packed(tmp_path: Path) -> None:

@@ -209,7 +209,8 @@ def test_a_cpu_run_with_trace_kernels(tmp_path: Path, capsys: pytest.CaptureFixt
     node that ran it (to within the clock marks' reading), and `trace summarize` reads it."""
     trace = tmp_path / "t.json"
     argv = ["run", "--prompts", str(PROMPTS), "--output", str(tmp_path / "o.jsonl"), "--max-new-tokens", "2",
-            "--micro-batches", "2", "--trace", str(trace), "--trace-kernels", "--device", "cpu"]  # fmt: skip
+            "--micro-batches", "2", "--trace", str(trace), "--trace-kernels", "--device", "cpu",
+            "--scheduler", "eager"]  # fmt: skip
     assert main(argv) == 0
     data = json.loads(trace.read_text())
     assert validate_chrome(data) == []

@@ -74,7 +74,7 @@ def test_format_of_a_real_run(tmp_path: Path) -> None:
     trace = tmp_path / "t.json"
     out = tmp_path / "o.jsonl"
     assert main(["run", "--prompts", str(PROMPTS), "--output", str(out), "--max-new-tokens", "3",
-                 "--micro-batches", "2", "--trace", str(trace)]) == 0  # fmt: skip
+                 "--micro-batches", "2", "--trace", str(trace), "--scheduler", "eager"]) == 0  # fmt: skip
     data = json.loads(trace.read_text())
     assert validate_chrome(data) == []
     events = data["traceEvents"]

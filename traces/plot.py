@@ -44,7 +44,7 @@ TAB20: dict[str, int] = {
     Op.HIDDEN_OFFLOAD: 13, Op.QKV_OFFLOAD: 10, Op.ACT_STORE: 11, Op.ACT_LOAD: 8,
     Op.EMBED: 14, Op.LM_HEAD: 15,
 }  # fmt: skip
-TAB20B: dict[str, int] = {Op.DISK_LOAD: 12, Op.W_STAGE: 10, Op.EVICT: 19}
+TAB20B: dict[str, int] = {Op.DISK_LOAD: 12, Op.W_STAGE: 10, Op.EVICT: 19, Op.LAYER: 0}  # LAYER: a dark blue
 OTHERS = "tab10"
 
 

@@ -44,7 +44,7 @@ from flowmoe.core.write_guard import Guard, Named
 from flowmoe.jobs.formats import NATIVE, OPENAI, detect, layout
 from flowmoe.jobs.joblog import check_output, holder_file
 from flowmoe.model.tokenizer import TextCodec
-from flowmoe.schedulers.registry import available
+from flowmoe.schedulers.registry import available, default_name
 from flowmoe.schedulers.registry import load as load_scheduler
 from flowmoe.study.sim_report import trace_device_stats, trace_stats
 from flowmoe.traces.chrome import CHROME_TRACE, write_chrome
@@ -88,8 +88,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "lives on the CPU alone and torch emulates that dtype, else no limit; llama.cpp's n_ubatch is 512)",
     )  # fmt: skip
     run.add_argument(
-        "-s", "--scheduler", default="eager", help="scheduler plugin (see `flowmoe schedulers`), or auto"
-    )
+        "-s", "--scheduler",
+        help="scheduler plugin (see `flowmoe schedulers`), or auto (default: eager where the run uses a GPU, "
+        "cpu where it does not: the whole model on the CPU, a node per layer)",
+    )  # fmt: skip
     run.add_argument("--trace", type=OUTPUT_FILE, help="write a Chrome trace (open it in Perfetto)")
     run.add_argument(
         "--trace-kernels",
@@ -223,9 +225,12 @@ def _run(args: argparse.Namespace) -> int:
     from flowmoe.jobs.job import Progress as JobProgress
     from flowmoe.jobs.job import run_job
     from flowmoe.model.builtin import ensure_builtin
+    from flowmoe.runtime.device_weights import Devices
     from flowmoe.runtime.runner import Runtime
     from flowmoe.traces.profiler import kernels_into
 
+    if args.scheduler is None:
+        args.scheduler = default_name(Devices.detect(args.device).cuda)
     if args.scheduler != "auto":
         load_scheduler(args.scheduler)  # an unknown or broken plugin fails before the model loads
     given = given_options(args)  # options --scheduler takes (auto: every scheduler must take them)

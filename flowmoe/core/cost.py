@@ -63,6 +63,7 @@ KERNELS: dict[Op, int] = {
     Op.SHARED_FFN: 5,  # w1, w3, activation, multiply, w2
     Op.COMBINE: 3,  # routing-weight scale, scatter-add, residual add
     Op.LM_HEAD: 2,  # norm, vocabulary GEMM
+    Op.LAYER: 24,  # its parts': PRE_ATTN, attention, POST_ATTN, GATE, one expert's FFN, COMBINE
 }
 
 

@@ -102,6 +102,8 @@ def gpu_memory(scheduler: Scheduler, batch: BatchShape) -> MemoryNeed:
     copies weights into and its plan's own working buffers, the GPU-homed KV cache and the working
     copies of the CPU-homed layers, the step's largest micro-batch's activations. The one figure
     the runtime's check, the simulator, the planners and bench/gpu.py use."""
+    if not scheduler.uses_gpu():
+        return MemoryNeed(0, 0, 0, 0)
     spec = scheduler.context.spec
     weights, home = resident_bytes(spec, scheduler.residency()), kv_bytes(scheduler, batch, on_gpu=True)
     copies = len(scheduler.kv_gpu_layers()) < spec.layers  # some cache layer is homed on the host

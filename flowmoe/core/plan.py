@@ -62,6 +62,9 @@ class Op(StrEnum):
     PAGE_COPY = "page_copy"  # weights: CPU (pinned) -> GPU; expert -1 = a layer's dense weights
     EVICT = "evict"  # free a GPU weight buffer
     LM_HEAD = "lm_head"  # final norm + logits
+    # a whole decoder layer in model order on one lane (pre-attention, attention, post-attention, router,
+    # experts, combine): the `cpu` schedule's node, where finer nodes have nothing to overlap
+    LAYER = "layer"
 
 
 # Not frozen, though never changed once made (derive one with attrs.evolve): a frozen attrs class sets

@@ -32,7 +32,7 @@ R = TypeVar("R")
 # part of a plan, run with `yield from`, that returns an R (node ids, a layer's routing, ...)
 SubPlan = Generator[TaskNode | RoutingRequest, ExpertCounts | None, R]
 WEIGHT_OPS = frozenset({Op.PAGE_COPY, Op.W_STAGE, Op.EVICT, Op.DISK_LOAD})  # nodes priced by weights alone
-BY_LAYER = WEIGHT_OPS | {Op.SHARED_FFN}  # ops whose rate depends on their layer (NodeFactory._rate)
+BY_LAYER = WEIGHT_OPS | {Op.SHARED_FFN, Op.LAYER}  # ops whose cost depends on their layer (NodeFactory._cost)
 
 
 class WrappedPlan(Generator[TaskNode | RoutingRequest, ExpertCounts | None, None]):
@@ -198,6 +198,11 @@ class Scheduler(ABC):
     def weight_buffer_bytes(self) -> int:
         """The most weight bytes it has copied in beyond its residency at any moment."""
         return 0
+
+    def uses_gpu(self) -> bool:
+        """Whether it computes on the GPU at all: the embedding and LM head then live there, and a
+        step's activations. False: a CPU-only schedule, of whose run the GPU holds nothing."""
+        return True
 
     def kv_on_gpu(self) -> bool:
         """Whether the KV cache lives on the GPU (else on the CPU, loaded or attended there)."""
@@ -379,6 +384,8 @@ class NodeFactory:
         self, op: Op, layer: int, mb: MicroBatchShape | None, expert: int, tokens: int | None
     ) -> tuple[int, int]:
         """-> (bytes moved or read, flops): weights read once, activations per token."""
+        if op is Op.LAYER:
+            return self._layer_cost(layer, mb)
         key = (op, layer, expert >= 0)
         rate = self._rates.get(key)
         if rate is None:
@@ -389,6 +396,27 @@ class NodeFactory:
         n_bytes = rate.bytes + t * rate.bytes_per_token + kv * rate.bytes_per_cached
         flops = rate.flops + t * rate.flops_per_token + pairs * rate.flops_per_pair
         return n_bytes + seqs * rate.bytes_per_sequence, flops + seqs * rate.flops_per_sequence
+
+    def _layer_cost(self, layer: int, mb: MicroBatchShape | None) -> tuple[int, int]:
+        """A LAYER's (bytes, flops): its parts' (PRE_ATTN, attention beside its cache, POST_ATTN; GATE,
+        the routed experts and COMBINE on an MoE layer; SHARED_FFN where the layer has a shared expert
+        or is dense). Its T tokens' T x top_k expert rows read the weights of the experts they pick,
+        E (1 - (1 - top_k / E)^T) of them when each token picks top_k of the E at random (top_k at one
+        token): the plan holds no routing to price them by."""
+        spec, moe_layer = self.spec, self.spec.is_moe_layer(layer)
+        parts = [Op.PRE_ATTN, Op.CPU_ATTN, Op.POST_ATTN]
+        parts += [Op.GATE, Op.COMBINE] if moe_layer else []
+        parts += [Op.SHARED_FFN] if not moe_layer or spec.moe.has_shared else []
+        costs = [self._cost(op, layer, mb, -1, None) for op in parts]
+        n_bytes, flops = sum(c[0] for c in costs), sum(c[1] for c in costs)
+        if moe_layer and mb is not None:
+            k, experts, tokens = spec.moe.top_k, spec.moe.experts, mb.tokens
+            weights = self._cost(Op.EXPERT_FFN, layer, mb, 0, 0)[0]  # one expert's weights alone
+            rows_bytes, rows_flops = self._cost(Op.EXPERT_FFN, layer, mb, 0, tokens * k)
+            touched = experts * (1 - (1 - k / experts) ** tokens)
+            n_bytes += rows_bytes - weights + round(touched * weights)
+            flops += rows_flops
+        return n_bytes, flops
 
     def _rate(self, op: Op, layer: int, expert: int) -> Rate:
         """What `_cost` prices `op` of `layer` (expert >= 0: an expert's) by."""

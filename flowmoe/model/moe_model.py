@@ -10,6 +10,7 @@ composes them eagerly.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -377,9 +378,11 @@ class MoEModel:
         rope: Rotary,
         defer: int = 0,
         carry: torch.Tensor | None = None,
+        gated: Callable[[Routing], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (hidden [T, hidden] after the layer, the sum of its deferred experts or None).
-        `defer`: the layer's Expert Deferral K; `carry`: the previous layer's deferred sum."""
+        `defer`: the layer's Expert Deferral K; `carry`: the previous layer's deferred sum; `gated`:
+        told the layer's routing as soon as its gate decides it (an MoE layer's)."""
         lw = self.weights.layers[layer]
         q, k, v = self.pre_attention(layer, hidden, rope, lw)
         attn_out = self.attention(layer, q, k, v, cache.layer(layer), layout, lw)
@@ -387,6 +390,8 @@ class MoEModel:
         if not self.spec.is_moe_layer(layer):
             return self.combine(hidden, None, {}, self.shared(layer, x, lw), carry=carry), None
         routing = self.gate(layer, x, lw)
+        if gated is not None:
+            gated(routing)
         outputs = self.routed_experts(x, routing, {e: lw.expert(e) for e in routing.experts})
         shared = self.shared(layer, x, lw) if self.spec.moe.has_shared else None
         later = self.deferred_experts(routing, defer)

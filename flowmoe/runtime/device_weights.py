@@ -192,11 +192,13 @@ class DeviceWeights:
     _pool: ExpertSlots | None = None  # the experts' slots (set by setup where `_pooled` takes them)
     _slots: dict[tuple[int, int], int] = field(factory=dict)  # (layer, expert) -> the slot it holds
 
-    def setup(self, residency: Residency, buffer_bytes: int, budget: int | None = None) -> None:
-        """Embedding and head always live on the GPU; then what the scheduler keeps resident.
-        From then on, weights copied in may exceed the resident set by `buffer_bytes` at most. All of
-        it is counted in the process's ledger first, refused where the runtimes not closed leave no
-        room for it under `budget`."""
+    def setup(
+        self, residency: Residency, buffer_bytes: int, budget: int | None = None, ends: bool = True
+    ) -> None:
+        """Embedding and head live on the GPU (but where `ends` is False: a CPU-only schedule's run);
+        then what the scheduler keeps resident. From then on, weights copied in may exceed the
+        resident set by `buffer_bytes` at most. All of it is counted in the process's ledger first,
+        refused where the runtimes not closed leave no room for it under `budget`."""
         w = self.model.weights
         if self.expert_format != "native":
             _check_packed(self.model, self.expert_format)
@@ -205,12 +207,12 @@ class DeviceWeights:
             self._sizes.update({(layer, e): lw.expert_nbytes(e) for e in range(len(lw.experts or lw.packed))})
         resident = sum(self._size(layer, -1) for layer in residency.dense)
         resident += sum(self._size(layer, expert) for layer, expert in residency.experts)
-        ends = w.embed.numel() * self.model.dtype.itemsize + w.final_norm.nbytes + w.lm_head.nbytes
-        self._release = _hold(self, self.devices.gpu, ends + resident + buffer_bytes, budget)
+        end_bytes = w.embed.numel() * self.model.dtype.itemsize + w.final_norm.nbytes + w.lm_head.nbytes
+        self._release = _hold(self, self.devices.gpu, end_bytes * ends + resident + buffer_bytes, budget)
         self._pool = self._pooled(residency, buffer_bytes)
-        # converted on the host where it is copied (it may still be as stored in its checkpoint)
-        self.embed = self.devices.to_gpu(w.embed.to(self.model.dtype) if self.devices.copies else w.embed)
-        self.head = (self.devices.to_gpu(w.final_norm), self.devices.to_gpu(w.lm_head))
+        if ends:  # converted on the host where it is copied (it may still be as stored in its checkpoint)
+            self.embed = self.devices.to_gpu(w.embed.to(self.model.dtype) if self.devices.copies else w.embed)
+            self.head = (self.devices.to_gpu(w.final_norm), self.devices.to_gpu(w.lm_head))
         for layer in sorted(residency.dense):
             self.load(layer, -1)
         for layer, expert in sorted(residency.experts):

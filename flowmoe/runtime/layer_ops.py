@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flowmoe.core.errors import FlowmoeError
 from flowmoe.core.executor import Action
-from flowmoe.core.plan import Op, TaskNode
+from flowmoe.core.plan import Lane, Op, TaskNode
 from flowmoe.kernels.kv_cache import read_kv, store_kv
 from flowmoe.kernels.no_copy import on
 
@@ -22,8 +23,9 @@ if TYPE_CHECKING:
 
 
 def _embed(s: StepState, n: TaskNode) -> None:
-    ids = on(s.inputs[n.mb].ids, s.devices.gpu, non_blocking=True)
-    s.acts.hidden[n.mb] = s.model.embed(ids, s.weights.device.embed)
+    """On a GPU lane with the device's embedding; on cpu.compute (a CPU-only schedule) the host's."""
+    ids = on(s.inputs[n.mb].ids, s.inputs.place(n.lane), non_blocking=True)
+    s.acts.hidden[n.mb] = s.model.embed(ids, s.weights.device.embed if n.lane.on_gpu else None)
 
 
 def _pre_attn(s: StepState, n: TaskNode) -> None:
@@ -129,13 +131,31 @@ def _evict(s: StepState, n: TaskNode) -> None:
 
 
 def _lm_head(s: StepState, n: TaskNode) -> None:
+    """On a GPU lane with the device's final norm and head; on cpu.compute with the host's."""
     layout, hidden = s.inputs.layout(n.mb, n.lane), s.acts.hidden[n.mb]
     if not layout.is_decode:  # a decode step's every row is its sequence's last: no gather
-        hidden = hidden[on(layout.last_rows, s.devices.gpu)]  # uploaded with the lane's layout
+        hidden = hidden[on(layout.last_rows, s.inputs.place(n.lane))]  # uploaded with the lane's layout
+    if not n.lane.on_gpu:
+        s.acts.logits[n.mb] = s.model.logits(hidden)
+        return
     ends = s.weights.device.head
     assert ends is not None, "the device weights were released (Runtime.close)"
     norm, head = ends
     s.acts.logits[n.mb] = s.devices.to_cpu(s.model.logits(hidden, norm, head))
+
+
+def _layer(s: StepState, n: TaskNode) -> None:
+    """A whole decoder layer on cpu.compute (the `cpu` schedule's node), as the eager model runs it
+    (MoEModel.forward_layer), with the host's weights and a cache homed on the host; its routing is
+    kept as a gate's is (the runtime's routing record reads it)."""
+    if n.lane is not Lane.CPU_COMPUTE:
+        raise FlowmoeError(f"{n.label} is on {n.lane}: a whole layer runs on {Lane.CPU_COMPUTE} only")
+    step, key = s.inputs[n.mb], (n.layer, n.mb)
+    layout, rope = s.inputs.layout(n.mb, n.lane), s.inputs.rope(n.mb, n.lane)
+    hidden = s.acts.hidden[n.mb]
+    s.acts.hidden[n.mb], _ = s.model.forward_layer(
+        n.layer, hidden, step.cache, layout, rope, gated=partial(s.routings.decide, key)
+    )
 
 
 LAYER_OPS = {
@@ -154,4 +174,5 @@ LAYER_OPS = {
     Op.PAGE_COPY: _page_copy,
     Op.EVICT: _evict,
     Op.LM_HEAD: _lm_head,
+    Op.LAYER: _layer,
 }

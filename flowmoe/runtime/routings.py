@@ -53,6 +53,7 @@ class Routings:
     _decided: Table = field(factory=dict)  # the gates'
     _predicted: Table = field(factory=dict)  # the pre-gates'
     _lock: threading.Lock = field(factory=threading.Lock)
+    unasked: list[Key] = field(factory=list)  # decided where no routing request asks (`decide`), in order
 
     def gate(
         self, key: Key, x: torch.Tensor, layer: int, lw: LayerWeights, speculative: bool = False
@@ -72,6 +73,12 @@ class Routings:
         ready = self.events.take()
         ready.record()
         table[key] = PendingRouting(indices, weights, rows, scales, host, ready)
+
+    def decide(self, key: Key, routing: Routing) -> None:
+        """(layer, mb) `key`'s routing as a node that gates on its own decided it (a whole layer's, the
+        `cpu` schedule's): no routing request asks for it, so the runtime records it from `unasked`."""
+        self._decided[key] = routing
+        self.unasked.append(key)
 
     def gated(self, key: Key) -> bool:
         """Whether (layer, mb) was gated (a dense layer's combine has no routing)."""

@@ -120,7 +120,8 @@ class Runtime:
             pinned = pin_layers(model)
         weights = DeviceWeights(model, devices, expert_format=policy.expert_format)
         try:
-            weights.setup(plugin.residency(), plugin.weight_buffer_bytes(), policy.gpu_memory)
+            residency, buffers = plugin.residency(), plugin.weight_buffer_bytes()
+            weights.setup(residency, buffers, policy.gpu_memory, ends=plugin.uses_gpu())
         except BaseException:
             weights.close()
             unpin(pinned)
@@ -172,6 +173,9 @@ class Runtime:
             self._kv_bytes = self._cache_bytes(inputs)
         state = StepState.create(model, inputs, self.devices, self.weights, self.events, self.kv_gpu)
         await self.run_plan(shape, state.action, self._answer(shape.step, state))
+        if self.routing is not None:  # what nodes that gate on their own decided (a whole layer's)
+            for key in state.routings.unasked:
+                self.routing.record(shape.step, state.expert_counts(RoutingRequest(*key, after=-1)))
         return [state.acts.logits[i.micro_batch] for i in inputs]
 
     async def run_plan(

@@ -49,8 +49,9 @@ from flowmoe.study.sim_report import (
     trace_stats,
 )
 
-ATTENTION = frozenset({Op.CPU_ATTN, Op.GPU_ATTN})
-EXPERTS = frozenset({Op.EXPERT_FFN})
+# the nodes that ran decode's attention, and its routed experts (a whole LAYER runs both where it runs)
+ATTENTION = frozenset({Op.CPU_ATTN, Op.GPU_ATTN, Op.LAYER})
+EXPERTS = frozenset({Op.EXPERT_FFN, Op.LAYER})
 
 
 def run_steps(

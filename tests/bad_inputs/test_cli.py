@@ -200,7 +200,7 @@ def test_calibrate_without_a_gpu_refuses_the_gpu_part(
         (["trace", "summarize", "."], ".: a folder, not a trace file"),
         (["trace", "summarize", "missing.json"], "missing.json: no such file"),
         ([*RUN, "--stop", ""], "--stop must not be empty"),
-        ([*RUN, "--scheduler", "nope"], "unknown scheduler 'nope'; available: accelerate, cgopipe, eager"),
+        ([*RUN, "--scheduler", "nope"], "unknown scheduler 'nope'; available: accelerate, cgopipe, cpu, "),
     ],
 )
 def test_other_one_line_errors(
