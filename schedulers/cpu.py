@@ -7,7 +7,7 @@ router, the routed and shared experts, the combine) in one action, then its LM_H
 shape of a CPU-only llama.cpp run (one graph a token, no overlap to plan), and the shape that costs
 the host least: on one device with one lane nothing can overlap, so finer nodes would only add the
 runtime's per-node work (plan, executor, bookkeeping: ~1.1 ms of a batch-1 decode step of issue 25's
-checkpoint, bench/RESULTS.md "cpu scheduler"). Its tokens are eager's (the same kernels in the same
+checkpoint, bench/RESULTS.md session 23). Its tokens are eager's (the same kernels in the same
 order: MoEModel.forward_layer); its trace has one span per layer.
 
 The routing is decided inside a LAYER node, so the plan asks for none; the simulator prices a LAYER

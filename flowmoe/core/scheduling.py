@@ -32,7 +32,7 @@ R = TypeVar("R")
 # part of a plan, run with `yield from`, that returns an R (node ids, a layer's routing, ...)
 SubPlan = Generator[TaskNode | RoutingRequest, ExpertCounts | None, R]
 WEIGHT_OPS = frozenset({Op.PAGE_COPY, Op.W_STAGE, Op.EVICT, Op.DISK_LOAD})  # nodes priced by weights alone
-BY_LAYER = WEIGHT_OPS | {Op.SHARED_FFN, Op.LAYER}  # ops whose cost depends on their layer (NodeFactory._cost)
+BY_LAYER = WEIGHT_OPS | {Op.SHARED_FFN}  # ops whose rate depends on their layer (NodeFactory._rate)
 
 
 class WrappedPlan(Generator[TaskNode | RoutingRequest, ExpertCounts | None, None]):
@@ -335,7 +335,9 @@ class NodeFactory:
             clean = tuple(cast(dict[int, None], unique))
         if mb is not self._mb:  # what `_priced` worked out holds for one micro-batch's figures
             self._mb, self._priced = mb, {}
-        key = (op, layer if op in BY_LAYER else -1, expert >= 0, tokens)
+        # a LAYER's price depends on its layer only through whether it is an MoE layer (`_layer_cost`)
+        by_layer = layer if op in BY_LAYER else -1 if op is not Op.LAYER else self.spec.is_moe_layer(layer)
+        key = (op, by_layer, expert >= 0, tokens)
         priced = self._priced.get(key)
         if priced is None:
             priced = self._priced[key] = self._price(op, layer, mb, expert, tokens)
