@@ -102,10 +102,13 @@ def test_no_gpu_is_said_by_run_and_trace_summarize(
         pytest.skip("the GPU is real here")
     trace = tmp_path / "t.json"
     argv = ["run", "--prompts", str(PROMPTS), "--output", str(tmp_path / "o.jsonl"), "--max-new-tokens", "2"]
-    assert main([*argv, "--trace", str(trace)]) == 0
+    assert main([*argv, "--trace", str(trace), "--scheduler", "eager"]) == 0
     assert NO_GPU in " ".join(capsys.readouterr().err.split())
     assert main(["trace", "summarize", str(trace)]) == 0
     assert NO_GPU in " ".join(capsys.readouterr().out.split())
+    # the default here, the cpu scheduler, has no gpu.* lane to emulate: nothing to say
+    assert main([*argv, "--output", str(tmp_path / "cpu.jsonl"), "--trace", str(tmp_path / "cpu.json")]) == 0
+    assert NO_GPU not in " ".join(capsys.readouterr().err.split())
 
 
 def test_flows_join_lanes() -> None:

@@ -127,7 +127,7 @@ class Runtime:
             unpin(pinned)
             raise
         workers, events = make_workers(devices.gpu, policy.cpu_threads)
-        trace = Trace(name=scheduler, gpu_emulated=not devices.cuda)
+        trace = Trace(name=scheduler, gpu_emulated=not devices.cuda and plugin.uses_gpu())  # no gpu.* lane: none
         return cls(model, plugin, devices, weights, workers, events, trace, record=record, pinned=pinned)
 
     def __enter__(self) -> Runtime:
