@@ -127,7 +127,8 @@ class Runtime:
             unpin(pinned)
             raise
         workers, events = make_workers(devices.gpu, policy.cpu_threads)
-        trace = Trace(name=scheduler, gpu_emulated=not devices.cuda and plugin.uses_gpu())  # no gpu.* lane: none
+        emulated = not devices.cuda and plugin.uses_gpu()  # a CPU-only schedule has no gpu.* lane to emulate
+        trace = Trace(name=scheduler, gpu_emulated=emulated)
         return cls(model, plugin, devices, weights, workers, events, trace, record=record, pinned=pinned)
 
     def __enter__(self) -> Runtime:
