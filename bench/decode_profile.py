@@ -2,7 +2,8 @@
 and the weight bytes they read (so their GB/s against the machine's read roof), the node's own
 Python and torch calls, and what runs outside the nodes (the engine, the plan, the executor).
 
-One process per dtype, the runtime `flowmoe run` builds (the eager scheduler, no trace); a batch of
+One process per dtype, the runtime `flowmoe run` builds without a GPU (the cpu scheduler, or
+`--scheduler`'s; no trace); a batch of
 `--batch` prompts of `--prompt` tokens, greedy. Each round: the read roof at the run's thread count
 (torch.sum over `--roof-mib` MiB on huge pages, 1 GiB by default, wall clock, the best sample
 kept); a plain run (no instrumentation, vs_llamacpp's clock: the median decode step, wall and
@@ -13,7 +14,9 @@ weight, a layer's routed experts' gate_up and down, the projection inside an att
 call); the norms', rope's, router tail's and KV write's are counted as none (their weights are ~0.1%
 of a step's).
 
-Medians over rounds, per step. Prints a table per (dtype, threads), writes bench/decode_profile.json
+Medians over rounds, per step. Prints a table per (dtype, threads) by node op and one by kernel
+wrapper (with `--scheduler cpu`, the default, a layer's kernels in one LAYER node: the second table
+splits it), writes bench/decode_profile.json
 with the CPU named. The checkpoint is vs_llamacpp's (run that bench once, or pass --model).
 
     python bench/decode_profile.py [--model DIR] [--dtypes bfloat16,float32] [--threads 1,2]
@@ -103,6 +106,10 @@ class Profile:
         self.nodes: Counter[str] = Counter()
         self.kernels: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
+        # the same by kernel wrapper ("cpu_expert.swiglu_routed", ...): seconds, weight bytes, calls
+        self.by_kernel: Counter[str] = Counter()
+        self.kernel_bytes: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
         self._undo: list[Callable[[], None]] = []
 
     def install(self) -> None:
@@ -130,14 +137,19 @@ class Profile:
 
     def _wrap_kernel(self, module: Any, name: str, weight_bytes: Callable[[tuple], int] | None) -> None:
         kernel = getattr(module, name)
+        label = f"{module.__name__.rsplit('.', 1)[-1]}.{name}"
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             out = kernel(*args, **kwargs)
             if self.on:
-                self.kernels[self.op] += time.perf_counter() - started
+                seconds = time.perf_counter() - started
+                self.kernels[self.op] += seconds
+                self.by_kernel[label] += seconds
+                self.calls[label] += 1
                 if weight_bytes is not None and out is not None:  # None: the call's chain not taken
                     self.bytes[self.op] += weight_bytes(args)
+                    self.kernel_bytes[label] += weight_bytes(args)
             return out
 
         setattr(module, name, timed)
@@ -184,6 +196,7 @@ def profile_cell(
     flowmoe_generate(model, runtime, prompts, 4)
     roof, plain, profiled, cpu = [], [], [], []
     shares: dict[str, list[tuple[float, float, float]]] = {}
+    by_kernel: dict[str, list[tuple[float, float, float]]] = {}  # wrapper -> (s, bytes, calls) per step
     try:
         for _ in range(rounds):
             roof.append(max(read_roof(buffer) for _ in range(3)))
@@ -208,6 +221,10 @@ def profile_cell(
                 shares.setdefault(op, []).append(
                     (seconds / counted, profile.kernels[op] / counted, profile.bytes[op] / counted)
                 )
+            for label, seconds in profile.by_kernel.items():
+                by_kernel.setdefault(label, []).append(
+                    (seconds / counted, profile.kernel_bytes[label] / counted, profile.calls[label] / counted)
+                )
     finally:
         runtime.close()
     best_roof = max(roof)
@@ -221,6 +238,14 @@ def profile_cell(
             "op": op, "ms": node * 1e3, "kernel_ms": kernels * 1e3, "python_ms": (node - kernels) * 1e3,
             "weight_mb": weights / 1e6, "kernel_gbs": rate, "roof_share": rate / best_roof if rate else None,
         })  # fmt: skip
+    kernels = []
+    for label, samples in by_kernel.items():
+        seconds, weights, calls = (statistics.median(s[i] for s in samples) for i in range(3))
+        rate = weights / seconds / 1e9 if seconds > 0 and weights > 0 else None
+        kernels.append({
+            "kernel": label, "calls": calls, "ms": seconds * 1e3, "us_per_call": seconds * 1e6 / calls,
+            "weight_mb": weights / 1e6, "gbs": rate, "roof_share": rate / best_roof if rate else None,
+        })  # fmt: skip
     kernel_ms = sum(o["kernel_ms"] for o in ops)
     weight_mb = sum(o["weight_mb"] for o in ops)
     return {
@@ -228,7 +253,7 @@ def profile_cell(
         "step_ms": statistics.median(plain) * 1e3, "step_cpu_ms": statistics.median(cpu) * 1e3,
         "profiled_step_ms": statistics.median(profiled) * 1e3, "kernel_ms": kernel_ms, "weight_mb": weight_mb,
         "at_roof_ms": weight_mb / best_roof, "host_ms": statistics.median(plain) * 1e3 - kernel_ms,
-        "ops": ops,
+        "ops": ops, "kernels": kernels,
     }  # fmt: skip
 
 
@@ -250,6 +275,18 @@ def show(console: Console, dtype: str, cell: dict) -> None:
             f"{o['weight_mb']:.1f}", rate, share,
         )  # fmt: skip
     console.print(table)
+    wrappers = Table(title="the same step by kernel wrapper (its checks, ctypes call and kernel)")
+    for column in ("kernel", "calls/step", "ms/step", "us/call", "weights MB", "GB/s", "% roof"):
+        named = column == "kernel"
+        wrappers.add_column(column, justify="left" if named else "right", no_wrap=named)
+    for k in sorted(cell["kernels"], key=lambda k: -k["ms"]):
+        rate = f"{k['gbs']:.1f}" if k["gbs"] else ""
+        share = f"{100 * k['roof_share']:.0f}" if k["roof_share"] else ""
+        wrappers.add_row(
+            k["kernel"], f"{k['calls']:.0f}", f"{k['ms']:.3f}", f"{k['us_per_call']:.1f}",
+            f"{k['weight_mb']:.1f}", rate, share,
+        )  # fmt: skip
+    console.print(wrappers)
 
 
 def main() -> None:
@@ -291,7 +328,8 @@ def main() -> None:
             cells.append(cell)
         del model
     meta = {**machine(), "model": str(args.model), "steps": args.steps, "rounds": args.rounds,
-            "prompt": args.prompt, "load": [min(load), max(load)], "torch": torch.__version__}  # fmt: skip
+            "prompt": args.prompt, "load": [min(load), max(load)], "torch": torch.__version__,
+            "scheduler": args.scheduler}  # fmt: skip
     args.out.write_text(json.dumps({"meta": meta, "cells": cells}, indent=1) + "\n")
     where = f"{meta['cpu']} ({', '.join(meta['simd'])}), load {min(load):.1f}-{max(load):.1f}"
     console.print(f"{where}; wrote {args.out}")

@@ -37,3 +37,7 @@ def test_decode_profile_accounts_for_the_step(mixtral_folder: Path, tmp_path: Pa
     assert ops["LM_HEAD"]["weight_mb"] == pytest.approx(spec.vocab * hidden * 4 / 1e6)
     assert ops["GATE"]["weight_mb"] == pytest.approx(spec.layers * moe.experts * hidden * 4 / 1e6)
     assert all(o["kernel_ms"] <= o["ms"] for o in ops.values())
+    wrappers = {k["kernel"]: k for k in cell["kernels"]}  # the same kernels' time, by wrapper
+    assert {"cpu_expert.swiglu_routed", "cpu_attention_ends.pre_attention"} <= wrappers.keys()
+    assert sum(k["ms"] for k in wrappers.values()) == pytest.approx(sum(o["kernel_ms"] for o in ops.values()))
+    assert wrappers["cpu_expert.swiglu_routed"]["calls"] == spec.layers  # one call a layer's experts
