@@ -90,7 +90,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument(
         "-s", "--scheduler",
         help="scheduler plugin (see `flowmoe schedulers`), or auto (default: eager where the run uses a GPU, "
-        "cpu where it does not: the whole model on the CPU, a node per layer)",
+        "cpu where it does not: the whole model on the CPU, a node per layer; with --ray, cpu only with "
+        "--device cpu)",
     )  # fmt: skip
     run.add_argument("--trace", type=OUTPUT_FILE, help="write a Chrome trace (open it in Perfetto)")
     run.add_argument(
@@ -229,8 +230,8 @@ def _run(args: argparse.Namespace) -> int:
     from flowmoe.runtime.runner import Runtime
     from flowmoe.traces.profiler import kernels_into
 
-    if args.scheduler is None:
-        args.scheduler = default_name(Devices.detect(args.device).cuda)
+    if args.scheduler is None:  # a Ray job's replicas: a GPU each unless --device cpu (cluster/resources.py)
+        args.scheduler = default_name(args.device != "cpu" if args.ray else Devices.detect(args.device).cuda)
     if args.scheduler != "auto":
         load_scheduler(args.scheduler)  # an unknown or broken plugin fails before the model loads
     given = given_options(args)  # options --scheduler takes (auto: every scheduler must take them)
