@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import flowmoe.devices.cuda as cuda_worker
 from flowmoe.core.errors import ConfigError
 from flowmoe.core.executor import Executor, Span
-from flowmoe.core.plan import RoutingRequest, TaskNode
+from flowmoe.core.plan import Lane, RoutingRequest, TaskNode
 from flowmoe.core.policy import Policy
 from flowmoe.core.scheduling import NodeFactory, Residency, SchedulerContext
 from flowmoe.devices.factory import make_workers
@@ -246,6 +246,30 @@ def test_the_cuda_host_path_gives_eager_tokens(model, name: str) -> None:
     assert [r.output_ids for r in results] == [r.output_ids for r in reference]
     assert any(kind == "wait" for kind, *_ in fake.log) or name == "eager"
     assert not events._events  # every step gave its events back
+
+
+def test_the_cpu_scheduler_on_a_cuda_host_leaves_the_gpu_alone(model) -> None:
+    """A CPU-only schedule where CUDA is there: eager's tokens from the host lane alone, no embedding
+    or head copied to the device, no node run on a stream or waited for there."""
+    (reference, _) = run_eager(model)
+    fake = FakeCuda()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuda_worker, "cuda", fake)
+        workers, events = make_workers(torch.device("cuda"))
+        devices = Devices(torch.device("cpu"))
+        plugin = create("cpu", SchedulerContext(model.spec, Policy(micro_batch_size=3, micro_batches=2),
+                                                NodeFactory(model.spec)))  # fmt: skip
+        weights = DeviceWeights(model, devices)
+        weights.setup(plugin.residency(), plugin.weight_buffer_bytes(), ends=plugin.uses_gpu())
+        runtime = Runtime(model, plugin, devices, weights, workers, events, Trace(name="cpu"))
+        try:
+            (results, _) = generate(model, runtime)
+        finally:
+            runtime.close()
+    assert [r.output_ids for r in results] == [r.output_ids for r in reference]
+    assert weights.embed is None and weights.head is None
+    assert not any(kind in ("run", "wait") for kind, *_ in fake.log)  # a step's bookkeeping events alone
+    assert {s.node.lane for s in runtime.trace.spans} <= {Lane.CPU_COMPUTE}
 
 
 def test_gpu_memory_caps_the_caching_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
