@@ -16,6 +16,7 @@ import itertools
 import threading
 import time
 import types
+from typing import Any
 
 import attrs
 import pytest
@@ -224,25 +225,32 @@ def _tensors(lw) -> list[torch.Tensor]:
     ]
 
 
-@pytest.mark.parametrize("name", gpu_schedulers())
-def test_the_cuda_host_path_gives_eager_tokens(model, name: str) -> None:
-    """Every scheduler through the CUDA stream worker, its events and the asynchronous routing
-    hand-off (on the fake CUDA; tensors stay on the CPU) gives eager's tokens."""
-    (reference, _) = run_eager(model)
+def _on_fake_cuda(model, name: str, policy: Policy) -> tuple[list, FakeCuda, Runtime, Any]:
+    """`name`'s results through the CUDA stream workers, their events and the asynchronous routing
+    hand-off on the fake CUDA (tensors stay on the CPU), with the fake's log, the closed runtime and
+    its event book."""
     fake = FakeCuda()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cuda_worker, "cuda", fake)
         workers, events = make_workers(torch.device("cuda"))
         devices = Devices(torch.device("cpu"))
-        policy = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.5)
         plugin = create(name, SchedulerContext(model.spec, policy, NodeFactory(model.spec)))
         weights = DeviceWeights(model, devices)
-        weights.setup(plugin.residency(), plugin.weight_buffer_bytes())
+        weights.setup(plugin.residency(), plugin.weight_buffer_bytes(), ends=plugin.uses_gpu())
         runtime = Runtime(model, plugin, devices, weights, workers, events, Trace(name=name))
         try:
             (results, _) = generate(model, runtime)
         finally:
             runtime.close()
+    return results, fake, runtime, events
+
+
+@pytest.mark.parametrize("name", gpu_schedulers())
+def test_the_cuda_host_path_gives_eager_tokens(model, name: str) -> None:
+    """Every scheduler through the CUDA host path (the fake's) gives eager's tokens."""
+    (reference, _) = run_eager(model)
+    policy = Policy(micro_batch_size=3, micro_batches=2, weights_gpu_share=0.5)
+    results, fake, _, events = _on_fake_cuda(model, name, policy)
     assert [r.output_ids for r in results] == [r.output_ids for r in reference]
     assert any(kind == "wait" for kind, *_ in fake.log) or name == "eager"
     assert not events._events  # every step gave its events back
@@ -252,22 +260,9 @@ def test_the_cpu_scheduler_on_a_cuda_host_leaves_the_gpu_alone(model) -> None:
     """A CPU-only schedule where CUDA is there: eager's tokens from the host lane alone, no embedding
     or head copied to the device, no node run on a stream or waited for there."""
     (reference, _) = run_eager(model)
-    fake = FakeCuda()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cuda_worker, "cuda", fake)
-        workers, events = make_workers(torch.device("cuda"))
-        devices = Devices(torch.device("cpu"))
-        plugin = create("cpu", SchedulerContext(model.spec, Policy(micro_batch_size=3, micro_batches=2),
-                                                NodeFactory(model.spec)))  # fmt: skip
-        weights = DeviceWeights(model, devices)
-        weights.setup(plugin.residency(), plugin.weight_buffer_bytes(), ends=plugin.uses_gpu())
-        runtime = Runtime(model, plugin, devices, weights, workers, events, Trace(name="cpu"))
-        try:
-            (results, _) = generate(model, runtime)
-        finally:
-            runtime.close()
+    results, fake, runtime, _ = _on_fake_cuda(model, "cpu", Policy(micro_batch_size=3, micro_batches=2))
     assert [r.output_ids for r in results] == [r.output_ids for r in reference]
-    assert weights.embed is None and weights.head is None
+    assert runtime.weights.embed is None and runtime.weights.head is None
     assert not any(kind in ("run", "wait") for kind, *_ in fake.log)  # a step's bookkeeping events alone
     assert {s.node.lane for s in runtime.trace.spans} <= {Lane.CPU_COMPUTE}
 
