@@ -4,9 +4,11 @@ the GPU, its routing recorded as a gate's (its tokens and logits against eager's
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
+from flowmoe.cli import main
 from flowmoe.core.memory import gpu_memory
 from flowmoe.core.plan import Lane, Op
 from flowmoe.core.policy import Policy
@@ -91,3 +93,16 @@ def test_its_trace_has_a_span_per_layer(model) -> None:
     steps = len(runtime.trace.steps)
     assert len(layers) == steps * 2 * model.spec.layers  # every step, micro-batch and layer
     assert {s.node.lane for s in runtime.trace.spans} == {Lane.CPU_COMPUTE}
+
+
+def test_the_simulator_shows_it_all_on_the_cpu(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`flowmoe simulate --scheduler cpu`: its row and policy line say attention and experts ran on the
+    CPU and the GPU held no expert and no cache, whatever the policy's own placements say."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    argv = ["simulate", "--model", str(tmp_path), "--workload", "fixed:6:4", "--scheduler", "cpu",
+            "--batch-size", "2", "--attention-on", "gpu"]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    cells = next(line for line in text.splitlines() if line.startswith("cpu") and "x" in line).split()
+    assert cells[6:8] == ["cpu", "cpu*"] and cells[8].startswith("0.0") and cells[9].startswith("0%")
+    assert "cpu: N=2 (2x1) attn cpu ffn cpu w 0% kv 0%" in " ".join(text.split())

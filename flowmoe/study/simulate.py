@@ -191,11 +191,13 @@ class Simulation:
         named = getattr(load(name), "host_family", IDEAL.name) if self.setup.host_costs else IDEAL.name
         return evolve(self.cost, host=family(named))
 
-    def _base(self, name: str, need: MemoryNeed) -> SimulationResult:
-        generated = len(self.prompts) * self.setup.workload.gen_len
-        return SimulationResult(
-            name, self.setup.policy, len(self.prompts), sum(self.prompts), generated, need
-        )
+    def _base(self, name: str, need: MemoryNeed, scheduler: Scheduler | None = None) -> SimulationResult:
+        """A result of scheduler `name` for this policy, as the scheduler ran it: a CPU-only one's
+        (`Scheduler.uses_gpu`) with everything placed on the CPU, whatever the policy's placements."""
+        generated, policy = len(self.prompts) * self.setup.workload.gen_len, self.setup.policy
+        if scheduler is not None and not scheduler.uses_gpu():
+            policy = evolve(policy, attention_on="cpu", ffn_on="cpu", weights_gpu_share=0.0, kv_gpu_share=0.0)
+        return SimulationResult(name, policy, len(self.prompts), sum(self.prompts), generated, need)
 
     def _over(self, base: SimulationResult) -> SimulationResult | None:
         budget = self.setup.budget
@@ -207,7 +209,7 @@ class Simulation:
         """Why scheduler `name` cannot run this policy (its memory accounting), or None: it fits.
         Builds no routing: the check is cheap next to a run."""
         scheduler = self.scheduler(name, None)
-        base = self._base(name, self._memory(scheduler))
+        base = self._base(name, self._memory(scheduler), scheduler)
         return self._over(base) or self._host_over(base, scheduler)
 
     def need(self, name: str) -> MemoryNeed:
@@ -220,7 +222,7 @@ class Simulation:
 
     def run(self, name: str) -> SimulationResult:
         scheduler = self.scheduler(name, self.popularity)
-        base = self._base(name, self._memory(scheduler))
+        base = self._base(name, self._memory(scheduler), scheduler)
         over = self._over(base) or self._host_over(base, scheduler)
         if over is not None:
             return over
