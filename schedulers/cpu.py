@@ -6,8 +6,8 @@ node that runs the whole decoder layer (pre-attention, attention over its cache,
 router, the routed and shared experts, the combine) in one action, then its LM_HEAD. This is the
 shape of a CPU-only llama.cpp run (one graph a token, no overlap to plan), and the shape that costs
 the host least: on one device with one lane nothing can overlap, so finer nodes would only add the
-runtime's per-node work (plan, executor, bookkeeping: ~1.1 ms of a batch-1 decode step of issue 25's
-checkpoint, bench/RESULTS.md session 23). Its tokens are eager's (the same kernels in the same
+runtime's per-node work (plan, executor, bookkeeping: ~0.9-1.2 ms of a batch-1 decode step of issue
+25's checkpoint, bench/RESULTS.md session 23). Its tokens are eager's (the same kernels in the same
 order: MoEModel.forward_layer); its trace has one span per layer.
 
 The routing is decided inside a LAYER node, so the plan asks for none; the simulator prices a LAYER
@@ -42,13 +42,15 @@ class CpuScheduler(Scheduler):
 
     def plan(self, step: StepShape) -> PlanStream:
         f, cpu = self.context.factory, Lane.CPU_COMPUTE
-        last = {mb.index: f.node(Op.EMBED, cpu, mb=mb) for mb in step.micro_batches}
-        yield from last.values()
-        ids = {index: node.id for index, node in last.items()}
+        embeds = [f.node(Op.EMBED, cpu, mb=mb) for mb in step.micro_batches]
+        yield from embeds
+        last = {
+            mb.index: node.id for mb, node in zip(step.micro_batches, embeds, strict=True)
+        }  # mb -> its last node
         for layer in range(self.context.spec.layers):
             for mb in step.micro_batches:
-                node = f.node(Op.LAYER, cpu, layer, mb, deps=[ids[mb.index]])
+                node = f.node(Op.LAYER, cpu, layer, mb, deps=[last[mb.index]])
                 yield node
-                ids[mb.index] = node.id
+                last[mb.index] = node.id
         for mb in step.micro_batches:
-            yield f.node(Op.LM_HEAD, cpu, mb=mb, deps=[ids[mb.index]])
+            yield f.node(Op.LM_HEAD, cpu, mb=mb, deps=[last[mb.index]])
