@@ -148,8 +148,9 @@ class Profile:
                 self.by_kernel[label] += seconds
                 self.calls[label] += 1
                 if weight_bytes is not None and out is not None:  # None: the call's chain not taken
-                    self.bytes[self.op] += weight_bytes(args)
-                    self.kernel_bytes[label] += weight_bytes(args)
+                    read = weight_bytes(args)
+                    self.bytes[self.op] += read
+                    self.kernel_bytes[label] += read
             return out
 
         setattr(module, name, timed)
@@ -230,21 +231,19 @@ def profile_cell(
     best_roof = max(roof)
     ops = []
     for op, samples in shares.items():
-        node = statistics.median(s[0] for s in samples)
-        kernels = statistics.median(s[1] for s in samples)
-        weights = statistics.median(s[2] for s in samples)
-        rate = weights / kernels / 1e9 if kernels > 0 and weights > 0 else None
+        node, kernels, weights = medians(samples)
+        rate, share = read_rate(weights, kernels, best_roof)
         ops.append({
             "op": op, "ms": node * 1e3, "kernel_ms": kernels * 1e3, "python_ms": (node - kernels) * 1e3,
-            "weight_mb": weights / 1e6, "kernel_gbs": rate, "roof_share": rate / best_roof if rate else None,
+            "weight_mb": weights / 1e6, "kernel_gbs": rate, "roof_share": share,
         })  # fmt: skip
     kernels = []
     for label, samples in by_kernel.items():
-        seconds, weights, calls = (statistics.median(s[i] for s in samples) for i in range(3))
-        rate = weights / seconds / 1e9 if seconds > 0 and weights > 0 else None
+        seconds, weights, calls = medians(samples)
+        rate, share = read_rate(weights, seconds, best_roof)
         kernels.append({
             "kernel": label, "calls": calls, "ms": seconds * 1e3, "us_per_call": seconds * 1e6 / calls,
-            "weight_mb": weights / 1e6, "gbs": rate, "roof_share": rate / best_roof if rate else None,
+            "weight_mb": weights / 1e6, "gbs": rate, "roof_share": share,
         })  # fmt: skip
     kernel_ms = sum(o["kernel_ms"] for o in ops)
     weight_mb = sum(o["weight_mb"] for o in ops)
@@ -257,6 +256,35 @@ def profile_cell(
     }  # fmt: skip
 
 
+def medians(samples: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """Each field's median over the rounds' samples."""
+    first, second, third = (statistics.median(s[i] for s in samples) for i in range(3))
+    return first, second, third
+
+
+def read_rate(weights: float, seconds: float, roof: float) -> tuple[float | None, float | None]:
+    """(GB/s, share of the read roof) of `weights` bytes read in `seconds`; None where it read none."""
+    rate = weights / seconds / 1e9 if seconds > 0 and weights > 0 else None
+    return rate, rate / roof if rate else None
+
+
+def ranked(title: str, columns: tuple[str, ...], rows: list[tuple[float, list[str]]]) -> Table:
+    """A table of `columns` (the first the rows' name, left) with its (sort key, cells) rows, largest
+    key first."""
+    table = Table(title=title)
+    table.add_column(columns[0], overflow="fold")  # a long name folds onto more lines, the figures stay whole
+    for column in columns[1:]:
+        table.add_column(column, justify="right")
+    for _, cells in sorted(rows, key=lambda row: -row[0]):
+        table.add_row(*cells)
+    return table
+
+
+def rate_cells(rate: float | None, share: float | None) -> list[str]:
+    """A GB/s and a % of the roof, each blank where the kernel read no weights."""
+    return [f"{rate:.1f}" if rate else "", f"{100 * share:.0f}" if share else ""]
+
+
 def show(console: Console, dtype: str, cell: dict) -> None:
     title = (
         f"{dtype}, {cell['threads']} thread(s): step {cell['step_ms']:.2f} ms plain "
@@ -264,29 +292,17 @@ def show(console: Console, dtype: str, cell: dict) -> None:
         f"{cell['weight_mb']:.0f} MB ({cell['at_roof_ms']:.2f} ms at the {cell['roof_gbs']:.1f} GB/s roof); "
         f"the rest {cell['host_ms']:.2f} ms"
     )
-    table = Table(title=title)
-    for column in ("op", "ms/step", "C kernels ms", "Python ms", "weights MB", "kernels GB/s", "% roof"):
-        table.add_column(column, justify="left" if column == "op" else "right")
-    for o in sorted(cell["ops"], key=lambda o: -o["ms"]):
-        rate = f"{o['kernel_gbs']:.1f}" if o["kernel_gbs"] else ""
-        share = f"{100 * o['roof_share']:.0f}" if o["roof_share"] else ""
-        table.add_row(
-            o["op"], f"{o['ms']:.3f}", f"{o['kernel_ms']:.3f}", f"{o['python_ms']:.3f}",
-            f"{o['weight_mb']:.1f}", rate, share,
-        )  # fmt: skip
-    console.print(table)
-    wrappers = Table(title="the same step by kernel wrapper (its checks, ctypes call and kernel)")
-    for column in ("kernel", "calls/step", "ms/step", "us/call", "weights MB", "GB/s", "% roof"):
-        named = column == "kernel"
-        wrappers.add_column(column, justify="left" if named else "right", no_wrap=named)
-    for k in sorted(cell["kernels"], key=lambda k: -k["ms"]):
-        rate = f"{k['gbs']:.1f}" if k["gbs"] else ""
-        share = f"{100 * k['roof_share']:.0f}" if k["roof_share"] else ""
-        wrappers.add_row(
-            k["kernel"], f"{k['calls']:.0f}", f"{k['ms']:.3f}", f"{k['us_per_call']:.1f}",
-            f"{k['weight_mb']:.1f}", rate, share,
-        )  # fmt: skip
-    console.print(wrappers)
+    ops = [(o["ms"], [o["op"], f"{o['ms']:.3f}", f"{o['kernel_ms']:.3f}", f"{o['python_ms']:.3f}",
+                      f"{o['weight_mb']:.1f}", *rate_cells(o["kernel_gbs"], o["roof_share"])])
+           for o in cell["ops"]]  # fmt: skip
+    columns = ("op", "ms/step", "C kernels ms", "Python ms", "weights MB", "kernels GB/s", "% roof")
+    console.print(ranked(title, columns, ops))
+    kernels = [(k["ms"], [k["kernel"], f"{k['calls']:.0f}", f"{k['ms']:.3f}", f"{k['us_per_call']:.1f}",
+                          f"{k['weight_mb']:.1f}", *rate_cells(k["gbs"], k["roof_share"])])
+               for k in cell["kernels"]]  # fmt: skip
+    columns = ("kernel", "calls/step", "ms/step", "us/call", "weights MB", "GB/s", "% roof")
+    by_wrapper = "the same step by kernel wrapper (its checks, ctypes call and kernel)"
+    console.print(ranked(by_wrapper, columns, kernels))
 
 
 def main() -> None:
